@@ -1,0 +1,36 @@
+"""kvlab: experiments on the transformer KV cache in JAX/Flax.
+
+The public API (DESIGN.md):
+
+    cfg = kvlab.load_config("configs/gqa.py:tiny")
+    model = kvlab.Transformer(cfg.model)
+    params = kvlab.init_params(cfg.model, jax.random.key(0))
+    cache = kvlab.init_cache(cfg.model, cfg.cache, batch_size=2, max_len=256)
+    logits, cache = model.apply({"params": params}, tokens, cache=cache)
+    out = kvlab.generate(model, params, prompts, cache_cfg=cfg.cache, max_new_tokens=32)
+    kvlab.cache_bytes(cfg.model, cfg.cache, batch_size=2, seq_len=256) == kvlab.tree_bytes(cache)
+"""
+
+from kvlab.cache import Cache, cache_bytes, init_cache, tree_bytes
+from kvlab.config import base_config, load_config, validate_config
+from kvlab.model import Transformer, init_params
+from kvlab.sampling import Greedy, Temperature, TopK, TopP, decode_step, generate, prefill
+
+__all__ = [
+    "Cache",
+    "Greedy",
+    "Temperature",
+    "TopK",
+    "TopP",
+    "Transformer",
+    "base_config",
+    "cache_bytes",
+    "decode_step",
+    "generate",
+    "init_cache",
+    "init_params",
+    "load_config",
+    "prefill",
+    "tree_bytes",
+    "validate_config",
+]

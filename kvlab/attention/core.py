@@ -1,0 +1,98 @@
+"""The one attention function every variant calls.
+
+Grouped-query attention (arXiv:2305.13245) over key/value blocks: the cache's
+contents (dense, dequantized, gathered pages, a latent) and the tokens of the
+current step. Query heads are grouped under their KV head instead of
+repeating K/V in memory: query head n = k * G + g reads KV head k, so MHA
+(G = 1), GQA and MQA (K = 1) are one computation.
+
+    attend(q [B, T, N, H], blocks) -> [B, T, N, Hv]
+    blocks: sequence of (k [B, K, S_i, H], v [B, K, S_i, Hv], mask bool[B, T or 1, S_i])
+
+One softmax runs over all blocks together (each block's scores are
+exponentiated against the running maximum and the sums combined), so a step
+reads the cache as it was and the new tokens beside it, without concatenating
+them: on XLA:CPU, writing the new tokens into the cache before reading it
+makes the compiler copy the whole cache every step.
+
+Keys and values are head-major ([B, K, S, H], the layout caches store) and may
+have different head widths (latent attention does). The T queries and the G
+query heads of a group are folded into one axis M = T * G, so each KV head is
+one [M, H] x [H, S] product: XLA on CPU runs a decode step (T = 1) over this
+layout at memory bandwidth, but 4-14x slower with the cache stored [B, S, K, H]
+or with a separate size-1 T axis in the einsum. Queries and probabilities are
+cast to each block's dtype (they are small; the block may be large), and
+scores, the softmax and the sums are float32.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+from einops import rearrange
+from jaxtyping import Array, Bool, Float
+
+# A finite "minus infinity": a fully masked row gives a uniform softmax, not NaN.
+MASKED = -0.7 * float(jnp.finfo(jnp.float32).max)
+
+
+def ordered_after(tree, dependency: Array):
+    """`tree` unchanged, but computed after `dependency` (adds 0 * sum(dependency)).
+
+    A cache is read by attention and then written in place with the new
+    tokens. XLA may only write in place once every read is done; the write
+    does not depend on the reads' results, so XLA:CPU copies the whole cache
+    instead (both buffers of every layer, every step: 4x slower decode).
+    Making the written values depend on the attention output orders the write
+    after the reads. For a finite `dependency` the values are unchanged
+    (x + 0.0 == x); a non-finite one (a broken step) poisons them with NaN.
+    (`jax.lax.optimization_barrier` does not give XLA:CPU this ordering.)
+    """
+    zero = 0.0 * jnp.sum(dependency, dtype=jnp.float32)
+    return jax.tree_util.tree_map(lambda x: x + zero.astype(x.dtype), tree)
+
+
+Block = tuple[Float[Array, "B K S H"], Float[Array, "B K S Hv"], Bool[Array, "B T S"]]
+
+
+def attend(
+    q: Float[Array, "B T N H"], blocks: Sequence[Block], scale: float | None = None
+) -> Float[Array, "B T N Hv"]:
+    """Softmax attention of every query head over its KV head's keys in all blocks."""
+    batch, length, num_heads, _ = q.shape
+    num_kv_heads = blocks[0][0].shape[1]
+    if num_heads % num_kv_heads:
+        raise ValueError(
+            f"query heads ({num_heads}) must be a multiple of KV heads ({num_kv_heads})"
+        )
+    groups = num_heads // num_kv_heads
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    # [B, K, M, H] with M = T * G
+    folded = rearrange(q, "B T (K G) H -> B K (T G) H", K=num_kv_heads)
+
+    scores = []
+    for k, _, mask in blocks:
+        # [B, K, M, S] -> [B, K, T, G, S]
+        s = jnp.einsum(
+            "BKMH,BKSH->BKMS", folded.astype(k.dtype), k, preferred_element_type=jnp.float32
+        )
+        s = s.reshape(batch, num_kv_heads, length, groups, -1)
+        scores.append(jnp.where(mask[:, None, :, None, :], s * scale, MASKED))
+    peak = MASKED  # [B, K, T, G, 1] after the loop; `initial` admits empty blocks
+    for s in scores:
+        peak = jnp.maximum(peak, s.max(axis=-1, keepdims=True, initial=MASKED))
+
+    total = jnp.zeros(peak.shape, jnp.float32)  # [B, K, T, G, 1]
+    out = 0.0
+    for s, (_, v, _) in zip(scores, blocks, strict=True):
+        weights = jnp.exp(s - peak)
+        total = total + weights.sum(axis=-1, keepdims=True)
+        weights = weights.reshape(batch, num_kv_heads, length * groups, -1)
+        # [B, K, M, Hv]
+        out = out + jnp.einsum(
+            "BKMS,BKSH->BKMH", weights.astype(v.dtype), v, preferred_element_type=jnp.float32
+        )
+    out = out / total.reshape(batch, num_kv_heads, length * groups, 1)
+    return rearrange(out, "B K (T G) H -> B T (K G) H", T=length).astype(q.dtype)

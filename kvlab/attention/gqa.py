@@ -1,0 +1,56 @@
+"""Multi-head, grouped-query and multi-query attention with a KV cache.
+
+MHA (arXiv:1706.03762), GQA (arXiv:2305.13245) and MQA (arXiv:1911.02150) differ
+only in `num_kv_heads` (K): N query heads share K key/value heads in groups of
+G = N / K. The cache stores K heads, never N.
+
+    GroupedQueryAttention(config)(x [B, T, D], placement, layer KVLayer | None)
+        -> (out [B, T, D], layer)
+
+With a cache layer, the queries attend over what the layer holds and over the
+new keys and values as the layer will hold them; then the new ones are written
+at `placement.slots`. Without one (the plain forward) they attend over the new
+tokens alone.
+"""
+
+from __future__ import annotations
+
+import flax.linen as nn
+from ml_collections import FrozenConfigDict
+
+from kvlab.attention.core import attend, ordered_after
+from kvlab.attention.rope import apply_rope
+from kvlab.cache.dense import KVLayer, Placement
+from kvlab.layers import projection
+
+
+class GroupedQueryAttention(nn.Module):
+    config: FrozenConfigDict  # the model section
+
+    @nn.compact
+    def __call__(self, x, placement: Placement, layer: KVLayer | None = None):
+        cfg = self.config
+        # [B, T, N, H] and [B, T, K, H]
+        q = projection(cfg, (cfg.num_heads, cfg.head_dim), "query")(x)
+        k = projection(cfg, (cfg.num_kv_heads, cfg.head_dim), "key")(x)
+        v = projection(cfg, (cfg.num_kv_heads, cfg.head_dim), "value")(x)
+        q = apply_rope(q, placement.positions, cfg.rope_theta)
+        k = apply_rope(k, placement.positions, cfg.rope_theta)
+        out_projection = projection(cfg, cfg.embed_dim, "out", axis=(-2, -1))
+        # [B, K, T, H]
+        fresh_k, fresh_v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
+        if layer is None:
+            return out_projection(attend(q, [(fresh_k, fresh_v, placement.fresh_mask)])), None
+
+        # The new tokens as the cache will hold them, beside what it holds now.
+        fresh_k, fresh_v = layer.roundtrip(fresh_k, fresh_v)
+        out = attend(
+            q,
+            [
+                (layer.k, layer.v, placement.cached_mask),
+                (fresh_k, fresh_v, placement.fresh_mask),
+            ],
+        )
+        # Write only after the old cache has been read, so it is written in place.
+        k, v = ordered_after((k, v), out)
+        return out_projection(out), layer.append(k, v, placement.slots)

@@ -1,0 +1,277 @@
+"""Config schema, defaults, validation and loading.
+
+Every kvlab run is described by one `ml_collections.ConfigDict` with five
+sections (DESIGN.md): `model`, `cache`, `train`, `data`, `wandb`. Config files in
+`configs/` start from `base_config(variant)` and change what they study.
+
+    cfg = kvlab.load_config("configs/gqa.py:tiny")   # loads and validates
+    cfg.model.num_kv_heads = 1
+    kvlab.validate_config(cfg)                       # re-checks after edits
+
+`validate_config` raises `ValueError` naming the field, its value and the fix
+for every inconsistent or out-of-range field, before anything is compiled.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import jax.numpy as jnp
+import ml_collections
+
+# Names a config may use for `model.dtype`, `model.param_dtype`, `cache.dtype`
+# and `cache.scale_dtype`.
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+
+ATTENTION_KINDS = ("gqa",)
+CACHE_KINDS = ("dense",)
+BIT_WIDTHS = (16,)
+DATA_SOURCES = ("stdlib", "text", "mqar")
+WANDB_MODES = ("offline", "online", "disabled")
+
+# Model sizes. `tiny` runs on two CPU cores in seconds; `small` and `base` are
+# meant for an accelerator (base is GPT-2-small sized, ~85M non-embedding).
+_SIZES = {
+    "tiny": dict(num_layers=2, embed_dim=64, num_heads=4, head_dim=16, mlp_dim=176),
+    "small": dict(num_layers=8, embed_dim=512, num_heads=8, head_dim=64, mlp_dim=1408),
+    "base": dict(num_layers=12, embed_dim=768, num_heads=12, head_dim=64, mlp_dim=2048),
+}
+VARIANTS = tuple(_SIZES)
+
+
+def base_config(variant: str = "tiny") -> ml_collections.ConfigDict:
+    """The full schema with its defaults, sized by `variant` (tiny|small|base).
+
+    The model is multi-head attention (num_kv_heads == num_heads); the configs
+    in `configs/` change the head sharing, cache storage and so on from here.
+    """
+    if variant not in _SIZES:
+        raise ValueError(
+            f"config variant {variant!r} is unknown: use one of {', '.join(VARIANTS)} "
+            f"(e.g. configs/gqa.py:tiny)"
+        )
+    size = _SIZES[variant]
+    on_cpu = variant == "tiny"
+    cfg = ml_collections.ConfigDict()
+
+    cfg.model = ml_collections.ConfigDict(
+        dict(
+            vocab_size=256,  # bytes
+            num_layers=size["num_layers"],
+            embed_dim=size["embed_dim"],  # D, the residual stream width
+            num_heads=size["num_heads"],  # N query heads
+            num_kv_heads=size["num_heads"],  # K: num_heads = MHA, a divisor = GQA, 1 = MQA
+            head_dim=size["head_dim"],  # H
+            mlp_dim=size["mlp_dim"],  # SwiGLU hidden width
+            rope_theta=10_000.0,  # RoPE base frequency
+            norm_eps=1e-6,  # RMSNorm epsilon
+            tie_embeddings=True,  # output projection shares the input embedding
+            dtype="float32" if on_cpu else "bfloat16",  # compute dtype
+            param_dtype="float32",  # dtype the weights are stored in
+            attention="gqa",  # how K/V are produced: 'gqa' covers MHA, GQA and MQA
+        )
+    )
+
+    cfg.cache = ml_collections.ConfigDict(
+        dict(
+            kind="dense",  # contiguous per-sequence buffers
+            dtype="float32" if on_cpu else "bfloat16",  # dtype of a 16-bit cache entry
+            k_bits=16,  # bits per stored key element (16 = cache.dtype, unquantized)
+            v_bits=16,  # bits per stored value element
+        )
+    )
+
+    cfg.train = ml_collections.ConfigDict(
+        dict(
+            steps=2_000 if on_cpu else 20_000,
+            batch_size=16 if on_cpu else 64,
+            seq_len=128 if on_cpu else 1024,
+            lr=3e-3 if on_cpu else 6e-4,  # peak learning rate
+            warmup=100 if on_cpu else 1_000,  # linear warm-up steps
+            weight_decay=0.1,
+            clip=1.0,  # global gradient-norm clip
+            eval_every=200 if on_cpu else 1_000,
+            checkpoint_every=500 if on_cpu else 2_000,
+            keep=3,  # checkpoints kept
+            seed=0,
+        )
+    )
+
+    cfg.data = ml_collections.ConfigDict(
+        dict(
+            source="stdlib",  # the Python standard library's own sources, as bytes
+            path="",  # file or folder for source='text'
+        )
+    )
+
+    cfg.wandb = ml_collections.ConfigDict(dict(mode="offline", project="kvlab", group="", tags=()))
+    return cfg
+
+
+# ---------------------------------------------------------------------------
+# Validation
+
+
+def _fail(field: str, value: Any, problem: str, fix: str) -> None:
+    raise ValueError(f"{field}={value!r} {problem}: {fix}")
+
+
+def _check_known_fields(section: str, given: Mapping, schema: Mapping) -> None:
+    for key in given:
+        if key not in schema:
+            raise ValueError(
+                f"{section}.{key} is not a kvlab config field: remove it or use one of "
+                f"{', '.join(sorted(schema))}"
+            )
+    for key in schema:
+        if key not in given:
+            raise ValueError(
+                f"{section}.{key} is missing: start the config from "
+                f"kvlab.config.base_config(variant) so every field has a value"
+            )
+
+
+def _check_int(section: str, cfg: Mapping, name: str, minimum: int = 1) -> None:
+    value = cfg[name]
+    if isinstance(value, bool) or not isinstance(value, int):
+        _fail(f"{section}.{name}", value, "is not an integer", f"set an integer >= {minimum}")
+    if value < minimum:
+        _fail(f"{section}.{name}", value, f"is below {minimum}", f"set an integer >= {minimum}")
+
+
+def _check_positive_number(section: str, cfg: Mapping, name: str) -> None:
+    value = cfg[name]
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        _fail(f"{section}.{name}", value, "is not a positive number", "set a number > 0")
+
+
+def _check_choice(section: str, cfg: Mapping, name: str, choices: tuple) -> None:
+    value = cfg[name]
+    if not any(type(value) is type(choice) and value == choice for choice in choices):
+        listed = ", ".join(repr(c) for c in choices)
+        _fail(f"{section}.{name}", value, "is not supported", f"use one of {listed}")
+
+
+def validate_model_config(model: Mapping) -> None:
+    """Raises ValueError naming the first bad field of a `model` section."""
+    _check_known_fields("model", model, base_config().model)
+    for name in (
+        "vocab_size",
+        "num_layers",
+        "embed_dim",
+        "num_heads",
+        "num_kv_heads",
+        "head_dim",
+        "mlp_dim",
+    ):
+        _check_int("model", model, name)
+    for name in ("rope_theta", "norm_eps"):
+        _check_positive_number("model", model, name)
+    _check_choice("model", model, "dtype", tuple(DTYPES))
+    _check_choice("model", model, "param_dtype", tuple(DTYPES))
+    _check_choice("model", model, "attention", ATTENTION_KINDS)
+    if not isinstance(model["tie_embeddings"], bool):
+        _fail("model.tie_embeddings", model["tie_embeddings"], "is not a bool", "set True or False")
+    heads, kv_heads = model["num_heads"], model["num_kv_heads"]
+    if heads % kv_heads:
+        divisors = [d for d in range(1, heads + 1) if heads % d == 0]
+        _fail(
+            "model.num_kv_heads",
+            kv_heads,
+            f"must divide model.num_heads={heads}",
+            f"set model.num_kv_heads to one of {divisors} (MHA={heads}, MQA=1)",
+        )
+    if model["head_dim"] % 2:
+        _fail(
+            "model.head_dim",
+            model["head_dim"],
+            "is odd, but RoPE rotates pairs of channels",
+            "set an even model.head_dim",
+        )
+
+
+def validate_cache_config(cache: Mapping) -> None:
+    """Raises ValueError naming the first bad field of a `cache` section."""
+    _check_known_fields("cache", cache, base_config().cache)
+    _check_choice("cache", cache, "kind", CACHE_KINDS)
+    _check_choice("cache", cache, "dtype", tuple(DTYPES))
+    _check_choice("cache", cache, "k_bits", BIT_WIDTHS)
+    _check_choice("cache", cache, "v_bits", BIT_WIDTHS)
+
+
+def validate_config(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+    """Checks every section of a full config; returns it unchanged when valid."""
+    schema = base_config()
+    _check_known_fields("config", cfg, schema)
+    validate_model_config(cfg.model)
+    validate_cache_config(cfg.cache)
+
+    _check_known_fields("train", cfg.train, schema.train)
+    for name in ("steps", "batch_size", "seq_len", "eval_every", "checkpoint_every", "keep"):
+        _check_int("train", cfg.train, name)
+    _check_int("train", cfg.train, "warmup", minimum=0)
+    _check_int("train", cfg.train, "seed", minimum=0)
+    _check_positive_number("train", cfg.train, "lr")
+    _check_positive_number("train", cfg.train, "clip")
+    if not isinstance(cfg.train.weight_decay, (int, float)) or cfg.train.weight_decay < 0:
+        _fail(
+            "train.weight_decay",
+            cfg.train.weight_decay,
+            "is not a number >= 0",
+            "set a number >= 0 (0 turns weight decay off)",
+        )
+
+    _check_known_fields("data", cfg.data, schema.data)
+    _check_choice("data", cfg.data, "source", DATA_SOURCES)
+    if cfg.data.source == "text" and not cfg.data.path:
+        _fail(
+            "data.path",
+            cfg.data.path,
+            "is empty but data.source='text' reads a local file",
+            "set data.path to a text file or a folder of text files",
+        )
+
+    _check_known_fields("wandb", cfg.wandb, schema.wandb)
+    _check_choice("wandb", cfg.wandb, "mode", WANDB_MODES)
+    return cfg
+
+
+# ---------------------------------------------------------------------------
+# Loading
+
+
+def _import_config_file(path: str):
+    if not os.path.isfile(path):
+        raise ValueError(
+            f"config file {path!r} does not exist: give a path such as configs/gqa.py:tiny"
+        )
+    name = "kvlab_config_" + os.path.splitext(os.path.basename(path))[0]
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    if not hasattr(module, "get_config"):
+        raise ValueError(f"config file {path!r} has no get_config(arg) function: add one")
+    return module
+
+
+def load_config(spec: str) -> ml_collections.ConfigDict:
+    """Loads `path/to/file.py[:arg]` through its `get_config(arg)` and validates it."""
+    path, _, arg = spec.partition(":")
+    module = _import_config_file(path)
+    cfg = module.get_config(arg) if arg else module.get_config()
+    return validate_config(cfg)
+
+
+def dtype_of(name: str) -> jnp.dtype:
+    """The JAX dtype a config names (see DTYPES)."""
+    return jnp.dtype(DTYPES[name])
+
+
+def frozen(section: Mapping) -> ml_collections.FrozenConfigDict:
+    """An immutable, hashable copy of a config section (modules hold these)."""
+    if isinstance(section, ml_collections.FrozenConfigDict):
+        return section
+    return ml_collections.FrozenConfigDict(section)

@@ -1,0 +1,173 @@
+"""A Llama-style decoder-only transformer that threads an explicit KV cache.
+
+Embedding -> num_layers x (RMSNorm, attention, residual, RMSNorm, SwiGLU MLP,
+residual) -> RMSNorm -> logits (tied to the embedding or a separate matrix).
+Llama (arXiv:2302.13971); SwiGLU (arXiv:2002.05202).
+
+    model = Transformer(cfg.model)
+    logits, cache = model.apply({"params": p}, tokens, cache=cache, num_tokens=None)
+    logits, None  = model.apply({"params": p}, tokens)        # plain causal forward
+
+tokens int32[B, T]; logits float32[B, T, V]. With a cache, row b's tokens are
+appended after its `cache.lengths[b]` tokens and take the positions that
+follow; `num_tokens int32[B]` (default T) says how many of row b's T tokens are
+real, the rest being right padding that is neither written nor counted.
+Called outside jit, the model checks its inputs (token ids, sizes, capacity)
+and raises ValueError; inside jit a row that overflows keeps a length above the
+capacity (`cache.overflowed()`) for the host to check.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+from ml_collections import FrozenConfigDict
+
+from kvlab.attention.gqa import GroupedQueryAttention
+from kvlab.cache.dense import Cache
+from kvlab.cache.placement import Placement, place_without_cache
+from kvlab.config import dtype_of, frozen, validate_model_config
+from kvlab.layers import RMSNorm, projection
+
+ATTENTION = {"gqa": GroupedQueryAttention}
+
+
+class MLP(nn.Module):
+    """SwiGLU feed-forward: down(silu(gate(x)) * up(x))."""
+
+    config: FrozenConfigDict
+
+    @nn.compact
+    def __call__(self, x):
+        cfg = self.config
+        gate = projection(cfg, cfg.mlp_dim, "gate")(x)  # [B, T, F]
+        up = projection(cfg, cfg.mlp_dim, "up")(x)
+        return projection(cfg, cfg.embed_dim, "down")(nn.silu(gate) * up)
+
+
+class Block(nn.Module):
+    """Pre-norm residual block: attention then MLP."""
+
+    config: FrozenConfigDict
+
+    @nn.compact
+    def __call__(self, x, placement: Placement, layer):
+        attention = ATTENTION[self.config.attention](self.config, name="attention")
+        h, layer = attention(RMSNorm(self.config, name="attention_norm")(x), placement, layer)
+        x = x + h
+        x = x + MLP(self.config, name="mlp")(RMSNorm(self.config, name="mlp_norm")(x))
+        return x, layer
+
+
+def _is_concrete(*arrays) -> bool:
+    return not any(isinstance(a, jax.core.Tracer) for a in arrays)
+
+
+def check_inputs(config, tokens, cache: Cache | None, num_tokens) -> None:
+    """Raises ValueError for inputs the model cannot run on.
+
+    Shape checks always run; value checks (token ids, lengths, capacity) run
+    when the values are concrete, i.e. outside jit.
+    """
+    if tokens.ndim != 2:
+        raise ValueError(f"tokens has shape {tokens.shape}: pass int32[batch, length]")
+    batch, length = tokens.shape
+    if length == 0 or batch == 0:
+        raise ValueError(f"tokens has shape {tokens.shape}: pass at least one token per row")
+    if not jnp.issubdtype(tokens.dtype, jnp.integer):
+        raise ValueError(f"tokens has dtype {tokens.dtype}: pass integer token ids")
+    if num_tokens is not None and num_tokens.shape != (batch,):
+        raise ValueError(
+            f"num_tokens has shape {num_tokens.shape}: pass one count per row, shape ({batch},)"
+        )
+    if cache is not None and cache.batch_size != batch:
+        raise ValueError(
+            f"tokens has batch size {batch} but the cache holds {cache.batch_size} rows: "
+            f"init the cache with batch_size={batch}"
+        )
+    if not _is_concrete(tokens):
+        return
+    ids = np.asarray(tokens)
+    bad = (ids < 0) | (ids >= config.vocab_size)
+    if bad.any():
+        row, col = map(int, np.argwhere(bad)[0])
+        raise ValueError(
+            f"tokens[{row}, {col}]={int(ids[row, col])} is outside the vocabulary "
+            f"0..{config.vocab_size - 1} (model.vocab_size={config.vocab_size})"
+        )
+    counts = np.full((batch,), length) if num_tokens is None else None
+    if num_tokens is not None and _is_concrete(num_tokens):
+        counts = np.asarray(num_tokens)
+        if ((counts < 0) | (counts > length)).any():
+            raise ValueError(
+                f"num_tokens={counts.tolist()} must lie in 0..{length} (the tokens' length)"
+            )
+    if cache is not None and counts is not None and _is_concrete(cache.lengths):
+        after = np.asarray(cache.lengths) + counts
+        if (after > cache.capacity).any():
+            row = int(np.argmax(after > cache.capacity))
+            raise ValueError(
+                f"row {row} would hold {int(after[row])} tokens but the cache holds "
+                f"{cache.capacity} (max_len): init the cache with max_len >= {int(after.max())}"
+            )
+
+
+class Transformer(nn.Module):
+    """The decoder; `config` is the model section of a kvlab config."""
+
+    config: Mapping
+
+    def __post_init__(self):
+        validate_model_config(self.config)
+        # A hashable, immutable copy, so the module can be a static jit argument.
+        object.__setattr__(self, "config", frozen(self.config))
+        super().__post_init__()
+
+    @nn.compact
+    def __call__(self, tokens, cache: Cache | None = None, num_tokens=None):
+        cfg = self.config
+        check_inputs(cfg, tokens, cache, num_tokens)
+        batch, length = tokens.shape
+        if cache is None:
+            placement = place_without_cache(batch, length)
+            layers = (None,) * cfg.num_layers
+        else:
+            if num_tokens is None:
+                num_tokens = jnp.full((batch,), length, jnp.int32)
+            num_tokens = num_tokens.astype(jnp.int32)
+            placement = cache.place(length, num_tokens)
+            layers = cache.layers
+
+        embed = nn.Embed(
+            cfg.vocab_size,
+            cfg.embed_dim,
+            name="embed",
+            embedding_init=nn.initializers.normal(stddev=cfg.embed_dim**-0.5),
+            dtype=dtype_of(cfg.dtype),
+            param_dtype=dtype_of(cfg.param_dtype),
+        )
+        x = embed(tokens)  # [B, T, D]
+        new_layers = []
+        for i, layer in enumerate(layers):
+            x, layer = Block(cfg, name=f"block_{i}")(x, placement, layer)
+            new_layers.append(layer)
+        x = RMSNorm(cfg, name="final_norm")(x)
+        if cfg.tie_embeddings:
+            logits = embed.attend(x)
+        else:
+            logits = projection(cfg, cfg.vocab_size, "unembed")(x)
+        logits = logits.astype(jnp.float32)  # [B, T, V]
+        if cache is None:
+            return logits, None
+        return logits, cache.replace(layers=tuple(new_layers), lengths=cache.lengths + num_tokens)
+
+
+def init_params(model_cfg: Mapping, key: jax.Array):
+    """Randomly initialised parameters for `Transformer(model_cfg)`."""
+    model = Transformer(model_cfg)
+    tokens = jnp.zeros((1, 1), jnp.int32)
+    return jax.jit(model.init)(key, tokens)["params"]

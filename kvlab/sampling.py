@@ -1,0 +1,269 @@
+"""Jitted prefill and decode steps, samplers, and generation.
+
+    prefill(model, params, cache, tokens [B, T], num_tokens [B] | None)
+        -> (logits [B, T, V], cache)
+    decode_step(model, params, cache, tokens [B], num_tokens [B] | None)
+        -> (logits [B, V], cache)
+    generate(model, params, prompts [B, T], cache_cfg=..., max_new_tokens=M,
+             sampler=Greedy(), prompt_lengths=None, end_token=None)
+        -> int32[B, T + M]
+
+Both steps donate the cache they are given (its buffers are reused for the
+result; do not read the old cache afterwards) and compile once per shape:
+lengths are arrays, never Python ints. A row that is given more tokens than
+the cache holds keeps a length above the capacity; check `cache.overflowed()`
+on the host. `generate` checks capacity before it starts instead, then runs the
+whole decode loop inside one compiled `lax.while_loop`.
+
+Samplers are small frozen dataclasses called as `sampler(logits [B, V], rng)
+-> int32[B]`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Mapping
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from kvlab.cache.dense import Cache, init_cache, write_tokens
+from kvlab.config import frozen, validate_cache_config
+from kvlab.model import Transformer, check_inputs
+
+# ---------------------------------------------------------------------------
+# Samplers
+
+
+@dataclasses.dataclass(frozen=True)
+class Greedy:
+    """The most likely token."""
+
+    def __call__(self, logits: jax.Array, rng: jax.Array) -> jax.Array:
+        del rng
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
+
+def _check_temperature(sampler) -> None:
+    if not sampler.temperature > 0:
+        raise ValueError(
+            f"{type(sampler).__name__}.temperature={sampler.temperature!r} must be > 0: "
+            f"use Greedy() for temperature 0"
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class Temperature:
+    """A sample from softmax(logits / temperature)."""
+
+    temperature: float = 1.0
+
+    def __post_init__(self):
+        _check_temperature(self)
+
+    def __call__(self, logits, rng):
+        return jax.random.categorical(rng, logits / self.temperature).astype(jnp.int32)
+
+
+@dataclasses.dataclass(frozen=True)
+class TopK:
+    """A sample among the k most likely tokens (ties with the k-th are kept)."""
+
+    k: int
+    temperature: float = 1.0
+
+    def __post_init__(self):
+        if isinstance(self.k, bool) or not isinstance(self.k, int) or self.k < 1:
+            raise ValueError(f"TopK.k={self.k!r} must be an integer >= 1")
+        _check_temperature(self)
+
+    def __call__(self, logits, rng):
+        k = min(self.k, logits.shape[-1])
+        kth_largest = jax.lax.top_k(logits, k)[0][..., -1:]  # [B, 1]
+        logits = jnp.where(logits < kth_largest, -jnp.inf, logits)
+        return jax.random.categorical(rng, logits / self.temperature).astype(jnp.int32)
+
+
+@dataclasses.dataclass(frozen=True)
+class TopP:
+    """Nucleus sampling (arXiv:1904.09751): a sample among the most likely tokens
+    whose probabilities (at this temperature) first reach p together."""
+
+    p: float
+    temperature: float = 1.0
+
+    def __post_init__(self):
+        if not 0 < self.p <= 1:
+            raise ValueError(f"TopP.p={self.p!r} must lie in (0, 1]: 1 keeps every token")
+        _check_temperature(self)
+
+    def __call__(self, logits, rng):
+        logits = logits / self.temperature
+        descending = -jnp.sort(-logits, axis=-1)  # [B, V]
+        probs = jax.nn.softmax(descending, axis=-1)
+        mass_before = jnp.cumsum(probs, axis=-1) - probs
+        kept = jnp.sum(mass_before < self.p, axis=-1, keepdims=True)  # [B, 1], >= 1
+        threshold = jnp.take_along_axis(descending, kept - 1, axis=-1)
+        logits = jnp.where(logits < threshold, -jnp.inf, logits)
+        return jax.random.categorical(rng, logits).astype(jnp.int32)
+
+
+# ---------------------------------------------------------------------------
+# Steps
+
+
+@functools.partial(jax.jit, static_argnums=0, donate_argnums=2)
+def prefill(model: Transformer, params, cache: Cache, tokens, num_tokens=None):
+    """Appends tokens [B, T] (num_tokens[b] real per row) and returns all logits."""
+    return model.apply({"params": params}, tokens, cache=cache, num_tokens=num_tokens)
+
+
+@functools.partial(jax.jit, static_argnums=0, donate_argnums=2)
+def decode_step(model: Transformer, params, cache: Cache, tokens, num_tokens=None):
+    """Appends one token per row (rows with num_tokens 0 stay as they are)."""
+    logits, cache = model.apply(
+        {"params": params}, tokens[:, None], cache=cache, num_tokens=num_tokens
+    )
+    return logits[:, 0], cache
+
+
+# ---------------------------------------------------------------------------
+# Generation
+
+
+@struct.dataclass
+class _LoopState:
+    step: jax.Array  # int32: tokens generated so far per row (at most)
+    cache: Cache
+    out: jax.Array  # int32[B, max_len]: prompts, then generated tokens, then padding
+    token: jax.Array  # int32[B]: the last token emitted, fed in next
+    done: jax.Array  # bool[B]: row emitted end_token
+    rng: jax.Array
+
+
+def _emit(state: _LoopState, token) -> _LoopState:
+    """Writes each live row's token right after the tokens its cache holds."""
+    slots = jnp.where(state.done, state.out.shape[1], state.cache.lengths)[:, None]
+    out = write_tokens(state.out, token[:, None], slots)
+    return state.replace(out=out, token=token)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4))
+def _generate(
+    model,
+    cache_cfg,
+    max_len,
+    sampler,
+    end_token,
+    params,
+    prompts,
+    prompt_lengths,
+    max_new_tokens,
+    pad_token,
+    rng,
+):
+    batch, prompt_len = prompts.shape
+    cache = init_cache(model.config, cache_cfg, batch, max_len)  # built in place, never copied
+    logits, cache = model.apply({"params": params}, prompts, cache=cache, num_tokens=prompt_lengths)
+    rng, key = jax.random.split(rng)
+    token = sampler(logits[jnp.arange(batch), prompt_lengths - 1], key)
+    in_prompt = jnp.arange(prompt_len)[None, :] < prompt_lengths[:, None]
+    out = jnp.full((batch, cache.capacity), pad_token, jnp.int32)
+    out = out.at[:, :prompt_len].set(jnp.where(in_prompt, prompts, pad_token))
+    done = jnp.zeros((batch,), bool)
+    state = _emit(_LoopState(jnp.int32(1), cache, out, token, done, rng), token)
+    if end_token is not None:
+        state = state.replace(done=token == end_token)
+
+    def running(state):
+        return (state.step < max_new_tokens) & ~jnp.all(state.done)
+
+    def step(state):
+        logits, cache = model.apply(
+            {"params": params},
+            state.token[:, None],
+            cache=state.cache,
+            num_tokens=(~state.done).astype(jnp.int32),
+        )
+        rng, key = jax.random.split(state.rng)
+        token = sampler(logits[:, 0], key)
+        state = _emit(state.replace(cache=cache, rng=rng, step=state.step + 1), token)
+        if end_token is not None:
+            state = state.replace(done=state.done | (token == end_token))
+        return state
+
+    return jax.lax.while_loop(running, step, state).out
+
+
+def generate(
+    model: Transformer,
+    params,
+    prompts,
+    *,
+    cache_cfg: Mapping,
+    max_new_tokens: int,
+    sampler=Greedy(),
+    prompt_lengths=None,
+    end_token: int | None = None,
+    pad_token: int = 0,
+    max_len: int | None = None,
+    rng: jax.Array | None = None,
+) -> jax.Array:
+    """Samples up to `max_new_tokens` after each prompt.
+
+    prompts int32[B, T] are right-padded; `prompt_lengths int32[B]` (default T)
+    gives each row's real length (at least 1). Row b's tokens come back as
+    out[b, :prompt_lengths[b] + generated_b], then `pad_token` up to width
+    T + max_new_tokens. A row stops after emitting `end_token` (kept in the
+    output). The cache holds `max_len` tokens (default T + max_new_tokens):
+    one compiled loop serves every call with the same batch size, prompt width,
+    max_len and sampler.
+    """
+    prompts = jnp.asarray(prompts)
+    if prompts.ndim != 2:
+        raise ValueError(f"prompts has shape {prompts.shape}: pass int32[batch, length]")
+    batch, prompt_len = prompts.shape
+    if prompt_lengths is None:
+        prompt_lengths = np.full((batch,), prompt_len)
+    prompt_lengths = np.asarray(prompt_lengths)
+    check_inputs(model.config, prompts, None, prompt_lengths)
+    if (prompt_lengths < 1).any():
+        row = int(np.argmin(prompt_lengths))
+        raise ValueError(f"prompt_lengths[{row}]=0: every prompt needs at least one token")
+    if (
+        isinstance(max_new_tokens, bool)
+        or not isinstance(max_new_tokens, int)
+        or max_new_tokens < 1
+    ):
+        raise ValueError(f"max_new_tokens={max_new_tokens!r} must be an integer >= 1")
+    vocab = model.config.vocab_size
+    for name, token in (("end_token", end_token), ("pad_token", pad_token)):
+        if token is not None and not 0 <= token < vocab:
+            raise ValueError(f"{name}={token} is outside the vocabulary 0..{vocab - 1}")
+    needed = prompt_len + max_new_tokens
+    max_len = needed if max_len is None else max_len
+    if needed > max_len:
+        raise ValueError(
+            f"prompts of length {prompt_len} plus max_new_tokens={max_new_tokens} need "
+            f"{needed} cache slots but max_len={max_len}: raise max_len or shorten the prompts"
+        )
+    validate_cache_config(cache_cfg)
+    rng = jax.random.key(0) if rng is None else rng
+    out = _generate(
+        model,
+        frozen(cache_cfg),
+        max_len,
+        sampler,
+        end_token,
+        params,
+        prompts.astype(jnp.int32),
+        jnp.asarray(prompt_lengths, jnp.int32),
+        jnp.int32(max_new_tokens),
+        jnp.int32(pad_token),
+        rng,
+    )
+    # Cut on the host: a device slice would compile once per max_new_tokens.
+    return jnp.asarray(np.asarray(out)[:, :needed])

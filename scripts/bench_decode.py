@@ -1,0 +1,152 @@
+"""Decode speed: with the cache against recomputing the prefix, and against the roofline.
+
+    python scripts/bench_decode.py --config configs/gqa.py:tiny --json
+    python scripts/bench_decode.py --config configs/mha.py:small \
+        --config.model.dtype=float32 --config.cache.dtype=float32 --lengths=1024
+
+(a) For each context length L: tokens/s of greedy decode with the cache (a
+compiled loop of --steps decode steps after a prefill of L tokens) against
+recomputing: one full causal forward over the L-token prefix per new token.
+(b) The memory roofline: a decode step reads every weight and the whole cache
+buffer once, so it cannot beat (weight bytes + cache bytes) / bandwidth. The
+bandwidth is measured in this process the way decode reads memory (a jitted
+reduction over 512 MiB and a 256 MiB matrix-vector product, best of a few;
+REFERENCES.md explains why an elementwise copy would understate it). The
+script reports the step time's fraction of that bound.
+"""
+
+import functools
+import json
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl import app, flags
+from ml_collections import config_flags
+
+import kvlab
+
+_CONFIG = config_flags.DEFINE_config_file("config", "configs/gqa.py:tiny", "kvlab config file.")
+_LENGTHS = flags.DEFINE_list("lengths", ["128", "256", "512", "1024", "2048"], "Context lengths.")
+_BATCH = flags.DEFINE_integer("batch_size", 1, "Rows decoded together.")
+_STEPS = flags.DEFINE_integer("steps", 64, "Decode steps timed per length.")
+_REPEATS = flags.DEFINE_integer("repeats", 3, "Timings per measurement; the best is kept.")
+_JSON = flags.DEFINE_bool("json", False, "Print one JSON object.")
+
+
+def best_time(fn, repeats: int) -> float:
+    """Seconds of the fastest of `repeats` calls (after one warm-up call)."""
+    jax.block_until_ready(fn())
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(fn())
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def memory_bandwidth(repeats: int) -> dict:
+    """Bytes/s read by a large reduction and a large matrix-vector product."""
+    array = jnp.ones((512 * 2**20 // 4,), jnp.float32)
+    matrix = jnp.ones((8192, 256 * 2**20 // 4 // 8192), jnp.float32)
+    vector = jnp.ones((matrix.shape[1],), jnp.float32)
+    total = jax.jit(jnp.sum)
+    matvec = jax.jit(jnp.dot)
+    probes = {
+        "sum_512MiB": array.nbytes / best_time(lambda: total(array), repeats),
+        "matvec_256MiB": matrix.nbytes / best_time(lambda: matvec(matrix, vector), repeats),
+    }
+    return probes
+
+
+@functools.partial(jax.jit, static_argnums=(0, 4), donate_argnums=2)
+def decode_loop(model, params, cache, token, steps):
+    """`steps` greedy decode steps in one compiled loop; returns the last token and cache."""
+
+    def step(_, carry):
+        token, cache = carry
+        logits, cache = model.apply({"params": params}, token[:, None], cache=cache)
+        return jnp.argmax(logits[:, 0], axis=-1).astype(jnp.int32), cache
+
+    return jax.lax.fori_loop(0, steps, step, (token, cache))
+
+
+def bench_length(cfg, model, params, length: int, batch: int, steps: int, repeats: int) -> dict:
+    tokens = np.random.default_rng(0).integers(0, cfg.model.vocab_size, (batch, length), np.int32)
+    capacity = length + steps
+
+    def cached():
+        cache = kvlab.init_cache(cfg.model, cfg.cache, batch, capacity)
+        _, cache = kvlab.prefill(model, params, cache, tokens)
+        jax.block_until_ready(cache)
+        return cache
+
+    # Time the decode loop alone: the prefill is done before the clock starts.
+    start_token = jnp.asarray(tokens[:, -1])
+    decode_times = []
+    for _ in range(repeats + 1):
+        cache = cached()
+        begin = time.perf_counter()
+        jax.block_until_ready(decode_loop(model, params, cache, start_token, steps))
+        decode_times.append(time.perf_counter() - begin)
+    decode_step = min(decode_times[1:]) / steps
+
+    forward = jax.jit(lambda p, t: model.apply({"params": p}, t)[0][:, -1].argmax(-1))
+    recompute_step = best_time(lambda: forward(params, tokens), repeats)
+    cache_bytes = kvlab.cache_bytes(cfg.model, cfg.cache, batch, capacity)
+    return dict(
+        seq_len=length,
+        cached_tokens_per_s=batch / decode_step,
+        recompute_tokens_per_s=batch / recompute_step,
+        speedup=recompute_step / decode_step,
+        decode_step_s=decode_step,
+        cache_bytes=cache_bytes,
+    )
+
+
+def main(argv):
+    del argv
+    cfg = kvlab.validate_config(_CONFIG.value)
+    model = kvlab.Transformer(cfg.model)
+    params = kvlab.init_params(cfg.model, jax.random.key(0))
+    weight_bytes = kvlab.tree_bytes(params)
+    bandwidth = memory_bandwidth(_REPEATS.value)
+    best_bandwidth = max(bandwidth.values())
+    rows = []
+    for length in [int(n) for n in _LENGTHS.value]:
+        row = bench_length(cfg, model, params, length, _BATCH.value, _STEPS.value, _REPEATS.value)
+        row["bytes_per_step"] = weight_bytes + row["cache_bytes"]
+        row["roofline_step_s"] = row["bytes_per_step"] / best_bandwidth
+        row["roofline_fraction"] = row["roofline_step_s"] / row["decode_step_s"]
+        rows.append(row)
+    result = dict(
+        config=cfg.model.to_dict() | {"cache": cfg.cache.to_dict()},
+        backend=jax.default_backend(),
+        batch_size=_BATCH.value,
+        weight_bytes=weight_bytes,
+        bandwidth_bytes_per_s=bandwidth,
+        rows=rows,
+    )
+    if _JSON.value:
+        print(json.dumps(result, indent=2))
+        return
+    print(
+        f"weights {weight_bytes / 2**20:.1f} MiB; bandwidth "
+        + ", ".join(f"{k} {v / 1e9:.1f} GB/s" for k, v in bandwidth.items())
+    )
+    print(
+        f"{'seq_len':>8} {'cached tok/s':>13} {'recompute tok/s':>16} {'speedup':>8} "
+        f"{'step ms':>8} {'roofline ms':>12} {'fraction':>9}"
+    )
+    for r in rows:
+        print(
+            f"{r['seq_len']:>8} {r['cached_tokens_per_s']:>13.1f} "
+            f"{r['recompute_tokens_per_s']:>16.1f} {r['speedup']:>8.1f} "
+            f"{r['decode_step_s'] * 1e3:>8.3f} {r['roofline_step_s'] * 1e3:>12.3f} "
+            f"{r['roofline_fraction']:>9.2f}"
+        )
+
+
+if __name__ == "__main__":
+    app.run(main)

@@ -1,0 +1,73 @@
+"""Small shared helpers for the tests: tiny models and a compile counter."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import pathlib
+
+import jax
+import numpy as np
+from hypothesis import strategies as st
+
+import kvlab
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+TOLERANCE = 1e-4  # float32 max abs difference allowed between equal computations
+
+
+def tiny_config(**model_overrides):
+    cfg = kvlab.base_config("tiny")
+    cfg.model.update(model_overrides)
+    return kvlab.validate_config(cfg)
+
+
+def build(cfg, seed: int = 0):
+    """(model, params, jitted apply) for a config; shared between tests so that
+    each shape compiles once per test session."""
+    return _build(kvlab.config.frozen(cfg.model), seed)
+
+
+@functools.cache
+def _build(model_cfg, seed):
+    model = kvlab.Transformer(model_cfg)
+    params = kvlab.init_params(model_cfg, jax.random.key(seed))
+    return model, params, jax.jit(model.apply)
+
+
+def random_tokens(cfg, shape, seed: int = 0):
+    return np.random.default_rng(seed).integers(0, cfg.model.vocab_size, shape, dtype=np.int32)
+
+
+@st.composite
+def small_model_configs(draw):
+    """Random small but complete model shapes: head sharing, widths, ties, RoPE base."""
+    num_heads = draw(st.sampled_from([1, 2, 4, 6]))
+    divisors = [d for d in range(1, num_heads + 1) if num_heads % d == 0]
+    return tiny_config(
+        num_layers=draw(st.integers(1, 2)),
+        num_heads=num_heads,
+        num_kv_heads=draw(st.sampled_from(divisors)),
+        head_dim=draw(st.sampled_from([2, 4, 8, 16])),
+        embed_dim=draw(st.sampled_from([8, 24, 32])),
+        mlp_dim=draw(st.sampled_from([16, 40])),
+        vocab_size=draw(st.sampled_from([7, 64, 256])),
+        tie_embeddings=draw(st.booleans()),
+        rope_theta=draw(st.sampled_from([100.0, 10_000.0])),
+    )
+
+
+@contextlib.contextmanager
+def count_compiles():
+    """Counts XLA compilations inside the block: `with count_compiles() as n: ...; n[0]`."""
+    count = [0]
+
+    def listener(event, duration, **kwargs):
+        if event == "/jax/core/compile/backend_compile_duration":
+            count[0] += 1
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        yield count
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)

@@ -1,0 +1,189 @@
+"""The model over a cache computes what the plain causal forward computes."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+import kvlab
+from tests.helpers import TOLERANCE, build, random_tokens, small_model_configs, tiny_config
+
+HEAD_SHARING = {"mha": 4, "gqa": 2, "mqa": 1}
+
+
+def run_in_chunks(apply, params, cache, tokens, chunk_sizes):
+    """Feeds tokens through the cache chunk by chunk; returns all logits and the cache."""
+    logits, start = [], 0
+    for size in chunk_sizes:
+        out, cache = apply({"params": params}, tokens[:, start : start + size], cache=cache)
+        logits.append(out)
+        start += size
+    return jnp.concatenate(logits, axis=1), cache
+
+
+def max_diff(a, b):
+    return float(jnp.max(jnp.abs(a - b)))
+
+
+@pytest.mark.parametrize("sharing", HEAD_SHARING)
+def test_incremental_decode_equals_full_forward(sharing):
+    cfg = tiny_config(num_kv_heads=HEAD_SHARING[sharing])
+    model, params, apply = build(cfg)
+    tokens = random_tokens(cfg, (2, 24))
+    full, none = apply({"params": params}, tokens)
+    assert none is None and full.shape == (2, 24, cfg.model.vocab_size)
+    assert full.dtype == jnp.float32
+    cache = kvlab.init_cache(cfg.model, cfg.cache, batch_size=2, max_len=32)
+    # A prefill of 8 tokens, then 16 single-token decode steps.
+    cached, cache = run_in_chunks(apply, params, cache, tokens, [8] + [1] * 16)
+    assert max_diff(cached, full) <= TOLERANCE
+    np.testing.assert_array_equal(cache.lengths, [24, 24])
+
+
+@given(cfg=small_model_configs(), data=st.data())
+def test_random_configs_decode_and_chunked_prefill_equal_forward(cfg, data):
+    length = 12
+    chunks = []  # random chunk sizes, each fed padded to one width so it compiles once
+    while sum(chunks) < length:
+        chunks.append(data.draw(st.integers(1, min(5, length - sum(chunks))), label="chunk"))
+    model, params, apply = build(cfg, seed=data.draw(st.integers(0, 3), label="seed"))
+    tokens = random_tokens(cfg, (2, length + 5), seed=len(chunks))
+    full, _ = apply({"params": params}, tokens[:, :length])
+
+    cache = kvlab.init_cache(cfg.model, cfg.cache, batch_size=2, max_len=length + 1)
+    chunked, start = [], 0
+    for size in chunks:
+        logits, cache = apply(
+            {"params": params},
+            tokens[:, start : start + 5],
+            cache=cache,
+            num_tokens=jnp.full((2,), size),
+        )
+        chunked.append(logits[:, :size])
+        start += size
+    assert max_diff(jnp.concatenate(chunked, axis=1), full) <= TOLERANCE
+
+    cache = kvlab.init_cache(cfg.model, cfg.cache, batch_size=2, max_len=length)
+    stepwise, _ = run_in_chunks(apply, params, cache, tokens, [1] * length)
+    assert max_diff(stepwise, full) <= TOLERANCE
+
+
+@pytest.mark.parametrize("sharing", HEAD_SHARING)
+def test_chunked_prefill_equals_prefill_at_once(sharing):
+    cfg = tiny_config(num_kv_heads=HEAD_SHARING[sharing])
+    model, params, apply = build(cfg)
+    tokens = random_tokens(cfg, (3, 30))
+    fresh = lambda: kvlab.init_cache(cfg.model, cfg.cache, batch_size=3, max_len=40)  # noqa: E731
+    at_once, cache_a = run_in_chunks(apply, params, fresh(), tokens, [30])
+    in_chunks, cache_b = run_in_chunks(apply, params, fresh(), tokens, [7, 1, 13, 9])
+    assert max_diff(at_once, in_chunks) <= TOLERANCE
+    for layer_a, layer_b in zip(cache_a.layers, cache_b.layers, strict=True):
+        assert max_diff(layer_a.k, layer_b.k) <= TOLERANCE
+        assert max_diff(layer_a.v, layer_b.v) <= TOLERANCE
+
+
+@pytest.mark.parametrize("sharing", HEAD_SHARING)
+def test_each_row_of_a_ragged_batch_equals_the_row_alone(sharing):
+    cfg = tiny_config(num_kv_heads=HEAD_SHARING[sharing])
+    model, params, apply = build(cfg)
+    prompt_lengths = np.array([5, 1, 8])
+    width = prompt_lengths.max()
+    prompts = random_tokens(cfg, (3, width), seed=3)  # right "padding" is random junk
+    # Three decode steps; row 1 sits out the second one.
+    steps = random_tokens(cfg, (3, 3), seed=4)
+    active = np.array([[1, 1, 1], [1, 0, 1], [1, 1, 1]])
+
+    cache = kvlab.init_cache(cfg.model, cfg.cache, batch_size=3, max_len=16)
+    prompt_logits, cache = apply(
+        {"params": params}, prompts, cache=cache, num_tokens=jnp.asarray(prompt_lengths)
+    )
+    step_logits = []
+    for i in range(3):
+        logits, cache = apply(
+            {"params": params}, steps[:, i : i + 1], cache=cache, num_tokens=active[:, i]
+        )
+        step_logits.append(logits[:, 0])
+    np.testing.assert_array_equal(cache.lengths, prompt_lengths + active.sum(1))
+
+    for row in range(3):
+        fed = [steps[row, i] for i in range(3) if active[row, i]]
+        alone = np.concatenate([prompts[row, : prompt_lengths[row]], fed])[None]
+        full, _ = apply({"params": params}, alone)
+        n = prompt_lengths[row]
+        assert max_diff(prompt_logits[row, :n], full[0, :n]) <= TOLERANCE
+        for i, position in zip(np.flatnonzero(active[row]), range(n, n + len(fed)), strict=True):
+            assert max_diff(step_logits[i][row], full[0, position]) <= TOLERANCE
+
+
+def test_bfloat16_model_and_cache_track_the_forward():
+    cfg = tiny_config(dtype="bfloat16")
+    cfg.cache.dtype = "bfloat16"
+    model, params, apply = build(cfg)
+    tokens = random_tokens(cfg, (2, 12))
+    full, _ = apply({"params": params}, tokens)
+    cache = kvlab.init_cache(cfg.model, cfg.cache, batch_size=2, max_len=12)
+    assert cache.layers[0].k.dtype == jnp.bfloat16
+    cached, _ = run_in_chunks(apply, params, cache, tokens, [4] + [1] * 8)
+    assert cached.dtype == jnp.float32
+    assert max_diff(cached, full) <= 0.1  # bfloat16 rounding, not a different computation
+
+
+def test_overflow_is_refused_outside_jit():
+    cfg = tiny_config()
+    model, params, _ = build(cfg)
+    cache = kvlab.init_cache(cfg.model, cfg.cache, batch_size=2, max_len=6)
+    _, cache = model.apply({"params": params}, random_tokens(cfg, (2, 4)), cache=cache)
+    with pytest.raises(ValueError, match=r"row 0 would hold 7 tokens but the cache holds 6"):
+        model.apply({"params": params}, random_tokens(cfg, (2, 3)), cache=cache)
+    # Padding beyond the capacity is fine: only real tokens count.
+    _, cache = model.apply(
+        {"params": params}, random_tokens(cfg, (2, 3)), cache=cache, num_tokens=jnp.array([2, 1])
+    )
+    np.testing.assert_array_equal(cache.lengths, [6, 5])
+
+
+def test_overflow_under_jit_is_flagged_and_corrupts_nothing():
+    cfg = tiny_config()
+    model, params, _ = build(cfg)
+    cache = kvlab.init_cache(cfg.model, cfg.cache, batch_size=2, max_len=6)
+    tokens = random_tokens(cfg, (2, 8))
+    _, cache = kvlab.prefill(model, params, cache, tokens[:, :4], jnp.array([4, 2]))
+    kept = [np.asarray(layer.k) for layer in cache.layers]
+    _, cache = kvlab.prefill(model, params, cache, tokens[:, 4:], jnp.array([4, 4]))
+    np.testing.assert_array_equal(cache.overflowed(), [True, False])
+    np.testing.assert_array_equal(cache.lengths, [8, 6])
+    # Row 0's first four tokens are where they were: nothing wrapped or clamped onto them.
+    for before, layer in zip(kept, cache.layers, strict=True):
+        np.testing.assert_array_equal(np.asarray(layer.k)[0, :, :4], before[0, :, :4])
+
+
+@pytest.mark.parametrize(
+    "tokens,kwargs,words",
+    [
+        (np.array([[1, 256]]), {}, r"tokens\[0, 1\]=256 is outside the vocabulary 0..255"),
+        (np.array([[-1, 2]]), {}, r"tokens\[0, 0\]=-1 is outside the vocabulary"),
+        (np.zeros((2, 0), np.int32), {}, "at least one token"),
+        (np.zeros((3,), np.int32), {}, r"pass int32\[batch, length\]"),
+        (np.zeros((2, 2), np.float32), {}, "integer token ids"),
+        (np.zeros((3, 2), np.int32), {"cache": True}, "batch size 3 but the cache holds 2 rows"),
+        (np.zeros((2, 2), np.int32), {"num_tokens": np.array([3, 1])}, r"must lie in 0..2"),
+        (np.zeros((2, 2), np.int32), {"num_tokens": np.array([1])}, "one count per row"),
+    ],
+)
+def test_bad_inputs_raise(tokens, kwargs, words):
+    cfg = tiny_config()
+    model, params, _ = build(cfg)
+    if "cache" in kwargs or "num_tokens" in kwargs:
+        kwargs["cache"] = kvlab.init_cache(cfg.model, cfg.cache, batch_size=2, max_len=8)
+    if "num_tokens" in kwargs:
+        kwargs["num_tokens"] = jnp.asarray(kwargs["num_tokens"])
+    with pytest.raises(ValueError, match=words):
+        model.apply({"params": params}, jnp.asarray(tokens), **kwargs)
+
+
+def test_untied_output_has_its_own_matrix():
+    tied = kvlab.init_params(tiny_config().model, jax.random.key(0))
+    untied = kvlab.init_params(tiny_config(tie_embeddings=False).model, jax.random.key(0))
+    assert "unembed" not in tied and untied["unembed"]["kernel"].shape == (64, 256)
