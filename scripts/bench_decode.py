@@ -32,6 +32,9 @@ _LENGTHS = flags.DEFINE_list("lengths", ["128", "256", "512", "1024", "2048"], "
 _BATCH = flags.DEFINE_integer("batch_size", 1, "Rows decoded together.")
 _STEPS = flags.DEFINE_integer("steps", 64, "Decode steps timed per length.")
 _REPEATS = flags.DEFINE_integer("repeats", 3, "Timings per measurement; the best is kept.")
+_PROBE_MIB = flags.DEFINE_integer(
+    "probe_mib", 512, "Size of the bandwidth probes (the reduction; the matrix is half)."
+)
 _JSON = flags.DEFINE_bool("json", False, "Print one JSON object.")
 
 
@@ -46,18 +49,16 @@ def best_time(fn, repeats: int) -> float:
     return min(times)
 
 
-def memory_bandwidth(repeats: int) -> dict:
+def memory_bandwidth(mib: int, repeats: int) -> dict:
     """Bytes/s read by a large reduction and a large matrix-vector product."""
-    array = jnp.ones((512 * 2**20 // 4,), jnp.float32)
-    matrix = jnp.ones((8192, 256 * 2**20 // 4 // 8192), jnp.float32)
+    array = jnp.ones((mib * 2**20 // 4,), jnp.float32)
+    matrix = jnp.ones((8192, mib * 2**20 // 8 // 8192), jnp.float32)
     vector = jnp.ones((matrix.shape[1],), jnp.float32)
-    total = jax.jit(jnp.sum)
-    matvec = jax.jit(jnp.dot)
-    probes = {
-        "sum_512MiB": array.nbytes / best_time(lambda: total(array), repeats),
-        "matvec_256MiB": matrix.nbytes / best_time(lambda: matvec(matrix, vector), repeats),
+    total, matvec = jax.jit(jnp.sum), jax.jit(jnp.dot)
+    return {
+        f"sum_{mib}MiB": array.nbytes / best_time(lambda: total(array), repeats),
+        f"matvec_{mib // 2}MiB": matrix.nbytes / best_time(lambda: matvec(matrix, vector), repeats),
     }
-    return probes
 
 
 @functools.partial(jax.jit, static_argnums=(0, 4), donate_argnums=2)
@@ -111,7 +112,7 @@ def main(argv):
     model = kvlab.Transformer(cfg.model)
     params = kvlab.init_params(cfg.model, jax.random.key(0))
     weight_bytes = kvlab.tree_bytes(params)
-    bandwidth = memory_bandwidth(_REPEATS.value)
+    bandwidth = memory_bandwidth(_PROBE_MIB.value, _REPEATS.value)
     best_bandwidth = max(bandwidth.values())
     rows = []
     for length in [int(n) for n in _LENGTHS.value]:
