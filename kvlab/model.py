@@ -12,6 +12,8 @@ tokens int32[B, T]; logits float32[B, T, V]. With a cache, row b's tokens are
 appended after its `cache.lengths[b]` tokens and take the positions that
 follow; `num_tokens int32[B]` (default T) says how many of row b's T tokens are
 real, the rest being right padding that is neither written nor counted.
+Without a cache num_tokens changes nothing: causal attention never looks at the
+padding that follows a row's real tokens (its own logits are meaningless).
 Called outside jit, the model checks its inputs (token ids, sizes, capacity)
 and raises ValueError; inside jit a row that overflows keeps a length above the
 capacity (`cache.overflowed()`) for the host to check.
