@@ -26,7 +26,7 @@ import ml_collections
 # and `cache.scale_dtype`.
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
-ATTENTION_KINDS = ("gqa",)
+ATTENTION_KINDS = ("gqa", "mla")
 CACHE_KINDS = ("dense",)
 BIT_WIDTHS = (16,)
 DATA_SOURCES = ("stdlib", "text", "mqar")
@@ -71,7 +71,21 @@ def base_config(variant: str = "tiny") -> ml_collections.ConfigDict:
             tie_embeddings=True,  # output projection shares the input embedding
             dtype="float32" if on_cpu else "bfloat16",  # compute dtype
             param_dtype="float32",  # dtype the weights are stored in
-            attention="gqa",  # how K/V are produced: 'gqa' covers MHA, GQA and MQA
+            attention="gqa",  # 'gqa' (covers MHA, GQA, MQA) or 'mla' (latent, see mla below)
+        )
+    )
+    # Multi-head latent attention (DeepSeek-V2), used when attention='mla'. The
+    # cache holds kv_rank + rope_dim numbers per token and layer; head_dim must
+    # be nope_dim + rope_dim and num_kv_heads must equal num_heads (every head
+    # gets its own K/V from the latent).
+    cfg.model.mla = ml_collections.ConfigDict(
+        dict(
+            kv_rank=4 * size["head_dim"],  # d_c: width of the cached K/V latent
+            q_rank=0,  # d_c': 0 = full-rank queries, else a low-rank query path with its norm
+            rope_dim=size["head_dim"] // 2,  # d_h^R: the one RoPE key shared by all heads
+            nope_dim=size["head_dim"],  # per-head key width without position
+            v_head_dim=size["head_dim"],  # per-head value width
+            absorb=True,  # cached steps attend in latent space (False: expand K/V per head)
         )
     )
 
@@ -175,6 +189,14 @@ def validate_model_config(model: Mapping) -> None:
     _check_choice("model", model, "attention", ATTENTION_KINDS)
     if not isinstance(model["tie_embeddings"], bool):
         _fail("model.tie_embeddings", model["tie_embeddings"], "is not a bool", "set True or False")
+    _check_known_fields("model.mla", model["mla"], base_config().model.mla)
+    if model["attention"] == "mla":
+        _validate_mla(model)
+    else:
+        _validate_grouped(model)
+
+
+def _validate_grouped(model: Mapping) -> None:
     heads, kv_heads = model["num_heads"], model["num_kv_heads"]
     if heads % kv_heads:
         divisors = [d for d in range(1, heads + 1) if heads % d == 0]
@@ -190,6 +212,38 @@ def validate_model_config(model: Mapping) -> None:
             model["head_dim"],
             "is odd, but RoPE rotates pairs of channels",
             "set an even model.head_dim",
+        )
+
+
+def _validate_mla(model: Mapping) -> None:
+    mla = model["mla"]
+    for name in ("kv_rank", "rope_dim", "nope_dim", "v_head_dim"):
+        _check_int("model.mla", mla, name)
+    _check_int("model.mla", mla, "q_rank", minimum=0)
+    if not isinstance(mla["absorb"], bool):
+        _fail("model.mla.absorb", mla["absorb"], "is not a bool", "set True or False")
+    if mla["rope_dim"] % 2:
+        _fail(
+            "model.mla.rope_dim",
+            mla["rope_dim"],
+            "is odd, but RoPE rotates pairs of channels",
+            "set an even model.mla.rope_dim",
+        )
+    query_key_width = mla["nope_dim"] + mla["rope_dim"]
+    if model["head_dim"] != query_key_width:
+        _fail(
+            "model.head_dim",
+            model["head_dim"],
+            f"does not match model.mla.nope_dim + model.mla.rope_dim = {query_key_width}",
+            f"set model.head_dim={query_key_width} (the per-head query/key width under MLA)",
+        )
+    if model["num_kv_heads"] != model["num_heads"]:
+        _fail(
+            "model.num_kv_heads",
+            model["num_kv_heads"],
+            f"must equal model.num_heads={model['num_heads']} when model.attention='mla'",
+            f"set model.num_kv_heads={model['num_heads']}: MLA expands K/V for every head "
+            "from the latent",
         )
 
 

@@ -30,12 +30,13 @@ import numpy as np
 from ml_collections import FrozenConfigDict
 
 from kvlab.attention.gqa import GroupedQueryAttention
+from kvlab.attention.mla import MultiHeadLatentAttention
 from kvlab.cache.dense import Cache
 from kvlab.cache.placement import Placement, place_without_cache
 from kvlab.config import dtype_of, frozen, validate_model_config
 from kvlab.layers import RMSNorm, projection
 
-ATTENTION = {"gqa": GroupedQueryAttention}
+ATTENTION = {"gqa": GroupedQueryAttention, "mla": MultiHeadLatentAttention}
 
 
 class MLP(nn.Module):

@@ -13,6 +13,8 @@ bandwidth is measured in this process the way decode reads memory (a jitted
 reduction over 512 MiB and a 256 MiB matrix-vector product, best of a few;
 REFERENCES.md explains why an elementwise copy would understate it). The
 script reports the step time's fraction of that bound.
+(c) For latent-attention configs (model.attention='mla'): decode tokens/s of
+the absorbed path against the expanded one at --mla_lengths, same weights.
 """
 
 import functools
@@ -32,6 +34,12 @@ _LENGTHS = flags.DEFINE_list("lengths", ["128", "256", "512", "1024", "2048"], "
 _BATCH = flags.DEFINE_integer("batch_size", 1, "Rows decoded together.")
 _STEPS = flags.DEFINE_integer("steps", 64, "Decode steps timed per length.")
 _REPEATS = flags.DEFINE_integer("repeats", 3, "Timings per measurement; the best is kept.")
+_MLA_LENGTHS = flags.DEFINE_list(
+    "mla_lengths",
+    ["512", "1024", "2048", "4096", "8192"],
+    "Context lengths for absorbed vs expanded decode (latent-attention configs only).",
+)
+_MLA_STEPS = flags.DEFINE_integer("mla_steps", 8, "Decode steps timed per length and path.")
 _PROBE_MIB = flags.DEFINE_integer(
     "probe_mib", 512, "Size of the bandwidth probes (the reduction; the matrix is half)."
 )
@@ -73,37 +81,67 @@ def decode_loop(model, params, cache, token, steps):
     return jax.lax.fori_loop(0, steps, step, (token, cache))
 
 
-def bench_length(cfg, model, params, length: int, batch: int, steps: int, repeats: int) -> dict:
-    tokens = np.random.default_rng(0).integers(0, cfg.model.vocab_size, (batch, length), np.int32)
-    capacity = length + steps
+def decode_step_time(cfg, model, params, tokens, steps: int, repeats: int) -> float:
+    """Seconds per greedy decode step after a prefill of `tokens` (not timed)."""
+    batch, length = tokens.shape
 
-    def cached():
-        cache = kvlab.init_cache(cfg.model, cfg.cache, batch, capacity)
-        _, cache = kvlab.prefill(model, params, cache, tokens)
-        jax.block_until_ready(cache)
-        return cache
+    def prefilled():
+        cache = kvlab.init_cache(cfg.model, cfg.cache, batch, length + steps)
+        return jax.block_until_ready(kvlab.prefill(model, params, cache, tokens)[1])
 
-    # Time the decode loop alone: the prefill is done before the clock starts.
     start_token = jnp.asarray(tokens[:, -1])
-    decode_times = []
-    for _ in range(repeats + 1):
-        cache = cached()
+    times = []
+    for _ in range(repeats + 1):  # the first run compiles
+        cache = prefilled()
         begin = time.perf_counter()
         jax.block_until_ready(decode_loop(model, params, cache, start_token, steps))
-        decode_times.append(time.perf_counter() - begin)
-    decode_step = min(decode_times[1:]) / steps
+        times.append(time.perf_counter() - begin)
+    return min(times[1:]) / steps
 
+
+def random_prompt(cfg, batch: int, length: int) -> np.ndarray:
+    return np.random.default_rng(0).integers(0, cfg.model.vocab_size, (batch, length), np.int32)
+
+
+def bench_length(cfg, model, params, length: int, batch: int, steps: int, repeats: int) -> dict:
+    """(a) and (b) at one context length."""
+    tokens = random_prompt(cfg, batch, length)
+    decode_step = decode_step_time(cfg, model, params, tokens, steps, repeats)
     forward = jax.jit(lambda p, t: model.apply({"params": p}, t)[0][:, -1].argmax(-1))
     recompute_step = best_time(lambda: forward(params, tokens), repeats)
-    cache_bytes = kvlab.cache_bytes(cfg.model, cfg.cache, batch, capacity)
     return dict(
         seq_len=length,
         cached_tokens_per_s=batch / decode_step,
         recompute_tokens_per_s=batch / recompute_step,
         speedup=recompute_step / decode_step,
         decode_step_s=decode_step,
-        cache_bytes=cache_bytes,
+        cache_bytes=kvlab.cache_bytes(cfg.model, cfg.cache, batch, length + steps),
     )
+
+
+def bench_mla_paths(cfg, params, lengths, batch: int, steps: int, repeats: int) -> list[dict]:
+    """(c) Latent attention: absorbed against expanded decode at each context length."""
+    models = {}
+    for absorb in (True, False):
+        variant = cfg.model.copy_and_resolve_references()
+        variant.mla.absorb = absorb
+        models[absorb] = kvlab.Transformer(variant)
+    rows = []
+    for length in lengths:
+        tokens = random_prompt(cfg, batch, length)
+        seconds = {
+            absorb: decode_step_time(cfg, model, params, tokens, steps, repeats)
+            for absorb, model in models.items()
+        }
+        rows.append(
+            dict(
+                seq_len=length,
+                absorbed_tokens_per_s=batch / seconds[True],
+                expanded_tokens_per_s=batch / seconds[False],
+                absorbed_speedup=seconds[False] / seconds[True],
+            )
+        )
+    return rows
 
 
 def main(argv):
@@ -129,6 +167,15 @@ def main(argv):
         bandwidth_bytes_per_s=bandwidth,
         rows=rows,
     )
+    if cfg.model.attention == "mla":
+        result["mla_paths"] = bench_mla_paths(
+            cfg,
+            params,
+            [int(n) for n in _MLA_LENGTHS.value],
+            _BATCH.value,
+            _MLA_STEPS.value,
+            _REPEATS.value,
+        )
     if _JSON.value:
         print(json.dumps(result, indent=2))
         return
@@ -147,6 +194,14 @@ def main(argv):
             f"{r['decode_step_s'] * 1e3:>8.3f} {r['roofline_step_s'] * 1e3:>12.3f} "
             f"{r['roofline_fraction']:>9.2f}"
         )
+    if "mla_paths" in result:
+        print("latent attention decode, tokens/s:")
+        print(f"{'seq_len':>8} {'absorbed':>10} {'expanded':>10} {'absorbed/expanded':>18}")
+        for r in result["mla_paths"]:
+            print(
+                f"{r['seq_len']:>8} {r['absorbed_tokens_per_s']:>10.1f} "
+                f"{r['expanded_tokens_per_s']:>10.1f} {r['absorbed_speedup']:>18.1f}"
+            )
 
 
 if __name__ == "__main__":

@@ -22,6 +22,25 @@ def tiny_config(**model_overrides):
     return kvlab.validate_config(cfg)
 
 
+def mla_config(**mla_overrides):
+    """The tiny latent-attention config (configs/mla.py:tiny) with fields of model.mla changed."""
+    cfg = kvlab.load_config(f"{ROOT}/configs/mla.py:tiny")
+    cfg.model.mla.update(mla_overrides)
+    cfg.model.head_dim = cfg.model.mla.nope_dim + cfg.model.mla.rope_dim
+    return kvlab.validate_config(cfg)
+
+
+# Every attention design the model tests cover, by name.
+VARIANTS = {
+    "mha": lambda: tiny_config(num_kv_heads=4),
+    "gqa": lambda: tiny_config(num_kv_heads=2),
+    "mqa": lambda: tiny_config(num_kv_heads=1),
+    "mla_absorbed": lambda: mla_config(absorb=True),
+    "mla_expanded": lambda: mla_config(absorb=False),
+    "mla_low_rank_query": lambda: mla_config(absorb=True, q_rank=24),
+}
+
+
 def build(cfg, seed: int = 0):
     """(model, params, jitted apply) for a config; shared between tests so that
     each shape compiles once per test session."""
@@ -40,11 +59,12 @@ def random_tokens(cfg, shape, seed: int = 0):
 
 
 @st.composite
-def small_model_configs(draw):
-    """Random small but complete model shapes: head sharing, widths, ties, RoPE base."""
+def small_model_configs(draw, attention=("gqa", "mla")):
+    """Random small but complete models: head sharing or latent attention (with
+    random ranks, query path and decode path), widths, ties, RoPE base."""
     num_heads = draw(st.sampled_from([1, 2, 4, 6]))
     divisors = [d for d in range(1, num_heads + 1) if num_heads % d == 0]
-    return tiny_config(
+    cfg = tiny_config(
         num_layers=draw(st.integers(1, 2)),
         num_heads=num_heads,
         num_kv_heads=draw(st.sampled_from(divisors)),
@@ -55,6 +75,18 @@ def small_model_configs(draw):
         tie_embeddings=draw(st.booleans()),
         rope_theta=draw(st.sampled_from([100.0, 10_000.0])),
     )
+    if draw(st.sampled_from(attention)) == "mla":
+        mla = cfg.model.mla
+        mla.kv_rank = draw(st.integers(1, 24))
+        mla.q_rank = draw(st.sampled_from([0, 5, 16]))
+        mla.rope_dim = draw(st.sampled_from([2, 4, 8]))
+        mla.nope_dim = draw(st.integers(1, 12))
+        mla.v_head_dim = draw(st.integers(1, 12))
+        mla.absorb = draw(st.booleans())
+        cfg.model.attention = "mla"
+        cfg.model.head_dim = mla.nope_dim + mla.rope_dim
+        cfg.model.num_kv_heads = num_heads
+    return kvlab.validate_config(cfg)
 
 
 @contextlib.contextmanager

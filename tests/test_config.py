@@ -5,21 +5,28 @@ import kvlab
 from kvlab.config import VARIANTS
 from tests.helpers import ROOT
 
-HEAD_SHARING = {"mha": None, "gqa": {"tiny": 2, "small": 2, "base": 4}, "mqa": 1}
+GQA_KV_HEADS = {"tiny": 2, "small": 2, "base": 4}
 
 
-@pytest.mark.parametrize("name", ["base", "mha", "gqa", "mqa"])
+@pytest.mark.parametrize("name", ["base", "mha", "gqa", "mqa", "mla"])
 @pytest.mark.parametrize("variant", VARIANTS)
-def test_config_files_load_and_select_head_sharing(name, variant):
+def test_config_files_load_and_select_the_attention(name, variant):
     cfg = kvlab.load_config(f"{ROOT}/configs/{name}.py:{variant}")
     expected = {
         "base": cfg.model.num_heads,
         "mha": cfg.model.num_heads,
-        "gqa": HEAD_SHARING["gqa"][variant],
+        "gqa": GQA_KV_HEADS[variant],
         "mqa": 1,
+        "mla": cfg.model.num_heads,
     }[name]
     assert cfg.model.num_kv_heads == expected
+    assert cfg.model.attention == ("mla" if name == "mla" else "gqa")
     assert set(cfg) == {"model", "cache", "train", "data", "wandb"}
+
+
+def test_mla_base_has_deepseek_v2_attention_widths():
+    mla = kvlab.load_config(f"{ROOT}/configs/mla.py:base").model.mla
+    assert (mla.kv_rank, mla.rope_dim, mla.nope_dim, mla.v_head_dim) == (512, 64, 128, 128)
 
 
 def test_overrides_are_revalidated():
@@ -53,7 +60,7 @@ BAD_CONFIGS = [
     ("model", "head_dim", 2.5, "not an integer"),
     ("model", "rope_theta", 0.0, "not a positive number"),
     ("model", "norm_eps", -1e-6, "not a positive number"),
-    ("model", "attention", "linear", "'gqa'"),
+    ("model", "attention", "linear", "'gqa', 'mla'"),
     ("model", "dtype", "float8", "'float32'"),
     ("model", "param_dtype", "fp32", "'bfloat16'"),
     ("model", "tie_embeddings", "yes", "not a bool"),
@@ -67,6 +74,43 @@ BAD_CONFIGS = [
     ("data", "source", "web", "'stdlib'"),
     ("wandb", "mode", "cloud", "'offline'"),
 ]
+
+
+BAD_MLA = [
+    # (field of model.mla, value, words); the config is configs/mla.py:tiny
+    ("kv_rank", 0, "below 1"),
+    ("q_rank", -1, "below 0"),
+    ("rope_dim", 0, "below 1"),
+    ("rope_dim", 7, "odd"),
+    ("nope_dim", 0, "below 1"),
+    ("v_head_dim", -4, "below 1"),
+    ("absorb", 1, "not a bool"),
+]
+
+
+@pytest.mark.parametrize("field,value,words", BAD_MLA)
+def test_bad_mla_field_is_named(field, value, words):
+    cfg = kvlab.load_config(f"{ROOT}/configs/mla.py:tiny")
+    fields = cfg.model.mla.to_dict()
+    fields[field] = value
+    cfg.model.mla = ml_collections.ConfigDict(fields)
+    with pytest.raises(ValueError) as error:
+        kvlab.validate_config(cfg)
+    assert str(error.value).startswith(f"model.mla.{field}={value!r}")
+    assert words in str(error.value)
+
+
+def test_mla_head_widths_must_agree():
+    cfg = kvlab.load_config(f"{ROOT}/configs/mla.py:tiny")
+    cfg.model.mla.rope_dim = 4
+    with pytest.raises(
+        ValueError, match=r"model.head_dim=24 does not match .*nope_dim \+ model.mla.rope_dim = 20"
+    ):
+        kvlab.validate_config(cfg)
+    cfg = kvlab.load_config(f"{ROOT}/configs/mla.py:tiny")
+    cfg.model.num_kv_heads = 2
+    with pytest.raises(ValueError, match=r"model.num_kv_heads=2 must equal model.num_heads=4"):
+        kvlab.validate_config(cfg)
 
 
 @pytest.mark.parametrize("section,field,value,words", BAD_CONFIGS)

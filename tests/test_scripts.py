@@ -53,6 +53,34 @@ def test_cache_size_json_matches_the_library_and_takes_overrides():
     assert crossover * report["cache_bytes_per_token"] >= report["weights_bytes"]
 
 
+@pytest.mark.parametrize("config", ["gqa", "mla"])
+def test_attention_comparison_reproduces_deepseek_v2_table_1(config):
+    result = run_script(
+        "scripts/cache_size.py",
+        "--config",
+        f"configs/{config}.py:base",
+        "--compare",
+        "--lengths=8",
+        "--batch_sizes=1",
+        "--json",
+    )
+    comparison = json.loads(result.stdout)["attention_comparison"]
+    width, rows = comparison["head_dim"], comparison["rows"]
+    assert width == (64 if config == "gqa" else 128)
+    by_name = {row["attention"].split(",")[0]: row for row in rows}
+    assert by_name["MHA"]["elements_per_token_and_layer"] == 2 * 12 * width
+    assert by_name["MQA"]["elements_per_token_and_layer"] == 2 * width
+    mla = by_name["MLA"]
+    # d_c = 4 d_h and d_R = d_h / 2 cache 4.5 d_h per layer: GQA with 2.25 groups.
+    assert mla["elements_per_token_and_layer"] == 4 * width + width // 2
+    assert mla["equivalent_gqa_groups"] == 2.25
+    assert mla["bytes_per_token"] == 12 * (4 * width + width // 2) * 2  # 12 layers, bfloat16
+    groups = sorted(
+        row["equivalent_gqa_groups"] for row in rows if row["attention"] != mla["attention"]
+    )
+    assert groups == [1, 2, 3, 4, 6, 12]
+
+
 def test_bad_override_fails_with_the_field_named():
     result = run_script(
         "scripts/cache_size.py",
@@ -65,13 +93,15 @@ def test_bad_override_fails_with_the_field_named():
     assert "model.num_kv_heads=3 must divide model.num_heads=4" in result.stderr
 
 
-def test_bench_decode_reports_speedup_and_roofline():
+def test_bench_decode_reports_speedup_roofline_and_latent_paths():
     result = run_script(
         "scripts/bench_decode.py",
         "--config",
-        "configs/mqa.py:tiny",
+        "configs/mla.py:tiny",
         "--lengths=32,64",
-        "--steps=4",
+        "--mla_lengths=32",
+        "--steps=2",
+        "--mla_steps=2",
         "--repeats=1",
         "--probe_mib=16",
         "--json",
@@ -82,6 +112,10 @@ def test_bench_decode_reports_speedup_and_roofline():
         assert row["cached_tokens_per_s"] > 0 and row["recompute_tokens_per_s"] > 0
         assert row["roofline_fraction"] > 0
         assert row["bytes_per_step"] == report["weight_bytes"] + row["cache_bytes"]
+    (paths,) = report["mla_paths"]
+    assert paths["seq_len"] == 32
+    ratio = paths["absorbed_tokens_per_s"] / paths["expanded_tokens_per_s"]
+    assert paths["absorbed_speedup"] == pytest.approx(ratio)
 
 
 def test_generate_demo_runs():

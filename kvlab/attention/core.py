@@ -9,6 +9,11 @@ repeating K/V in memory: query head n = k * G + g reads KV head k, so MHA
     attend(q [B, T, N, H], blocks) -> [B, T, N, Hv]
     blocks: sequence of (k [B, K, S_i, H], v [B, K, S_i, Hv], mask bool[B, T or 1, S_i])
 
+Queries and keys may also come in parts: q a tuple of [B, T, N, H_j] and each
+block's k a tuple of [B, K, S_i, H_j]; the score is the sum of the parts' dot
+products. Latent attention scores a latent part and a RoPE part this way
+without concatenating them in the cache.
+
 One softmax runs over all blocks together (each block's scores are
 exponentiated against the running maximum and the sums combined), so a step
 reads the cache as it was and the new tokens beside it, without concatenating
@@ -54,29 +59,47 @@ def ordered_after(tree, dependency: Array):
     return jax.tree_util.tree_map(lambda x: x + zero.astype(x.dtype), tree)
 
 
-Block = tuple[Float[Array, "B K S H"], Float[Array, "B K S Hv"], Bool[Array, "B T S"]]
+Keys = Float[Array, "B K S H"] | tuple[Float[Array, "B K S _"], ...]
+Block = tuple[Keys, Float[Array, "B K S Hv"], Bool[Array, "B T S"]]
+
+
+def _parts(x) -> tuple:
+    return x if isinstance(x, tuple) else (x,)
 
 
 def attend(
-    q: Float[Array, "B T N H"], blocks: Sequence[Block], scale: float | None = None
+    q: Float[Array, "B T N H"] | tuple[Float[Array, "B T N _"], ...],
+    blocks: Sequence[Block],
+    scale: float | None = None,
 ) -> Float[Array, "B T N Hv"]:
-    """Softmax attention of every query head over its KV head's keys in all blocks."""
-    batch, length, num_heads, _ = q.shape
-    num_kv_heads = blocks[0][0].shape[1]
+    """Softmax attention of every query head over its KV head's keys in all blocks.
+
+    `scale` defaults to 1 / sqrt(total query width).
+    """
+    queries = _parts(q)
+    batch, length, num_heads, _ = queries[0].shape
+    num_kv_heads = _parts(blocks[0][0])[0].shape[1]
     if num_heads % num_kv_heads:
         raise ValueError(
             f"query heads ({num_heads}) must be a multiple of KV heads ({num_kv_heads})"
         )
     groups = num_heads // num_kv_heads
-    scale = q.shape[-1] ** -0.5 if scale is None else scale
-    # [B, K, M, H] with M = T * G
-    folded = rearrange(q, "B T (K G) H -> B K (T G) H", K=num_kv_heads)
+    if scale is None:
+        scale = sum(part.shape[-1] for part in queries) ** -0.5
+    # [B, K, M, H_j] with M = T * G
+    folded = [rearrange(part, "B T (K G) H -> B K (T G) H", K=num_kv_heads) for part in queries]
 
     scores = []
     for k, _, mask in blocks:
         # [B, K, M, S] -> [B, K, T, G, S]
-        s = jnp.einsum(
-            "BKMH,BKSH->BKMS", folded.astype(k.dtype), k, preferred_element_type=jnp.float32
+        s = sum(
+            jnp.einsum(
+                "BKMH,BKSH->BKMS",
+                q_part.astype(k_part.dtype),
+                k_part,
+                preferred_element_type=jnp.float32,
+            )
+            for q_part, k_part in zip(folded, _parts(k), strict=True)
         )
         s = s.reshape(batch, num_kv_heads, length, groups, -1)
         scores.append(jnp.where(mask[:, None, :, None, :], s * scale, MASKED))
@@ -95,4 +118,4 @@ def attend(
             "BKMS,BKSH->BKMH", weights.astype(v.dtype), v, preferred_element_type=jnp.float32
         )
     out = out / total.reshape(batch, num_kv_heads, length * groups, 1)
-    return rearrange(out, "B K (T G) H -> B T (K G) H", T=length).astype(q.dtype)
+    return rearrange(out, "B K (T G) H -> B T (K G) H", T=length).astype(queries[0].dtype)

@@ -4,8 +4,10 @@
     tree_bytes(tree) -> int                                         (measured)
 
 The analytic count follows the formula every KV-cache paper uses (REFERENCES.md):
-2 (K and V) x layers x kv_heads x head_dim x seq_len x batch x bytes per element,
-plus the bookkeeping the cache carries (one int32 length per row).
+2 (K and V) x layers x kv_heads x head_dim x seq_len x batch x bytes per element;
+latent attention stores (kv_rank + rope_dim) numbers per token and layer instead
+(DeepSeek-V2, arXiv:2405.04434). Plus the bookkeeping the cache carries (one
+int32 length per row).
 """
 
 from __future__ import annotations
@@ -25,14 +27,15 @@ def cache_bytes(model_cfg: Mapping, cache_cfg: Mapping, batch_size: int, seq_len
     validate_model_config(model_cfg)
     validate_cache_config(cache_cfg)
     element_bytes = dtype_of(cache_cfg["dtype"]).itemsize
-    per_token = (
-        2
-        * model_cfg["num_layers"]
-        * model_cfg["num_kv_heads"]
-        * model_cfg["head_dim"]
-        * element_bytes
-    )
+    per_token = model_cfg["num_layers"] * elements_per_token_and_layer(model_cfg) * element_bytes
     return per_token * seq_len * batch_size + LENGTH_BYTES * batch_size
+
+
+def elements_per_token_and_layer(model_cfg: Mapping) -> int:
+    """Numbers cached per token in one layer: 2 x kv_heads x head_dim, or kv_rank + rope_dim."""
+    if model_cfg["attention"] == "mla":
+        return model_cfg["mla"]["kv_rank"] + model_cfg["mla"]["rope_dim"]
+    return 2 * model_cfg["num_kv_heads"] * model_cfg["head_dim"]
 
 
 def tree_bytes(tree) -> int:

@@ -6,10 +6,14 @@ returns a new one. Row b holds `lengths[b]` tokens at positions
 rows of a batch may hold different lengths (ragged batches).
 
     Cache
-      layers   tuple of one KVLayer per transformer layer
-        k      [B, K, S, H]  keys, after RoPE, in cache.dtype
-        v      [B, K, S, H]  values
-      lengths  int32[B]      tokens written per row
+      layers   tuple of one storage per transformer layer:
+        KVLayer (model.attention='gqa': MHA, GQA, MQA)
+          k       [B, K, S, H]   keys, after RoPE, in cache.dtype
+          v       [B, K, S, H]   values
+        LatentLayer (model.attention='mla', arXiv:2405.04434)
+          c_kv    [B, S, R]      the normalised K/V latent (R = mla.kv_rank)
+          k_rope  [B, S, Hr]     the RoPE key shared by all heads (Hr = mla.rope_dim)
+      lengths  int32[B]        tokens written per row
 
 S is the capacity (max_len). The buffers are head-major, the layout the
 attention function reads fastest (see kvlab/attention/core.py) and the one
@@ -77,6 +81,29 @@ class KVLayer:
 
 
 @struct.dataclass
+class LatentLayer:
+    """One layer's latent attention cache: c_kv [B, S, R] and k_rope [B, S, Hr]."""
+
+    c_kv: Array
+    k_rope: Array
+
+    @property
+    def capacity(self) -> int:
+        return self.c_kv.shape[1]
+
+    def append(self, c_kv: Array, k_rope: Array, slots: Int[Array, "B T"]) -> LatentLayer:
+        """Writes c_kv [B, T, R] and k_rope [B, T, Hr] at `slots` (see write_tokens)."""
+        return LatentLayer(
+            c_kv=write_tokens(self.c_kv, c_kv, slots),
+            k_rope=write_tokens(self.k_rope, k_rope, slots),
+        )
+
+    def roundtrip(self, c_kv: Array, k_rope: Array) -> tuple[Array, Array]:
+        """What reading the new entries back after `append` would give."""
+        return c_kv.astype(self.c_kv.dtype), k_rope.astype(self.k_rope.dtype)
+
+
+@struct.dataclass
 class Cache:
     """Per-layer storage plus the tokens each row holds (module docstring)."""
 
@@ -121,11 +148,16 @@ def init_cache(model_cfg: Mapping, cache_cfg: Mapping, batch_size: int, max_len:
     validate_cache_config(cache_cfg)
     _check_size("batch_size", batch_size)
     _check_size("max_len", max_len)
-    # [B, K, S, H]
-    shape = (batch_size, model_cfg["num_kv_heads"], max_len, model_cfg["head_dim"])
     dtype = dtype_of(cache_cfg["dtype"])
-    layers = tuple(
-        KVLayer(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
-        for _ in range(model_cfg["num_layers"])
-    )
+    if model_cfg["attention"] == "mla":
+        mla = model_cfg["mla"]
+        new_layer = lambda: LatentLayer(  # noqa: E731
+            c_kv=jnp.zeros((batch_size, max_len, mla["kv_rank"]), dtype),
+            k_rope=jnp.zeros((batch_size, max_len, mla["rope_dim"]), dtype),
+        )
+    else:
+        # [B, K, S, H]
+        shape = (batch_size, model_cfg["num_kv_heads"], max_len, model_cfg["head_dim"])
+        new_layer = lambda: KVLayer(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))  # noqa: E731
+    layers = tuple(new_layer() for _ in range(model_cfg["num_layers"]))
     return Cache(layers=layers, lengths=jnp.zeros((batch_size,), jnp.int32))

@@ -3,7 +3,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import kvlab
-from tests.helpers import small_model_configs, tiny_config
+from tests.helpers import ROOT, mla_config, small_model_configs, tiny_config
 
 
 @given(
@@ -19,14 +19,13 @@ def test_analytic_bytes_equal_measured_bytes(cfg, dtype, batch, max_len):
 
 
 @given(
+    config=st.sampled_from(["gqa", "mqa", "mla"]),
     variant=st.sampled_from(["small", "base"]),
-    kv_heads=st.sampled_from([1, 2, 4]),
     batch=st.sampled_from([1, 8, 64]),
     max_len=st.sampled_from([2048, 32_768, 131_072]),
 )
-def test_large_caches_agree_without_allocating(variant, kv_heads, batch, max_len):
-    cfg = kvlab.base_config(variant)
-    cfg.model.num_kv_heads = kv_heads
+def test_large_caches_agree_without_allocating(config, variant, batch, max_len):
+    cfg = kvlab.load_config(f"{ROOT}/configs/{config}.py:{variant}")
     abstract = jax.eval_shape(lambda: kvlab.init_cache(cfg.model, cfg.cache, batch, max_len))
     assert kvlab.cache_bytes(cfg.model, cfg.cache, batch, max_len) == kvlab.tree_bytes(abstract)
 
@@ -37,6 +36,12 @@ def test_formula_by_hand():
     assert kvlab.cache_bytes(cfg.model, cfg.cache, 3, 100) == 2 * 2 * 2 * 16 * 100 * 3 * 4 + 3 * 4
     cfg.cache.dtype = "bfloat16"
     assert kvlab.cache_bytes(cfg.model, cfg.cache, 3, 100) == 2 * 2 * 2 * 16 * 100 * 3 * 2 + 3 * 4
+
+
+def test_latent_formula_by_hand():
+    # layers x (kv_rank + rope_dim) x tokens x rows x bytes + lengths
+    cfg = mla_config(kv_rank=64, rope_dim=8)
+    assert kvlab.cache_bytes(cfg.model, cfg.cache, 3, 100) == 2 * (64 + 8) * 100 * 3 * 4 + 3 * 4
 
 
 def test_sharing_heads_divides_the_cache():

@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 
 import kvlab
 from kvlab.cache.dense import write_tokens
-from tests.helpers import tiny_config
+from tests.helpers import mla_config, tiny_config
 
 
 @given(
@@ -68,6 +68,19 @@ def test_cache_shapes_and_dtypes(dtype, kv_heads):
     assert cache.lengths.dtype == jnp.int32 and cache.lengths.shape == (3,)
     assert cache.capacity == 10 and cache.batch_size == 3
     assert not cache.overflowed().any()
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_latent_cache_holds_only_the_latent_and_the_rope_key(dtype):
+    cfg = mla_config(kv_rank=40, rope_dim=6)
+    cfg.cache.dtype = dtype
+    cache = kvlab.init_cache(cfg.model, cfg.cache, batch_size=2, max_len=9)
+    assert len(cache.layers) == cfg.model.num_layers
+    for layer in cache.layers:
+        assert set(vars(layer)) == {"c_kv", "k_rope"}
+        assert layer.c_kv.shape == (2, 9, 40) and layer.k_rope.shape == (2, 9, 6)
+        assert layer.c_kv.dtype == layer.k_rope.dtype == jnp.dtype(dtype)
+    assert cache.capacity == 9
 
 
 @pytest.mark.parametrize("name,value", [("batch_size", 0), ("max_len", -1), ("max_len", 2.0)])

@@ -1,0 +1,129 @@
+"""Multi-head latent attention (DeepSeek-V2, arXiv:2405.04434).
+
+Keys and values are compressed into one latent per token, c_kv = RMSNorm(x W_DKV)
+of width R = mla.kv_rank, and each head's non-positional key and its value are
+linear up-projections of it (W_UK [R, N, nope], W_UV [R, N, Hv]). Position
+enters through a separate RoPE key of width Hr = mla.rope_dim, shared by all
+heads ("decoupled RoPE"). The cache holds only c_kv and k_rope:
+R + Hr numbers per token and layer instead of 2 x N x head_dim.
+
+Queries are full rank (x W_Q) or, with mla.q_rank > 0, low rank with their own
+norm (RMSNorm(x W_DQ) W_UQ); each head's query is [nope | rope].
+
+    MultiHeadLatentAttention(config)(x [B, T, D], placement, layer LatentLayer | None)
+        -> (out [B, T, D], layer)
+
+Two ways to attend over the latent, equal up to float rounding:
+
+- expanded ("naive"): up-project every cached latent to per-head keys and
+  values [B, N, S, .] each step, then attend as multi-head attention;
+- absorbed: fold W_UK into the query (q_nope W_UK^T is a query in latent
+  space, [B, T, N, R]) and attend over c_kv itself as one shared KV head; apply
+  W_UV to the [B, T, N, R] attention output. Nothing per head is built over the
+  cached length, so a decode step reads (R + Hr) numbers per cached token.
+
+Which path runs: every step over a cache follows `mla.absorb`, prefill chunks
+included, so a sequence's logits do not depend on how it was chunked. The
+plain forward (cache=None: training, full-sequence scoring) always expands:
+with T queries over the same T keys the expansion is paid once per token, while
+latent-space scores cost 2R + Hr multiply-adds per query-key pair against
+nope + Hr + Hv expanded (R = 4 nope in DeepSeek-V2). For a long prompt
+prefilled through a cache, absorb=False is the cheaper choice; for decode,
+absorbed reads ~N x (nope + Hv) / (R + Hr) times less (bench_decode.py).
+"""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax.numpy as jnp
+from ml_collections import FrozenConfigDict
+
+from kvlab.attention.core import attend, ordered_after
+from kvlab.attention.rope import apply_rope
+from kvlab.cache.dense import LatentLayer
+from kvlab.cache.placement import Placement
+from kvlab.config import dtype_of
+from kvlab.layers import RMSNorm, projection
+
+
+def expanded_attention(q_nope, q_rope, blocks, key_up, value_up, scale):
+    """Per-head K/V expanded from each block's latent, then multi-head attention.
+
+    q_nope [B, T, N, nope], q_rope [B, T, N, Hr]; blocks: sequence of
+    (c_kv [B, S, R], k_rope [B, S, Hr], mask bool[B, T or 1, S]);
+    key_up [R, N, nope], value_up [R, N, Hv] -> [B, T, N, Hv].
+    """
+    dtype = q_nope.dtype
+    expanded = []
+    for c_kv, k_rope, mask in blocks:
+        c_kv = c_kv.astype(dtype)
+        # [B, N, S, nope] and [B, N, S, Hv]
+        k_nope = jnp.einsum("BSR,RNH->BNSH", c_kv, key_up.astype(dtype))
+        v = jnp.einsum("BSR,RNH->BNSH", c_kv, value_up.astype(dtype))
+        # The shared RoPE key, seen by every head: [B, N, S, Hr]
+        k_rope = jnp.broadcast_to(
+            k_rope.astype(dtype)[:, None], (*k_nope.shape[:3], k_rope.shape[-1])
+        )
+        expanded.append(((k_nope, k_rope), v, mask))
+    return attend((q_nope, q_rope), expanded, scale)
+
+
+def absorbed_attention(q_nope, q_rope, blocks, key_up, value_up, scale):
+    """Attention in latent space: W_UK folded into the query, W_UV applied after.
+
+    Same arguments and result as `expanded_attention`.
+    """
+    dtype = q_nope.dtype
+    # [B, T, N, R]: each head's query against the latent
+    q_latent = jnp.einsum("BTNH,RNH->BTNR", q_nope, key_up.astype(dtype))
+    # One KV head shared by all N query heads: [B, 1, S, R] and [B, 1, S, Hr]
+    latent = [
+        ((c_kv[:, None], k_rope[:, None]), c_kv[:, None], mask) for c_kv, k_rope, mask in blocks
+    ]
+    out = attend((q_latent, q_rope), latent, scale)  # [B, T, N, R]
+    return jnp.einsum("BTNR,RNH->BTNH", out, value_up.astype(dtype))
+
+
+class MultiHeadLatentAttention(nn.Module):
+    config: FrozenConfigDict  # the model section
+
+    @nn.compact
+    def __call__(self, x, placement: Placement, layer: LatentLayer | None = None):
+        cfg, mla = self.config, self.config.mla
+        heads = cfg.num_heads
+        # [B, T, N, nope + Hr]
+        if mla.q_rank:
+            c_q = RMSNorm(cfg, name="query_norm")(projection(cfg, mla.q_rank, "query_down")(x))
+            q = projection(cfg, (heads, cfg.head_dim), "query_up")(c_q)
+        else:
+            q = projection(cfg, (heads, cfg.head_dim), "query")(x)
+        q_nope = q[..., : mla.nope_dim]
+        q_rope = apply_rope(q[..., mla.nope_dim :], placement.positions, cfg.rope_theta)
+        # What the cache holds: [B, T, R] and [B, T, Hr]
+        c_kv = RMSNorm(cfg, name="kv_norm")(projection(cfg, mla.kv_rank, "kv_down")(x))
+        k_rope = projection(cfg, (1, mla.rope_dim), "key_rope")(x)
+        k_rope = apply_rope(k_rope, placement.positions, cfg.rope_theta)[:, :, 0]
+
+        up_init = nn.initializers.lecun_normal(in_axis=0, out_axis=(1, 2))
+        param_dtype = dtype_of(cfg.param_dtype)
+        key_up = self.param("key_up", up_init, (mla.kv_rank, heads, mla.nope_dim), param_dtype)
+        value_up = self.param(
+            "value_up", up_init, (mla.kv_rank, heads, mla.v_head_dim), param_dtype
+        )
+        out_projection = projection(cfg, cfg.embed_dim, "out", axis=(-2, -1))
+        scale = cfg.head_dim**-0.5  # 1 / sqrt(nope + Hr), the per-head query/key width
+
+        if layer is None:
+            blocks = [(c_kv, k_rope, placement.fresh_mask)]
+            out = expanded_attention(q_nope, q_rope, blocks, key_up, value_up, scale)
+            return out_projection(out), None
+
+        blocks = [
+            (layer.c_kv, layer.k_rope, placement.cached_mask),
+            (*layer.roundtrip(c_kv, k_rope), placement.fresh_mask),
+        ]
+        attention = absorbed_attention if mla.absorb else expanded_attention
+        out = attention(q_nope, q_rope, blocks, key_up, value_up, scale)
+        # Write only after the old cache has been read, so it is written in place.
+        c_kv, k_rope = ordered_after((c_kv, k_rope), out)
+        return out_projection(out), layer.append(c_kv, k_rope, placement.slots)
