@@ -28,7 +28,11 @@ DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float
 
 ATTENTION_KINDS = ("gqa", "mla")
 CACHE_KINDS = ("dense",)
-BIT_WIDTHS = (16,)
+BIT_WIDTHS = (16, 8, 4, 2)
+CODE_FORMATS = ("int", "fp8")
+GROUP_AXES = ("token", "channel")
+# The cached tensors' config prefixes, by attention kind (kvlab/cache/quant.py).
+CACHED = {"gqa": ("k", "v"), "mla": ("latent", "rope")}
 DATA_SOURCES = ("stdlib", "text", "mqar")
 WANDB_MODES = ("offline", "online", "disabled")
 
@@ -89,12 +93,31 @@ def base_config(variant: str = "tiny") -> ml_collections.ConfigDict:
         )
     )
 
+    # What each cached tensor is stored in (kvlab/cache/quant.py). Grouped-query
+    # attention caches keys (k_*) and values (v_*); latent attention caches the
+    # latent c_kv (latent_*) and the RoPE key shared by all heads (rope_*).
+    # Format and axis matter only below 16 bits.
     cfg.cache = ml_collections.ConfigDict(
         dict(
             kind="dense",  # contiguous per-sequence buffers
-            dtype="float32" if on_cpu else "bfloat16",  # dtype of a 16-bit cache entry
-            k_bits=16,  # bits per stored key element (16 = cache.dtype, unquantized)
-            v_bits=16,  # bits per stored value element
+            dtype="float32" if on_cpu else "bfloat16",  # dtype of 16-bit entries and the residual
+            k_bits=16,  # 16 (= cache.dtype), 8, 4 or 2 bits per stored number
+            v_bits=16,
+            latent_bits=16,
+            rope_bits=16,
+            k_format="int",  # 'int' (rounded levels) or 'fp8' (float8 e4m3; 8 bits only)
+            v_format="int",
+            latent_format="int",
+            rope_format="int",
+            k_axis="channel",  # scale groups: 'token' (a token's channels) or 'channel'
+            v_axis="token",  # (a channel's tokens; KIVI's choice for keys)
+            latent_axis="token",
+            rope_axis="channel",
+            group_size=16 if on_cpu else 32,  # numbers (token axis) or tokens (channel) per scale
+            residual=0,  # most recent tokens kept in cache.dtype (a multiple of group_size
+            #              when a tensor groups along tokens)
+            symmetric=False,  # int codes without a zero point (fp8 never has one)
+            scale_dtype="bfloat16",  # dtype of scales and zero points
         )
     )
 
@@ -247,13 +270,87 @@ def _validate_mla(model: Mapping) -> None:
         )
 
 
-def validate_cache_config(cache: Mapping) -> None:
-    """Raises ValueError naming the first bad field of a `cache` section."""
+def validate_cache_config(cache: Mapping, model: Mapping | None = None) -> None:
+    """Raises ValueError naming the first bad field of a `cache` section.
+
+    With the model section too, also checks what depends on it: which tensors
+    the model caches and whether their widths fit the groups and the packing.
+    """
     _check_known_fields("cache", cache, base_config().cache)
     _check_choice("cache", cache, "kind", CACHE_KINDS)
     _check_choice("cache", cache, "dtype", tuple(DTYPES))
-    _check_choice("cache", cache, "k_bits", BIT_WIDTHS)
-    _check_choice("cache", cache, "v_bits", BIT_WIDTHS)
+    _check_choice("cache", cache, "scale_dtype", tuple(DTYPES))
+    _check_int("cache", cache, "group_size")
+    _check_int("cache", cache, "residual", minimum=0)
+    if not isinstance(cache["symmetric"], bool):
+        _fail("cache.symmetric", cache["symmetric"], "is not a bool", "set True or False")
+    for prefix in ("k", "v", "latent", "rope"):
+        _check_choice("cache", cache, f"{prefix}_bits", BIT_WIDTHS)
+        _check_choice("cache", cache, f"{prefix}_format", CODE_FORMATS)
+        _check_choice("cache", cache, f"{prefix}_axis", GROUP_AXES)
+        bits = cache[f"{prefix}_bits"]
+        if cache[f"{prefix}_format"] == "fp8" and bits != 8:
+            _fail(
+                f"cache.{prefix}_format",
+                "fp8",
+                f"needs 8 bits but cache.{prefix}_bits={bits}",
+                f"set cache.{prefix}_bits=8 or cache.{prefix}_format='int'",
+            )
+        if (
+            bits < 16
+            and cache[f"{prefix}_axis"] == "channel"
+            and cache["residual"] % cache["group_size"]
+        ):
+            _fail(
+                "cache.residual",
+                cache["residual"],
+                f"is not a multiple of cache.group_size={cache['group_size']}, but "
+                f"cache.{prefix}_axis='channel' flushes tokens to quantized storage in groups",
+                "set cache.residual to a multiple of cache.group_size",
+            )
+    if model is not None:
+        _validate_cache_for_model(cache, model)
+
+
+def _validate_cache_for_model(cache: Mapping, model: Mapping) -> None:
+    used = CACHED[model["attention"]]
+    for prefix in ("k", "v", "latent", "rope"):
+        if prefix not in used and cache[f"{prefix}_bits"] != 16:
+            _fail(
+                f"cache.{prefix}_bits",
+                cache[f"{prefix}_bits"],
+                f"applies to a tensor model.attention={model['attention']!r} does not cache",
+                f"set cache.{used[0]}_bits / cache.{used[1]}_bits instead and leave "
+                f"cache.{prefix}_bits=16",
+            )
+    if model["attention"] == "mla":
+        mla = model["mla"]
+        widths = {
+            "latent": ("model.mla.kv_rank", mla["kv_rank"]),
+            "rope": ("model.mla.rope_dim", mla["rope_dim"]),
+        }
+    else:
+        widths = {p: ("model.head_dim", model["head_dim"]) for p in ("k", "v")}
+    for prefix, (width_name, width) in widths.items():
+        bits = cache[f"{prefix}_bits"]
+        if bits == 16:
+            continue
+        group = cache["group_size"]
+        if cache[f"{prefix}_axis"] == "token" and width % group:
+            _fail(
+                "cache.group_size",
+                group,
+                f"does not divide {width_name}={width}, but cache.{prefix}_axis='token' "
+                "groups a token's channels",
+                f"set cache.group_size to a divisor of {width}",
+            )
+        if width * bits % 8:
+            _fail(
+                f"cache.{prefix}_bits",
+                bits,
+                f"packs {width_name}={width} numbers into {width * bits / 8} bytes per token",
+                f"use a width that is a multiple of {8 // bits} or another bit-width",
+            )
 
 
 def validate_config(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
@@ -261,7 +358,7 @@ def validate_config(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict
     schema = base_config()
     _check_known_fields("config", cfg, schema)
     validate_model_config(cfg.model)
-    validate_cache_config(cfg.cache)
+    validate_cache_config(cfg.cache, cfg.model)
 
     _check_known_fields("train", cfg.train, schema.train)
     for name in ("steps", "batch_size", "seq_len", "eval_every", "checkpoint_every", "keep"):

@@ -250,7 +250,7 @@ def generate(
             f"prompts of length {prompt_len} plus max_new_tokens={max_new_tokens} need "
             f"{needed} cache slots but max_len={max_len}: raise max_len or shorten the prompts"
         )
-    validate_cache_config(cache_cfg)
+    validate_cache_config(cache_cfg, model.config)
     rng = jax.random.key(0) if rng is None else rng
     out = _generate(
         model,

@@ -15,6 +15,8 @@ REFERENCES.md explains why an elementwise copy would understate it). The
 script reports the step time's fraction of that bound.
 (c) For latent-attention configs (model.attention='mla'): decode tokens/s of
 the absorbed path against the expanded one at --mla_lengths, same weights.
+(d) With --bits=16,8,4,2: decode tokens/s with every cached tensor stored at
+each width (the config's axes, groups and residual), against the first.
 """
 
 import functools
@@ -40,6 +42,10 @@ _MLA_LENGTHS = flags.DEFINE_list(
     "Context lengths for absorbed vs expanded decode (latent-attention configs only).",
 )
 _MLA_STEPS = flags.DEFINE_integer("mla_steps", 8, "Decode steps timed per length and path.")
+_BITS = flags.DEFINE_list(
+    "bits", [], "Also time decode with every cached tensor at these bit-widths (e.g. 16,8,4,2)."
+)
+_PREFILL_CHUNK = flags.DEFINE_integer("prefill_chunk", 512, "Prompt tokens per prefill call.")
 _PROBE_MIB = flags.DEFINE_integer(
     "probe_mib", 512, "Size of the bandwidth probes (the reduction; the matrix is half)."
 )
@@ -86,8 +92,13 @@ def decode_step_time(cfg, model, params, tokens, steps: int, repeats: int) -> fl
     batch, length = tokens.shape
 
     def prefilled():
+        # In chunks: attention over a whole long prompt at once would need
+        # [T, S] scores per head.
         cache = kvlab.init_cache(cfg.model, cfg.cache, batch, length + steps)
-        return jax.block_until_ready(kvlab.prefill(model, params, cache, tokens)[1])
+        for start in range(0, length, _PREFILL_CHUNK.value):
+            chunk = tokens[:, start : start + _PREFILL_CHUNK.value]
+            cache = kvlab.prefill(model, params, cache, chunk)[1]
+        return jax.block_until_ready(cache)
 
     start_token = jnp.asarray(tokens[:, -1])
     times = []
@@ -144,6 +155,36 @@ def bench_mla_paths(cfg, params, lengths, batch: int, steps: int, repeats: int) 
     return rows
 
 
+def bench_bit_widths(cfg, model, params, lengths, bit_widths, batch, steps, repeats) -> list[dict]:
+    """(d) Decode tokens/s with every cached tensor stored at each bit-width."""
+    prefixes = ("latent", "rope") if cfg.model.attention == "mla" else ("k", "v")
+    rows = []
+    for bits in bit_widths:
+        variant = cfg.copy_and_resolve_references()
+        variant.cache.update({f"{prefix}_bits": bits for prefix in prefixes})
+        kvlab.validate_config(variant)
+        for length in lengths:
+            tokens = random_prompt(cfg, batch, length)
+            seconds = decode_step_time(variant, model, params, tokens, steps, repeats)
+            rows.append(
+                dict(
+                    bits=bits,
+                    seq_len=length,
+                    tokens_per_s=batch / seconds,
+                    cache_bytes=kvlab.cache_bytes(
+                        variant.model, variant.cache, batch, length + steps
+                    ),
+                )
+            )
+    for row in rows:
+        base = next(
+            r for r in rows if r["bits"] == bit_widths[0] and r["seq_len"] == row["seq_len"]
+        )
+        row["speed_vs_first"] = row["tokens_per_s"] / base["tokens_per_s"]
+        row["bytes_vs_first"] = row["cache_bytes"] / base["cache_bytes"]
+    return rows
+
+
 def main(argv):
     del argv
     cfg = kvlab.validate_config(_CONFIG.value)
@@ -176,6 +217,17 @@ def main(argv):
             _MLA_STEPS.value,
             _REPEATS.value,
         )
+    if _BITS.value:
+        result["bit_widths"] = bench_bit_widths(
+            cfg,
+            model,
+            params,
+            [int(n) for n in _LENGTHS.value],
+            [int(b) for b in _BITS.value],
+            _BATCH.value,
+            _STEPS.value,
+            _REPEATS.value,
+        )
     if _JSON.value:
         print(json.dumps(result, indent=2))
         return
@@ -194,6 +246,17 @@ def main(argv):
             f"{r['decode_step_s'] * 1e3:>8.3f} {r['roofline_step_s'] * 1e3:>12.3f} "
             f"{r['roofline_fraction']:>9.2f}"
         )
+    if "bit_widths" in result:
+        print("decode by cache bit-width:")
+        print(
+            f"{'bits':>5} {'seq_len':>8} {'tok/s':>10} {'vs first':>9} {'cache bytes':>12} "
+            f"{'vs first':>9}"
+        )
+        for r in result["bit_widths"]:
+            print(
+                f"{r['bits']:>5} {r['seq_len']:>8} {r['tokens_per_s']:>10.1f} "
+                f"{r['speed_vs_first']:>9.2f} {r['cache_bytes']:>12,} {r['bytes_vs_first']:>9.2f}"
+            )
     if "mla_paths" in result:
         print("latent attention decode, tokens/s:")
         print(f"{'seq_len':>8} {'absorbed':>10} {'expanded':>10} {'absorbed/expanded':>18}")

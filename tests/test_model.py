@@ -17,6 +17,14 @@ from tests.helpers import (
     tiny_config,
 )
 
+# The tests over VARIANTS share shapes, so each variant compiles the plain
+# forward (T = 24) and the cached steps (T = 8, T = 1, T = 24) once for all.
+BATCH, LENGTH, WIDTH, MAX_LEN = 3, 24, 8, 32
+
+
+def fresh_cache(cfg):
+    return kvlab.init_cache(cfg.model, cfg.cache, batch_size=BATCH, max_len=MAX_LEN)
+
 
 def run_in_chunks(apply, params, cache, tokens, chunk_sizes):
     """Feeds tokens through the cache chunk by chunk; returns all logits and the cache."""
@@ -24,6 +32,22 @@ def run_in_chunks(apply, params, cache, tokens, chunk_sizes):
     for size in chunk_sizes:
         out, cache = apply({"params": params}, tokens[:, start : start + size], cache=cache)
         logits.append(out)
+        start += size
+    return jnp.concatenate(logits, axis=1), cache
+
+
+def feed(apply, params, cache, tokens, chunk_sizes):
+    """Like run_in_chunks, but each chunk longer than one token goes in padded to WIDTH."""
+    logits, start = [], 0
+    for size in chunk_sizes:
+        width = 1 if size == 1 else WIDTH
+        out, cache = apply(
+            {"params": params},
+            tokens[:, start : start + width],
+            cache=cache,
+            num_tokens=jnp.full((tokens.shape[0],), size),
+        )
+        logits.append(out[:, :size])
         start += size
     return jnp.concatenate(logits, axis=1), cache
 
@@ -36,15 +60,14 @@ def max_diff(a, b):
 def test_incremental_decode_equals_full_forward(variant):
     cfg = VARIANTS[variant]()
     model, params, apply = build(cfg)
-    tokens = random_tokens(cfg, (2, 24))
-    full, none = apply({"params": params}, tokens)
-    assert none is None and full.shape == (2, 24, cfg.model.vocab_size)
+    tokens = random_tokens(cfg, (BATCH, LENGTH + WIDTH))
+    full, none = apply({"params": params}, tokens[:, :LENGTH])
+    assert none is None and full.shape == (BATCH, LENGTH, cfg.model.vocab_size)
     assert full.dtype == jnp.float32
-    cache = kvlab.init_cache(cfg.model, cfg.cache, batch_size=2, max_len=32)
     # A prefill of 8 tokens, then 16 single-token decode steps.
-    cached, cache = run_in_chunks(apply, params, cache, tokens, [8] + [1] * 16)
+    cached, cache = feed(apply, params, fresh_cache(cfg), tokens, [8] + [1] * 16)
     assert max_diff(cached, full) <= TOLERANCE
-    np.testing.assert_array_equal(cache.lengths, [24, 24])
+    np.testing.assert_array_equal(cache.lengths, [LENGTH] * BATCH)
 
 
 @given(cfg=small_model_configs(), data=st.data())
@@ -79,10 +102,9 @@ def test_random_configs_decode_and_chunked_prefill_equal_forward(cfg, data):
 def test_chunked_prefill_equals_prefill_at_once(variant):
     cfg = VARIANTS[variant]()
     model, params, apply = build(cfg)
-    tokens = random_tokens(cfg, (3, 30))
-    fresh = lambda: kvlab.init_cache(cfg.model, cfg.cache, batch_size=3, max_len=40)  # noqa: E731
-    at_once, cache_a = run_in_chunks(apply, params, fresh(), tokens, [30])
-    in_chunks, cache_b = run_in_chunks(apply, params, fresh(), tokens, [7, 1, 13, 9])
+    tokens = random_tokens(cfg, (BATCH, LENGTH + WIDTH))
+    at_once, cache_a = run_in_chunks(apply, params, fresh_cache(cfg), tokens, [LENGTH])
+    in_chunks, cache_b = feed(apply, params, fresh_cache(cfg), tokens, [7, 1, 8, 8])
     assert max_diff(at_once, in_chunks) <= TOLERANCE
     for stored_a, stored_b in zip(
         jax.tree_util.tree_leaves(cache_a), jax.tree_util.tree_leaves(cache_b), strict=True
@@ -95,32 +117,50 @@ def test_each_row_of_a_ragged_batch_equals_the_row_alone(variant):
     cfg = VARIANTS[variant]()
     model, params, apply = build(cfg)
     prompt_lengths = np.array([5, 1, 8])
-    width = prompt_lengths.max()
-    prompts = random_tokens(cfg, (3, width), seed=3)  # right "padding" is random junk
+    prompts = random_tokens(cfg, (BATCH, WIDTH), seed=3)  # right "padding" is random junk
     # Three decode steps; row 1 sits out the second one.
-    steps = random_tokens(cfg, (3, 3), seed=4)
+    steps = random_tokens(cfg, (BATCH, 3), seed=4)
     active = np.array([[1, 1, 1], [1, 0, 1], [1, 1, 1]])
 
-    cache = kvlab.init_cache(cfg.model, cfg.cache, batch_size=3, max_len=16)
-    prompt_logits, cache = apply(
-        {"params": params}, prompts, cache=cache, num_tokens=jnp.asarray(prompt_lengths)
-    )
-    step_logits = []
-    for i in range(3):
-        logits, cache = apply(
-            {"params": params}, steps[:, i : i + 1], cache=cache, num_tokens=active[:, i]
+    def run(rows):
+        """Prompt and steps with only `rows` taking part (the others get num_tokens 0)."""
+        taking_part = np.isin(np.arange(BATCH), rows)
+        cache = fresh_cache(cfg)
+        prompt_logits, cache = apply(
+            {"params": params},
+            prompts,
+            cache=cache,
+            num_tokens=jnp.asarray(prompt_lengths * taking_part),
         )
-        step_logits.append(logits[:, 0])
-    np.testing.assert_array_equal(cache.lengths, prompt_lengths + active.sum(1))
+        step_logits = []
+        for i in range(3):
+            logits, cache = apply(
+                {"params": params},
+                steps[:, i : i + 1],
+                cache=cache,
+                num_tokens=jnp.asarray(active[:, i] * taking_part),
+            )
+            step_logits.append(logits[:, 0])
+        return prompt_logits, step_logits, cache
 
-    for row in range(3):
+    prompt_logits, step_logits, cache = run(rows=[0, 1, 2])
+    np.testing.assert_array_equal(cache.lengths, prompt_lengths + active.sum(1))
+    # Each row's whole sequence, as one batch of plain forwards (padding follows it).
+    sequences = np.zeros((BATCH, LENGTH), np.int32)
+    for row in range(BATCH):
         fed = [steps[row, i] for i in range(3) if active[row, i]]
-        alone = np.concatenate([prompts[row, : prompt_lengths[row]], fed])[None]
-        full, _ = apply({"params": params}, alone)
+        sequence = np.concatenate([prompts[row, : prompt_lengths[row]], fed])
+        sequences[row, : len(sequence)] = sequence
+    full, _ = apply({"params": params}, sequences)
+
+    for row in range(BATCH):
+        alone_prompt, alone_steps, _ = run(rows=[row])
         n = prompt_lengths[row]
-        assert max_diff(prompt_logits[row, :n], full[0, :n]) <= TOLERANCE
-        for i, position in zip(np.flatnonzero(active[row]), range(n, n + len(fed)), strict=True):
-            assert max_diff(step_logits[i][row], full[0, position]) <= TOLERANCE
+        assert max_diff(prompt_logits[row, :n], full[row, :n]) <= TOLERANCE
+        assert max_diff(alone_prompt[row, :n], full[row, :n]) <= TOLERANCE
+        for i, position in zip(np.flatnonzero(active[row]), range(n, LENGTH), strict=False):
+            assert max_diff(step_logits[i][row], full[row, position]) <= TOLERANCE
+            assert max_diff(alone_steps[i][row], full[row, position]) <= TOLERANCE
 
 
 def test_bfloat16_model_and_cache_track_the_forward():
@@ -130,7 +170,7 @@ def test_bfloat16_model_and_cache_track_the_forward():
     tokens = random_tokens(cfg, (2, 12))
     full, _ = apply({"params": params}, tokens)
     cache = kvlab.init_cache(cfg.model, cfg.cache, batch_size=2, max_len=12)
-    assert cache.layers[0].k.dtype == jnp.bfloat16
+    assert cache.layers[0].tensors[0].dtype == jnp.bfloat16
     cached, _ = run_in_chunks(apply, params, cache, tokens, [4] + [1] * 8)
     assert cached.dtype == jnp.float32
     assert max_diff(cached, full) <= 0.1  # bfloat16 rounding, not a different computation
@@ -156,13 +196,13 @@ def test_overflow_under_jit_is_flagged_and_corrupts_nothing():
     cache = kvlab.init_cache(cfg.model, cfg.cache, batch_size=2, max_len=6)
     tokens = random_tokens(cfg, (2, 8))
     _, cache = kvlab.prefill(model, params, cache, tokens[:, :4], jnp.array([4, 2]))
-    kept = [np.asarray(layer.k) for layer in cache.layers]
+    kept = [np.asarray(layer.tensors[0]) for layer in cache.layers]  # keys
     _, cache = kvlab.prefill(model, params, cache, tokens[:, 4:], jnp.array([4, 4]))
     np.testing.assert_array_equal(cache.overflowed(), [True, False])
     np.testing.assert_array_equal(cache.lengths, [8, 6])
     # Row 0's first four tokens are where they were: nothing wrapped or clamped onto them.
     for before, layer in zip(kept, cache.layers, strict=True):
-        np.testing.assert_array_equal(np.asarray(layer.k)[0, :, :4], before[0, :, :4])
+        np.testing.assert_array_equal(np.asarray(layer.tensors[0])[0, :, :4], before[0, :, :4])
 
 
 @pytest.mark.parametrize(

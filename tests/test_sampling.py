@@ -95,24 +95,26 @@ def assert_greedy_under_full_forward(apply, params, out, prompt_lengths, new_tok
 def test_greedy_generate_equals_stepwise_argmax_of_the_forward(variant):
     cfg = VARIANTS[variant]()
     model, params, apply = build(cfg)
-    prompt_lengths = np.array([6, 2, 4])
-    prompts = random_tokens(cfg, (3, 6), seed=5)
+    # Three rows, prompts up to 8 and 16 new tokens: the [3, 24] forward below is the
+    # shape test_model.py compiles too.
+    prompt_lengths = np.array([8, 2, 4])
+    prompts = random_tokens(cfg, (3, 8), seed=5)
     out = np.asarray(
         kvlab.generate(
             model,
             params,
             prompts,
             cache_cfg=cfg.cache,
-            max_new_tokens=10,
+            max_new_tokens=16,
             prompt_lengths=prompt_lengths,
             pad_token=7,
         )
     )
-    assert out.shape == (3, 16) and out.dtype == np.int32
+    assert out.shape == (3, 24) and out.dtype == np.int32
     for row, length in enumerate(prompt_lengths):
         np.testing.assert_array_equal(out[row, :length], prompts[row, :length])
-        np.testing.assert_array_equal(out[row, length + 10 :], 7)  # padding after the row
-    assert_greedy_under_full_forward(apply, params, out, prompt_lengths, 10)
+        np.testing.assert_array_equal(out[row, length + 16 :], 7)  # padding after the row
+    assert_greedy_under_full_forward(apply, params, out, prompt_lengths, 16)
 
 
 def test_each_row_stops_at_its_end_token():

@@ -14,6 +14,11 @@ block's k a tuple of [B, K, S_i, H_j]; the score is the sum of the parts' dot
 products. Latent attention scores a latent part and a RoPE part this way
 without concatenating them in the cache.
 
+A key or value may also be a reader of stored data instead of an array (a
+quantized payload, kvlab/cache/quant.py): an object with
+`scores(q [B, K, M, H]) -> [B, K, M, S]` and `weighted_sum(w [B, K, M, S]) ->
+[B, K, M, Hv]`, computing the same products without dequantizing first.
+
 One softmax runs over all blocks together (each block's scores are
 exponentiated against the running maximum and the sums combined), so a step
 reads the cache as it was and the new tokens beside it, without concatenating
@@ -67,6 +72,22 @@ def _parts(x) -> tuple:
     return x if isinstance(x, tuple) else (x,)
 
 
+def _scores(q, k) -> Array:
+    """[B, K, M, H] queries against [B, K, S, H] keys (or a reader): float32 [B, K, M, S]."""
+    if hasattr(k, "scores"):
+        return k.scores(q)
+    return jnp.einsum("BKMH,BKSH->BKMS", q.astype(k.dtype), k, preferred_element_type=jnp.float32)
+
+
+def _weighted_sum(weights, v) -> Array:
+    """[B, K, M, S] weights over [B, K, S, Hv] values (or a reader): float32 [B, K, M, Hv]."""
+    if hasattr(v, "weighted_sum"):
+        return v.weighted_sum(weights)
+    return jnp.einsum(
+        "BKMS,BKSH->BKMH", weights.astype(v.dtype), v, preferred_element_type=jnp.float32
+    )
+
+
 def attend(
     q: Float[Array, "B T N H"] | tuple[Float[Array, "B T N _"], ...],
     blocks: Sequence[Block],
@@ -92,15 +113,7 @@ def attend(
     scores = []
     for k, _, mask in blocks:
         # [B, K, M, S] -> [B, K, T, G, S]
-        s = sum(
-            jnp.einsum(
-                "BKMH,BKSH->BKMS",
-                q_part.astype(k_part.dtype),
-                k_part,
-                preferred_element_type=jnp.float32,
-            )
-            for q_part, k_part in zip(folded, _parts(k), strict=True)
-        )
+        s = sum(_scores(q_part, k_part) for q_part, k_part in zip(folded, _parts(k), strict=True))
         s = s.reshape(batch, num_kv_heads, length, groups, -1)
         scores.append(jnp.where(mask[:, None, :, None, :], s * scale, MASKED))
     peak = MASKED  # [B, K, T, G, 1] after the loop; `initial` admits empty blocks
@@ -113,9 +126,6 @@ def attend(
         weights = jnp.exp(s - peak)
         total = total + weights.sum(axis=-1, keepdims=True)
         weights = weights.reshape(batch, num_kv_heads, length * groups, -1)
-        # [B, K, M, Hv]
-        out = out + jnp.einsum(
-            "BKMS,BKSH->BKMH", weights.astype(v.dtype), v, preferred_element_type=jnp.float32
-        )
+        out = out + _weighted_sum(weights, v)  # [B, K, M, Hv]
     out = out / total.reshape(batch, num_kv_heads, length * groups, 1)
     return rearrange(out, "B K (T G) H -> B T (K G) H", T=length).astype(queries[0].dtype)

@@ -4,13 +4,13 @@ MHA (arXiv:1706.03762), GQA (arXiv:2305.13245) and MQA (arXiv:1911.02150) differ
 only in `num_kv_heads` (K): N query heads share K key/value heads in groups of
 G = N / K. The cache stores K heads, never N.
 
-    GroupedQueryAttention(config)(x [B, T, D], placement, layer KVLayer | None)
+    GroupedQueryAttention(config)(x [B, T, D], placement, layer | None)
         -> (out [B, T, D], layer)
 
-With a cache layer, the queries attend over what the layer holds and over the
-new keys and values as the layer will hold them; then the new ones are written
-at `placement.slots`. Without one (the plain forward) they attend over the new
-tokens alone.
+With a cache layer (dense or quantized, kvlab/cache), the queries attend over
+what the layer holds and over the new keys and values as the layer will hold
+them; then the layer stores the new ones. Without one (the plain forward) they
+attend over the new tokens alone.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from ml_collections import FrozenConfigDict
 
 from kvlab.attention.core import attend, ordered_after
 from kvlab.attention.rope import apply_rope
-from kvlab.cache.dense import KVLayer, Placement
+from kvlab.cache.placement import Placement
 from kvlab.layers import projection
 
 
@@ -28,7 +28,7 @@ class GroupedQueryAttention(nn.Module):
     config: FrozenConfigDict  # the model section
 
     @nn.compact
-    def __call__(self, x, placement: Placement, layer: KVLayer | None = None):
+    def __call__(self, x, placement: Placement, layer=None):
         cfg = self.config
         # [B, T, N, H] and [B, T, K, H]
         q = projection(cfg, (cfg.num_heads, cfg.head_dim), "query")(x)
@@ -38,19 +38,12 @@ class GroupedQueryAttention(nn.Module):
         k = apply_rope(k, placement.positions, cfg.rope_theta)
         out_projection = projection(cfg, cfg.embed_dim, "out", axis=(-2, -1))
         # [B, K, T, H]
-        fresh_k, fresh_v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
+        fresh = (k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3))
         if layer is None:
-            return out_projection(attend(q, [(fresh_k, fresh_v, placement.fresh_mask)])), None
+            return out_projection(attend(q, [(*fresh, placement.fresh_mask)])), None
 
-        # The new tokens as the cache will hold them, beside what it holds now.
-        fresh_k, fresh_v = layer.roundtrip(fresh_k, fresh_v)
-        out = attend(
-            q,
-            [
-                (layer.k, layer.v, placement.cached_mask),
-                (fresh_k, fresh_v, placement.fresh_mask),
-            ],
-        )
+        # What the layer holds, and the new tokens as it will hold them.
+        regions, pending = layer.read(fresh, placement)
+        out = attend(q, [(keys, values, mask) for (keys, values), mask in regions])
         # Write only after the old cache has been read, so it is written in place.
-        k, v = ordered_after((k, v), out)
-        return out_projection(out), layer.append(k, v, placement.slots)
+        return out_projection(out), layer.write(ordered_after(pending, out), placement)

@@ -10,7 +10,7 @@ R + Hr numbers per token and layer instead of 2 x N x head_dim.
 Queries are full rank (x W_Q) or, with mla.q_rank > 0, low rank with their own
 norm (RMSNorm(x W_DQ) W_UQ); each head's query is [nope | rope].
 
-    MultiHeadLatentAttention(config)(x [B, T, D], placement, layer LatentLayer | None)
+    MultiHeadLatentAttention(config)(x [B, T, D], placement, layer | None)
         -> (out [B, T, D], layer)
 
 Two ways to attend over the latent, equal up to float rounding:
@@ -35,35 +35,39 @@ absorbed reads ~N x (nope + Hv) / (R + Hr) times less (bench_decode.py).
 from __future__ import annotations
 
 import flax.linen as nn
+import jax
 import jax.numpy as jnp
 from ml_collections import FrozenConfigDict
 
 from kvlab.attention.core import attend, ordered_after
 from kvlab.attention.rope import apply_rope
-from kvlab.cache.dense import LatentLayer
 from kvlab.cache.placement import Placement
 from kvlab.config import dtype_of
 from kvlab.layers import RMSNorm, projection
+
+
+def _dense(x) -> jax.Array:
+    """An array for what may be a reader of stored data (a quantized payload)."""
+    return x.dequantize() if hasattr(x, "dequantize") else x
 
 
 def expanded_attention(q_nope, q_rope, blocks, key_up, value_up, scale):
     """Per-head K/V expanded from each block's latent, then multi-head attention.
 
     q_nope [B, T, N, nope], q_rope [B, T, N, Hr]; blocks: sequence of
-    (c_kv [B, S, R], k_rope [B, S, Hr], mask bool[B, T or 1, S]);
+    (c_kv [B, 1, S, R], k_rope [B, 1, S, Hr], mask bool[B, T or 1, S]);
     key_up [R, N, nope], value_up [R, N, Hv] -> [B, T, N, Hv].
     """
     dtype = q_nope.dtype
     expanded = []
     for c_kv, k_rope, mask in blocks:
-        c_kv = c_kv.astype(dtype)
+        c_kv = _dense(c_kv)[:, 0].astype(dtype)  # [B, S, R]
         # [B, N, S, nope] and [B, N, S, Hv]
         k_nope = jnp.einsum("BSR,RNH->BNSH", c_kv, key_up.astype(dtype))
         v = jnp.einsum("BSR,RNH->BNSH", c_kv, value_up.astype(dtype))
         # The shared RoPE key, seen by every head: [B, N, S, Hr]
-        k_rope = jnp.broadcast_to(
-            k_rope.astype(dtype)[:, None], (*k_nope.shape[:3], k_rope.shape[-1])
-        )
+        k_rope = _dense(k_rope).astype(dtype)
+        k_rope = jnp.broadcast_to(k_rope, (*k_nope.shape[:3], k_rope.shape[-1]))
         expanded.append(((k_nope, k_rope), v, mask))
     return attend((q_nope, q_rope), expanded, scale)
 
@@ -71,15 +75,13 @@ def expanded_attention(q_nope, q_rope, blocks, key_up, value_up, scale):
 def absorbed_attention(q_nope, q_rope, blocks, key_up, value_up, scale):
     """Attention in latent space: W_UK folded into the query, W_UV applied after.
 
-    Same arguments and result as `expanded_attention`.
+    Same arguments and result as `expanded_attention`. The latent is one KV
+    head shared by all N query heads, read as both key part and value.
     """
     dtype = q_nope.dtype
     # [B, T, N, R]: each head's query against the latent
     q_latent = jnp.einsum("BTNH,RNH->BTNR", q_nope, key_up.astype(dtype))
-    # One KV head shared by all N query heads: [B, 1, S, R] and [B, 1, S, Hr]
-    latent = [
-        ((c_kv[:, None], k_rope[:, None]), c_kv[:, None], mask) for c_kv, k_rope, mask in blocks
-    ]
+    latent = [((c_kv, k_rope), c_kv, mask) for c_kv, k_rope, mask in blocks]
     out = attend((q_latent, q_rope), latent, scale)  # [B, T, N, R]
     return jnp.einsum("BTNR,RNH->BTNH", out, value_up.astype(dtype))
 
@@ -88,7 +90,7 @@ class MultiHeadLatentAttention(nn.Module):
     config: FrozenConfigDict  # the model section
 
     @nn.compact
-    def __call__(self, x, placement: Placement, layer: LatentLayer | None = None):
+    def __call__(self, x, placement: Placement, layer=None):
         cfg, mla = self.config, self.config.mla
         heads = cfg.num_heads
         # [B, T, N, nope + Hr]
@@ -113,17 +115,17 @@ class MultiHeadLatentAttention(nn.Module):
         out_projection = projection(cfg, cfg.embed_dim, "out", axis=(-2, -1))
         scale = cfg.head_dim**-0.5  # 1 / sqrt(nope + Hr), the per-head query/key width
 
+        # [B, 1, T, R] and [B, 1, T, Hr]: one "head" each, as the cache holds them
+        fresh = (c_kv[:, None], k_rope[:, None])
         if layer is None:
-            blocks = [(c_kv, k_rope, placement.fresh_mask)]
-            out = expanded_attention(q_nope, q_rope, blocks, key_up, value_up, scale)
+            out = expanded_attention(
+                q_nope, q_rope, [(*fresh, placement.fresh_mask)], key_up, value_up, scale
+            )
             return out_projection(out), None
 
-        blocks = [
-            (layer.c_kv, layer.k_rope, placement.cached_mask),
-            (*layer.roundtrip(c_kv, k_rope), placement.fresh_mask),
-        ]
+        regions, pending = layer.read(fresh, placement)
+        blocks = [(c_kv, k_rope, mask) for (c_kv, k_rope), mask in regions]
         attention = absorbed_attention if mla.absorb else expanded_attention
         out = attention(q_nope, q_rope, blocks, key_up, value_up, scale)
         # Write only after the old cache has been read, so it is written in place.
-        c_kv, k_rope = ordered_after((c_kv, k_rope), out)
-        return out_projection(out), layer.append(c_kv, k_rope, placement.slots)
+        return out_projection(out), layer.write(ordered_after(pending, out), placement)

@@ -1,12 +1,16 @@
 """KV-cache storage and byte accounting."""
 
 from kvlab.cache.accounting import cache_bytes, tree_bytes
-from kvlab.cache.dense import Cache, KVLayer, LatentLayer, init_cache, write_tokens
+from kvlab.cache.dense import Cache, DenseLayer, cached_tensors, init_cache
+from kvlab.cache.placement import write_tokens
+from kvlab.cache.quant import QuantizedLayer, QuantizedTensor
 
 __all__ = [
     "Cache",
-    "KVLayer",
-    "LatentLayer",
+    "DenseLayer",
+    "QuantizedLayer",
+    "QuantizedTensor",
+    "cached_tensors",
     "cache_bytes",
     "init_cache",
     "tree_bytes",

@@ -6,13 +6,17 @@ returns a new one. Row b holds `lengths[b]` tokens at positions
 rows of a batch may hold different lengths (ragged batches).
 
     Cache
-      layers   tuple of one storage per transformer layer:
-        KVLayer (model.attention='gqa': MHA, GQA, MQA)
-          k       [B, K, S, H]   keys, after RoPE, in cache.dtype
-          v       [B, K, S, H]   values
-        LatentLayer (model.attention='mla', arXiv:2405.04434)
-          c_kv    [B, S, R]      the normalised K/V latent (R = mla.kv_rank)
-          k_rope  [B, S, Hr]     the RoPE key shared by all heads (Hr = mla.rope_dim)
+      layers   tuple of one storage per transformer layer, holding the
+               tensors `cached_tensors` names, each [B, KH, S, W]:
+               model.attention='gqa' (MHA, GQA, MQA):
+                 k       [B, K, S, H]   keys, after RoPE
+                 v       [B, K, S, H]   values
+               model.attention='mla' (arXiv:2405.04434):
+                 c_kv    [B, 1, S, R]   the normalised K/V latent (R = mla.kv_rank)
+                 k_rope  [B, 1, S, Hr]  the RoPE key all heads share (Hr = mla.rope_dim)
+               as a DenseLayer (cache.dtype) when every tensor is 16-bit,
+               else a quant.QuantizedLayer (payloads, scales, a ring of recent
+               tokens: kvlab/cache/quant.py)
       lengths  int32[B]        tokens written per row
 
 S is the capacity (max_len). The buffers are head-major, the layout the
@@ -29,78 +33,57 @@ from collections.abc import Mapping
 import jax
 import jax.numpy as jnp
 from flax import struct
-from jaxtyping import Array, Int, Shaped
+from jaxtyping import Int
 
-from kvlab.cache.placement import Placement, causal_mask
+from kvlab.cache import quant
+from kvlab.cache.placement import Placement, causal_mask, write_tokens
 from kvlab.config import dtype_of, validate_cache_config, validate_model_config
 
 
-def write_tokens(
-    buffer: Shaped[Array, "B ..."],
-    new: Shaped[Array, "B T ..."],
-    slots: Int[Array, "B T"],
-    axis: int = 1,
-) -> Shaped[Array, "B ..."]:
-    """Writes token t of row b at position slots[b, t] along the buffer's `axis`.
+def cached_tensors(model_cfg: Mapping) -> tuple[tuple[str, int, int], ...]:
+    """(name, heads, width) of each tensor one layer caches per token.
 
-    `new` holds the tokens in [B, T, ...] order, "..." being the buffer's other
-    axes in their order (for a [B, K, S, H] buffer and axis 2: new is
-    [B, T, K, H]). Slots outside 0..S-1 are dropped.
-
-    The one write into any cache buffer. `jax.lax.dynamic_update_slice` would
-    move an out-of-range write back onto the last rows without a word; a
-    scatter in "drop" mode writes exactly the slots asked for and nothing else,
-    so padding tokens (slot S) and overflowing tokens vanish instead of
-    overwriting real ones.
+    Grouped-query attention: keys and values, K heads of head_dim. Latent
+    attention: the latent c_kv (width kv_rank) and the shared RoPE key k_rope
+    (width rope_dim), each with a single head axis of size 1.
     """
-    rows = jnp.arange(buffer.shape[0])[:, None]
-    index = (rows,) + (slice(None),) * (axis - 1) + (slots,)
-    return buffer.at[index].set(new.astype(buffer.dtype), mode="drop")
+    if model_cfg["attention"] == "mla":
+        mla = model_cfg["mla"]
+        return (("c_kv", 1, mla["kv_rank"]), ("k_rope", 1, mla["rope_dim"]))
+    heads, width = model_cfg["num_kv_heads"], model_cfg["head_dim"]
+    return (("k", heads, width), ("v", heads, width))
 
 
 @struct.dataclass
-class KVLayer:
-    """One layer's keys and values: k, v [B, K, S, H] in the cache dtype."""
+class DenseLayer:
+    """One layer's cached tensors in the cache dtype, each [B, KH, S, W] (`cached_tensors`)."""
 
-    k: Array
-    v: Array
-
-    @property
-    def capacity(self) -> int:
-        return self.k.shape[2]
-
-    def append(self, k: Array, v: Array, slots: Int[Array, "B T"]) -> KVLayer:
-        """Writes k, v [B, T, K, H] at `slots` (see write_tokens)."""
-        return KVLayer(
-            k=write_tokens(self.k, k, slots, axis=2), v=write_tokens(self.v, v, slots, axis=2)
-        )
-
-    def roundtrip(self, k: Array, v: Array) -> tuple[Array, Array]:
-        """What reading k, v back after `append` would give: the cache dtype."""
-        return k.astype(self.k.dtype), v.astype(self.v.dtype)
-
-
-@struct.dataclass
-class LatentLayer:
-    """One layer's latent attention cache: c_kv [B, S, R] and k_rope [B, S, Hr]."""
-
-    c_kv: Array
-    k_rope: Array
+    tensors: tuple
 
     @property
     def capacity(self) -> int:
-        return self.c_kv.shape[1]
+        return self.tensors[0].shape[2]
 
-    def append(self, c_kv: Array, k_rope: Array, slots: Int[Array, "B T"]) -> LatentLayer:
-        """Writes c_kv [B, T, R] and k_rope [B, T, Hr] at `slots` (see write_tokens)."""
-        return LatentLayer(
-            c_kv=write_tokens(self.c_kv, c_kv, slots),
-            k_rope=write_tokens(self.k_rope, k_rope, slots),
+    def read(self, fresh: tuple, placement: Placement):
+        """What the step's queries attend over, and what `write` will store.
+
+        fresh: the step's new tokens per tensor, [B, KH, T, W]. Returns blocks
+        [(tensors, mask)]: the cache as it is (mask [B, 1, S]: written slots)
+        and the new tokens as the cache will hold them (placement.fresh_mask);
+        and those new tokens, for `write`.
+        """
+        fresh = tuple(x.astype(t.dtype) for x, t in zip(fresh, self.tensors, strict=True))
+        written = jnp.arange(self.capacity) < placement.lengths[:, None]  # [B, S]
+        return [(self.tensors, written[:, None, :]), (fresh, placement.fresh_mask)], fresh
+
+    def write(self, fresh: tuple, placement: Placement) -> DenseLayer:
+        """Stores the new tokens at `placement.slots` (see write_tokens)."""
+        return DenseLayer(
+            tuple(
+                write_tokens(t, x, placement.slots, axis=2)
+                for t, x in zip(self.tensors, fresh, strict=True)
+            )
         )
-
-    def roundtrip(self, c_kv: Array, k_rope: Array) -> tuple[Array, Array]:
-        """What reading the new entries back after `append` would give."""
-        return c_kv.astype(self.c_kv.dtype), k_rope.astype(self.k_rope.dtype)
 
 
 @struct.dataclass
@@ -128,12 +111,12 @@ class Cache:
         relative = jnp.broadcast_to(steps, (self.batch_size, length))
         # Padding goes to slot S, which write_tokens drops.
         slots = jnp.where(steps < num_tokens[:, None], self.lengths[:, None] + steps, self.capacity)
-        written = jnp.arange(self.capacity) < self.lengths[:, None]  # [B, S]
         return Placement(
             positions=self.lengths[:, None] + steps,
             fresh_mask=causal_mask(relative, num_tokens, length),
             slots=slots,
-            cached_mask=written[:, None, :],
+            lengths=self.lengths,
+            num_tokens=num_tokens,
         )
 
 
@@ -145,19 +128,18 @@ def _check_size(name: str, value: int) -> None:
 def init_cache(model_cfg: Mapping, cache_cfg: Mapping, batch_size: int, max_len: int) -> Cache:
     """An empty cache for `batch_size` rows of up to `max_len` tokens each."""
     validate_model_config(model_cfg)
-    validate_cache_config(cache_cfg)
+    validate_cache_config(cache_cfg, model_cfg)
     _check_size("batch_size", batch_size)
     _check_size("max_len", max_len)
-    dtype = dtype_of(cache_cfg["dtype"])
-    if model_cfg["attention"] == "mla":
-        mla = model_cfg["mla"]
-        new_layer = lambda: LatentLayer(  # noqa: E731
-            c_kv=jnp.zeros((batch_size, max_len, mla["kv_rank"]), dtype),
-            k_rope=jnp.zeros((batch_size, max_len, mla["rope_dim"]), dtype),
+    shapes = [(heads, width) for _, heads, width in cached_tensors(model_cfg)]
+    layout = quant.quantized_layout(model_cfg, cache_cfg, max_len)
+    if layout is None:
+        dtype = dtype_of(cache_cfg["dtype"])
+        new_layer = lambda: DenseLayer(  # noqa: E731
+            tuple(jnp.zeros((batch_size, h, max_len, w), dtype) for h, w in shapes)
         )
     else:
-        # [B, K, S, H]
-        shape = (batch_size, model_cfg["num_kv_heads"], max_len, model_cfg["head_dim"])
-        new_layer = lambda: KVLayer(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))  # noqa: E731
+        specs = quant.storages(model_cfg, cache_cfg)
+        new_layer = lambda: quant.init_layer(specs, layout, batch_size, shapes)  # noqa: E731
     layers = tuple(new_layer() for _ in range(model_cfg["num_layers"]))
     return Cache(layers=layers, lengths=jnp.zeros((batch_size,), jnp.int32))

@@ -1,8 +1,9 @@
 """Where a step's new tokens go in a cache and what each of them may see.
 
     causal_mask(q_positions [B, T], kv_lengths [B], kv_size) -> bool[B, T, S]
-    Placement(positions, fresh_mask, slots, cached_mask)
+    Placement(positions, fresh_mask, slots, lengths, num_tokens)
     place_without_cache(batch, length) -> Placement      (the plain forward)
+    write_tokens(buffer, new, slots, axis) -> buffer      (the one cache write)
 
 Each cache kind places tokens itself (`Cache.place`): positions follow the
 row's length, slots are where its storage puts them.
@@ -13,7 +14,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import jax.numpy as jnp
-from jaxtyping import Array, Bool, Int
+from jaxtyping import Array, Bool, Int, Shaped
 
 
 def causal_mask(
@@ -36,16 +37,43 @@ class Placement(NamedTuple):
     positions    int32[B, T]    absolute positions (RoPE angles follow them)
     fresh_mask   bool[B, T, T]  new token t sees new token t' <= t, if t' is real
     slots        int32[B, T]    cache slot of each token; S (dropped) for padding
-    cached_mask  bool[B, 1, S]  every new token sees the row's cached tokens
+    lengths      int32[B]       tokens each row held before this step
+    num_tokens   int32[B]       real tokens among the T of each row
     """
 
     positions: Int[Array, "B T"]
     fresh_mask: Bool[Array, "B T T"]
     slots: Int[Array, "B T"] | None = None
-    cached_mask: Bool[Array, "B 1 S"] | None = None
+    lengths: Int[Array, " B"] | None = None
+    num_tokens: Int[Array, " B"] | None = None
 
 
 def place_without_cache(batch: int, length: int) -> Placement:
     """The plain causal forward: positions 0..T-1, nothing cached."""
     steps = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length))
     return Placement(steps, causal_mask(steps, jnp.full((batch,), length), length))
+
+
+def write_tokens(
+    buffer: Shaped[Array, "B ..."],
+    new: Shaped[Array, "B ..."],
+    slots: Int[Array, "B T"],
+    axis: int = 1,
+) -> Shaped[Array, "B ..."]:
+    """Writes token t of row b at position slots[b, t] along the buffer's `axis`.
+
+    `new` has the buffer's layout with T tokens in place of the buffer's S
+    along `axis` (a [B, K, S, H] buffer with axis 2 takes [B, K, T, H]).
+    Slots outside 0..S-1 are dropped.
+
+    The one write into any cache buffer. `jax.lax.dynamic_update_slice` would
+    move an out-of-range write back onto the last rows without a word; a
+    scatter in "drop" mode writes exactly the slots asked for and nothing else,
+    so padding tokens (slot S) and overflowing tokens vanish instead of
+    overwriting real ones.
+    """
+    rows = jnp.arange(buffer.shape[0])[:, None]
+    index = (rows,) + (slice(None),) * (axis - 1) + (slots,)
+    # Indexed this way the selected entries come out [B, T, (axes before `axis`), ...].
+    values = jnp.moveaxis(new, axis, 1).astype(buffer.dtype)
+    return buffer.at[index].set(values, mode="drop")

@@ -44,9 +44,11 @@ def call(attention, inputs, split):
     """Runs an MLA attention path with the keys cut into two blocks at `split`."""
     c_kv, k_rope, mask = inputs["c_kv"], inputs["k_rope"], inputs["mask"]
     cut = min(split, c_kv.shape[1])
+    # [B, 1, S, .]: the latent and the RoPE key as the cache holds them
+    c_kv, k_rope = c_kv[:, None], k_rope[:, None]
     blocks = [
-        (c_kv[:, :cut], k_rope[:, :cut], mask[..., :cut]),
-        (c_kv[:, cut:], k_rope[:, cut:], mask[..., cut:]),
+        (c_kv[:, :, :cut], k_rope[:, :, :cut], mask[..., :cut]),
+        (c_kv[:, :, cut:], k_rope[:, :, cut:], mask[..., cut:]),
     ]
     run = jax.jit(attention, static_argnums=5)
     return run(
@@ -86,7 +88,7 @@ def test_both_paths_equal_the_written_out_attention(
 
 def largest_intermediate(attention, inputs) -> int:
     """Elements in the largest array the path builds."""
-    blocks = [(inputs["c_kv"], inputs["k_rope"], inputs["mask"])]
+    blocks = [(inputs["c_kv"][:, None], inputs["k_rope"][:, None], inputs["mask"])]
     jaxpr = jax.make_jaxpr(attention, static_argnums=5)(
         inputs["q_nope"],
         inputs["q_rope"],

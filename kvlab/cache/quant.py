@@ -1,0 +1,483 @@
+"""Quantized KV caches: each cached tensor in 16, 8, 4 or 2 bits, with a full-precision window.
+
+KIVI (arXiv:2402.02750) and KVQuant (arXiv:2401.18079): keys and values are
+stored in few bits with a scale (and a zero point) per group of numbers; keys
+are more sensitive than values, so each tensor has its own width. A group is
+`group_size` numbers of one token along the feature axis (axis "token": one
+scale per token and group of channels) or `group_size` tokens of one channel
+(axis "channel": one scale per channel and group of tokens, KIVI's choice for
+keys). int codes are round-to-nearest levels, with a zero point (asymmetric,
+2^b levels) or without (symmetric, 2^b - 1 levels around 0); fp8 codes are
+float8 e4m3 of the scaled number (8 bits only, no zero point). Scales and zero
+points are stored in `scale_dtype`, rounded outwards so no number is clipped:
+|x - dequantize(quantize(x))| <= scale / 2 for int codes.
+
+Layout of one layer (every tensor of the layer shares it):
+
+    settled tokens [0, q)  quantized, in `payload` rows (row = position)
+    recent tokens  [q, n)  in full precision (cache.dtype), in the `ring`
+                           (slot = position mod W)
+
+with n the row's length and q = settled(n) = floor((n - residual) / g) * g,
+g = group_size if a tensor of the layer groups along tokens, else 1. So the
+`residual` most recent tokens (and those of an unfinished token group) stay in
+full precision, and tokens move to quantized storage in whole groups
+("flushed") as the row grows. A row of capacity S needs P = settled(S)
+payload rows and W = min(residual + g - 1, S) ring slots.
+
+    QuantizedTensor (one cached tensor, KH heads of width Wd)
+      payload  uint8[B, KH, P, Wd * bits / 8]  codes, 8 / bits per byte, low bits first
+               (at 16 bits: cache.dtype[B, KH, P, Wd], no scale or zero)
+      scale    [B, KH, P, Wd / group_size] (token axis) or [B, KH, P / g, Wd] (channel)
+      zero     as scale, or None (symmetric int, fp8)
+      ring     cache.dtype[B, KH, W, Wd], or None when W = 0
+
+Reads keep a token's representation a pure function of the row's length when
+the query was made, so a query at position p sees token i quantized exactly
+when i < settled(p + 1), as token-by-token decode would, whatever the chunk
+size. Attention reads payloads without building a dequantized copy where the
+math allows: per-token scales multiply the query-key products and fold into the
+probabilities for V; per-channel scales multiply the query group by group.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+from jaxtyping import Array
+
+from kvlab.cache.placement import Placement, write_tokens
+from kvlab.config import dtype_of
+
+FP8 = jnp.float8_e4m3fn
+FP8_MAX = float(jnp.finfo(FP8).max)  # 448
+
+
+@dataclasses.dataclass(frozen=True)
+class Storage:
+    """How one cached tensor is stored (static, hashable)."""
+
+    bits: int  # 16: cache dtype, unquantized
+    format: str  # "int" | "fp8"
+    axis: str  # "token" | "channel"
+    group_size: int
+    symmetric: bool  # int only: no zero point
+    scale_dtype: str
+    dtype: str  # the cache dtype (16-bit payload and the ring)
+
+    @property
+    def quantized(self) -> bool:
+        return self.bits < 16
+
+    @property
+    def has_zero(self) -> bool:
+        return self.quantized and self.format == "int" and not self.symmetric
+
+
+def storages(model_cfg: Mapping, cache_cfg: Mapping) -> tuple[Storage, ...]:
+    """The storage of each tensor a layer caches, in `cached_tensors` order.
+
+    Grouped-query attention caches (k, v) under cache.k_* and cache.v_*;
+    latent attention caches (c_kv, k_rope) under cache.latent_* and cache.rope_*.
+    """
+    prefixes = ("latent", "rope") if model_cfg["attention"] == "mla" else ("k", "v")
+    return tuple(
+        Storage(
+            bits=cache_cfg[f"{prefix}_bits"],
+            format=cache_cfg[f"{prefix}_format"],
+            axis=cache_cfg[f"{prefix}_axis"],
+            group_size=cache_cfg["group_size"],
+            symmetric=cache_cfg["symmetric"],
+            scale_dtype=cache_cfg["scale_dtype"],
+            dtype=cache_cfg["dtype"],
+        )
+        for prefix in prefixes
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """Where a layer's tokens live (module docstring): static, hashable."""
+
+    capacity: int  # S, tokens a row may hold
+    residual: int  # tokens kept in full precision at least
+    granularity: int  # g: tokens flushed together
+
+    @staticmethod
+    def of(specs: tuple[Storage, ...], residual: int, capacity: int) -> Layout:
+        channel = any(s.quantized and s.axis == "channel" for s in specs)
+        return Layout(capacity, residual, specs[0].group_size if channel else 1)
+
+    def settled(self, lengths):
+        """q(n): tokens of a row of length n held quantized (works on ints and arrays)."""
+        g = self.granularity
+        if isinstance(lengths, int):
+            return max(0, (lengths - self.residual) // g * g)
+        return jnp.maximum(0, (lengths - self.residual) // g * g)
+
+    @property
+    def payload_len(self) -> int:  # P
+        return self.settled(self.capacity)
+
+    @property
+    def ring_len(self) -> int:  # W: the most recent tokens that can be unsettled at once
+        return min(self.residual + self.granularity - 1, self.capacity)
+
+
+def quantized_layout(model_cfg: Mapping, cache_cfg: Mapping, capacity: int) -> Layout | None:
+    """The layer layout of a quantized cache, or None when every tensor is 16-bit."""
+    specs = storages(model_cfg, cache_cfg)
+    if not any(s.quantized for s in specs):
+        return None
+    return Layout.of(specs, cache_cfg["residual"], capacity)
+
+
+# ---------------------------------------------------------------------------
+# Codes
+
+
+def pack(codes: Array, bits: int) -> Array:
+    """uint8 codes [..., Wd] -> uint8 [..., Wd * bits / 8]; value j of a byte in bits j*b.."""
+    per_byte = 8 // bits
+    grouped = codes.reshape(*codes.shape[:-1], -1, per_byte).astype(jnp.uint8)
+    shifts = (jnp.arange(per_byte, dtype=jnp.uint8) * bits).astype(jnp.uint8)
+    return jnp.bitwise_or.reduce(grouped << shifts, axis=-1)
+
+
+def unpack(packed: Array, bits: int) -> Array:
+    """The inverse of `pack`: uint8 [..., Wd * bits / 8] -> uint8 codes [..., Wd]."""
+    per_byte = 8 // bits
+    shifts = (jnp.arange(per_byte, dtype=jnp.uint8) * bits).astype(jnp.uint8)
+    codes = (packed[..., None] >> shifts) & jnp.uint8(2**bits - 1)
+    return codes.reshape(*packed.shape[:-1], -1)
+
+
+def _round_away(value: Array, dtype, up: bool) -> Array:
+    """value rounded to `dtype`, then moved one step outwards if rounding went inwards."""
+    rounded = value.astype(dtype)
+    wrong = (rounded.astype(jnp.float32) < value) if up else (rounded.astype(jnp.float32) > value)
+    outward = jnp.nextafter(rounded, jnp.array(jnp.inf if up else -jnp.inf, dtype))
+    return jnp.where(wrong, outward, rounded)
+
+
+def quantize(x: Array, spec: Storage, axis: int) -> tuple[Array, Array, Array | None]:
+    """Codes (uint8, x's shape), scale and zero point (x's shape without `axis`).
+
+    The group of numbers sharing a scale runs along `axis`.
+    """
+    x = x.astype(jnp.float32)
+    scale_dtype = dtype_of(spec.scale_dtype)
+    if spec.format == "fp8":
+        top = jnp.max(jnp.abs(x), axis=axis)
+        scale = _round_away(top / FP8_MAX, scale_dtype, up=True)
+        safe = jnp.where(scale > 0, scale.astype(jnp.float32), 1.0)
+        codes = (x / jnp.expand_dims(safe, axis)).astype(FP8)
+        return jax.lax.bitcast_convert_type(codes, jnp.uint8), scale, None
+    if spec.symmetric:
+        levels = 2 ** (spec.bits - 1) - 1  # codes -levels..levels, stored + 2^(b-1)
+        top = jnp.max(jnp.abs(x), axis=axis)
+        scale = _round_away(top / levels, scale_dtype, up=True)
+        safe = jnp.where(scale > 0, scale.astype(jnp.float32), 1.0)
+        codes = jnp.round(x / jnp.expand_dims(safe, axis)) + 2 ** (spec.bits - 1)
+        return codes.astype(jnp.uint8), scale, None
+    low = _round_away(jnp.min(x, axis=axis), scale_dtype, up=False)
+    span = jnp.max(x, axis=axis) - low.astype(jnp.float32)
+    scale = _round_away(span / (2**spec.bits - 1), scale_dtype, up=True)
+    safe = jnp.where(scale > 0, scale.astype(jnp.float32), 1.0)
+    codes = jnp.round(
+        (x - jnp.expand_dims(low.astype(jnp.float32), axis)) / jnp.expand_dims(safe, axis)
+    )
+    return jnp.clip(codes, 0, 2**spec.bits - 1).astype(jnp.uint8), scale, low
+
+
+def levels(codes: Array, spec: Storage) -> Array:
+    """The number each code stands for before its scale: float32, codes' shape."""
+    if spec.format == "fp8":
+        return jax.lax.bitcast_convert_type(codes, FP8).astype(jnp.float32)
+    offset = 2 ** (spec.bits - 1) if spec.symmetric else 0
+    return codes.astype(jnp.float32) - offset
+
+
+def dequantize(codes: Array, scale: Array, zero: Array | None, spec: Storage, axis: int) -> Array:
+    """float32 numbers from codes, with the scale (and zero) broadcast along `axis`."""
+    out = levels(codes, spec) * jnp.expand_dims(scale.astype(jnp.float32), axis)
+    if zero is not None:
+        out = out + jnp.expand_dims(zero.astype(jnp.float32), axis)
+    return out
+
+
+def _grouped(x: Array, spec: Storage) -> tuple[Array, int]:
+    """x [B, KH, N, Wd] arranged so one scale's group runs along the returned axis.
+
+    token axis: [B, KH, N, Wd/gs, gs], axis 4; channel: [B, KH, N/g, g, Wd], axis 3.
+    """
+    b, kh, n, width = x.shape
+    if spec.axis == "token":
+        return x.reshape(b, kh, n, width // spec.group_size, spec.group_size), 4
+    return x.reshape(b, kh, n // spec.group_size, spec.group_size, width), 3
+
+
+def quantize_tokens(x: Array, spec: Storage) -> tuple[Array, Array, Array | None]:
+    """Packed payload rows, scales and zeros for whole groups of tokens x [B, KH, N, Wd]."""
+    grouped, axis = _grouped(x, spec)
+    codes, scale, zero = quantize(grouped, spec, axis)
+    return pack(codes.reshape(x.shape), spec.bits), scale, zero
+
+
+def dequantize_tokens(payload: Array, scale: Array, zero: Array | None, spec: Storage) -> Array:
+    """The inverse of `quantize_tokens` (up to the quantization error): float32 [B, KH, N, Wd]."""
+    codes = unpack(payload, spec.bits)
+    grouped, axis = _grouped(codes, spec)
+    return dequantize(grouped, scale, zero, spec, axis).reshape(codes.shape)
+
+
+# ---------------------------------------------------------------------------
+# One cached tensor
+
+
+@struct.dataclass
+class QuantizedTensor:
+    """One cached tensor of a quantized layer (fields and shapes: module docstring)."""
+
+    payload: Array
+    scale: Array | None
+    zero: Array | None
+    ring: Array | None
+    spec: Storage = struct.field(pytree_node=False)
+
+    def reader(self):
+        """What the attention function reads the settled tokens through."""
+        return self.payload if not self.spec.quantized else PayloadReader(self)
+
+    def dequantize(self) -> Array:
+        """The settled tokens as float32 [B, KH, P, Wd]."""
+        if not self.spec.quantized:
+            return self.payload.astype(jnp.float32)
+        return dequantize_tokens(self.payload, self.scale, self.zero, self.spec)
+
+
+@dataclasses.dataclass(frozen=True)
+class PayloadReader:
+    """Attention over a quantized payload without dequantizing it.
+
+    scores(q [B, KH, M, Wd]) -> float32 [B, KH, M, P]
+    weighted_sum(w [B, KH, M, P]) -> float32 [B, KH, M, Wd]
+    """
+
+    tensor: QuantizedTensor
+
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        """The logical shape [B, KH, P, Wd] of what it reads."""
+        b, kh, p, packed = self.tensor.payload.shape
+        return (b, kh, p, packed * 8 // self.tensor.spec.bits)
+
+    def dequantize(self) -> Array:
+        return self.tensor.dequantize()
+
+    def _levels(self):
+        t = self.tensor
+        grouped, _ = _grouped(levels(unpack(t.payload, t.spec.bits), t.spec), t.spec)
+        zero = None if t.zero is None else t.zero.astype(jnp.float32)
+        return grouped, t.scale.astype(jnp.float32), zero
+
+    def scores(self, q: Array) -> Array:
+        q = q.astype(jnp.float32)
+        b, kh, m, width = q.shape
+        lv, scale, zero = self._levels()
+        if self.tensor.spec.axis == "token":
+            # lv [B, KH, P, ng, gs]; scale, zero [B, KH, P, ng]
+            qg = q.reshape(b, kh, m, *lv.shape[3:])
+            partial = jnp.einsum("BKMgd,BKPgd->BKMPg", qg, lv)
+            out = jnp.einsum("BKMPg,BKPg->BKMP", partial, scale)
+            if zero is not None:
+                out = out + jnp.einsum("BKMg,BKPg->BKMP", qg.sum(-1), zero)
+            return out
+        # lv [B, KH, J, g, Wd]; scale, zero [B, KH, J, Wd]: scale the query per group.
+        scaled = q[:, :, :, None, :] * scale[:, :, None]  # [B, KH, M, J, Wd]
+        out = jnp.einsum("BKMJd,BKJtd->BKMJt", scaled, lv)
+        if zero is not None:
+            out = out + jnp.einsum("BKMd,BKJd->BKMJ", q, zero)[..., None]
+        return out.reshape(b, kh, m, -1)
+
+    def weighted_sum(self, w: Array) -> Array:
+        w = w.astype(jnp.float32)
+        b, kh, m, _ = w.shape
+        lv, scale, zero = self._levels()
+        if self.tensor.spec.axis == "token":
+            # Fold each token's scales into its probability.
+            folded = w[..., None] * scale[:, :, None]  # [B, KH, M, P, ng]
+            out = jnp.einsum("BKMPg,BKPgd->BKMgd", folded, lv)
+            if zero is not None:
+                out = out + jnp.einsum("BKMP,BKPg->BKMg", w, zero)[..., None]
+            return out.reshape(b, kh, m, -1)
+        wg = w.reshape(b, kh, m, *lv.shape[2:4])  # [B, KH, M, J, g]
+        partial = jnp.einsum("BKMJt,BKJtd->BKMJd", wg, lv)
+        out = jnp.einsum("BKMJd,BKJd->BKMd", partial, scale)
+        if zero is not None:
+            out = out + jnp.einsum("BKMJ,BKJd->BKMd", wg.sum(-1), zero)
+        return out
+
+
+def init_tensor(
+    spec: Storage, layout: Layout, batch: int, heads: int, width: int
+) -> QuantizedTensor:
+    p, w = layout.payload_len, layout.ring_len
+    dtype = dtype_of(spec.dtype)
+    ring = jnp.zeros((batch, heads, w, width), dtype) if w else None
+    if not spec.quantized:
+        return QuantizedTensor(jnp.zeros((batch, heads, p, width), dtype), None, None, ring, spec)
+    payload = jnp.zeros((batch, heads, p, width * spec.bits // 8), jnp.uint8)
+    if spec.axis == "token":
+        scale_shape = (batch, heads, p, width // spec.group_size)
+    else:
+        scale_shape = (batch, heads, p // spec.group_size, width)
+    scale = jnp.zeros(scale_shape, dtype_of(spec.scale_dtype))
+    zero = jnp.zeros(scale_shape, dtype_of(spec.scale_dtype)) if spec.has_zero else None
+    return QuantizedTensor(payload, scale, zero, ring, spec)
+
+
+# ---------------------------------------------------------------------------
+# One layer
+
+
+@struct.dataclass
+class Flush:
+    """Tokens leaving the ring this step, in whole groups (what `write` stores).
+
+    positions int32[B, F*g] (invalid ones at P); per tensor: payload rows
+    [B, KH, F*g, .] (packed codes, or the numbers themselves at 16 bits),
+    scales and zeros.
+    """
+
+    positions: Array
+    fresh: tuple  # the step's new tokens per tensor, cache dtype [B, KH, T, Wd]
+    payloads: tuple
+    scales: tuple
+    zeros: tuple
+
+
+@struct.dataclass
+class QuantizedLayer:
+    """One layer's cached tensors, quantized (module docstring)."""
+
+    tensors: tuple
+    layout: Layout = struct.field(pytree_node=False)
+
+    @property
+    def capacity(self) -> int:
+        return self.layout.capacity
+
+    def _flush(self, fresh: tuple, placement: Placement) -> Flush:
+        """Gathers the tokens settled by this step and quantizes them."""
+        layout, lengths = self.layout, placement.lengths
+        length = placement.positions.shape[1]
+        g = layout.granularity
+        groups = -(-length // g)  # F: at most this many groups settle in one step
+        before, after = layout.settled(lengths), layout.settled(lengths + placement.num_tokens)
+        offsets = jnp.arange(groups * g, dtype=jnp.int32)
+        positions = before[:, None] + offsets  # [B, F*g]
+        valid = positions < after[:, None]
+        from_fresh = positions >= lengths[:, None]
+        fresh_index = jnp.clip(positions - lengths[:, None], 0, length - 1)
+        payloads, scales, zeros = [], [], []
+        for tensor, new in zip(self.tensors, fresh, strict=True):
+            # [B, KH, F*g, Wd], full precision as the ring holds it
+            taken = jnp.take_along_axis(new, fresh_index[:, None, :, None], axis=2)
+            if tensor.ring is not None:
+                slot = positions % layout.ring_len
+                kept = jnp.take_along_axis(tensor.ring, slot[:, None, :, None], axis=2)
+                taken = jnp.where(from_fresh[:, None, :, None], taken, kept)
+            if tensor.spec.quantized:
+                payload, scale, zero = quantize_tokens(taken, tensor.spec)
+            else:
+                payload, scale, zero = taken, None, None
+            payloads.append(payload)
+            scales.append(scale)
+            zeros.append(zero)
+        positions = jnp.where(valid, positions, layout.payload_len)
+        return Flush(positions, fresh, tuple(payloads), tuple(scales), tuple(zeros))
+
+    def read(self, fresh: tuple, placement: Placement):
+        """Blocks to attend over and what `write` will store (see DenseLayer.read).
+
+        fresh: the step's new tokens per tensor, [B, KH, T, Wd].
+        """
+        layout, lengths = self.layout, placement.lengths
+        fresh = tuple(
+            x.astype(t.ring.dtype if t.ring is not None else dtype_of(t.spec.dtype))
+            for x, t in zip(fresh, self.tensors, strict=True)
+        )
+        flush = self._flush(fresh, placement)
+        before = layout.settled(lengths)  # [B]
+        # Per query at position p: tokens below settled(p + 1) are seen quantized.
+        seen_settled = layout.settled(placement.positions + 1)[:, :, None]  # [B, T, 1]
+
+        payload_positions = jnp.arange(layout.payload_len)
+        blocks = [
+            (
+                tuple(t.reader() for t in self.tensors),
+                (payload_positions < before[:, None])[:, None, :],  # [B, 1, P]
+            )
+        ]
+        if layout.ring_len:
+            slots = jnp.arange(layout.ring_len)
+            # The latest position below the row's length that lives in each slot.
+            ring_positions = lengths[:, None] - 1 - (lengths[:, None] - 1 - slots) % layout.ring_len
+            live = ring_positions >= before[:, None]  # [B, W]
+            blocks.append(
+                (
+                    tuple(t.ring for t in self.tensors),
+                    live[:, None, :] & (ring_positions[:, None, :] >= seen_settled),
+                )
+            )
+        fresh_positions = placement.positions[:, None, :]  # [B, 1, T]
+        blocks.append((fresh, placement.fresh_mask & (fresh_positions >= seen_settled)))
+        settled_values = tuple(
+            dequantize_tokens(p, s, z, t.spec) if t.spec.quantized else p
+            for t, p, s, z in zip(
+                self.tensors, flush.payloads, flush.scales, flush.zeros, strict=True
+            )
+        )
+        flushed = flush.positions[:, None, :]  # [B, 1, F*g]; P where nothing settles
+        blocks.append((settled_values, (flushed < seen_settled) & (flushed < layout.payload_len)))
+        return blocks, flush
+
+    def write(self, flush: Flush, placement: Placement) -> QuantizedLayer:
+        """Stores the settled groups in the payloads and the rest of the new tokens in the ring."""
+        layout = self.layout
+        g = layout.granularity
+        after = layout.settled(placement.lengths + placement.num_tokens)
+        tensors = []
+        for tensor, new, payload, scale, zero in zip(
+            self.tensors, flush.fresh, flush.payloads, flush.scales, flush.zeros, strict=True
+        ):
+            rows = write_tokens(tensor.payload, payload, flush.positions, axis=2)
+            if tensor.spec.quantized:
+                if tensor.spec.axis == "token":
+                    scale_slots = flush.positions
+                else:  # one scale row per group of g tokens
+                    scale_slots = flush.positions[:, ::g] // g
+                scale = write_tokens(tensor.scale, scale, scale_slots, axis=2)
+                if zero is not None:
+                    zero = write_tokens(tensor.zero, zero, scale_slots, axis=2)
+            ring = tensor.ring
+            if ring is not None:
+                positions = placement.positions
+                stays = (positions >= after[:, None]) & (placement.slots < layout.capacity)
+                ring_slots = jnp.where(stays, positions % layout.ring_len, layout.ring_len)
+                ring = write_tokens(ring, new, ring_slots, axis=2)
+            tensors.append(QuantizedTensor(rows, scale, zero, ring, tensor.spec))
+        return QuantizedLayer(tuple(tensors), layout)
+
+
+def init_layer(specs: tuple[Storage, ...], layout: Layout, batch: int, shapes) -> QuantizedLayer:
+    """An empty quantized layer; shapes: (heads, width) per cached tensor."""
+    return QuantizedLayer(
+        tuple(init_tensor(s, layout, batch, h, w) for s, (h, w) in zip(specs, shapes, strict=True)),
+        layout,
+    )
