@@ -104,6 +104,7 @@ def test_bench_decode_reports_speedup_roofline_and_latent_paths():
         "--mla_steps=2",
         "--repeats=1",
         "--probe_mib=16",
+        "--bits=16,4",
         "--json",
     )
     report = json.loads(result.stdout)
@@ -114,8 +115,33 @@ def test_bench_decode_reports_speedup_roofline_and_latent_paths():
         assert row["bytes_per_step"] == report["weight_bytes"] + row["cache_bytes"]
     (paths,) = report["mla_paths"]
     assert paths["seq_len"] == 32
+    widths = {(row["bits"], row["seq_len"]): row for row in report["bit_widths"]}
+    assert set(widths) == {(16, 32), (16, 64), (4, 32), (4, 64)}
+    assert widths[16, 64]["bytes_vs_first"] == 1 and widths[4, 64]["bytes_vs_first"] < 0.5
+    assert all(row["tokens_per_s"] > 0 for row in widths.values())
     ratio = paths["absorbed_tokens_per_s"] / paths["expanded_tokens_per_s"]
     assert paths["absorbed_speedup"] == pytest.approx(ratio)
+
+
+def test_quant_probe_compares_every_key_and_value_width():
+    result = run_script(
+        "scripts/quant_probe.py",
+        "--config",
+        "configs/kv_kivi2.py:tiny",
+        "--bits=16,4",
+        "--seq_len=128",
+        "--chunk=32",
+        "--json",
+    )
+    rows = {(row["k_bits"], row["v_bits"]): row for row in json.loads(result.stdout)["rows"]}
+    assert set(rows) == {(16, 16), (16, 4), (4, 16), (4, 4)}
+    exact = rows[16, 16]
+    assert exact["logit_max_abs_error"] == 0 and exact["top1_agreement"] == 1
+    assert exact["attention_relative_error"] == 0
+    for pair in [(16, 4), (4, 16), (4, 4)]:
+        assert rows[pair]["attention_relative_error"] > 0 and rows[pair]["kl_from_reference"] > 0
+        assert rows[pair]["cache_bytes"] < exact["cache_bytes"]
+    assert rows[4, 16]["logit_mean_abs_error"] != rows[16, 4]["logit_mean_abs_error"]
 
 
 def test_generate_demo_runs():
