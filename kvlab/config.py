@@ -33,6 +33,7 @@ CODE_FORMATS = ("int", "fp8")
 GROUP_AXES = ("token", "channel")
 # The cached tensors' config prefixes, by attention kind (kvlab/cache/quant.py).
 CACHED = {"gqa": ("k", "v"), "mla": ("latent", "rope")}
+CACHED_PREFIXES = ("k", "v", "latent", "rope")
 DATA_SOURCES = ("stdlib", "text", "mqar")
 WANDB_MODES = ("offline", "online", "disabled")
 
@@ -284,7 +285,7 @@ def validate_cache_config(cache: Mapping, model: Mapping | None = None) -> None:
     _check_int("cache", cache, "residual", minimum=0)
     if not isinstance(cache["symmetric"], bool):
         _fail("cache.symmetric", cache["symmetric"], "is not a bool", "set True or False")
-    for prefix in ("k", "v", "latent", "rope"):
+    for prefix in CACHED_PREFIXES:
         _check_choice("cache", cache, f"{prefix}_bits", BIT_WIDTHS)
         _check_choice("cache", cache, f"{prefix}_format", CODE_FORMATS)
         _check_choice("cache", cache, f"{prefix}_axis", GROUP_AXES)
@@ -314,7 +315,7 @@ def validate_cache_config(cache: Mapping, model: Mapping | None = None) -> None:
 
 def _validate_cache_for_model(cache: Mapping, model: Mapping) -> None:
     used = CACHED[model["attention"]]
-    for prefix in ("k", "v", "latent", "rope"):
+    for prefix in CACHED_PREFIXES:
         if prefix not in used and cache[f"{prefix}_bits"] != 16:
             _fail(
                 f"cache.{prefix}_bits",

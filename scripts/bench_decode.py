@@ -30,6 +30,7 @@ from absl import app, flags
 from ml_collections import config_flags
 
 import kvlab
+from kvlab.config import CACHED
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/gqa.py:tiny", "kvlab config file.")
 _LENGTHS = flags.DEFINE_list("lengths", ["128", "256", "512", "1024", "2048"], "Context lengths.")
@@ -157,7 +158,7 @@ def bench_mla_paths(cfg, params, lengths, batch: int, steps: int, repeats: int) 
 
 def bench_bit_widths(cfg, model, params, lengths, bit_widths, batch, steps, repeats) -> list[dict]:
     """(d) Decode tokens/s with every cached tensor stored at each bit-width."""
-    prefixes = ("latent", "rope") if cfg.model.attention == "mla" else ("k", "v")
+    prefixes = CACHED[cfg.model.attention]
     rows = []
     for bits in bit_widths:
         variant = cfg.copy_and_resolve_references()

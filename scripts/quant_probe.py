@@ -24,6 +24,7 @@ from absl import app, flags
 from ml_collections import config_flags
 
 import kvlab
+from kvlab.config import CACHED
 from kvlab.probe import cache_error
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/gqa.py:tiny", "kvlab config file.")
@@ -52,7 +53,7 @@ def main(argv):
     model = kvlab.Transformer(cfg.model)
     params = kvlab.init_params(cfg.model, jax.random.key(_SEED.value))
     tokens = text_tokens(_BATCH.value, _LENGTH.value)
-    key, value = ("latent", "rope") if cfg.model.attention == "mla" else ("k", "v")
+    key, value = CACHED[cfg.model.attention]
     reference = cfg.cache.copy_and_resolve_references()
     reference.update({f"{key}_bits": 16, f"{value}_bits": 16})
     rows = []

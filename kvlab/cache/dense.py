@@ -1,4 +1,4 @@
-"""Contiguous KV cache: one buffer per layer for K and one for V.
+"""The KV cache pytree: contiguous per-layer buffers and per-row lengths.
 
 The cache is an immutable pytree threaded through `model.apply`; every step
 returns a new one. Row b holds `lengths[b]` tokens at positions

@@ -51,7 +51,7 @@ from flax import struct
 from jaxtyping import Array
 
 from kvlab.cache.placement import Placement, write_tokens
-from kvlab.config import dtype_of
+from kvlab.config import CACHED, dtype_of
 
 FP8 = jnp.float8_e4m3fn
 FP8_MAX = float(jnp.finfo(FP8).max)  # 448
@@ -84,7 +84,6 @@ def storages(model_cfg: Mapping, cache_cfg: Mapping) -> tuple[Storage, ...]:
     Grouped-query attention caches (k, v) under cache.k_* and cache.v_*;
     latent attention caches (c_kv, k_rope) under cache.latent_* and cache.rope_*.
     """
-    prefixes = ("latent", "rope") if model_cfg["attention"] == "mla" else ("k", "v")
     return tuple(
         Storage(
             bits=cache_cfg[f"{prefix}_bits"],
@@ -95,7 +94,7 @@ def storages(model_cfg: Mapping, cache_cfg: Mapping) -> tuple[Storage, ...]:
             scale_dtype=cache_cfg["scale_dtype"],
             dtype=cache_cfg["dtype"],
         )
-        for prefix in prefixes
+        for prefix in CACHED[model_cfg["attention"]]
     )
 
 
@@ -106,11 +105,6 @@ class Layout:
     capacity: int  # S, tokens a row may hold
     residual: int  # tokens kept in full precision at least
     granularity: int  # g: tokens flushed together
-
-    @staticmethod
-    def of(specs: tuple[Storage, ...], residual: int, capacity: int) -> Layout:
-        channel = any(s.quantized and s.axis == "channel" for s in specs)
-        return Layout(capacity, residual, specs[0].group_size if channel else 1)
 
     def settled(self, lengths):
         """q(n): tokens of a row of length n held quantized (works on ints and arrays)."""
@@ -133,7 +127,8 @@ def quantized_layout(model_cfg: Mapping, cache_cfg: Mapping, capacity: int) -> L
     specs = storages(model_cfg, cache_cfg)
     if not any(s.quantized for s in specs):
         return None
-    return Layout.of(specs, cache_cfg["residual"], capacity)
+    by_tokens = any(s.quantized and s.axis == "channel" for s in specs)
+    return Layout(capacity, cache_cfg["residual"], cache_cfg["group_size"] if by_tokens else 1)
 
 
 # ---------------------------------------------------------------------------
@@ -289,6 +284,13 @@ class PayloadReader:
         q = q.astype(jnp.float32)
         b, kh, m, width = q.shape
         lv, scale, zero = self._levels()
+        if self.tensor.spec.axis == "token" and lv.shape[3] == 1:
+            # One scale per token and head: lv [B, KH, P, Wd]; scale, zero [B, KH, P]
+            lv, scale = lv[:, :, :, 0], scale[..., 0]
+            out = jnp.einsum("BKMd,BKPd->BKMP", q, lv) * scale[:, :, None, :]
+            if zero is not None:
+                out = out + q.sum(-1)[..., None] * zero[:, :, None, :, 0]
+            return out
         if self.tensor.spec.axis == "token":
             # lv [B, KH, P, ng, gs]; scale, zero [B, KH, P, ng]
             qg = q.reshape(b, kh, m, *lv.shape[3:])
@@ -308,6 +310,12 @@ class PayloadReader:
         w = w.astype(jnp.float32)
         b, kh, m, _ = w.shape
         lv, scale, zero = self._levels()
+        if self.tensor.spec.axis == "token" and lv.shape[3] == 1:
+            # Fold each token's scale into its probability: lv [B, KH, P, Wd]
+            out = jnp.einsum("BKMP,BKPd->BKMd", w * scale[:, :, None, :, 0], lv[:, :, :, 0])
+            if zero is not None:
+                out = out + jnp.einsum("BKMP,BKP->BKM", w, zero[..., 0])[..., None]
+            return out
         if self.tensor.spec.axis == "token":
             # Fold each token's scales into its probability.
             folded = w[..., None] * scale[:, :, None]  # [B, KH, M, P, ng]
