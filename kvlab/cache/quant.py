@@ -138,7 +138,8 @@ def quantized_layout(model_cfg: Mapping, cache_cfg: Mapping, capacity: int) -> L
 def pack(codes: Array, bits: int) -> Array:
     """uint8 codes [..., Wd] -> uint8 [..., Wd * bits / 8]; value j of a byte in bits j*b.."""
     per_byte = 8 // bits
-    grouped = codes.reshape(*codes.shape[:-1], -1, per_byte).astype(jnp.uint8)
+    grouped = codes.reshape(*codes.shape[:-1], codes.shape[-1] // per_byte, per_byte)
+    grouped = grouped.astype(jnp.uint8)
     shifts = (jnp.arange(per_byte, dtype=jnp.uint8) * bits).astype(jnp.uint8)
     return jnp.bitwise_or.reduce(grouped << shifts, axis=-1)
 
@@ -148,7 +149,7 @@ def unpack(packed: Array, bits: int) -> Array:
     per_byte = 8 // bits
     shifts = (jnp.arange(per_byte, dtype=jnp.uint8) * bits).astype(jnp.uint8)
     codes = (packed[..., None] >> shifts) & jnp.uint8(2**bits - 1)
-    return codes.reshape(*packed.shape[:-1], -1)
+    return codes.reshape(*packed.shape[:-1], packed.shape[-1] * per_byte)
 
 
 def _round_away(value: Array, dtype, up: bool) -> Array:
@@ -304,7 +305,7 @@ class PayloadReader:
         out = jnp.einsum("BKMJd,BKJtd->BKMJt", scaled, lv)
         if zero is not None:
             out = out + jnp.einsum("BKMd,BKJd->BKMJ", q, zero)[..., None]
-        return out.reshape(b, kh, m, -1)
+        return out.reshape(b, kh, m, lv.shape[2] * lv.shape[3])
 
     def weighted_sum(self, w: Array) -> Array:
         w = w.astype(jnp.float32)
@@ -322,7 +323,7 @@ class PayloadReader:
             out = jnp.einsum("BKMPg,BKPgd->BKMgd", folded, lv)
             if zero is not None:
                 out = out + jnp.einsum("BKMP,BKPg->BKMg", w, zero)[..., None]
-            return out.reshape(b, kh, m, -1)
+            return out.reshape(b, kh, m, lv.shape[3] * lv.shape[4])
         wg = w.reshape(b, kh, m, *lv.shape[2:4])  # [B, KH, M, J, g]
         partial = jnp.einsum("BKMJt,BKJtd->BKMJd", wg, lv)
         out = jnp.einsum("BKMJd,BKJd->BKMd", partial, scale)

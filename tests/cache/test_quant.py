@@ -1,5 +1,8 @@
 """Quantized caches: codes, error bounds, layout, accounting and chunk invariance."""
 
+import dataclasses
+import functools
+
 import jax
 import jax.numpy as jnp
 import ml_collections
@@ -9,12 +12,14 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import kvlab
+from kvlab.attention.core import attend
 from kvlab.cache.quant import (
     Layout,
     PayloadReader,
     QuantizedLayer,
     Storage,
     dequantize_tokens,
+    init_layer,
     pack,
     quantize_tokens,
     unpack,
@@ -210,17 +215,76 @@ def run_chunks(apply, params, cfg, tokens, chunks, max_len):
     return jnp.concatenate(logits, axis=1), cache
 
 
-@given(cfg=quantized_configs(), data=st.data())
-def test_chunks_of_any_size_equal_token_by_token_decode(cfg, data):
-    length, width = 12, 6
-    chunks = []  # random sizes, each fed padded to one width so it compiles once
+@st.composite
+def chunkings(draw, length, width):
+    """Random chunk sizes of at most `width` covering `length` tokens."""
+    chunks = []
     while sum(chunks) < length:
-        chunks.append(data.draw(st.integers(1, min(width, length - sum(chunks))), label="chunk"))
+        chunks.append(draw(st.integers(1, min(width, length - sum(chunks)))))
+    return chunks
+
+
+@given(
+    specs=st.tuples(specs, specs),
+    residual_groups=st.integers(0, 2),
+    chunks=chunkings(14, 6),
+    seed=st.integers(0, 2**16),
+)
+def test_chunks_see_exactly_what_token_by_token_decode_sees(specs, residual_groups, chunks, seed):
+    """One quantized layer fed the same keys and values token by token or in chunks
+    (padded to one width): every query attends over the same numbers."""
+    group = specs[0].group_size
+    specs = tuple(dataclasses.replace(s, group_size=group) for s in specs)
+    length, width, heads, dim = 14, 6, 2, 8
+    layout = Layout(
+        length, residual_groups * group, group if any(s.axis == "channel" for s in specs) else 1
+    )
+    rng = np.random.default_rng(seed)
+    # [B, KH, N + width, Wd] keys and values; queries [B, N + width, 2 * KH, Wd]
+    k, v = (
+        jnp.asarray(rng.standard_normal((2, heads, length + width, dim)), jnp.float32)
+        for _ in range(2)
+    )
+    q = jnp.asarray(rng.standard_normal((2, length + width, 2 * heads, dim)), jnp.float32)
+
+    @functools.partial(jax.jit, static_argnums=4)
+    def step(cache, k, v, q, size):
+        placement = cache.place(k.shape[2], jnp.full((2,), size))
+        layer = cache.layers[0]
+        regions, pending = layer.read((k, v), placement)
+        out = attend(q, [(keys, values, mask) for (keys, values), mask in regions])
+        layer = layer.write(pending, placement)
+        return out, cache.replace(layers=(layer,), lengths=cache.lengths + size)
+
+    def run(sizes):
+        cache = kvlab.Cache(
+            layers=(init_layer(specs, layout, 2, [(heads, dim)] * 2),),
+            lengths=jnp.zeros(2, jnp.int32),
+        )
+        outs, start = [], 0
+        for size in sizes:
+            span = 1 if size == 1 else width
+            piece = slice(start, start + span)
+            out, cache = step(cache, k[:, :, piece], v[:, :, piece], q[:, piece], size)
+            outs.append(out[:, :size])
+            start += size
+        return jnp.concatenate(outs, axis=1)
+
+    np.testing.assert_allclose(run(chunks), run([1] * length), atol=1e-5, rtol=1e-5)
+
+
+@given(cfg=quantized_configs(), chunks=chunkings(12, 6))
+def test_chunked_model_matches_token_by_token_decode(cfg, chunks):
+    """Through the model, chunked and token-by-token runs compute the keys and values
+    themselves, in differently shaped products that round differently (~1e-7). A
+    number that sits on a quantization boundary can then take the neighbouring
+    code, so logits agree to float noise except there: bounded here, not exact."""
+    length, width = 12, 6
     model, params, apply = build(cfg)
     tokens = random_tokens(cfg, (2, length + width + 3), seed=len(chunks))
     stepwise, cache = run_chunks(apply, params, cfg, tokens, [1] * length, length + 3)
     chunked_cache = kvlab.init_cache(cfg.model, cfg.cache, batch_size=2, max_len=length + 3)
-    start = 0
+    chunked, start = [], 0
     for size in chunks:
         logits, chunked_cache = apply(
             {"params": params},
@@ -228,17 +292,18 @@ def test_chunks_of_any_size_equal_token_by_token_decode(cfg, data):
             cache=chunked_cache,
             num_tokens=jnp.full((2,), size),
         )
-        assert float(jnp.max(jnp.abs(logits[:, :size] - stepwise[:, start : start + size]))) <= (
-            TOLERANCE
-        )
+        chunked.append(logits[:, :size])
         start += size
+    differences = jnp.abs(jnp.concatenate(chunked, axis=1) - stepwise)
+    assert float(jnp.median(differences)) <= 1e-5
+    assert float(differences.max()) <= 0.05
     # The two caches hold the same tokens the same way: decoding on agrees.
     for step in range(length, length + 3):
         a, cache = apply({"params": params}, tokens[:, step : step + 1], cache=cache)
         b, chunked_cache = apply(
             {"params": params}, tokens[:, step : step + 1], cache=chunked_cache
         )
-        assert float(jnp.max(jnp.abs(a - b))) <= TOLERANCE
+        assert float(jnp.max(jnp.abs(a - b))) <= 0.05
 
 
 KIVI = dict(k_bits=2, v_bits=2, k_axis="channel", v_axis="token", group_size=4, residual=4)
