@@ -1,7 +1,7 @@
 """Config schema, defaults, validation and loading.
 
-Every kvlab run is described by one `ml_collections.ConfigDict` with five
-sections (DESIGN.md): `model`, `cache`, `train`, `data`, `wandb`. Config files in
+Every kvlab run is described by one `ml_collections.ConfigDict` with six
+sections (DESIGN.md): `model`, `cache`, `train`, `data`, `eval`, `wandb`. Config files in
 `configs/` start from `base_config(variant)` and change what they study.
 
     cfg = kvlab.load_config("configs/gqa.py:tiny")   # loads and validates
@@ -36,6 +36,7 @@ CACHED = {"gqa": ("k", "v"), "mla": ("latent", "rope")}
 CACHED_PREFIXES = ("k", "v", "latent", "rope")
 DATA_SOURCES = ("stdlib", "text", "mqar")
 WANDB_MODES = ("offline", "online", "disabled")
+EVAL_SPLITS = ("validation", "test")
 
 # Model sizes. `tiny` runs on two CPU cores in seconds; `small` and `base` are
 # meant for an accelerator (base is GPT-2-small sized, ~85M non-embedding).
@@ -131,7 +132,8 @@ def base_config(variant: str = "tiny") -> ml_collections.ConfigDict:
             warmup=100 if on_cpu else 1_000,  # linear warm-up steps
             weight_decay=0.1,
             clip=1.0,  # global gradient-norm clip
-            eval_every=200 if on_cpu else 1_000,
+            log_every=10 if on_cpu else 50,  # steps between logged training metrics
+            eval_every=200 if on_cpu else 1_000,  # steps between validation losses
             checkpoint_every=500 if on_cpu else 2_000,
             keep=3,  # checkpoints kept
             seed=0,
@@ -142,6 +144,27 @@ def base_config(variant: str = "tiny") -> ml_collections.ConfigDict:
         dict(
             source="stdlib",  # the Python standard library's own sources, as bytes
             path="",  # file or folder for source='text'
+        )
+    )
+    # Multi-query associative recall (Zoology), used when data.source='mqar':
+    # num_pairs key-value pairs, then every key again as a query at power-law
+    # gaps; sequences are train.seq_len tokens over the first mqar.vocab_size ids.
+    cfg.data.mqar = ml_collections.ConfigDict(
+        dict(
+            num_pairs=8 if on_cpu else 32,
+            vocab_size=256,  # token ids used (<= model.vocab_size); 0 is the filler
+            power=0.01,  # gaps drawn with p(gap) ~ gap ** (power - 1)
+        )
+    )
+
+    # Held-out evaluation: windows of train.seq_len tokens from data split
+    # `split`, run through the cache in prefill chunks of `chunk` tokens.
+    cfg.eval = ml_collections.ConfigDict(
+        dict(
+            split="validation",  # 'validation' or 'test'
+            batch_size=16 if on_cpu else 32,
+            num_batches=4 if on_cpu else 16,
+            chunk=32 if on_cpu else 128,  # tokens per prefill step through the cache
         )
     )
 
@@ -362,7 +385,15 @@ def validate_config(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict
     validate_cache_config(cfg.cache, cfg.model)
 
     _check_known_fields("train", cfg.train, schema.train)
-    for name in ("steps", "batch_size", "seq_len", "eval_every", "checkpoint_every", "keep"):
+    for name in (
+        "steps",
+        "batch_size",
+        "seq_len",
+        "log_every",
+        "eval_every",
+        "checkpoint_every",
+        "keep",
+    ):
         _check_int("train", cfg.train, name)
     _check_int("train", cfg.train, "warmup", minimum=0)
     _check_int("train", cfg.train, "seed", minimum=0)
@@ -386,16 +417,57 @@ def validate_config(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict
             "set data.path to a text file or a folder of text files",
         )
 
+    _check_known_fields("data.mqar", cfg.data.mqar, schema.data.mqar)
+    if cfg.data.source == "mqar":
+        _validate_mqar(cfg)
+
+    _check_known_fields("eval", cfg.eval, schema.eval)
+    _check_choice("eval", cfg.eval, "split", EVAL_SPLITS)
+    for name in ("batch_size", "num_batches", "chunk"):
+        _check_int("eval", cfg.eval, name)
+
     _check_known_fields("wandb", cfg.wandb, schema.wandb)
     _check_choice("wandb", cfg.wandb, "mode", WANDB_MODES)
     return cfg
+
+
+def _validate_mqar(cfg: ml_collections.ConfigDict) -> None:
+    mqar = cfg.data.mqar
+    _check_int("data.mqar", mqar, "num_pairs")
+    _check_int("data.mqar", mqar, "vocab_size", minimum=4)
+    _check_positive_number("data.mqar", mqar, "power")
+    if mqar.vocab_size > cfg.model.vocab_size:
+        _fail(
+            "data.mqar.vocab_size",
+            mqar.vocab_size,
+            f"exceeds model.vocab_size={cfg.model.vocab_size}",
+            f"set data.mqar.vocab_size <= {cfg.model.vocab_size}",
+        )
+    keys = mqar.vocab_size // 2 - 1  # ids 1 .. V/2-1 are keys, V/2 .. V-1 values
+    if mqar.num_pairs > keys:
+        _fail(
+            "data.mqar.num_pairs",
+            mqar.num_pairs,
+            f"exceeds the {keys} distinct keys data.mqar.vocab_size={mqar.vocab_size} holds",
+            f"set data.mqar.num_pairs <= {keys} or raise data.mqar.vocab_size",
+        )
+    needed = 4 * mqar.num_pairs  # the pairs, then every key and its value again
+    if needed > cfg.train.seq_len + 1:
+        _fail(
+            "data.mqar.num_pairs",
+            mqar.num_pairs,
+            f"needs {needed} tokens but train.seq_len={cfg.train.seq_len} holds "
+            f"{cfg.train.seq_len + 1} per sequence",
+            f"set data.mqar.num_pairs <= {(cfg.train.seq_len + 1) // 4} or raise train.seq_len",
+        )
 
 
 # ---------------------------------------------------------------------------
 # Loading
 
 
-def _import_config_file(path: str):
+def import_config_file(path: str):
+    """The config file as a module: its `get_config(arg)`, and for sweeps `get_grid(cfg)`."""
     if not os.path.isfile(path):
         raise ValueError(
             f"config file {path!r} does not exist: give a path such as configs/gqa.py:tiny"
@@ -412,7 +484,7 @@ def _import_config_file(path: str):
 def load_config(spec: str) -> ml_collections.ConfigDict:
     """Loads `path/to/file.py[:arg]` through its `get_config(arg)` and validates it."""
     path, _, arg = spec.partition(":")
-    module = _import_config_file(path)
+    module = import_config_file(path)
     cfg = module.get_config(arg) if arg else module.get_config()
     return validate_config(cfg)
 

@@ -4,10 +4,14 @@
     python scripts/generate.py --config configs/mqa.py:tiny --sampler=top_p --p=0.9 \
         --prompt="def main(" --prompt="import "
 
-Tokens are bytes (vocab 256). The weights are randomly initialised unless the
-model has been trained (training arrives with the sweep), so the text is noise:
-the demo shows the mechanics - ragged prompts decoded together, per-row stop,
-the cache's analytic and measured bytes, decode tokens/s.
+    python scripts/generate.py --workdir runs/cache_pareto/models/mha \
+        --config configs/kv_k8v4.py:tiny        # a trained model through an 8/4-bit cache
+
+Tokens are bytes (vocab 256). Without --workdir the weights are random and the
+text is noise: the demo shows the mechanics - ragged prompts decoded together,
+per-row stop, the cache's analytic and measured bytes, decode tokens/s. With
+--workdir the model and its weights come from that training run and only the
+cache section from --config.
 """
 
 import time
@@ -18,6 +22,7 @@ from absl import app, flags
 from ml_collections import config_flags
 
 import kvlab
+from kvlab.train import load_params
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/gqa.py:tiny", "kvlab config file.")
 _PROMPTS = flags.DEFINE_multi_string(
@@ -32,6 +37,7 @@ _K = flags.DEFINE_integer("k", 40, "top_k: tokens kept.")
 _P = flags.DEFINE_float("p", 0.9, "top_p: probability mass kept.")
 _END = flags.DEFINE_integer("end_token", ord("\n"), "A row stops after this token (-1: never).")
 _SEED = flags.DEFINE_integer("seed", 0, "Parameter and sampling seed.")
+_WORKDIR = flags.DEFINE_string("workdir", None, "A training run to take the model from.")
 
 
 def make_sampler():
@@ -48,8 +54,13 @@ def make_sampler():
 def main(argv):
     del argv
     cfg = kvlab.validate_config(_CONFIG.value)
+    if _WORKDIR.value:
+        trained, params = load_params(_WORKDIR.value)
+        cfg.model = trained.model
+        kvlab.validate_config(cfg)
+    else:
+        params = kvlab.init_params(cfg.model, jax.random.key(_SEED.value))
     model = kvlab.Transformer(cfg.model)
-    params = kvlab.init_params(cfg.model, jax.random.key(_SEED.value))
     encoded = [list(prompt.encode()) for prompt in _PROMPTS.value]
     lengths = np.array([len(e) for e in encoded])
     prompts = np.zeros((len(encoded), lengths.max()), np.int32)  # right-padded
@@ -77,7 +88,8 @@ def main(argv):
     m = cfg.model
     print(
         f"model: {m.num_layers} layers, {m.num_heads} query heads sharing "
-        f"{m.num_kv_heads} KV heads, head_dim {m.head_dim} (untrained weights)"
+        f"{m.num_kv_heads} KV heads, head_dim {m.head_dim} "
+        f"({'trained in ' + _WORKDIR.value if _WORKDIR.value else 'untrained weights'})"
     )
     generated = 0
     for row, length in enumerate(lengths):

@@ -103,3 +103,33 @@ def count_compiles():
         yield count
     finally:
         jax.monitoring.unregister_event_duration_listener(listener)
+
+
+WORDS = (
+    "cache key value head query token layer page bits scale group latent rank "
+    "decode prefill attention model train sweep"
+).split()
+
+
+def write_corpus(folder, files: int = 12, words_per_file: int = 600, seed: int = 0):
+    """A folder of small text files of random words: a corpus a model learns fast."""
+    folder.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    for i in range(files):
+        words = rng.choice(WORDS, words_per_file)
+        (folder / f"doc{i:02d}.txt").write_text(" ".join(words) + "\n")
+    return folder
+
+
+def run_config(corpus, source: str = "text", **train_overrides):
+    """A tiny config for training tests: short sequences, few steps, no wandb."""
+    cfg = kvlab.base_config("tiny")
+    cfg.data.source = source
+    cfg.data.path = str(corpus) if source == "text" else ""
+    cfg.train.update(
+        steps=8, batch_size=4, seq_len=32, warmup=0, log_every=2, eval_every=4, checkpoint_every=4
+    )
+    cfg.train.update(train_overrides)
+    cfg.eval.update(batch_size=4, num_batches=2, chunk=8)
+    cfg.wandb.mode = "disabled"
+    return kvlab.validate_config(cfg)

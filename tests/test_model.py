@@ -4,7 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import kvlab
@@ -70,6 +70,7 @@ def test_incremental_decode_equals_full_forward(variant):
     np.testing.assert_array_equal(cache.lengths, [LENGTH] * BATCH)
 
 
+@settings(max_examples=5)  # each example compiles whole models
 @given(cfg=small_model_configs(), data=st.data())
 def test_random_configs_decode_and_chunked_prefill_equal_forward(cfg, data):
     length = 12

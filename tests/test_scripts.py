@@ -158,3 +158,51 @@ def test_generate_demo_runs():
     assert re.search(
         r"cache: 2 rows x 7 tokens in float32: ([\d,]+) bytes analytic, \1 measured", result.stdout
     )
+
+
+def test_train_then_eval_through_another_cache(tmp_path):
+    short = [
+        "--config.train.steps=4",
+        "--config.train.batch_size=2",
+        "--config.train.seq_len=32",
+        "--config.train.checkpoint_every=4",
+        "--config.eval.batch_size=2",
+        "--config.eval.num_batches=1",
+        "--config.wandb.mode=disabled",
+    ]
+    run_script(
+        "scripts/train.py", "--config", "configs/gqa.py:tiny", f"--workdir={tmp_path}", *short
+    )
+    assert (tmp_path / "checkpoints" / "4").is_dir()
+    result = run_script(
+        "scripts/eval.py",
+        f"--workdir={tmp_path}",
+        "--cache=configs/kv_k8v4.py:tiny",
+        "--cache.cache.k_bits=4",
+        "--json",
+    )
+    report = json.loads(result.stdout)
+    assert report["targets"] == 2 * 32 and report["metric"] == "ppl"
+    assert report["baseline_16bit"]["cache_bytes_per_token"] > report["cache_bytes_per_token"]
+    assert report["delta_vs_16bit_pct"] == pytest.approx(
+        100 * (report["ppl"] / report["baseline_16bit"]["ppl"] - 1)
+    )
+
+
+def test_sweep_runs_one_slice_of_the_default_grid(tmp_path):
+    result = run_script(
+        "scripts/sweep.py",
+        f"--workdir={tmp_path}",
+        "--sweep_index=0",
+        "--sweep_count=33",
+        "--config.train.steps=2",
+        "--config.train.batch_size=2",
+        "--config.train.seq_len=32",
+        "--config.eval.batch_size=2",
+        "--config.eval.num_batches=1",
+        "--config.wandb.mode=disabled",
+    )
+    assert "slice 0 of 33: 1 rows" in result.stdout
+    assert (tmp_path / "slices" / "0-of-33.csv").is_file()
+    merged = run_script("scripts/sweep.py", f"--workdir={tmp_path}", "--merge", check=False)
+    assert merged.returncode != 0 and "units have no results yet" in merged.stderr

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import kvlab
@@ -273,6 +273,7 @@ def test_chunks_see_exactly_what_token_by_token_decode_sees(specs, residual_grou
     np.testing.assert_allclose(run(chunks), run([1] * length), atol=1e-5, rtol=1e-5)
 
 
+@settings(max_examples=5)  # each example compiles whole models
 @given(cfg=quantized_configs(), chunks=chunkings(12, 6))
 def test_chunked_model_matches_token_by_token_decode(cfg, chunks):
     """Through the model, chunked and token-by-token runs compute the keys and values

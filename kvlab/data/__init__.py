@@ -1,0 +1,60 @@
+"""Datasets that need no download: byte corpora (text.py) and synthetic recall (mqar.py).
+
+    ds = make_dataset(cfg.data, split="train", seq_len=cfg.train.seq_len)
+    batch = ds.batch(step, batch_size, seed)        # the same arguments, the same arrays
+    held_out = make_dataset(cfg.data, "validation", cfg.train.seq_len).eval_batches(16, 4)
+
+Every batch is a dict of numpy arrays:
+
+    inputs   int32[B, T]    tokens
+    targets  int32[B, T]    targets[:, t] is the token after inputs[:, t]
+    weights  float32[B, T]  1 where the target counts for the loss and metric, else 0
+
+A dataset also has `metric` ('ppl' for bytes, 'accuracy' for MQAR), `vocab_size`,
+`seq_len` (T) and `describe()`, a small JSON-able dict of facts about it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import numpy as np
+
+from kvlab.data.mqar import MqarDataset, mqar_batch
+from kvlab.data.text import SPLITS, Batch, ByteDataset, load_corpus
+
+SOURCES = ("stdlib", "text", "mqar")
+
+
+def make_dataset(data: Mapping, split: str, seq_len: int) -> ByteDataset | MqarDataset:
+    """The dataset `data` (a config's `data` section) describes, for one split.
+
+    Raises ValueError naming the field, its value and the fix when the data
+    cannot give windows of seq_len tokens (missing files, too short, ...).
+    """
+    if split not in SPLITS:
+        raise ValueError(
+            f"split={split!r} is not a data split: use one of {', '.join(map(repr, SPLITS))}"
+        )
+    if isinstance(seq_len, bool) or not isinstance(seq_len, (int, np.integer)) or seq_len < 1:
+        raise ValueError(f"train.seq_len={seq_len!r} is not a positive integer: set one >= 1")
+    source = data["source"]
+    if source == "mqar":
+        return MqarDataset(data["mqar"], split, seq_len)
+    if source in ("stdlib", "text"):
+        return ByteDataset(data, split, seq_len)
+    raise ValueError(
+        f"data.source={source!r} is not supported: use one of {', '.join(map(repr, SOURCES))}"
+    )
+
+
+__all__ = [
+    "SOURCES",
+    "SPLITS",
+    "Batch",
+    "ByteDataset",
+    "MqarDataset",
+    "load_corpus",
+    "make_dataset",
+    "mqar_batch",
+]

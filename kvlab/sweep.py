@@ -1,0 +1,445 @@
+"""Sweeps: perplexity against cache bytes per token over models x caches.
+
+A sweep config file (configs/sweeps/*.py) has `get_config(arg)`, a full kvlab
+config plus a `sweep` section (name), and `get_grid(cfg)`, which returns
+
+    {"models": {name: {"model.num_kv_heads": 2, "train.steps": 500, ...}, ...},
+     "caches": {name: {"cache.k_bits": 8, "cache.v_bits": 4, ...}, ...}}
+
+Every key is a dotted config field ("sweep axis"). Model entries may change any
+section; cache entries only `cache.*`, so every cache reuses the one checkpoint
+trained per model. A cache entry applies to the models that cache the tensors
+it names (`k_*`/`v_*` for grouped-query models, `latent_*`/`rope_*` for latent
+attention; an entry naming neither applies to all). The grid's units are the
+applicable (model, cache) pairs in model-major order.
+
+    run_sweep(cfg, grid, workdir, sweep_index=i, sweep_count=n)
+
+runs slice i of n (a contiguous run of units, so most slices train one or two
+models) and writes workdir/slices/<i>-of-<n>.csv; `merge(workdir)` joins the
+slices, checks each unit appears exactly once, and writes workdir/results.csv,
+workdir/pareto.png and a wandb run holding both. With one slice, run_sweep
+merges by itself. Working directory:
+
+    workdir/sweep.json              the grid's units and the base config
+    workdir/models/<model>/         one training run per model (kvlab/train.py)
+    workdir/slices/<i>-of-<n>.csv   each slice's rows
+    workdir/results.csv             all rows, grid order
+    workdir/pareto.png              the metric against cache bytes per token
+    workdir/wandb/                  the sweep's wandb run (table and plot)
+"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import glob
+import itertools
+import json
+import os
+from collections.abc import Mapping
+
+import ml_collections
+
+from kvlab.config import CACHED, CACHED_PREFIXES, validate_config
+from kvlab.data import make_dataset
+from kvlab.eval import evaluate, full_precision
+from kvlab.logging import Run
+from kvlab.train import train
+
+# results.csv columns, in order.
+COLUMNS = (
+    "sweep",
+    "model",
+    "family",
+    "cache",
+    "bits",
+    "k_bits",
+    "v_bits",
+    "latent_bits",
+    "rope_bits",
+    "cache_dtype",
+    "k_axis",
+    "v_axis",
+    "group_size",
+    "residual",
+    "num_kv_heads",
+    "kv_rank",
+    "metric",
+    "ppl",
+    "bits_per_byte",
+    "accuracy",
+    "delta_vs_16bit_pct",
+    "cache_bytes_per_token",
+    "cache_bytes_per_token_measured",
+    "cache_bytes_per_token_long",
+    "eval_tokens",
+    "train_steps",
+)
+
+# The columns `kvlab.eval.evaluate` reports.
+RESULT_COLUMNS = (
+    "ppl",
+    "bits_per_byte",
+    "accuracy",
+    "cache_bytes_per_token",
+    "cache_bytes_per_token_measured",
+    "cache_bytes_per_token_long",
+)
+FAMILY_MARKERS = {"mha": "o", "gqa": "s", "mqa": "^", "mla": "D"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Unit:
+    """One cell of the grid: a model entry evaluated under a cache entry."""
+
+    model: str
+    cache: str
+    cfg: ml_collections.ConfigDict = dataclasses.field(compare=False, repr=False)
+
+
+# ---------------------------------------------------------------------------
+# The grid
+
+
+def split_sweep_config(cfg: ml_collections.ConfigDict) -> tuple:
+    """(base kvlab config, sweep section) of a sweep config."""
+    if "sweep" not in cfg or "name" not in cfg.sweep:
+        raise ValueError(
+            "the sweep config has no sweep.name: add cfg.sweep = ConfigDict(dict(name=...)) "
+            "in get_config (see configs/sweeps/cache_pareto.py)"
+        )
+    base = ml_collections.ConfigDict({k: v for k, v in cfg.items() if k != "sweep"})
+    return validate_config(base), cfg.sweep
+
+
+def _apply(cfg: ml_collections.ConfigDict, where: str, overrides: Mapping) -> None:
+    for axis, value in overrides.items():
+        *path, field = axis.split(".")
+        section = cfg
+        for part in path:
+            section = section.get(part) if isinstance(section, ml_collections.ConfigDict) else None
+        if not path or not isinstance(section, ml_collections.ConfigDict) or field not in section:
+            raise ValueError(
+                f"sweep axis {axis!r} in {where} is not a config field: name one as "
+                f"'section.field', e.g. 'model.num_kv_heads' or 'cache.k_bits'"
+            )
+        section[field] = value
+
+
+def _tensors_named(overrides: Mapping) -> set:
+    fields = {axis.split(".", 1)[1] for axis in overrides}
+    return {field.split("_", 1)[0] for field in fields} & set(CACHED_PREFIXES)
+
+
+def expand(cfg: ml_collections.ConfigDict, grid: Mapping) -> list[Unit]:
+    """The grid's units with their full, validated configs (before anything runs)."""
+    unknown = set(grid) - {"models", "caches"}
+    if unknown or not grid.get("models") or not grid.get("caches"):
+        raise ValueError(
+            f"the grid has keys {sorted(grid)}: get_grid must return a dict with non-empty "
+            "'models' and 'caches' entries (and nothing else)"
+        )
+    units = []
+    for model_name, model_overrides in grid["models"].items():
+        model_cfg = ml_collections.ConfigDict(cfg.to_dict())
+        _apply(model_cfg, f"models[{model_name!r}]", model_overrides)
+        validate_config(model_cfg)
+        cached = set(CACHED[model_cfg.model.attention])
+        for cache_name, cache_overrides in grid["caches"].items():
+            where = f"caches[{cache_name!r}]"
+            outside = [axis for axis in cache_overrides if not axis.startswith("cache.")]
+            if outside:
+                raise ValueError(
+                    f"sweep axis {outside[0]!r} in {where} is not a cache field: cache entries "
+                    "reuse each model's checkpoint, so they may only change cache.* "
+                    "(put it in a models entry)"
+                )
+            named = _tensors_named(cache_overrides)
+            if named and not named <= cached:
+                continue  # this entry stores tensors the model does not cache
+            unit_cfg = ml_collections.ConfigDict(model_cfg.to_dict())
+            _apply(unit_cfg, where, cache_overrides)
+            try:
+                validate_config(unit_cfg)
+            except ValueError as error:
+                raise ValueError(f"{where} on models[{model_name!r}]: {error}") from None
+            units.append(Unit(model_name, cache_name, unit_cfg))
+    return units
+
+
+def slice_units(units: list[Unit], index: int, count: int) -> list[Unit]:
+    """Slice `index` of `count`: contiguous, sizes differing by at most one."""
+    if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+        raise ValueError(f"--sweep_count={count!r} must be an integer >= 1")
+    if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < count:
+        raise ValueError(
+            f"--sweep_index={index!r} must be in [0, {count - 1}] for --sweep_count={count}"
+        )
+    return units[index * len(units) // count : (index + 1) * len(units) // count]
+
+
+# ---------------------------------------------------------------------------
+# Running
+
+
+def family(model_cfg: Mapping) -> str:
+    if model_cfg.attention == "mla":
+        return "mla"
+    if model_cfg.num_kv_heads == model_cfg.num_heads:
+        return "mha"
+    return "mqa" if model_cfg.num_kv_heads == 1 else "gqa"
+
+
+def bits_label(cfg: ml_collections.ConfigDict) -> str:
+    """'K8V4' for grouped-query models, 'L8R16' (latent, RoPE key) for MLA."""
+    k, v = CACHED[cfg.model.attention]
+    return f"{k[0].upper()}{cfg.cache[f'{k}_bits']}{v[0].upper()}{cfg.cache[f'{v}_bits']}"
+
+
+def _row(sweep_name: str, unit: Unit, result: Mapping, baseline: Mapping, metric: str) -> dict:
+    cfg = unit.cfg
+    cached = CACHED[cfg.model.attention]
+    row = {
+        "sweep": sweep_name,
+        "model": unit.model,
+        "family": family(cfg.model),
+        "cache": unit.cache,
+        "bits": bits_label(cfg),
+        "cache_dtype": cfg.cache.dtype,
+        "group_size": cfg.cache.group_size,
+        "residual": cfg.cache.residual,
+        "num_kv_heads": cfg.model.num_kv_heads,
+        "kv_rank": cfg.model.mla.kv_rank if cfg.model.attention == "mla" else None,
+        "metric": metric,
+        "train_steps": cfg.train.steps,
+        "eval_tokens": result["targets"],
+    }
+    for prefix in ("k", "v", "latent", "rope"):
+        row[f"{prefix}_bits"] = cfg.cache[f"{prefix}_bits"] if prefix in cached else None
+    for prefix in ("k", "v"):
+        row[f"{prefix}_axis"] = cfg.cache[f"{prefix}_axis"] if prefix in cached else None
+    row.update({key: result[key] for key in RESULT_COLUMNS})
+    row["delta_vs_16bit_pct"] = 100 * (result[metric] / baseline[metric] - 1)
+    return row
+
+
+def _write_csv(path: str, rows: list[dict]) -> None:
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=COLUMNS)
+        writer.writeheader()
+        writer.writerows(rows)
+
+
+def _read_csv(path: str) -> list[dict]:
+    with open(path, newline="") as f:
+        return [{k: _number(v) for k, v in row.items()} for row in csv.DictReader(f)]
+
+
+def _number(text: str):
+    """A CSV cell as the int or float it spells, None when empty, else the text."""
+    if text == "":
+        return None
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
+
+
+def _model_params(unit: Unit, workdir: str, group: str, progress: bool):
+    """Trains (or resumes, or reuses) the unit's model in workdir/models/<model>."""
+    cfg = ml_collections.ConfigDict(unit.cfg.to_dict())
+    cfg.cache = full_precision(cfg.cache)  # training never reads a cache
+    model_dir = os.path.join(workdir, "models", unit.model)
+    state, _ = train(cfg, model_dir, name=unit.model, group=group, progress=progress)
+    return state.params
+
+
+def _write_plan(workdir: str, sweep_cfg: ml_collections.ConfigDict, units: list[Unit]) -> None:
+    """Records the grid in workdir/sweep.json; refuses a workdir of another sweep."""
+    plan = {
+        "units": [[u.model, u.cache] for u in units],
+        "config": json.loads(sweep_cfg.to_json()),
+    }
+    path = os.path.join(workdir, "sweep.json")
+    if os.path.isfile(path):
+        with open(path) as f:
+            stored = json.load(f)
+        if stored != plan:
+            raise ValueError(
+                f"workdir={workdir!r} holds another sweep (its grid or config differs from "
+                f"this one's, see {path}): use a fresh --workdir"
+            )
+        return
+    with open(path, "w") as f:
+        json.dump(plan, f, indent=2)
+
+
+def run_sweep(
+    sweep_cfg: ml_collections.ConfigDict,
+    grid: Mapping,
+    workdir: str,
+    *,
+    sweep_index: int = 0,
+    sweep_count: int = 1,
+    progress: bool = True,
+) -> list[dict]:
+    """Runs one slice of the sweep; returns its rows (and merges when it is the only one)."""
+    cfg, sweep = split_sweep_config(sweep_cfg)
+    units = expand(cfg, grid)
+    mine = slice_units(units, sweep_index, sweep_count)
+    os.makedirs(workdir, exist_ok=True)
+    _write_plan(workdir, sweep_cfg, units)
+
+    rows = []
+    for model_name, model_units in itertools.groupby(mine, key=lambda u: u.model):
+        model_units = list(model_units)
+        first = model_units[0].cfg
+        params = _model_params(model_units[0], workdir, sweep.name, progress)
+        data = make_dataset(first.data, first.eval.split, first.train.seq_len)
+        batches = data.eval_batches(first.eval.batch_size, first.eval.num_batches)
+        chunk = first.eval.chunk
+        baseline = evaluate(first.model, full_precision(first.cache), params, batches, chunk=chunk)
+        for unit in model_units:
+            result = evaluate(unit.cfg.model, unit.cfg.cache, params, batches, chunk=chunk)
+            rows.append(_row(sweep.name, unit, result, baseline, data.metric))
+            if progress:
+                print(
+                    f"{model_name:>10} {unit.cache:>10}: {data.metric}={result[data.metric]:.4f} "
+                    f"bytes/token={result['cache_bytes_per_token']:.1f}",
+                    flush=True,
+                )
+    _write_csv(os.path.join(workdir, "slices", f"{sweep_index}-of-{sweep_count}.csv"), rows)
+    if sweep_count == 1:
+        merge(workdir)
+    return rows
+
+
+# ---------------------------------------------------------------------------
+# Merging, the table and the plot
+
+
+def merge(workdir: str) -> list[dict]:
+    """Joins workdir/slices/*.csv into results.csv and pareto.png and logs them to wandb.
+
+    Every unit of the grid must appear in exactly one slice.
+    """
+    path = os.path.join(workdir, "sweep.json")
+    if not os.path.isfile(path):
+        raise ValueError(f"workdir={workdir!r} has no sweep.json: run a sweep slice there first")
+    with open(path) as f:
+        plan = json.load(f)
+    sweep_cfg = ml_collections.ConfigDict(plan["config"])
+    cfg, sweep = split_sweep_config(sweep_cfg)
+    found: dict[tuple, list] = {}
+    for slice_path in sorted(glob.glob(os.path.join(workdir, "slices", "*.csv"))):
+        for row in _read_csv(slice_path):
+            found.setdefault((row["model"], row["cache"]), []).append((slice_path, row))
+    twice = {unit: [p for p, _ in hits] for unit, hits in found.items() if len(hits) > 1}
+    if twice:
+        unit, paths = next(iter(twice.items()))
+        raise ValueError(
+            f"unit {unit} appears in {len(paths)} slices ({', '.join(paths)}): remove the slices "
+            "of other --sweep_count runs from workdir/slices"
+        )
+    units = [tuple(u) for u in plan["units"]]
+    missing = [u for u in units if u not in found]
+    if missing:
+        raise ValueError(
+            f"{len(missing)} of {len(units)} units have no results yet (first: {missing[0]}): "
+            "run the remaining --sweep_index slices before merging"
+        )
+    rows = [found[u][0][1] for u in units]
+    _write_csv(os.path.join(workdir, "results.csv"), rows)
+    plot = os.path.join(workdir, "pareto.png")
+    pareto_plot(rows, plot, title=sweep.name)
+    with Run(
+        cfg.wandb,
+        name=f"{sweep.name}-results",
+        config=sweep_cfg.to_dict(),
+        workdir=workdir,
+        job_type="sweep",
+        group=sweep.name,
+    ) as run:
+        run.table("results", columns=list(COLUMNS), rows=[[r[c] for c in COLUMNS] for r in rows])
+        run.image("pareto", plot)
+    return rows
+
+
+def pareto_front(points: list[tuple[float, float]], higher_is_better: bool = False) -> list[int]:
+    """Indices of the points no other point beats on both cost (x) and metric (y)."""
+    sign = -1.0 if higher_is_better else 1.0
+    order = sorted(range(len(points)), key=lambda i: (points[i][0], sign * points[i][1]))
+    front, best = [], float("inf")
+    for i in order:
+        if sign * points[i][1] < best:
+            front.append(i)
+            best = sign * points[i][1]
+    return front
+
+
+def pareto_plot(rows: list[Mapping], path: str, title: str = "") -> None:
+    """The metric against cache bytes per token (log x): marker per model family,
+    colour per bit-width, the Pareto frontier drawn and ringed."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.lines import Line2D
+
+    metric = rows[0]["metric"]
+    higher_is_better = metric == "accuracy"
+    x = [float(r["cache_bytes_per_token"]) for r in rows]
+    y = [float(r[metric]) for r in rows]
+    labels = sorted({r["bits"] for r in rows}, key=lambda b: (b[0], -sum(map(int, _numbers(b)))))
+    colours = {b: plt.get_cmap("tab20")(i % 20) for i, b in enumerate(labels)}
+
+    fig, ax = plt.subplots(figsize=(8, 5.5), dpi=120)
+    for r, xi, yi in zip(rows, x, y, strict=True):
+        marker, colour = FAMILY_MARKERS[r["family"]], colours[r["bits"]]
+        ax.scatter(xi, yi, marker=marker, color=colour, s=46, zorder=3)
+    front = pareto_front(list(zip(x, y, strict=True)), higher_is_better)
+    ax.plot([x[i] for i in front], [y[i] for i in front], color="black", lw=1, ls="--", zorder=2)
+    ax.scatter(
+        [x[i] for i in front],
+        [y[i] for i in front],
+        s=140,
+        facecolors="none",
+        edgecolors="black",
+        zorder=4,
+    )
+    for i in front:
+        ax.annotate(
+            f"{rows[i]['model']} {rows[i]['bits']}",
+            (x[i], y[i]),
+            textcoords="offset points",
+            xytext=(5, 5),
+            fontsize=7,
+        )
+    ax.set_xscale("log")
+    ax.set_xlabel("cache bytes per token (all layers)")
+    ax.set_ylabel(metric + (" (higher is better)" if higher_is_better else " (lower is better)"))
+    ax.set_title(title)
+    ax.grid(True, which="both", alpha=0.3)
+    families = [
+        Line2D([], [], marker=m, ls="", color="grey", label=f)
+        for f, m in FAMILY_MARKERS.items()
+        if any(r["family"] == f for r in rows)
+    ]
+    bits = [Line2D([], [], marker="o", ls="", color=colours[b], label=b) for b in labels]
+    frontier = [
+        Line2D([], [], color="black", ls="--", marker="o", mfc="none", label="Pareto frontier")
+    ]
+    first = ax.legend(handles=families + frontier, loc="upper right", fontsize=8, title="model")
+    ax.add_artist(first)
+    ax.legend(handles=bits, loc="upper center", fontsize=7, title="bits", ncol=2)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def _numbers(label: str) -> list[str]:
+    return [part for part in "".join(c if c.isdigit() else " " for c in label).split()]

@@ -1,0 +1,53 @@
+"""Runs a sweep (or one slice of it) and writes results.csv and pareto.png.
+
+    python scripts/sweep.py --config configs/sweeps/cache_pareto.py:tiny --workdir runs/cache_pareto
+    python scripts/sweep.py --config ... --workdir DIR --sweep_index 2 --sweep_count 8  # a slice
+    python scripts/sweep.py --config ... --workdir DIR --merge                         # join them
+
+Overrides reach every unit: --config.train.steps=100 --config.wandb.mode=disabled.
+Layout of DIR and the grid format: kvlab/sweep.py.
+"""
+
+import os
+
+from absl import app, flags, logging
+from ml_collections import config_flags
+
+from kvlab.config import import_config_file
+from kvlab.sweep import merge, run_sweep
+
+_CONFIG = config_flags.DEFINE_config_file(
+    "config", "configs/sweeps/cache_pareto.py:tiny", "Sweep config file (get_config, get_grid)."
+)
+_WORKDIR = flags.DEFINE_string("workdir", None, "Sweep directory.")
+_INDEX = flags.DEFINE_integer("sweep_index", 0, "Which slice of the grid to run.")
+_COUNT = flags.DEFINE_integer("sweep_count", 1, "How many slices the grid is cut into.")
+_MERGE = flags.DEFINE_bool("merge", False, "Only join the slices already in --workdir.")
+flags.mark_flag_as_required("workdir")
+
+
+def main(argv):
+    del argv
+    logging.set_verbosity(logging.WARNING)  # orbax reports every checkpoint step at INFO
+    workdir = _WORKDIR.value
+    if _MERGE.value:
+        rows = merge(workdir)
+    else:
+        path = config_flags.get_config_filename(flags.FLAGS["config"]).partition(":")[0]
+        module = import_config_file(path)
+        if not hasattr(module, "get_grid"):
+            raise ValueError(f"sweep config {path!r} has no get_grid(cfg) function: add one")
+        cfg = _CONFIG.value
+        rows = run_sweep(
+            cfg, module.get_grid(cfg), workdir, sweep_index=_INDEX.value, sweep_count=_COUNT.value
+        )
+        if _COUNT.value > 1:
+            print(f"slice {_INDEX.value} of {_COUNT.value}: {len(rows)} rows; merge with --merge")
+            return
+    print(f"{len(rows)} results: {os.path.join(workdir, 'results.csv')}")
+    print(f"plot: {os.path.join(workdir, 'pareto.png')}")
+    print(f"wandb runs (offline unless --config.wandb.mode=online): {workdir}/**/wandb/")
+
+
+if __name__ == "__main__":
+    app.run(main)
