@@ -388,6 +388,7 @@ def pareto_plot(rows: list[Mapping], path: str, title: str = "") -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
     from matplotlib.lines import Line2D
 
     metric = rows[0]["metric"]
@@ -411,15 +412,19 @@ def pareto_plot(rows: list[Mapping], path: str, title: str = "") -> None:
         edgecolors="black",
         zorder=4,
     )
-    for i in front:
+    for n, i in enumerate(front):  # labels alternate above and below the line
         ax.annotate(
-            f"{rows[i]['model']} {rows[i]['bits']}",
+            f"{rows[i]['model']} {rows[i]['cache']}",
             (x[i], y[i]),
             textcoords="offset points",
-            xytext=(5, 5),
+            xytext=(6, 7 if n % 2 == 0 else -12),
             fontsize=7,
         )
     ax.set_xscale("log")
+    plain = matplotlib.ticker.FuncFormatter(lambda value, _: f"{value:g}")
+    ax.xaxis.set_major_formatter(plain)
+    ax.xaxis.set_minor_formatter(plain)
+    ax.tick_params(axis="x", which="minor", labelsize=7)
     ax.set_xlabel("cache bytes per token (all layers)")
     ax.set_ylabel(metric + (" (higher is better)" if higher_is_better else " (lower is better)"))
     ax.set_title(title)

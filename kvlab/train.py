@@ -36,7 +36,7 @@ import orbax.checkpoint as ocp
 import tqdm
 from flax import struct
 
-from kvlab.config import frozen, validate_config
+from kvlab.config import base_config, frozen, validate_config
 from kvlab.data import make_dataset
 from kvlab.logging import Run
 from kvlab.model import Transformer
@@ -201,7 +201,20 @@ def load_run_config(workdir: str) -> ml_collections.ConfigDict:
             f"workdir={workdir!r} has no config.json: it is not a kvlab training directory"
         )
     with open(path) as f:
-        return validate_config(ml_collections.ConfigDict(json.load(f)))
+        stored = json.load(f)
+    # Fields added to the schema after the run was saved take their defaults.
+    cfg = base_config()
+    for name, section in stored.items():
+        _merge(cfg[name], section)
+    return validate_config(cfg)
+
+
+def _merge(target: ml_collections.ConfigDict, values: Mapping) -> None:
+    for key, value in values.items():
+        if isinstance(value, Mapping) and key in target:
+            _merge(target[key], value)
+        else:
+            target[key] = value
 
 
 def _write_run_config(cfg: ml_collections.ConfigDict, workdir: str) -> None:

@@ -2,6 +2,7 @@
 sliced sweep merges into the table, the plot and a wandb run."""
 
 import csv
+import json
 import shutil
 
 import pytest
@@ -145,6 +146,14 @@ def test_sliced_sweep_merges_into_table_plot_and_wandb(tmp_path):
     runs = [read_offline_run(path) for path in sorted(workdir.glob("**/offline-run-*"))]
     assert sorted(r["job_type"] for r in runs) == ["sweep", "train", "train"]
     assert {r["group"] for r in runs} == {"test_sweep"}
+    trained = next(r for r in runs if r["job_type"] == "train" and r["name"] == "mla")
+    assert trained["config"]["model"]["attention"] == "mla"
+    assert trained["config"]["train"]["steps"] == 2
+    logged_steps = {row["_step"]: row for row in trained["history"]}
+    assert "train/loss" in logged_steps[2] and "eval/ppl" in trained["summary"]
+    lines = (workdir / "models" / "mla" / "metrics.jsonl").read_text().splitlines()
+    metrics = [json.loads(line) for line in lines]
+    assert trained["summary"]["eval/ppl"] == pytest.approx(metrics[-1]["eval/ppl"])
     sweep_run = next(r for r in runs if r["job_type"] == "sweep")
     logged = sweep_run["tables"]["results"]
     assert logged["columns"] == list(COLUMNS)

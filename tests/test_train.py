@@ -88,3 +88,12 @@ def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(corpus, tmp_pa
     manager.close()
     assert all(bool(np.isfinite(p).all()) for p in jax.tree.leaves(params))
     assert all(np.isfinite(line.get("train/loss", 0.0)) for line in read_metrics(tmp_path))
+
+
+def test_bfloat16_compute_trains_float32_weights(corpus, tmp_path):
+    cfg = run_config(corpus, steps=2, checkpoint_every=2, log_every=1)
+    cfg.model.dtype = "bfloat16"
+    state, history = train(cfg, tmp_path, progress=False)
+    assert all(p.dtype == np.float32 for p in jax.tree.leaves(state.params))
+    assert all(np.isfinite(line["train/loss"]) for line in history if "train/loss" in line)
+    assert history[-1]["eval/loss"] < np.log(256) + 0.5
