@@ -27,7 +27,7 @@ import ml_collections
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
 ATTENTION_KINDS = ("gqa", "mla")
-CACHE_KINDS = ("dense",)
+CACHE_KINDS = ("dense", "paged")
 BIT_WIDTHS = (16, 8, 4, 2)
 CODE_FORMATS = ("int", "fp8")
 GROUP_AXES = ("token", "channel")
@@ -101,7 +101,10 @@ def base_config(variant: str = "tiny") -> ml_collections.ConfigDict:
     # Format and axis matter only below 16 bits.
     cfg.cache = ml_collections.ConfigDict(
         dict(
-            kind="dense",  # contiguous per-sequence buffers
+            kind="dense",  # 'dense': contiguous per-sequence buffers; 'paged': a page pool
+            page_size=16,  # paged: tokens per page
+            num_pages=0,  # paged: pages in the pool (0 = enough for every row at max_len)
+            prefix_caching=False,  # paged: share full pages of identical prompt prefixes
             dtype="float32" if on_cpu else "bfloat16",  # dtype of 16-bit entries and the residual
             k_bits=16,  # 16 (= cache.dtype), 8, 4 or 2 bits per stored number
             v_bits=16,
@@ -306,6 +309,10 @@ def validate_cache_config(cache: Mapping, model: Mapping | None = None) -> None:
     _check_choice("cache", cache, "scale_dtype", tuple(DTYPES))
     _check_int("cache", cache, "group_size")
     _check_int("cache", cache, "residual", minimum=0)
+    _check_int("cache", cache, "page_size")
+    _check_int("cache", cache, "num_pages", minimum=0)
+    if not isinstance(cache["prefix_caching"], bool):
+        _fail("cache.prefix_caching", cache["prefix_caching"], "is not a bool", "set True or False")
     if not isinstance(cache["symmetric"], bool):
         _fail("cache.symmetric", cache["symmetric"], "is not a bool", "set True or False")
     for prefix in CACHED_PREFIXES:
@@ -319,6 +326,19 @@ def validate_cache_config(cache: Mapping, model: Mapping | None = None) -> None:
                 "fp8",
                 f"needs 8 bits but cache.{prefix}_bits={bits}",
                 f"set cache.{prefix}_bits=8 or cache.{prefix}_format='int'",
+            )
+        if (
+            bits < 16
+            and cache[f"{prefix}_axis"] == "channel"
+            and cache["kind"] == "paged"
+            and cache["page_size"] % cache["group_size"]
+        ):
+            _fail(
+                "cache.page_size",
+                cache["page_size"],
+                f"is not a multiple of cache.group_size={cache['group_size']}, but "
+                f"cache.{prefix}_axis='channel' keeps one scale per group of tokens in a page",
+                "set cache.page_size to a multiple of cache.group_size",
             )
         if (
             bits < 16

@@ -1,13 +1,22 @@
 """KV-cache storage and byte accounting."""
 
 from kvlab.cache.accounting import cache_bytes, tree_bytes
+from kvlab.cache.allocator import OutOfPages, PageAllocator
 from kvlab.cache.dense import Cache, DenseLayer, cached_tensors, init_cache
+from kvlab.cache.paged import PagedCache, PagedLayer, PagedQuantizedLayer
 from kvlab.cache.placement import write_tokens
+from kvlab.cache.prefix import PrefixCache
 from kvlab.cache.quant import QuantizedLayer, QuantizedTensor
 
 __all__ = [
     "Cache",
     "DenseLayer",
+    "OutOfPages",
+    "PageAllocator",
+    "PagedCache",
+    "PagedLayer",
+    "PagedQuantizedLayer",
+    "PrefixCache",
     "QuantizedLayer",
     "QuantizedTensor",
     "cached_tensors",

@@ -9,7 +9,9 @@ latent attention stores (kv_rank + rope_dim) numbers per token and layer instead
 (DeepSeek-V2, arXiv:2405.04434). A quantized cache counts, per tensor, its
 packed payload (bits / 8 bytes a number), one scale (and zero point) per group
 and the full-precision ring of recent tokens, laid out as kvlab/cache/quant.py
-describes. Plus the bookkeeping the cache carries (one int32 length per row).
+describes. A paged cache counts its page pools (num_pages x page_size token
+rows, shared by the rows) and each row's ring instead. Plus the bookkeeping the
+cache carries: one int32 length per row and, paged, the block tables.
 """
 
 from __future__ import annotations
@@ -19,11 +21,13 @@ from collections.abc import Mapping
 import jax
 import numpy as np
 
+from kvlab.cache import paged
 from kvlab.cache.dense import cached_tensors
 from kvlab.cache.quant import quantized_layout, storages
 from kvlab.config import dtype_of, validate_cache_config, validate_model_config
 
 LENGTH_BYTES = 4  # one int32 length per row
+TABLE_ENTRY_BYTES = 4  # paged: one int32 page id per row and page
 
 
 def cache_bytes(model_cfg: Mapping, cache_cfg: Mapping, batch_size: int, seq_len: int) -> int:
@@ -31,25 +35,34 @@ def cache_bytes(model_cfg: Mapping, cache_cfg: Mapping, batch_size: int, seq_len
     validate_model_config(model_cfg)
     validate_cache_config(cache_cfg, model_cfg)
     layout = quantized_layout(model_cfg, cache_cfg, seq_len)
-    per_row = 0  # bytes of one row in one layer
-    for (_, heads, width), spec in zip(
-        cached_tensors(model_cfg), storages(model_cfg, cache_cfg), strict=True
-    ):
-        element_bytes = dtype_of(spec.dtype).itemsize
-        if layout is None:
-            per_row += heads * seq_len * width * element_bytes
-            continue
-        rows = layout.payload_len  # P settled tokens, then W recent ones in full precision
-        per_row += heads * layout.ring_len * width * element_bytes
-        if not spec.quantized:
-            per_row += heads * rows * width * element_bytes
-            continue
-        per_row += heads * rows * width * spec.bits // 8
-        groups = rows * width // spec.group_size  # one scale per group, either axis
-        per_row += (
-            heads * groups * dtype_of(spec.scale_dtype).itemsize * (2 if spec.has_zero else 1)
+    tensors = list(zip(cached_tensors(model_cfg), storages(model_cfg, cache_cfg), strict=True))
+    ring = 0 if layout is None else layout.ring_len
+    # Token rows each tensor stores: a row's S (or P settled) tokens, or a page pool.
+    if cache_cfg["kind"] == "paged":
+        pages = paged.pool_size(cache_cfg, batch_size, seq_len)
+        pooled = pages * cache_cfg["page_size"]
+        per_layer = sum(_tensor_bytes(spec, h, w, pooled, 0) for (_, h, w), spec in tensors)
+        per_layer += batch_size * sum(
+            _tensor_bytes(spec, h, w, 0, ring) for (_, h, w), spec in tensors
         )
-    return model_cfg["num_layers"] * per_row * batch_size + LENGTH_BYTES * batch_size
+        tables = batch_size * paged.pages_per_row(cache_cfg, seq_len) * TABLE_ENTRY_BYTES
+    else:
+        rows = seq_len if layout is None else layout.payload_len
+        per_layer = batch_size * sum(_tensor_bytes(s, h, w, rows, ring) for (_, h, w), s in tensors)
+        tables = 0
+    return model_cfg["num_layers"] * per_layer + tables + LENGTH_BYTES * batch_size
+
+
+def _tensor_bytes(spec, heads: int, width: int, rows: int, ring: int) -> int:
+    """One cached tensor: `rows` stored tokens (packed codes, scales and zero
+    points when quantized) and `ring` tokens in full precision."""
+    element = dtype_of(spec.dtype).itemsize
+    total = heads * ring * width * element
+    if not spec.quantized:
+        return total + heads * rows * width * element
+    total += heads * rows * width * spec.bits // 8
+    groups = rows * width // spec.group_size  # one scale per group, either axis
+    return total + heads * groups * dtype_of(spec.scale_dtype).itemsize * (1 + spec.has_zero)
 
 
 def elements_per_token_and_layer(model_cfg: Mapping) -> int:

@@ -107,17 +107,24 @@ class Cache:
 
     def place(self, length: int, num_tokens: Int[Array, " B"]) -> Placement:
         """Places T new tokens per row (num_tokens[b] real) after the cached ones."""
-        steps = jnp.arange(length, dtype=jnp.int32)
-        relative = jnp.broadcast_to(steps, (self.batch_size, length))
-        # Padding goes to slot S, which write_tokens drops.
-        slots = jnp.where(steps < num_tokens[:, None], self.lengths[:, None] + steps, self.capacity)
-        return Placement(
-            positions=self.lengths[:, None] + steps,
-            fresh_mask=causal_mask(relative, num_tokens, length),
-            slots=slots,
-            lengths=self.lengths,
-            num_tokens=num_tokens,
-        )
+        return place_after(self.lengths, self.capacity, length, num_tokens)
+
+
+def place_after(
+    lengths: Int[Array, " B"], capacity: int, length: int, num_tokens: Int[Array, " B"]
+) -> Placement:
+    """T new tokens per row (num_tokens[b] real) at the slots after each row's length."""
+    steps = jnp.arange(length, dtype=jnp.int32)
+    relative = jnp.broadcast_to(steps, (lengths.shape[0], length))
+    # Padding goes to slot S, which every cache write drops.
+    slots = jnp.where(steps < num_tokens[:, None], lengths[:, None] + steps, capacity)
+    return Placement(
+        positions=lengths[:, None] + steps,
+        fresh_mask=causal_mask(relative, num_tokens, length),
+        slots=slots,
+        lengths=lengths,
+        num_tokens=num_tokens,
+    )
 
 
 def _check_size(name: str, value: int) -> None:
@@ -126,11 +133,16 @@ def _check_size(name: str, value: int) -> None:
 
 
 def init_cache(model_cfg: Mapping, cache_cfg: Mapping, batch_size: int, max_len: int) -> Cache:
-    """An empty cache for `batch_size` rows of up to `max_len` tokens each."""
+    """An empty cache for `batch_size` rows of up to `max_len` tokens each
+    (a paged.PagedCache when cache.kind='paged')."""
     validate_model_config(model_cfg)
     validate_cache_config(cache_cfg, model_cfg)
     _check_size("batch_size", batch_size)
     _check_size("max_len", max_len)
+    if cache_cfg["kind"] == "paged":
+        from kvlab.cache.paged import init_paged_cache  # paged.py builds on this module
+
+        return init_paged_cache(model_cfg, cache_cfg, batch_size, max_len)
     shapes = [(heads, width) for _, heads, width in cached_tensors(model_cfg)]
     layout = quant.quantized_layout(model_cfg, cache_cfg, max_len)
     if layout is None:

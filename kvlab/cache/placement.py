@@ -39,6 +39,8 @@ class Placement(NamedTuple):
     slots        int32[B, T]    cache slot of each token; S (dropped) for padding
     lengths      int32[B]       tokens each row held before this step
     num_tokens   int32[B]       real tokens among the T of each row
+    pages        int32[B, n]    paged caches: the row's block table (page of each
+                                run of page_size slots; -1 where none is held)
     """
 
     positions: Int[Array, "B T"]
@@ -46,6 +48,7 @@ class Placement(NamedTuple):
     slots: Int[Array, "B T"] | None = None
     lengths: Int[Array, " B"] | None = None
     num_tokens: Int[Array, " B"] | None = None
+    pages: Int[Array, "B n"] | None = None
 
 
 def place_without_cache(batch: int, length: int) -> Placement:
