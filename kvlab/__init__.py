@@ -13,11 +13,13 @@ The public API (DESIGN.md):
 
 from kvlab.cache import Cache, cache_bytes, init_cache, tree_bytes
 from kvlab.config import base_config, load_config, validate_config
+from kvlab.engine import Engine
 from kvlab.model import Transformer, init_params
 from kvlab.sampling import Greedy, Temperature, TopK, TopP, decode_step, generate, prefill
 
 __all__ = [
     "Cache",
+    "Engine",
     "Greedy",
     "Temperature",
     "TopK",

@@ -206,3 +206,47 @@ def test_sweep_runs_one_slice_of_the_default_grid(tmp_path):
     assert (tmp_path / "slices" / "0-of-33.csv").is_file()
     merged = run_script("scripts/sweep.py", f"--workdir={tmp_path}", "--merge", check=False)
     assert merged.returncode != 0 and "units have no results yet" in merged.stderr
+
+
+def test_serve_bench_matches_one_at_a_time(tmp_path):
+    result = run_script(
+        "scripts/serve_bench.py",
+        "--requests=4",
+        "--max_new_tokens=4",
+        "--max_slots=2",
+        "--json",
+    )
+    report = json.loads(result.stdout)
+    assert report["outputs_equal"] and report["speedup"] > 0
+    assert report["engine_tokens_per_s"] > 0 and report["one_at_a_time_tokens_per_s"] > 0
+
+
+def test_paged_memory_experiment(tmp_path):
+    run_script(
+        "experiments/paged_memory.py", f"--workdir={tmp_path}", "--sequences=300", "--budget_gib=1"
+    )
+    report = json.loads((tmp_path / "results.json").read_text())
+    contiguous, *paged = report["rows"]
+    assert contiguous["waste"] > 0.5
+    for row in paged:
+        assert row["waste"] < contiguous["waste"]
+        assert row["sequences_in_budget"] > contiguous["sequences_in_budget"]
+        assert row["reserved_tokens"] >= report["used_tokens"]
+    assert (tmp_path / "memory.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_prefix_sharing_experiment(tmp_path):
+    run_script(
+        "experiments/prefix_sharing.py",
+        f"--workdir={tmp_path}",
+        "--requests=6",
+        "--system_len=40",
+        "--user_len=4",
+        "--max_new_tokens=3",
+        "--max_slots=2",
+        "--prefill_chunk=16",
+    )
+    report = json.loads((tmp_path / "results.json").read_text())
+    assert report["outputs_equal"]
+    assert report["on"]["prefill_tokens_computed"] < report["off"]["prefill_tokens_computed"]
+    assert report["off"]["prefill_tokens_computed"] == report["off"]["prompt_tokens"]

@@ -207,23 +207,27 @@ def init_paged_cache(
             tuple(jnp.zeros((h, num_pages, page, w), dtype) for h, w in shapes), max_len
         )
     else:
-        dense = quant.init_layer(quant.storages(model_cfg, cache_cfg), layout, 1, shapes)
-        tensors, lengths = [], []
-        for tensor in dense.tensors:
-            per_scale_row = tensor.spec.group_size if tensor.spec.axis == "channel" else 1
-            scale_rows = 0 if tensor.scale is None else tensor.scale.shape[2]
-            pooled = {"payload": _pool(tensor.payload, num_pages, page)}
-            for name in ("scale", "zero"):
-                array = getattr(tensor, name)
-                pooled[name] = (
-                    None if array is None else _pool(array, num_pages, page // per_scale_row)
-                )
-            ring = None
-            if tensor.ring is not None:
-                ring = jnp.zeros((batch_size, *tensor.ring.shape[1:]), tensor.ring.dtype)
-            tensors.append(tensor.replace(ring=ring, **pooled))
-            lengths.append((tensor.payload.shape[2], scale_rows))
-        new_layer = lambda: PagedQuantizedLayer(tuple(tensors), layout, tuple(lengths))  # noqa: E731
+        specs = quant.storages(model_cfg, cache_cfg)
+        new_layer = lambda: _quantized_layer(specs, layout, shapes, batch_size, num_pages, page)  # noqa: E731
     layers = tuple(new_layer() for _ in range(model_cfg["num_layers"]))
     tables = jnp.arange(batch_size * n, dtype=jnp.int32).reshape(batch_size, n)
     return PagedCache(layers, tables, jnp.zeros((batch_size,), jnp.int32))
+
+
+def _quantized_layer(specs, layout, shapes, batch_size, num_pages, page) -> PagedQuantizedLayer:
+    """Fresh pools shaped after a one-row dense quantized layer (rings per row)."""
+    dense = quant.init_layer(specs, layout, 1, shapes)
+    tensors, lengths = [], []
+    for tensor in dense.tensors:
+        per_scale_row = tensor.spec.group_size if tensor.spec.axis == "channel" else 1
+        pooled = {"payload": _pool(tensor.payload, num_pages, page)}
+        for name in ("scale", "zero"):
+            array = getattr(tensor, name)
+            pooled[name] = None if array is None else _pool(array, num_pages, page // per_scale_row)
+        ring = None
+        if tensor.ring is not None:
+            ring = jnp.zeros((batch_size, *tensor.ring.shape[1:]), tensor.ring.dtype)
+        tensors.append(tensor.replace(ring=ring, **pooled))
+        scale_rows = 0 if tensor.scale is None else tensor.scale.shape[2]
+        lengths.append((tensor.payload.shape[2], scale_rows))
+    return PagedQuantizedLayer(tuple(tensors), layout, tuple(lengths))
