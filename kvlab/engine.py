@@ -37,7 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvlab.cache.allocator import OutOfPages
-from kvlab.cache.paged import PagedCache, pages_per_row
+from kvlab.cache.paged import PagedCache, init_paged_cache, pages_per_row
 from kvlab.cache.prefix import PrefixCache
 from kvlab.config import frozen, validate_cache_config
 from kvlab.model import Transformer
@@ -83,7 +83,17 @@ class EngineStats:
 
 
 class Engine:
-    """Greedy generation for many requests at once over a shared paged cache."""
+    """Greedy generation for many requests at once over a shared paged cache.
+
+    Args:
+      model_cfg, cache_cfg: the config's sections; cache.kind must be 'paged'
+        (cache.num_pages pages of cache.page_size tokens; 0 = max_slots full rows).
+      params: the model's parameters.
+      max_slots: requests decoded together (rows of the cache).
+      max_len: the most tokens one request may hold (prompt + output - 1).
+      prefill_chunk: prompt tokens fed per slot and step.
+      end_token: a request stops after emitting it (kept in its output).
+    """
 
     def __init__(
         self,
@@ -133,15 +143,10 @@ class Engine:
         self._cache = self._empty_cache()
 
     def _empty_cache(self) -> PagedCache:
-        from kvlab.cache.paged import init_paged_cache
-
-        pool_cfg = dict(self.cache_cfg)
-        pool_cfg["num_pages"] = max(self.num_pages, self.max_slots * self.pages_per_slot)
-        cache = init_paged_cache(self.model.config, pool_cfg, self.max_slots, self.max_len)
-        # Only the first num_pages are handed out; the rest (when init_cache needed
-        # a page per slot) are never referenced by a block table.
-        tables = jnp.full((self.max_slots, self.pages_per_slot), -1, jnp.int32)
-        return cache.replace(block_tables=tables)
+        pool_cfg = dict(self.cache_cfg, num_pages=self.num_pages)
+        return init_paged_cache(
+            self.model.config, pool_cfg, self.max_slots, self.max_len, own_pages=False
+        )
 
     # ------------------------------------------------------------------
     def generate(self, requests: Sequence[Sequence[int]], max_new_tokens: int) -> list[list[int]]:

@@ -94,3 +94,15 @@ def test_bad_engine_inputs_are_refused():
     with pytest.raises(ValueError, match="cache.residual=16 with cache.prefix_caching"):
         quantized = dict(cfg.cache, prefix_caching=True, k_bits=4, residual=16, page_size=16)
         kvlab.Engine(cfg.model, quantized, params)
+
+
+def test_the_pool_holds_exactly_the_configured_pages():
+    cfg = engine_config(False, num_pages=5)
+    _, params, _ = build(cfg)
+    engine = kvlab.Engine(cfg.model, cfg.cache, params, max_slots=4, max_len=32)
+    assert engine.pages.num_pages == 5
+    for pool in engine._cache.layers[0].pools:
+        assert pool.shape[1] == 5
+    assert kvlab.tree_bytes(engine._cache) == kvlab.cache_bytes(
+        cfg.model, dict(cfg.cache), batch_size=4, seq_len=32
+    )

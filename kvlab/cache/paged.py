@@ -186,13 +186,17 @@ def _pool(batch_dense: Array, num_pages: int, per_page: int) -> Array:
 
 
 def init_paged_cache(
-    model_cfg: Mapping, cache_cfg: Mapping, batch_size: int, max_len: int
+    model_cfg: Mapping, cache_cfg: Mapping, batch_size: int, max_len: int, own_pages: bool = True
 ) -> PagedCache:
-    """An empty paged cache whose rows each own n = ceil(max_len / page_size) pages."""
+    """An empty paged cache whose rows each own n = ceil(max_len / page_size) pages.
+
+    With own_pages=False the block tables start empty (-1) and the pool may be
+    smaller than batch_size * n pages: a scheduler (kvlab.Engine) hands them out.
+    """
     page = cache_cfg["page_size"]
     n = pages_per_row(cache_cfg, max_len)
     num_pages = pool_size(cache_cfg, batch_size, max_len)
-    if num_pages < batch_size * n:
+    if own_pages and num_pages < batch_size * n:
         raise ValueError(
             f"cache.num_pages={num_pages} is too few: {batch_size} rows of max_len={max_len} "
             f"need {n} pages of cache.page_size={page} each, {batch_size * n} in all; set "
@@ -211,6 +215,8 @@ def init_paged_cache(
         new_layer = lambda: _quantized_layer(specs, layout, shapes, batch_size, num_pages, page)  # noqa: E731
     layers = tuple(new_layer() for _ in range(model_cfg["num_layers"]))
     tables = jnp.arange(batch_size * n, dtype=jnp.int32).reshape(batch_size, n)
+    if not own_pages:
+        tables = jnp.full((batch_size, n), -1, jnp.int32)
     return PagedCache(layers, tables, jnp.zeros((batch_size,), jnp.int32))
 
 
