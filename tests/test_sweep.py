@@ -105,6 +105,9 @@ def test_the_pareto_front_holds_exactly_the_undominated_points(points):
             assert not beaten
         elif not beaten:
             assert points.index(p) in front  # an exact duplicate of a frontier point
+    # A metric where higher is better (MQAR accuracy) is the same front, mirrored.
+    mirrored = [(x, -y) for x, y in points]
+    assert pareto_front(mirrored, higher_is_better=True) == pareto_front(points)
 
 
 def test_sliced_sweep_merges_into_table_plot_and_wandb(tmp_path):

@@ -30,13 +30,12 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-import jax
 import jax.numpy as jnp
 from flax import struct
 from jaxtyping import Array, Int
 
 from kvlab.cache import quant
-from kvlab.cache.dense import DenseLayer, cached_tensors, place_after
+from kvlab.cache.dense import Cache, DenseLayer, cached_tensors
 from kvlab.cache.placement import Placement
 from kvlab.config import dtype_of
 
@@ -145,29 +144,14 @@ class PagedQuantizedLayer:
 
 
 @struct.dataclass
-class PagedCache:
+class PagedCache(Cache):
     """Per-layer page pools, block tables and row lengths (module docstring)."""
 
-    layers: tuple
-    block_tables: Int[Array, "B n"]
-    lengths: Int[Array, " B"]
-
-    @property
-    def capacity(self) -> int:
-        return self.layers[0].capacity
-
-    @property
-    def batch_size(self) -> int:
-        return self.lengths.shape[0]
-
-    def overflowed(self) -> jax.Array:
-        """bool[B]: rows that were given more tokens than the capacity holds."""
-        return self.lengths > self.capacity
+    block_tables: Int[Array, "B n"]  # page of each run of page_size slots; -1: none
 
     def place(self, length: int, num_tokens: Int[Array, " B"]) -> Placement:
         """As the dense cache places tokens, with the block tables for the layers."""
-        placement = place_after(self.lengths, self.capacity, length, num_tokens)
-        return placement._replace(pages=self.block_tables)
+        return super().place(length, num_tokens)._replace(pages=self.block_tables)
 
 
 def pages_per_row(cache_cfg: Mapping, max_len: int) -> int:
@@ -217,7 +201,9 @@ def init_paged_cache(
     tables = jnp.arange(batch_size * n, dtype=jnp.int32).reshape(batch_size, n)
     if not own_pages:
         tables = jnp.full((batch_size, n), -1, jnp.int32)
-    return PagedCache(layers, tables, jnp.zeros((batch_size,), jnp.int32))
+    return PagedCache(
+        layers=layers, lengths=jnp.zeros((batch_size,), jnp.int32), block_tables=tables
+    )
 
 
 def _quantized_layer(specs, layout, shapes, batch_size, num_pages, page) -> PagedQuantizedLayer:
