@@ -302,9 +302,13 @@ def run_sweep(
         data = make_dataset(first.data, first.eval.split, first.train.seq_len)
         batches = data.eval_batches(first.eval.batch_size, first.eval.num_batches)
         chunk = first.eval.chunk
-        baseline = evaluate(first.model, full_precision(first.cache), params, batches, chunk=chunk)
+        baseline_cache = full_precision(first.cache)
+        baseline = evaluate(first.model, baseline_cache, params, batches, chunk=chunk)
         for unit in model_units:
-            result = evaluate(unit.cfg.model, unit.cfg.cache, params, batches, chunk=chunk)
+            if unit.cfg.cache.to_dict() == baseline_cache.to_dict():
+                result = baseline  # the 16-bit entry: already evaluated
+            else:
+                result = evaluate(unit.cfg.model, unit.cfg.cache, params, batches, chunk=chunk)
             rows.append(_row(sweep.name, unit, result, baseline, data.metric))
             if progress:
                 print(
