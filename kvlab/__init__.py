@@ -9,6 +9,10 @@ The public API (DESIGN.md):
     logits, cache = model.apply({"params": params}, tokens, cache=cache)
     out = kvlab.generate(model, params, prompts, cache_cfg=cfg.cache, max_new_tokens=32)
     kvlab.cache_bytes(cfg.model, cfg.cache, batch_size=2, seq_len=256) == kvlab.tree_bytes(cache)
+    engine = kvlab.Engine(cfg.model, cfg.cache, params, max_slots=8)   # cache.kind='paged'
+    outputs = engine.generate(list_of_token_lists, max_new_tokens=32)
+
+Training, evaluation through a cache and sweeps: kvlab.train, kvlab.eval, kvlab.sweep.
 """
 
 from kvlab.cache import Cache, cache_bytes, init_cache, tree_bytes
