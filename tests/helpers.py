@@ -54,6 +54,16 @@ def _build(model_cfg, seed):
     return model, params, jax.jit(model.apply)
 
 
+def run_in_chunks(apply, params, cache, tokens, chunk_sizes):
+    """Feeds tokens through the cache chunk by chunk; returns all logits and the cache."""
+    logits, start = [], 0
+    for size in chunk_sizes:
+        out, cache = apply({"params": params}, tokens[:, start : start + size], cache=cache)
+        logits.append(out)
+        start += size
+    return np.concatenate(logits, axis=1), cache
+
+
 def random_tokens(cfg, shape, seed: int = 0):
     return np.random.default_rng(seed).integers(0, cfg.model.vocab_size, shape, dtype=np.int32)
 

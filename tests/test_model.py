@@ -13,6 +13,7 @@ from tests.helpers import (
     VARIANTS,
     build,
     random_tokens,
+    run_in_chunks,
     small_model_configs,
     tiny_config,
 )
@@ -24,16 +25,6 @@ BATCH, LENGTH, WIDTH, MAX_LEN = 3, 24, 8, 32
 
 def fresh_cache(cfg):
     return kvlab.init_cache(cfg.model, cfg.cache, batch_size=BATCH, max_len=MAX_LEN)
-
-
-def run_in_chunks(apply, params, cache, tokens, chunk_sizes):
-    """Feeds tokens through the cache chunk by chunk; returns all logits and the cache."""
-    logits, start = [], 0
-    for size in chunk_sizes:
-        out, cache = apply({"params": params}, tokens[:, start : start + size], cache=cache)
-        logits.append(out)
-        start += size
-    return jnp.concatenate(logits, axis=1), cache
 
 
 def feed(apply, params, cache, tokens, chunk_sizes):

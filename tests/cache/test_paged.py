@@ -10,7 +10,14 @@ import pytest
 
 import kvlab
 from kvlab.cache.paged import PagedCache, PagedLayer, PagedQuantizedLayer
-from tests.helpers import build, count_compiles, mla_config, random_tokens, tiny_config
+from tests.helpers import (
+    build,
+    count_compiles,
+    mla_config,
+    random_tokens,
+    run_in_chunks,
+    tiny_config,
+)
 
 BATCH, MAX_LEN, PAGE = 3, 40, 8  # 5 pages per row
 
@@ -46,12 +53,7 @@ def shuffled_tables(cache: PagedCache, seed: int) -> PagedCache:
 
 def run_steps(cfg, cache, tokens, chunks):
     _, params, apply = build(cfg)
-    outs, start = [], 0
-    for size in chunks:
-        logits, cache = apply({"params": params}, tokens[:, start : start + size], cache=cache)
-        outs.append(logits)
-        start += size
-    return np.concatenate(outs, axis=1), cache
+    return run_in_chunks(apply, params, cache, tokens, chunks)
 
 
 @pytest.mark.parametrize("name", sorted(CASES))

@@ -24,7 +24,15 @@ from kvlab.cache.quant import (
     quantize_tokens,
     unpack,
 )
-from tests.helpers import ROOT, TOLERANCE, build, mla_config, random_tokens, tiny_config
+from tests.helpers import (
+    ROOT,
+    TOLERANCE,
+    build,
+    mla_config,
+    random_tokens,
+    run_in_chunks,
+    tiny_config,
+)
 
 # ---------------------------------------------------------------------------
 # Codes
@@ -207,12 +215,7 @@ def test_latent_and_rope_key_are_quantized_for_mla():
 
 def run_chunks(apply, params, cfg, tokens, chunks, max_len):
     cache = kvlab.init_cache(cfg.model, cfg.cache, batch_size=tokens.shape[0], max_len=max_len)
-    logits, start = [], 0
-    for size in chunks:
-        out, cache = apply({"params": params}, tokens[:, start : start + size], cache=cache)
-        logits.append(out)
-        start += size
-    return jnp.concatenate(logits, axis=1), cache
+    return run_in_chunks(apply, params, cache, tokens, chunks)
 
 
 @st.composite
