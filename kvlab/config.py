@@ -15,6 +15,7 @@ for every inconsistent or out-of-range field, before anything is compiled.
 from __future__ import annotations
 
 import importlib.util
+import operator
 import os
 from collections.abc import Mapping
 from typing import Any
@@ -179,6 +180,21 @@ def base_config(variant: str = "tiny") -> ml_collections.ConfigDict:
 # Validation
 
 
+def check_count(name: str, value: object, minimum: int = 1) -> int:
+    """`value` as a Python int if it is an integer >= `minimum`, else a ValueError.
+
+    The one check of a count or size given to kvlab (config fields, function
+    arguments): Python and numpy integers pass; bools, floats, strings and
+    anything below `minimum` are refused with the field's name and the fix.
+    """
+    if isinstance(value, bool) or not hasattr(value, "__index__"):
+        raise ValueError(f"{name}={value!r} is not an integer: pass an integer >= {minimum}")
+    number = operator.index(value)
+    if number < minimum:
+        raise ValueError(f"{name}={value!r} is below {minimum}: pass an integer >= {minimum}")
+    return number
+
+
 def _fail(field: str, value: Any, problem: str, fix: str) -> None:
     raise ValueError(f"{field}={value!r} {problem}: {fix}")
 
@@ -200,10 +216,9 @@ def _check_known_fields(section: str, given: Mapping, schema: Mapping) -> None:
 
 def _check_int(section: str, cfg: Mapping, name: str, minimum: int = 1) -> None:
     value = cfg[name]
-    if isinstance(value, bool) or not isinstance(value, int):
+    if not isinstance(value, int):  # a config stores plain ints (numpy ints do not serialise)
         _fail(f"{section}.{name}", value, "is not an integer", f"set an integer >= {minimum}")
-    if value < minimum:
-        _fail(f"{section}.{name}", value, f"is below {minimum}", f"set an integer >= {minimum}")
+    check_count(f"{section}.{name}", value, minimum)
 
 
 def _check_positive_number(section: str, cfg: Mapping, name: str) -> None:

@@ -22,6 +22,8 @@ from __future__ import annotations
 import operator
 from collections import deque
 
+from kvlab.config import check_count
+
 
 class OutOfPages(RuntimeError):
     """The page pool cannot hold what was asked; nothing was allocated."""
@@ -35,13 +37,6 @@ class OutOfPages(RuntimeError):
             "raise cache.num_pages, or run fewer or shorter sequences at once "
             "(release finished sequences' pages first)"
         )
-
-
-def check_count(name: str, value: object) -> int:
-    """`value` if it is an int >= 1, else a ValueError naming the field `name`."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name}={value!r} must be an integer >= 1")
-    return value
 
 
 def page_id(page: int, num_pages: int) -> int:
@@ -60,9 +55,7 @@ def page_id(page: int, num_pages: int) -> int:
 
 def check_size(n: int) -> int:
     """`n` as a Python int if it is a count of pages (>= 0), else a ValueError."""
-    if isinstance(n, bool) or not hasattr(n, "__index__") or operator.index(n) < 0:
-        raise ValueError(f"cannot allocate n={n!r} pages: n must be an integer >= 0")
-    return operator.index(n)
+    return check_count("n (pages to allocate)", n, minimum=0)
 
 
 class PageAllocator:

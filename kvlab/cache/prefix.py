@@ -43,7 +43,8 @@ import struct
 from collections import Counter, OrderedDict
 from collections.abc import Iterator, Sequence
 
-from kvlab.cache.allocator import OutOfPages, PageAllocator, check_count, check_size, page_id
+from kvlab.cache.allocator import OutOfPages, PageAllocator, check_size, page_id
+from kvlab.config import check_count
 
 HASH_BYTES = 32  # sha256
 
