@@ -22,10 +22,11 @@ import json
 import os
 
 import numpy as np
-from absl import app, flags, logging
+from absl import flags
 from ml_collections import config_flags
 
 import kvlab
+from kvlab import cli
 from kvlab.cache import OutOfPages, PageAllocator
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/gqa.py:base", "Model and cache.")
@@ -72,7 +73,6 @@ def fit_in_budget(
 
 def main(argv):
     del argv
-    logging.set_verbosity(logging.WARNING)
     cfg = kvlab.validate_config(_CONFIG.value)
     max_len = _MAX_LEN.value
     lengths = workload(_SEQUENCES.value, max_len, _SEED.value)
@@ -147,4 +147,4 @@ def plot(report: dict, path: str) -> None:
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main)

@@ -14,10 +14,11 @@ weights is printed.
 import json
 
 import jax
-from absl import app, flags
+from absl import flags
 from ml_collections import config_flags
 
 import kvlab
+from kvlab import cli
 from kvlab.cache.accounting import LENGTH_BYTES, elements_per_token_and_layer
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/gqa.py:base", "kvlab config file.")
@@ -124,11 +125,10 @@ def main(argv):
         print(json.dumps(result, indent=2))
         return
     m = cfg.model
-    if m.attention == "mla":
-        cached = f"latent attention caching kv_rank {m.mla.kv_rank} + rope_dim {m.mla.rope_dim}"
-    else:
-        cached = f"{m.num_kv_heads} KV heads of head_dim {m.head_dim}"
-    print(f"{m.num_layers} layers, {m.num_heads} query heads, {cached}, cache {cfg.cache.dtype}")
+    print(
+        f"{cli.attention_label(m)}; {m.num_layers} layers, head_dim {m.head_dim}, "
+        f"cache {cfg.cache.dtype}"
+    )
     print(
         f"weights: {human(result['weights_bytes'])}; cache per token: "
         f"{human(result['cache_bytes_per_token'])}; the cache outgrows the weights past "
@@ -165,4 +165,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main)

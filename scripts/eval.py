@@ -15,9 +15,10 @@ measured) and the change against the same cache at 16 bits.
 
 import json
 
-from absl import app, flags, logging
+from absl import flags
 from ml_collections import config_flags
 
+from kvlab import cli
 from kvlab.config import validate_cache_config
 from kvlab.data import make_dataset
 from kvlab.eval import evaluate, full_precision
@@ -38,7 +39,6 @@ flags.mark_flag_as_required("workdir")
 
 def main(argv):
     del argv
-    logging.set_verbosity(logging.WARNING)  # orbax reports every checkpoint step at INFO
     cfg, params = load_params(_WORKDIR.value, _STEP.value)
     cache_cfg = _CACHE.value.cache if _CACHE.value is not None else cfg.cache
     validate_cache_config(cache_cfg, cfg.model)
@@ -69,4 +69,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main)

@@ -18,10 +18,11 @@ import time
 
 import jax
 import numpy as np
-from absl import app, flags
+from absl import flags
 from ml_collections import config_flags
 
 import kvlab
+from kvlab import cli
 from kvlab.train import load_params
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/gqa.py:tiny", "kvlab config file.")
@@ -87,9 +88,8 @@ def main(argv):
 
     m = cfg.model
     print(
-        f"model: {m.num_layers} layers, {m.num_heads} query heads sharing "
-        f"{m.num_kv_heads} KV heads, head_dim {m.head_dim} "
-        f"({'trained in ' + _WORKDIR.value if _WORKDIR.value else 'untrained weights'})"
+        f"{cli.attention_label(m)}; {m.num_layers} layers, head_dim {m.head_dim}, "
+        f"{'trained in ' + _WORKDIR.value if _WORKDIR.value else 'untrained weights'}"
     )
     generated = 0
     for row, length in enumerate(lengths):
@@ -104,14 +104,14 @@ def main(argv):
     analytic = kvlab.cache_bytes(cfg.model, cfg.cache, batch, max_len)
     measured = kvlab.tree_bytes(kvlab.init_cache(cfg.model, cfg.cache, batch, max_len))
     print(
-        f"cache: {batch} rows x {max_len} tokens in {cfg.cache.dtype}: {analytic:,} bytes "
-        f"analytic, {measured:,} measured"
+        f"cache: {cli.count(batch, 'row')} x {cli.count(max_len, 'token')} in "
+        f"{cfg.cache.dtype}: {analytic:,} bytes analytic, {measured:,} measured"
     )
     print(
-        f"generated {generated} tokens in {seconds * 1e3:.1f} ms "
+        f"generated {cli.count(generated, 'token')} in {seconds * 1e3:.1f} ms "
         f"({generated / seconds:,.0f} tokens/s, prefill included)"
     )
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main)

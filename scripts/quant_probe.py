@@ -20,10 +20,11 @@ import os
 
 import jax
 import numpy as np
-from absl import app, flags
+from absl import flags
 from ml_collections import config_flags
 
 import kvlab
+from kvlab import cli
 from kvlab.config import CACHED
 from kvlab.probe import cache_error
 
@@ -88,4 +89,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main)

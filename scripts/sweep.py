@@ -8,11 +8,13 @@ Overrides reach every unit: --config.train.steps=100 --config.wandb.mode=disable
 Layout of DIR and the grid format: kvlab/sweep.py.
 """
 
+import json
 import os
 
-from absl import app, flags, logging
+from absl import flags
 from ml_collections import config_flags
 
+from kvlab import cli
 from kvlab.config import import_config_file
 from kvlab.sweep import merge, run_sweep
 
@@ -28,7 +30,6 @@ flags.mark_flag_as_required("workdir")
 
 def main(argv):
     del argv
-    logging.set_verbosity(logging.WARNING)  # orbax reports every checkpoint step at INFO
     workdir = _WORKDIR.value
     if _MERGE.value:
         rows = merge(workdir)
@@ -42,12 +43,21 @@ def main(argv):
             cfg, module.get_grid(cfg), workdir, sweep_index=_INDEX.value, sweep_count=_COUNT.value
         )
         if _COUNT.value > 1:
-            print(f"slice {_INDEX.value} of {_COUNT.value}: {len(rows)} rows; merge with --merge")
+            done = cli.count(len(rows), "row")
+            print(f"slice {_INDEX.value} of {_COUNT.value}: {done}; merge with --merge")
             return
-    print(f"{len(rows)} results: {os.path.join(workdir, 'results.csv')}")
+    print(f"{cli.count(len(rows), 'result')}: {os.path.join(workdir, 'results.csv')}")
     print(f"plot: {os.path.join(workdir, 'pareto.png')}")
-    print(f"wandb runs (offline unless --config.wandb.mode=online): {workdir}/**/wandb/")
+    mode = recorded_wandb_mode(workdir)
+    if mode != "disabled":
+        print(f"wandb runs ({mode}): {workdir}/**/wandb/")
+
+
+def recorded_wandb_mode(workdir: str) -> str:
+    """The sweep's wandb.mode as workdir/sweep.json records it (kvlab/sweep.py)."""
+    with open(os.path.join(workdir, "sweep.json")) as f:
+        return json.load(f)["config"]["wandb"]["mode"]
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main)

@@ -8,10 +8,11 @@ Workdir layout: kvlab/train.py. Evaluate the result through any cache with
 scripts/eval.py --workdir runs/gqa.
 """
 
-from absl import app, flags, logging
+from absl import flags
 from ml_collections import config_flags
 
 import kvlab
+from kvlab import cli
 from kvlab.train import train
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/gqa.py:tiny", "kvlab config file.")
@@ -21,7 +22,6 @@ flags.mark_flag_as_required("workdir")
 
 def main(argv):
     del argv
-    logging.set_verbosity(logging.WARNING)  # orbax reports every checkpoint step at INFO
     cfg = kvlab.validate_config(_CONFIG.value)
     _, history = train(cfg, _WORKDIR.value)
     evals = [line for line in history if "eval/loss" in line]
@@ -36,4 +36,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main)

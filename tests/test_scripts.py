@@ -1,23 +1,37 @@
 """The entry points run, read configs and overrides, and print honest numbers."""
 
 import json
+import os
 import re
 import subprocess
 import sys
 
+import jax
 import pytest
 
 import kvlab
 from tests.helpers import ROOT
 
+# absl's log line format, used by absl, orbax and (through absl's handler) JAX.
+INFO_LINE = re.compile(r"^I\d{4} ", re.M)
 
-def run_script(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+
+def run_script(*args: str, check: bool = True, **kwargs) -> subprocess.CompletedProcess:
+    kwargs = {"cwd": ROOT, **kwargs}
     result = subprocess.run(
-        [sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=300
+        [sys.executable, *args], capture_output=True, text=True, timeout=300, **kwargs
     )
     if check and result.returncode:
         pytest.fail(f"{args} exited {result.returncode}:\n{result.stderr[-3000:]}")
     return result
+
+
+def user_error(result: subprocess.CompletedProcess) -> str:
+    """The one line a script printed for a mistake in its input (kvlab/cli.py)."""
+    assert result.returncode == 2, result.stderr[-3000:]
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1, result.stderr[-3000:]
+    return lines[0]
 
 
 def test_readme_example_runs(monkeypatch):
@@ -81,16 +95,38 @@ def test_attention_comparison_reproduces_deepseek_v2_table_1(config):
     assert groups == [1, 2, 3, 4, 6, 12]
 
 
-def test_bad_override_fails_with_the_field_named():
+@pytest.mark.parametrize("script", ["cache_size", "generate"])
+def test_bad_override_prints_one_line_naming_the_field(script):
     result = run_script(
-        "scripts/cache_size.py",
+        f"scripts/{script}.py",
         "--config",
         "configs/gqa.py:tiny",
         "--config.model.num_kv_heads=3",
         check=False,
     )
-    assert result.returncode != 0
-    assert "model.num_kv_heads=3 must divide model.num_heads=4" in result.stderr
+    assert user_error(result).startswith("model.num_kv_heads=3 must divide model.num_heads=4")
+
+
+def test_a_workdir_without_a_run_is_one_line(tmp_path):
+    result = run_script("scripts/eval.py", f"--workdir={tmp_path}", check=False)
+    assert user_error(result).startswith(f"workdir={str(tmp_path)!r} has no config.json")
+
+
+def test_a_clone_named_kvlab_shadowing_the_package_is_named(tmp_path):
+    clone = tmp_path / "kvlab"  # a checkout of the repository, seen from the folder above
+    clone.mkdir()
+    for name in ("kvlab", "configs", "scripts"):
+        (clone / name).symlink_to(ROOT / name)
+    args = ["kvlab/scripts/cache_size.py", "--config=kvlab/configs/gqa.py:tiny", "--json"]
+    # Run by path, a script's own folder leads sys.path and the package is found.
+    report = json.loads(run_script(*args, cwd=tmp_path).stdout)
+    assert report["config"]["num_kv_heads"] == 2
+    # With the folder above the clone on the path, `import kvlab` finds the clone.
+    path = os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "PYTHONPATH": path}
+    message = user_error(run_script(*args, cwd=tmp_path, env=env, check=False))
+    assert f"imported the folder {clone}, which has no __init__.py" in message
+    assert "run from the repository root" in message
 
 
 def test_bench_decode_reports_speedup_roofline_and_latent_paths():
@@ -108,19 +144,39 @@ def test_bench_decode_reports_speedup_roofline_and_latent_paths():
         "--json",
     )
     report = json.loads(result.stdout)
+    assert not INFO_LINE.search(result.stderr)
+    cfg = kvlab.load_config(f"{ROOT}/configs/mla.py:tiny")
+    params = kvlab.init_params(cfg.model, jax.random.key(0))
+    assert report["weight_bytes"] == kvlab.tree_bytes(params)
+    assert set(report["bandwidth_bytes_per_s"]) == {"sum_16MiB", "matvec_8MiB"}
+    bandwidth = max(report["bandwidth_bytes_per_s"].values())
     assert [row["seq_len"] for row in report["rows"]] == [32, 64]
     for row in report["rows"]:
-        assert row["cached_tokens_per_s"] > 0 and row["recompute_tokens_per_s"] > 0
-        assert row["roofline_fraction"] > 0
+        # Two decode steps after the prompt, one row.
+        assert row["cache_bytes"] == kvlab.cache_bytes(cfg.model, cfg.cache, 1, row["seq_len"] + 2)
         assert row["bytes_per_step"] == report["weight_bytes"] + row["cache_bytes"]
+        assert row["cached_tokens_per_s"] == pytest.approx(1 / row["decode_step_s"])
+        assert row["speedup"] == pytest.approx(
+            row["cached_tokens_per_s"] / row["recompute_tokens_per_s"]
+        )
+        assert row["roofline_step_s"] == pytest.approx(row["bytes_per_step"] / bandwidth)
+        assert row["roofline_fraction"] == pytest.approx(
+            row["roofline_step_s"] / row["decode_step_s"]
+        )
     (paths,) = report["mla_paths"]
     assert paths["seq_len"] == 32
-    widths = {(row["bits"], row["seq_len"]): row for row in report["bit_widths"]}
-    assert set(widths) == {(16, 32), (16, 64), (4, 32), (4, 64)}
-    assert widths[16, 64]["bytes_vs_first"] == 1 and widths[4, 64]["bytes_vs_first"] < 0.5
-    assert all(row["tokens_per_s"] > 0 for row in widths.values())
     ratio = paths["absorbed_tokens_per_s"] / paths["expanded_tokens_per_s"]
     assert paths["absorbed_speedup"] == pytest.approx(ratio)
+    widths = {(row["bits"], row["seq_len"]): row for row in report["bit_widths"]}
+    assert set(widths) == {(16, 32), (16, 64), (4, 32), (4, 64)}
+    for (bits, length), row in widths.items():
+        first = widths[16, length]
+        cache = cfg.cache.copy_and_resolve_references()
+        cache.update(latent_bits=bits, rope_bits=bits)
+        assert row["cache_bytes"] == kvlab.cache_bytes(cfg.model, cache, 1, length + 2)
+        assert row["bytes_vs_first"] == pytest.approx(row["cache_bytes"] / first["cache_bytes"])
+        assert row["speed_vs_first"] == pytest.approx(row["tokens_per_s"] / first["tokens_per_s"])
+    assert widths[4, 64]["bytes_vs_first"] < 0.5
 
 
 def test_quant_probe_compares_every_key_and_value_width():
@@ -144,7 +200,7 @@ def test_quant_probe_compares_every_key_and_value_width():
     assert rows[4, 16]["logit_mean_abs_error"] != rows[16, 4]["logit_mean_abs_error"]
 
 
-def test_generate_demo_runs():
+def test_generate_demo_runs_quietly():
     result = run_script(
         "scripts/generate.py",
         "--config",
@@ -154,10 +210,11 @@ def test_generate_demo_runs():
         "--prompt=ab",
         "--prompt=c",
     )
-    assert "sharing 1 KV heads" in result.stdout
+    assert result.stdout.startswith("MQA: 1 KV head shared by 4 query heads; 2 layers")
     assert re.search(
         r"cache: 2 rows x 7 tokens in float32: ([\d,]+) bytes analytic, \1 measured", result.stdout
     )
+    assert not INFO_LINE.search(result.stderr), result.stderr
 
 
 def test_train_then_eval_through_another_cache(tmp_path):
@@ -170,10 +227,11 @@ def test_train_then_eval_through_another_cache(tmp_path):
         "--config.eval.num_batches=1",
         "--config.wandb.mode=disabled",
     ]
-    run_script(
+    trained = run_script(
         "scripts/train.py", "--config", "configs/gqa.py:tiny", f"--workdir={tmp_path}", *short
     )
     assert (tmp_path / "checkpoints" / "4").is_dir()
+    assert not INFO_LINE.search(trained.stderr)
     result = run_script(
         "scripts/eval.py",
         f"--workdir={tmp_path}",
@@ -187,25 +245,67 @@ def test_train_then_eval_through_another_cache(tmp_path):
     assert report["delta_vs_16bit_pct"] == pytest.approx(
         100 * (report["ppl"] / report["baseline_16bit"]["ppl"] - 1)
     )
+    assert not INFO_LINE.search(result.stderr)
+    # The trained model through generate.py: orbax's restore logs stay quiet too.
+    generated = run_script(
+        "scripts/generate.py", f"--workdir={tmp_path}", "--max_new_tokens=2", "--prompt=a"
+    )
+    assert f"trained in {tmp_path}" in generated.stdout
+    assert not INFO_LINE.search(generated.stderr), generated.stderr
 
 
-def test_sweep_runs_one_slice_of_the_default_grid(tmp_path):
-    result = run_script(
-        "scripts/sweep.py",
-        f"--workdir={tmp_path}",
-        "--sweep_index=0",
-        "--sweep_count=33",
+SWEEP_CONFIG = """
+import ml_collections
+
+from kvlab.config import base_config
+
+
+def get_config(arg="tiny"):
+    cfg = base_config(arg)
+    cfg.sweep = ml_collections.ConfigDict(dict(name="two_units"))
+    return cfg
+
+
+def get_grid(cfg):
+    caches = {"16bit": {}, "K8V4": {"cache.k_bits": 8, "cache.v_bits": 4}}
+    return {"models": {"mqa": {"model.num_kv_heads": 1}}, "caches": caches}
+"""
+
+
+def test_sweep_slices_then_merge(tmp_path):
+    config = tmp_path / "two_units.py"
+    config.write_text(SWEEP_CONFIG)
+    workdir = tmp_path / "sweep"
+    short = [
         "--config.train.steps=2",
         "--config.train.batch_size=2",
         "--config.train.seq_len=32",
         "--config.eval.batch_size=2",
         "--config.eval.num_batches=1",
         "--config.wandb.mode=disabled",
-    )
-    assert "slice 0 of 33: 1 rows" in result.stdout
-    assert (tmp_path / "slices" / "0-of-33.csv").is_file()
-    merged = run_script("scripts/sweep.py", f"--workdir={tmp_path}", "--merge", check=False)
-    assert merged.returncode != 0 and "units have no results yet" in merged.stderr
+    ]
+
+    def sweep(*args, check=True):
+        return run_script(
+            "scripts/sweep.py",
+            f"--config={config}",
+            f"--workdir={workdir}",
+            *short,
+            *args,
+            check=check,
+        )
+
+    first = sweep("--sweep_index=0", "--sweep_count=2")
+    assert first.stdout.splitlines()[-1] == "slice 0 of 2: 1 row; merge with --merge"
+    assert "1 of 2 units have no results yet" in user_error(sweep("--merge", check=False))
+    sweep("--sweep_index=1", "--sweep_count=2")
+    merged = sweep("--merge")
+    # With wandb disabled there are no wandb runs to point to.
+    assert merged.stdout.splitlines() == [
+        f"2 results: {workdir / 'results.csv'}",
+        f"plot: {workdir / 'pareto.png'}",
+    ]
+    assert not INFO_LINE.search(merged.stderr)
 
 
 def test_serve_bench_matches_one_at_a_time(tmp_path):
@@ -217,8 +317,13 @@ def test_serve_bench_matches_one_at_a_time(tmp_path):
         "--json",
     )
     report = json.loads(result.stdout)
-    assert report["outputs_equal"] and report["speedup"] > 0
-    assert report["engine_tokens_per_s"] > 0 and report["one_at_a_time_tokens_per_s"] > 0
+    assert report["outputs_equal"]
+    assert (report["requests"], report["max_new_tokens"], report["max_slots"]) == (4, 4, 2)
+    # 16 tokens, at most one per slot and step.
+    assert report["engine_steps"] >= 4 * 4 // 2
+    assert report["speedup"] == pytest.approx(
+        report["engine_tokens_per_s"] / report["one_at_a_time_tokens_per_s"]
+    )
 
 
 def test_paged_memory_experiment(tmp_path):

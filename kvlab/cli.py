@@ -1,0 +1,119 @@
+"""What the entry points in scripts/ and experiments/ share: quiet logs, short errors.
+
+    from kvlab import cli
+
+    if __name__ == "__main__":
+        cli.run(main)  # instead of absl.app.run(main)
+
+`run` parses the flags as `absl.app.run` does, then:
+
+- lowers the log level to WARNING unless `--verbosity` (`-v`) is given, so
+  absl's and orbax's INFO lines (one per checkpoint step) and JAX's report of
+  every backend it probed ("Unable to initialize backend 'tpu'") stay out of
+  the output; `--verbosity=0` brings them back;
+- prints a `ValueError` that kvlab raised on purpose (a bad config field, a
+  workdir without a checkpoint, a missing step: the message names the field,
+  the value and the fix) as one message on stderr, without a traceback, and
+  exits with status 2. A `ValueError` raised inside JAX, NumPy or any other
+  library is a bug, not a user's mistake, and keeps its traceback;
+- refuses to start when `import kvlab` found a folder named kvlab (the
+  repository clone itself, from the folder above it) instead of the package.
+
+`attention_label` and `count` word what the scripts print about a model.
+"""
+
+import os
+import sys
+from collections.abc import Callable
+
+import ml_collections
+from absl import app, flags, logging
+
+from kvlab.sweep import family
+
+# The package's own folder, found through this file: kvlab.cli is imported
+# from the real package even when `kvlab` itself resolved to another folder.
+PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
+USER_ERROR_STATUS = 2  # as argparse and the shell report a usage error
+
+
+def run(main: Callable[[list[str]], object]) -> None:
+    """`absl.app.run(main)` with quiet logs and user errors printed alone."""
+    check_package()
+    app.run(lambda argv: _main(main, argv))
+
+
+def _main(main: Callable[[list[str]], object], argv: list[str]) -> object:
+    if not flags.FLAGS["verbosity"].present:
+        logging.set_verbosity(logging.WARNING)
+    try:
+        return main(argv)
+    except ValueError as error:
+        if not raised_by_kvlab(error):
+            raise
+        print(error, file=sys.stderr)
+        sys.exit(USER_ERROR_STATUS)
+
+
+def raised_by_kvlab(error: BaseException) -> bool:
+    """Whether `error` was raised by the kvlab package or the running script.
+
+    kvlab raises `ValueError` on purpose, with a message for the user; the
+    innermost frame of the traceback is where the exception was raised.
+    """
+    frame = error.__traceback__
+    if frame is None:
+        return False
+    while frame.tb_next is not None:
+        frame = frame.tb_next
+    path = os.path.abspath(frame.tb_frame.f_code.co_filename)
+    script = getattr(sys.modules["__main__"], "__file__", None)
+    return path.startswith(PACKAGE_DIR + os.sep) or (
+        script is not None and path == os.path.abspath(script)
+    )
+
+
+def check_package() -> None:
+    """Exits with a message when `import kvlab` did not import the package.
+
+    From the folder above a clone named kvlab (or with that folder on
+    PYTHONPATH), `import kvlab` finds the clone before the installed package:
+    a folder without `__init__.py`, which Python imports as an empty namespace
+    package, so `kvlab.Transformer` and every other name are missing.
+    """
+    package = sys.modules.get("kvlab")
+    if package is None or getattr(package, "__file__", None) is not None:
+        return
+    found = ", ".join(getattr(package, "__path__", [])) or "a folder named kvlab"
+    print(
+        f"'import kvlab' imported the folder {found}, which has no __init__.py, as an empty "
+        f"namespace package instead of the kvlab package in {PACKAGE_DIR}: run from the "
+        "repository root (or any folder without a kvlab subfolder) and keep the folder "
+        "above the clone off PYTHONPATH",
+        file=sys.stderr,
+    )
+    sys.exit(USER_ERROR_STATUS)
+
+
+def attention_label(model: ml_collections.ConfigDict) -> str:
+    """How `model`'s query heads share what it caches, in words.
+
+    'MHA: 4 query heads, 4 KV heads', 'GQA: 2 KV heads shared by 4 query
+    heads', 'MQA: 1 KV head shared by 4 query heads', or for latent attention
+    'MLA: a latent (kv_rank 32) and a RoPE key (rope_dim 8) shared by 4 query
+    heads'.
+    """
+    kind, queries = family(model), count(model.num_heads, "query head")
+    if kind == "mla":
+        return (
+            f"MLA: a latent (kv_rank {model.mla.kv_rank}) and a RoPE key "
+            f"(rope_dim {model.mla.rope_dim}) shared by {queries}"
+        )
+    if kind == "mha":
+        return f"MHA: {queries}, {count(model.num_kv_heads, 'KV head')}"
+    return f"{kind.upper()}: {count(model.num_kv_heads, 'KV head')} shared by {queries}"
+
+
+def count(number: int, noun: str) -> str:
+    """'1 KV head', '2 KV heads'."""
+    return f"{number} {noun}" if number == 1 else f"{number} {noun}s"
