@@ -27,7 +27,7 @@ import jax
 import ml_collections
 
 from kvlab.cache import cache_bytes, init_cache, tree_bytes
-from kvlab.config import CACHED_PREFIXES, frozen, validate_cache_config
+from kvlab.config import CACHED_PREFIXES, check_count, frozen, validate_cache_config
 from kvlab.model import Transformer
 from kvlab.train import score, summarize
 
@@ -67,8 +67,7 @@ def evaluate(
     """Loss, perplexity, bits per byte and accuracy of `params` over `batches`
     (dicts of inputs/targets/weights [B, T]) run through `cache_cfg`."""
     validate_cache_config(cache_cfg, model_cfg)
-    if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
-        raise ValueError(f"eval.chunk={chunk!r} must be an integer >= 1 (tokens per prefill step)")
+    chunk = check_count("eval.chunk", chunk)
     if not batches:
         raise ValueError("no evaluation batches: the held-out split produced no windows")
     model = Transformer(model_cfg)
@@ -84,6 +83,7 @@ def evaluate(
                 model, params, cache, part["inputs"], part["targets"], part["weights"]
             )
             scored.append(sums)
+        cache.check()  # after each window: a flag names the rows it was given bad values
     scored = jax.device_get(scored)
     totals = {k: sum(float(sums[k]) for sums in scored) for k in ("nll", "correct", "weight")}
     return {**summarize(totals), **cache_bytes_per_token(model.config, cache_cfg, seq_len)}

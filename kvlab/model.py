@@ -14,9 +14,15 @@ follow; `num_tokens int32[B]` (default T) says how many of row b's T tokens are
 real, the rest being right padding that is neither written nor counted.
 Without a cache num_tokens changes nothing: causal attention never looks at the
 padding that follows a row's real tokens (its own logits are meaningless).
-Called outside jit, the model checks its inputs (token ids, sizes, capacity)
-and raises ValueError; inside jit a row that overflows keeps a length above the
-capacity (`cache.overflowed()`) for the host to check.
+The model refuses, before anything runs, a cache built for another model
+(layer count, cached tensors and their shapes, dtypes). Called outside jit it
+also checks its inputs' values (token ids, num_tokens, capacity) and raises
+ValueError. Inside jit values cannot raise: a row given a token id outside the
+vocabulary, num_tokens outside 0..T or a negative length is flagged in
+`cache.errors`, nothing is written for it and its logits are NaN; a row given
+more tokens than fit is flagged and keeps a length above the capacity. Host
+loops call `cache.check()` (docs/design.md, "Invalid values inside compiled code").
+Without a cache, rows with an invalid id get NaN logits.
 """
 
 from __future__ import annotations
@@ -31,9 +37,9 @@ from ml_collections import FrozenConfigDict
 
 from kvlab.attention.gqa import GroupedQueryAttention
 from kvlab.attention.mla import MultiHeadLatentAttention
-from kvlab.cache.dense import Cache
+from kvlab.cache.dense import BAD_COUNT, BAD_TOKEN, OVERFLOW, Cache
 from kvlab.cache.placement import Placement, place_without_cache
-from kvlab.config import dtype_of, frozen, validate_model_config
+from kvlab.config import cached_tensors, dtype_of, frozen, validate_model_config
 from kvlab.layers import RMSNorm, projection
 
 ATTENTION = {"gqa": GroupedQueryAttention, "mla": MultiHeadLatentAttention}
@@ -87,11 +93,13 @@ def check_inputs(config, tokens, cache: Cache | None, num_tokens) -> None:
         raise ValueError(
             f"num_tokens has shape {num_tokens.shape}: pass one count per row, shape ({batch},)"
         )
-    if cache is not None and cache.batch_size != batch:
-        raise ValueError(
-            f"tokens has batch size {batch} but the cache holds {cache.batch_size} rows: "
-            f"init the cache with batch_size={batch}"
-        )
+    if cache is not None:
+        check_cache(config, cache)
+        if cache.batch_size != batch:
+            raise ValueError(
+                f"tokens has batch size {batch} but the cache holds {cache.batch_size} rows: "
+                f"init the cache with batch_size={batch}"
+            )
     if not _is_concrete(tokens):
         return
     ids = np.asarray(tokens)
@@ -119,6 +127,67 @@ def check_inputs(config, tokens, cache: Cache | None, num_tokens) -> None:
             )
 
 
+def check_cache(config, cache: Cache) -> None:
+    """Raises ValueError unless `cache` was built for this model: one layer per
+    model layer, each caching what the model's attention caches (names, heads,
+    widths), all layers alike (structure, shapes, dtypes). Shapes are static,
+    so this also runs under jit."""
+    fix = "build the cache with kvlab.init_cache(cfg.model, cfg.cache, ...) for this model"
+    expected = cached_tensors(config)
+    if tuple(cache.tensors) != expected:
+        show = lambda ts: ", ".join(f"{t.name} {t.heads}x{t.width}" for t in ts)  # noqa: E731
+        raise ValueError(
+            f"the cache holds ({show(cache.tensors)}) per token and layer but this model "
+            f"(model.attention={config.attention!r}) caches ({show(expected)}): {fix}"
+        )
+    if len(cache.layers) != config.num_layers:
+        raise ValueError(
+            f"the cache has {len(cache.layers)} layers but model.num_layers="
+            f"{config.num_layers}: {fix}"
+        )
+    first = cache.layers[0]
+    layout = [(x.shape, x.dtype) for x in jax.tree.leaves(first)]
+    for i, layer in enumerate(cache.layers):
+        if layer.tensor_shapes() != tuple((t.heads, t.width) for t in expected):
+            raise ValueError(
+                f"cache layer {i} stores (heads, width) {layer.tensor_shapes()} but the "
+                f"cached tensors are {[(t.heads, t.width) for t in expected]}: {fix}"
+            )
+        same = jax.tree.structure(layer) == jax.tree.structure(first) and layout == [
+            (x.shape, x.dtype) for x in jax.tree.leaves(layer)
+        ]
+        if not same:
+            raise ValueError(
+                f"cache layer {i} differs from layer 0 in structure, shape or dtype: {fix}"
+            )
+
+
+def flag_invalid(config, tokens, cache: Cache, num_tokens):
+    """What a compiled step does with invalid values: (tokens, num_tokens, errors, invalid).
+
+    Rows with a real token outside the vocabulary, num_tokens outside 0..T or
+    a negative length are `invalid`: they take num_tokens 0 (nothing is
+    written) and token 0 in place of every id (no garbage reaches the
+    arithmetic); their bits are added to the cache's error flags, as is
+    OVERFLOW for rows given more tokens than the capacity holds.
+    """
+    length = tokens.shape[1]
+    real = jnp.arange(length)[None, :] < num_tokens[:, None]
+    bad_id = (tokens < 0) | (tokens >= config.vocab_size)
+    bad_token = jnp.any(bad_id & real, axis=1)
+    bad_count = (num_tokens < 0) | (num_tokens > length) | (cache.lengths < 0)
+    invalid = bad_token | bad_count
+    num_tokens = jnp.where(invalid, 0, num_tokens)
+    overflow = cache.lengths + num_tokens > cache.capacity
+    errors = (
+        cache.errors
+        | jnp.where(bad_token, BAD_TOKEN, 0)
+        | jnp.where(bad_count, BAD_COUNT, 0)
+        | jnp.where(overflow, OVERFLOW, 0)
+    )
+    return jnp.where(bad_id, 0, tokens), num_tokens, errors.astype(jnp.int32), invalid
+
+
 class Transformer(nn.Module):
     """The decoder; `config` is the model section of a kvlab config."""
 
@@ -138,10 +207,13 @@ class Transformer(nn.Module):
         if cache is None:
             placement = place_without_cache(batch, length)
             layers = (None,) * cfg.num_layers
+            invalid = jnp.any((tokens < 0) | (tokens >= cfg.vocab_size), axis=1)
+            tokens = jnp.where(invalid[:, None], 0, tokens)
         else:
             if num_tokens is None:
                 num_tokens = jnp.full((batch,), length, jnp.int32)
             num_tokens = num_tokens.astype(jnp.int32)
+            tokens, num_tokens, errors, invalid = flag_invalid(cfg, tokens, cache, num_tokens)
             placement = cache.place(length, num_tokens)
             layers = cache.layers
 
@@ -164,9 +236,12 @@ class Transformer(nn.Module):
         else:
             logits = projection(cfg, cfg.vocab_size, "unembed")(x)
         logits = logits.astype(jnp.float32)  # [B, T, V]
+        logits = jnp.where(invalid[:, None, None], jnp.nan, logits)
         if cache is None:
             return logits, None
-        return logits, cache.replace(layers=tuple(new_layers), lengths=cache.lengths + num_tokens)
+        return logits, cache.replace(
+            layers=tuple(new_layers), lengths=cache.lengths + num_tokens, errors=errors
+        )
 
 
 def init_params(model_cfg: Mapping, key: jax.Array):

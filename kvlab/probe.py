@@ -26,7 +26,7 @@ import numpy as np
 
 from kvlab.attention.gqa import GroupedQueryAttention
 from kvlab.attention.mla import MultiHeadLatentAttention
-from kvlab.cache.dense import init_cache
+from kvlab.cache.factory import init_cache
 from kvlab.model import Transformer
 
 

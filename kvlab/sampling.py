@@ -10,10 +10,11 @@
 
 Both steps donate the cache they are given (its buffers are reused for the
 result; do not read the old cache afterwards) and compile once per shape:
-lengths are arrays, never Python ints. A row that is given more tokens than
-the cache holds keeps a length above the capacity; check `cache.overflowed()`
-on the host. `generate` checks capacity before it starts instead, then runs the
-whole decode loop inside one compiled `lax.while_loop`.
+lengths are arrays, never Python ints. Inside them nothing can raise: a row
+given invalid values (or more tokens than the cache holds) is flagged in
+`cache.errors`; call `cache.check()` on the host (kvlab/model.py).
+`generate` checks its inputs and capacity before it starts instead, then runs
+the whole decode loop inside one compiled `lax.while_loop`.
 
 Samplers are small frozen dataclasses called as `sampler(logits [B, V], rng)
 -> int32[B]`.
@@ -30,8 +31,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from kvlab.cache.dense import Cache, init_cache, write_tokens
-from kvlab.config import frozen, validate_cache_config
+from kvlab.cache.dense import Cache, check_errors
+from kvlab.cache.factory import init_cache
+from kvlab.cache.placement import write_tokens
+from kvlab.config import check_count, frozen, validate_cache_config
 from kvlab.model import Transformer, check_inputs
 
 # ---------------------------------------------------------------------------
@@ -195,7 +198,8 @@ def _generate(
             state = state.replace(done=state.done | (token == end_token))
         return state
 
-    return jax.lax.while_loop(running, step, state).out
+    state = jax.lax.while_loop(running, step, state)
+    return state.out, state.cache.errors
 
 
 def generate(
@@ -233,18 +237,16 @@ def generate(
     if (prompt_lengths < 1).any():
         row = int(np.argmin(prompt_lengths))
         raise ValueError(f"prompt_lengths[{row}]=0: every prompt needs at least one token")
-    if (
-        isinstance(max_new_tokens, bool)
-        or not isinstance(max_new_tokens, int)
-        or max_new_tokens < 1
-    ):
-        raise ValueError(f"max_new_tokens={max_new_tokens!r} must be an integer >= 1")
+    max_new_tokens = check_count("max_new_tokens", max_new_tokens)
     vocab = model.config.vocab_size
+    if end_token is not None:
+        end_token = check_count("end_token", end_token, minimum=0)
+    pad_token = check_count("pad_token", pad_token, minimum=0)
     for name, token in (("end_token", end_token), ("pad_token", pad_token)):
-        if token is not None and not 0 <= token < vocab:
+        if token is not None and not token < vocab:
             raise ValueError(f"{name}={token} is outside the vocabulary 0..{vocab - 1}")
     needed = prompt_len + max_new_tokens
-    max_len = needed if max_len is None else max_len
+    max_len = needed if max_len is None else check_count("max_len", max_len)
     if needed > max_len:
         raise ValueError(
             f"prompts of length {prompt_len} plus max_new_tokens={max_new_tokens} need "
@@ -252,7 +254,7 @@ def generate(
         )
     validate_cache_config(cache_cfg, model.config)
     rng = jax.random.key(0) if rng is None else rng
-    out = _generate(
+    out, errors = _generate(
         model,
         frozen(cache_cfg),
         max_len,
@@ -265,5 +267,6 @@ def generate(
         jnp.int32(pad_token),
         rng,
     )
+    check_errors(errors)  # the inputs were checked above: a flag here is a bug in the loop
     # Cut on the host: a device slice would compile once per max_new_tokens.
     return jnp.asarray(np.asarray(out)[:, :needed])

@@ -19,7 +19,7 @@ from ml_collections import config_flags
 
 import kvlab
 from kvlab import cli
-from kvlab.cache.accounting import LENGTH_BYTES, elements_per_token_and_layer
+from kvlab.cache.accounting import ROW_BYTES, elements_per_token_and_layer
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/gqa.py:base", "kvlab config file.")
 _LENGTHS = flags.DEFINE_list(
@@ -105,7 +105,7 @@ def attention_comparison(cfg) -> dict:
             dict(
                 attention=name,
                 elements_per_token_and_layer=elements,
-                bytes_per_token=kvlab.cache_bytes(model, cfg.cache, 1, 1) - LENGTH_BYTES,
+                bytes_per_token=kvlab.cache_bytes(model, cfg.cache, 1, 1) - ROW_BYTES,
             )
         )
     for row in rows:

@@ -17,9 +17,13 @@ TOLERANCE = 1e-4  # float32 max abs difference allowed between equal computation
 
 
 def tiny_config(**model_overrides):
+    """The tiny config with model fields changed; the model and cache sections are
+    validated (a model test may use a vocabulary smaller than the byte data's)."""
     cfg = kvlab.base_config("tiny")
     cfg.model.update(model_overrides)
-    return kvlab.validate_config(cfg)
+    kvlab.config.validate_model_config(cfg.model)
+    kvlab.config.validate_cache_config(cfg.cache, cfg.model)
+    return cfg
 
 
 def mla_config(**mla_overrides):
@@ -96,7 +100,8 @@ def small_model_configs(draw, attention=("gqa", "mla")):
         cfg.model.attention = "mla"
         cfg.model.head_dim = mla.nope_dim + mla.rope_dim
         cfg.model.num_kv_heads = num_heads
-    return kvlab.validate_config(cfg)
+    kvlab.config.validate_model_config(cfg.model)
+    return cfg
 
 
 @contextlib.contextmanager

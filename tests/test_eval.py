@@ -43,7 +43,7 @@ def test_a_16_bit_cache_scores_what_the_forward_scores(batches, name, chunk):
 def test_fewer_bits_cost_quality_and_save_bytes(batches, name):
     cfg = MODELS[name]()
     _, params, _ = build(cfg)
-    prefixes = kvlab.config.CACHED[cfg.model.attention]
+    prefixes = kvlab.config.cached_prefixes(cfg.model)
     results = {}
     for bits in (16, 8, 2):
         cache = full_precision(cfg.cache)
@@ -63,7 +63,7 @@ def test_bytes_per_token_counts_one_sequence_of_the_window():
     result = kvlab.eval.cache_bytes_per_token(cfg.model, cfg.cache, 128)
     layers, heads, width = cfg.model.num_layers, cfg.model.num_kv_heads, cfg.model.head_dim
     kv = 2 * layers * heads * width * 4  # float32 K and V
-    assert result["cache_bytes_per_token"] == (128 * kv + kvlab.cache.accounting.LENGTH_BYTES) / 128
+    assert result["cache_bytes_per_token"] == (128 * kv + kvlab.cache.accounting.ROW_BYTES) / 128
 
 
 def test_bad_chunks_and_empty_batches_are_refused(batches):

@@ -195,6 +195,96 @@ def test_overflow_under_jit_is_flagged_and_corrupts_nothing():
     # Row 0's first four tokens are where they were: nothing wrapped or clamped onto them.
     for before, layer in zip(kept, cache.layers, strict=True):
         np.testing.assert_array_equal(np.asarray(layer.tensors[0])[0, :, :4], before[0, :, :4])
+    with pytest.raises(kvlab.cache.CacheError, match="row 0 was given more tokens than"):
+        cache.check()
+
+
+# Invalid values given to a compiled step, per row 1 of a batch of 3: (tokens of
+# row 1, num_tokens of row 1, length of row 1 before the step, the flag).
+INVALID = {
+    "id -1": ([-1, 5, 6], 3, 2, "token id outside the vocabulary"),
+    "id >= vocab": ([5, 256, 6], 3, 2, "token id outside the vocabulary"),
+    "num_tokens > T": ([5, 6, 7], 4, 2, "num_tokens outside 0..T"),
+    "num_tokens < 0": ([5, 6, 7], -1, 2, "num_tokens outside 0..T"),
+    "negative length": ([5, 6, 7], 3, -3, "negative length"),
+}
+
+
+@pytest.mark.parametrize("case", INVALID)
+@pytest.mark.parametrize("kind", ["dense", "paged"])
+def test_invalid_values_under_jit_are_flagged_and_write_nothing(case, kind):
+    """Inside jit nothing raises: the bad row is flagged, its cache is untouched,
+    its logits are NaN, and the other rows compute what they compute alone."""
+    row_tokens, count, length, words = INVALID[case]
+    cfg = tiny_config(num_kv_heads=2)
+    cfg.cache.kind = kind
+    model, params, _ = build(cfg)
+    tokens = random_tokens(cfg, (3, 3), seed=1)
+    tokens[1] = row_tokens
+    cache = kvlab.init_cache(cfg.model, cfg.cache, batch_size=3, max_len=8)
+    _, cache = kvlab.prefill(model, params, cache, random_tokens(cfg, (3, 2)))
+    cache = cache.replace(lengths=jnp.array([2, length, 2], jnp.int32))
+    before = jax.tree.map(np.asarray, cache)
+    good_logits, good = kvlab.prefill(
+        model, params, jax.tree.map(jnp.asarray, before), tokens, jnp.array([3, 0, 1])
+    )
+    logits, cache = kvlab.prefill(
+        model, params, jax.tree.map(jnp.asarray, before), tokens, jnp.array([3, count, 1])
+    )
+    np.testing.assert_array_equal(np.asarray(cache.errors) != 0, [False, True, False])
+    with pytest.raises(kvlab.cache.CacheError, match=f"row 1 .*{words}"):
+        cache.check()
+    assert np.isnan(np.asarray(logits[1])).all()
+    np.testing.assert_array_equal(logits[0], good_logits[0])
+    np.testing.assert_array_equal(logits[2, :1], good_logits[2, :1])
+    # Row 1 wrote nothing and kept its length; every stored array equals the run
+    # where row 1 was given no tokens at all.
+    np.testing.assert_array_equal(cache.lengths, [5, length, 3])
+    for got, want in zip(jax.tree.leaves(cache.layers), jax.tree.leaves(good.layers), strict=True):
+        np.testing.assert_array_equal(got, want)
+
+
+def test_invalid_ids_without_a_cache_give_nan_rows_under_jit():
+    cfg = tiny_config()
+    model, params, _ = build(cfg)
+    tokens = random_tokens(cfg, (2, 4))
+    tokens[0, 2] = 300
+    logits, _ = jax.jit(model.apply)({"params": params}, tokens)
+    assert np.isnan(np.asarray(logits[0])).all()
+    alone, _ = model.apply({"params": params}, tokens[1:])
+    np.testing.assert_allclose(logits[1], alone[0], atol=TOLERANCE)
+
+
+def other_model_caches():
+    """Caches the tiny 2-KV-head model must refuse, by what is wrong with them."""
+    cfg = tiny_config(num_kv_heads=2)
+    fewer = kvlab.init_cache(cfg.model, cfg.cache, 1, 8)
+    fewer = fewer.replace(layers=fewer.layers[:1])
+    heads = tiny_config(num_kv_heads=1)
+    mla = kvlab.load_config("configs/mla.py:tiny")
+    mixed = kvlab.init_cache(cfg.model, cfg.cache, 1, 8)
+    bf16 = dict(cfg.cache, dtype="bfloat16")
+    mixed = mixed.replace(
+        layers=(mixed.layers[0], kvlab.init_cache(cfg.model, bf16, 1, 8).layers[1])
+    )
+    return {
+        "fewer layers": (fewer, "the cache has 1 layers but model.num_layers=2"),
+        "other heads": (kvlab.init_cache(heads.model, heads.cache, 1, 8), r"k 1x16, v 1x16"),
+        "latent cache": (kvlab.init_cache(mla.model, mla.cache, 1, 8), "c_kv"),
+        "mixed dtypes": (mixed, "cache layer 1 differs from layer 0"),
+    }
+
+
+@pytest.mark.parametrize("case", ["fewer layers", "other heads", "latent cache", "mixed dtypes"])
+def test_a_cache_built_for_another_model_is_refused_also_under_jit(case):
+    cfg = tiny_config(num_kv_heads=2)
+    model, params, _ = build(cfg)
+    cache, words = other_model_caches()[case]
+    tokens = random_tokens(cfg, (1, 2))
+    with pytest.raises(ValueError, match=words):
+        model.apply({"params": params}, tokens, cache=cache)
+    with pytest.raises(ValueError, match=words):
+        kvlab.prefill(model, params, cache, tokens)
 
 
 @pytest.mark.parametrize(

@@ -206,8 +206,12 @@ def test_generate_compiles_its_loop_once_per_shape():
         ({"prompt_lengths": np.array([2, 0])}, r"prompt_lengths\[1\]=0"),
         ({"prompt_lengths": np.array([2, 5])}, r"must lie in 0..3"),
         ({"max_len": 6}, "need 8 cache slots but max_len=6"),
-        ({"max_new_tokens": 0}, "max_new_tokens=0 must be an integer >= 1"),
+        ({"max_new_tokens": 0}, "max_new_tokens=0 is below 1"),
+        ({"max_new_tokens": 2.0}, "max_new_tokens=2.0 is not an integer"),
+        ({"max_new_tokens": "2"}, "max_new_tokens='2' is not an integer"),
         ({"end_token": 256}, "end_token=256 is outside the vocabulary"),
+        ({"end_token": -1}, "end_token=-1 is below 0"),
+        ({"max_len": 7.5}, "max_len=7.5 is not an integer"),
     ],
 )
 def test_generate_refuses_bad_inputs(kwargs, words):
@@ -217,3 +221,22 @@ def test_generate_refuses_bad_inputs(kwargs, words):
     prompts = arguments.pop("prompts")
     with pytest.raises(ValueError, match=words):
         kvlab.generate(model, params, prompts, cache_cfg=cfg.cache, **arguments)
+
+
+def test_generate_takes_numpy_integers():
+    cfg = tiny_config()
+    model, params, _ = build(cfg)
+    prompts = np.ones((2, 3), np.int32)
+    plain = kvlab.generate(
+        model, params, prompts, cache_cfg=cfg.cache, max_new_tokens=4, end_token=255
+    )
+    numpy = kvlab.generate(
+        model,
+        params,
+        prompts,
+        cache_cfg=cfg.cache,
+        max_new_tokens=np.int64(4),
+        max_len=np.int32(7),
+        end_token=np.int16(255),
+    )
+    np.testing.assert_array_equal(numpy, plain)

@@ -14,10 +14,9 @@ block's k a tuple of [B, K, S_i, H_j]; the score is the sum of the parts' dot
 products. Latent attention scores a latent part and a RoPE part this way
 without concatenating them in the cache.
 
-A key or value may also be a reader of stored data instead of an array (a
-quantized payload, kvlab/cache/quant.py): an object with
-`scores(q [B, K, M, H]) -> [B, K, M, S]` and `weighted_sum(w [B, K, M, S]) ->
-[B, K, M, Hv]`, computing the same products without dequantizing first.
+A key or value may also be a `kvlab.cache.protocols.Reader` of stored data
+instead of an array (a quantized payload, kvlab/cache/quant.py), computing the
+same products without dequantizing first.
 
 One softmax runs over all blocks together (each block's scores are
 exponentiated against the running maximum and the sums combined), so a step
@@ -43,6 +42,8 @@ import jax
 import jax.numpy as jnp
 from einops import rearrange
 from jaxtyping import Array, Bool, Float
+
+from kvlab.cache.protocols import Reader
 
 # A finite "minus infinity": a fully masked row gives a uniform softmax, not NaN.
 MASKED = -0.7 * float(jnp.finfo(jnp.float32).max)
@@ -74,14 +75,14 @@ def _parts(x) -> tuple:
 
 def _scores(q, k) -> Array:
     """[B, K, M, H] queries against [B, K, S, H] keys (or a reader): float32 [B, K, M, S]."""
-    if hasattr(k, "scores"):
+    if isinstance(k, Reader):
         return k.scores(q)
     return jnp.einsum("BKMH,BKSH->BKMS", q.astype(k.dtype), k, preferred_element_type=jnp.float32)
 
 
 def _weighted_sum(weights, v) -> Array:
     """[B, K, M, S] weights over [B, K, S, Hv] values (or a reader): float32 [B, K, M, Hv]."""
-    if hasattr(v, "weighted_sum"):
+    if isinstance(v, Reader):
         return v.weighted_sum(weights)
     return jnp.einsum(
         "BKMS,BKSH->BKMH", weights.astype(v.dtype), v, preferred_element_type=jnp.float32

@@ -42,13 +42,14 @@ from ml_collections import FrozenConfigDict
 from kvlab.attention.core import attend, ordered_after
 from kvlab.attention.rope import apply_rope
 from kvlab.cache.placement import Placement
+from kvlab.cache.protocols import Reader
 from kvlab.config import dtype_of
 from kvlab.layers import RMSNorm, projection
 
 
 def _dense(x) -> jax.Array:
     """An array for what may be a reader of stored data (a quantized payload)."""
-    return x.dequantize() if hasattr(x, "dequantize") else x
+    return x.dequantize() if isinstance(x, Reader) else x
 
 
 def expanded_attention(q_nope, q_rope, blocks, key_up, value_up, scale):

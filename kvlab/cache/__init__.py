@@ -1,15 +1,19 @@
-"""KV-cache storage and byte accounting."""
+"""KV-cache storage and byte accounting (docs/design.md, "The cache pytree")."""
 
 from kvlab.cache.accounting import cache_bytes, tree_bytes
 from kvlab.cache.allocator import OutOfPages, PageAllocator
-from kvlab.cache.dense import Cache, DenseLayer, cached_tensors, init_cache
+from kvlab.cache.dense import Cache, CacheError, DenseLayer
+from kvlab.cache.factory import init_cache
 from kvlab.cache.paged import PagedCache, PagedLayer, PagedQuantizedLayer
 from kvlab.cache.placement import write_tokens
 from kvlab.cache.prefix import PrefixCache
+from kvlab.cache.protocols import CacheLayer, Reader
 from kvlab.cache.quant import QuantizedLayer, QuantizedTensor
 
 __all__ = [
     "Cache",
+    "CacheError",
+    "CacheLayer",
     "DenseLayer",
     "OutOfPages",
     "PageAllocator",
@@ -19,7 +23,7 @@ __all__ = [
     "PrefixCache",
     "QuantizedLayer",
     "QuantizedTensor",
-    "cached_tensors",
+    "Reader",
     "cache_bytes",
     "init_cache",
     "tree_bytes",

@@ -3,7 +3,7 @@
     cache_bytes(model_cfg, cache_cfg, batch_size, seq_len) -> int   (analytic)
     tree_bytes(tree) -> int                                         (measured)
 
-The analytic count follows the formula every KV-cache paper uses (REFERENCES.md):
+The analytic count follows the formula every KV-cache paper uses (docs/references.md):
 2 (K and V) x layers x kv_heads x head_dim x seq_len x batch x bytes per element;
 latent attention stores (kv_rank + rope_dim) numbers per token and layer instead
 (DeepSeek-V2, arXiv:2405.04434). A quantized cache counts, per tensor, its
@@ -11,7 +11,8 @@ packed payload (bits / 8 bytes a number), one scale (and zero point) per group
 and the full-precision ring of recent tokens, laid out as kvlab/cache/quant.py
 describes. A paged cache counts its page pools (num_pages x page_size token
 rows, shared by the rows) and each row's ring instead. Plus the bookkeeping the
-cache carries: one int32 length per row and, paged, the block tables.
+cache carries: one int32 length and one int32 of error flags per row
+(ROW_BYTES) and, paged, the block tables.
 """
 
 from __future__ import annotations
@@ -22,11 +23,10 @@ import jax
 import numpy as np
 
 from kvlab.cache import paged
-from kvlab.cache.dense import cached_tensors
 from kvlab.cache.quant import quantized_layout, storages
-from kvlab.config import dtype_of, validate_cache_config, validate_model_config
+from kvlab.config import cached_tensors, dtype_of, validate_cache_config, validate_model_config
 
-LENGTH_BYTES = 4  # one int32 length per row
+ROW_BYTES = 4 + 4  # per row: an int32 length and int32 error flags
 TABLE_ENTRY_BYTES = 4  # paged: one int32 page id per row and page
 
 
@@ -41,16 +41,18 @@ def cache_bytes(model_cfg: Mapping, cache_cfg: Mapping, batch_size: int, seq_len
     if cache_cfg["kind"] == "paged":
         pages = paged.pool_size(cache_cfg, batch_size, seq_len)
         pooled = pages * cache_cfg["page_size"]
-        per_layer = sum(_tensor_bytes(spec, h, w, pooled, 0) for (_, h, w), spec in tensors)
+        per_layer = sum(_tensor_bytes(spec, t.heads, t.width, pooled, 0) for t, spec in tensors)
         per_layer += batch_size * sum(
-            _tensor_bytes(spec, h, w, 0, ring) for (_, h, w), spec in tensors
+            _tensor_bytes(spec, t.heads, t.width, 0, ring) for t, spec in tensors
         )
         tables = batch_size * paged.pages_per_row(cache_cfg, seq_len) * TABLE_ENTRY_BYTES
     else:
         rows = seq_len if layout is None else layout.payload_len
-        per_layer = batch_size * sum(_tensor_bytes(s, h, w, rows, ring) for (_, h, w), s in tensors)
+        per_layer = batch_size * sum(
+            _tensor_bytes(s, t.heads, t.width, rows, ring) for t, s in tensors
+        )
         tables = 0
-    return model_cfg["num_layers"] * per_layer + tables + LENGTH_BYTES * batch_size
+    return model_cfg["num_layers"] * per_layer + tables + ROW_BYTES * batch_size
 
 
 def _tensor_bytes(spec, heads: int, width: int, rows: int, ring: int) -> int:
@@ -67,7 +69,7 @@ def _tensor_bytes(spec, heads: int, width: int, rows: int, ring: int) -> int:
 
 def elements_per_token_and_layer(model_cfg: Mapping) -> int:
     """Numbers cached per token in one layer: 2 x kv_heads x head_dim, or kv_rank + rope_dim."""
-    return sum(heads * width for _, heads, width in cached_tensors(model_cfg))
+    return sum(t.heads * t.width for t in cached_tensors(model_cfg))
 
 
 def tree_bytes(tree) -> int:

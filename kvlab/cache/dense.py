@@ -1,62 +1,60 @@
-"""The KV cache pytree: contiguous per-layer buffers and per-row lengths.
+"""The KV cache pytree: per-layer storage, per-row lengths and error flags.
 
 The cache is an immutable pytree threaded through `model.apply`; every step
 returns a new one. Row b holds `lengths[b]` tokens at positions
-0..lengths[b]-1; the next tokens given to the model are written after them, so
-rows of a batch may hold different lengths (ragged batches).
+0..lengths[b]-1; the next tokens given to the model are written after them,
+so rows of a batch may hold different lengths (ragged batches). The fields,
+each storage kind's layout and the read/write contract are documented once,
+in docs/design.md ("The cache pytree"); `kvlab.cache.init_cache` builds one.
 
-    Cache
-      layers   tuple of one storage per transformer layer, holding the
-               tensors `cached_tensors` names, each [B, KH, S, W]:
-               model.attention='gqa' (MHA, GQA, MQA):
-                 k       [B, K, S, H]   keys, after RoPE
-                 v       [B, K, S, H]   values
-               model.attention='mla' (arXiv:2405.04434):
-                 c_kv    [B, 1, S, R]   the normalised K/V latent (R = mla.kv_rank)
-                 k_rope  [B, 1, S, Hr]  the RoPE key all heads share (Hr = mla.rope_dim)
-               as a DenseLayer (cache.dtype) when every tensor is 16-bit,
-               else a quant.QuantizedLayer (payloads, scales, a ring of recent
-               tokens: kvlab/cache/quant.py)
-      lengths  int32[B]        tokens written per row
-
-S is the capacity (max_len). The buffers are head-major, the layout the
-attention function reads fastest (see kvlab/attention/core.py) and the one
-Pallas paged-attention kernels use for their pages ([K, P, L, H]). A length
-above S records an overflow: the tokens that did not fit were dropped, never
-wrapped or clamped onto other slots (see `write_tokens`).
+This module holds the `Cache` itself and the contiguous storage,
+`DenseLayer`: each cached tensor as one [B, K, S, W] buffer in cache.dtype.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
-from jaxtyping import Int
+from jaxtyping import Array, Int
 
-from kvlab.cache import quant
 from kvlab.cache.placement import Placement, causal_mask, write_tokens
-from kvlab.config import dtype_of, validate_cache_config, validate_model_config
+from kvlab.config import CachedTensor
+
+# Bits of Cache.errors: what a compiled step was given that it could not run.
+OVERFLOW = 1  # more tokens than the capacity holds: those past it were dropped
+BAD_TOKEN = 2  # a real token's id outside 0..vocab_size-1
+BAD_COUNT = 4  # num_tokens outside 0..T, or a negative length
+ERRORS = {
+    OVERFLOW: "was given more tokens than the cache holds (the tokens past its capacity "
+    "were dropped): init the cache with a larger max_len",
+    BAD_TOKEN: "was given a token id outside the vocabulary: pass ids in 0..model.vocab_size-1",
+    BAD_COUNT: "was given num_tokens outside 0..T (the step's length) or held a negative "
+    "length: pass 0 <= num_tokens <= T and keep lengths >= 0",
+}
 
 
-def cached_tensors(model_cfg: Mapping) -> tuple[tuple[str, int, int], ...]:
-    """(name, heads, width) of each tensor one layer caches per token.
+class CacheError(ValueError):
+    """A compiled step flagged invalid input for some rows (Cache.errors)."""
 
-    Grouped-query attention: keys and values, K heads of head_dim. Latent
-    attention: the latent c_kv (width kv_rank) and the shared RoPE key k_rope
-    (width rope_dim), each with a single head axis of size 1.
-    """
-    if model_cfg["attention"] == "mla":
-        mla = model_cfg["mla"]
-        return (("c_kv", 1, mla["kv_rank"]), ("k_rope", 1, mla["rope_dim"]))
-    heads, width = model_cfg["num_kv_heads"], model_cfg["head_dim"]
-    return (("k", heads, width), ("v", heads, width))
+
+def check_errors(errors: Int[Array, " B"]) -> None:
+    """Raises CacheError naming each row whose error flags (Cache.errors) are set."""
+    errors = np.asarray(jax.device_get(errors))
+    problems = [
+        f"row {row} {message}"
+        for row in np.flatnonzero(errors)
+        for bit, message in ERRORS.items()
+        if errors[row] & bit
+    ]
+    if problems:
+        raise CacheError("; ".join(problems))
 
 
 @struct.dataclass
 class DenseLayer:
-    """One layer's cached tensors in the cache dtype, each [B, KH, S, W] (`cached_tensors`)."""
+    """One layer's cached tensors in the cache dtype, each [B, K, S, W]."""
 
     tensors: tuple
 
@@ -64,14 +62,12 @@ class DenseLayer:
     def capacity(self) -> int:
         return self.tensors[0].shape[2]
 
-    def read(self, fresh: tuple, placement: Placement):
-        """What the step's queries attend over, and what `write` will store.
+    def tensor_shapes(self) -> tuple[tuple[int, int], ...]:
+        return tuple((t.shape[1], t.shape[3]) for t in self.tensors)
 
-        fresh: the step's new tokens per tensor, [B, KH, T, W]. Returns blocks
-        [(tensors, mask)]: the cache as it is (mask [B, 1, S]: written slots)
-        and the new tokens as the cache will hold them (placement.fresh_mask);
-        and those new tokens, for `write`.
-        """
+    def read(self, fresh: tuple, placement: Placement):
+        """The cache as it is (mask [B, 1, S]: written slots) and the new tokens
+        as it will hold them (placement.fresh_mask); and those tokens, for `write`."""
         fresh = tuple(x.astype(t.dtype) for x, t in zip(fresh, self.tensors, strict=True))
         written = jnp.arange(self.capacity) < placement.lengths[:, None]  # [B, S]
         return [(self.tensors, written[:, None, :]), (fresh, placement.fresh_mask)], fresh
@@ -88,10 +84,20 @@ class DenseLayer:
 
 @struct.dataclass
 class Cache:
-    """Per-layer storage plus the tokens each row holds (module docstring)."""
+    """Per-layer storage, the tokens each row holds and what went wrong.
+
+    layers   one CacheLayer per transformer layer (kvlab/cache/protocols.py)
+    lengths  int32[B]  tokens written per row (above capacity after an overflow)
+    errors   int32[B]  OVERFLOW | BAD_TOKEN | BAD_COUNT bits set by compiled
+                       steps; `check()` raises on the host when any is set
+    tensors  static: what each layer caches (kvlab.config.cached_tensors), so a
+             model refuses a cache made for another model
+    """
 
     layers: tuple
     lengths: Int[Array, " B"]
+    errors: Int[Array, " B"]
+    tensors: tuple[CachedTensor, ...] = struct.field(pytree_node=False)
 
     @property
     def capacity(self) -> int:
@@ -104,6 +110,15 @@ class Cache:
     def overflowed(self) -> jax.Array:
         """bool[B]: rows that were given more tokens than the capacity holds."""
         return self.lengths > self.capacity
+
+    def check(self) -> None:
+        """Raises CacheError naming each flagged row and what it was given.
+
+        Inside compiled code nothing can raise: a step that is given invalid
+        values flags the row, writes nothing for it (an overflow writes what
+        fits) and returns NaN logits for it. Every host loop calls this.
+        """
+        check_errors(self.errors)
 
     def place(self, length: int, num_tokens: Int[Array, " B"]) -> Placement:
         """Places T new tokens per row (num_tokens[b] real) after the cached ones."""
@@ -125,33 +140,3 @@ def place_after(
         lengths=lengths,
         num_tokens=num_tokens,
     )
-
-
-def _check_size(name: str, value: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name}={value!r} is not a positive integer: pass an int >= 1")
-
-
-def init_cache(model_cfg: Mapping, cache_cfg: Mapping, batch_size: int, max_len: int) -> Cache:
-    """An empty cache for `batch_size` rows of up to `max_len` tokens each
-    (a paged.PagedCache when cache.kind='paged')."""
-    validate_model_config(model_cfg)
-    validate_cache_config(cache_cfg, model_cfg)
-    _check_size("batch_size", batch_size)
-    _check_size("max_len", max_len)
-    if cache_cfg["kind"] == "paged":
-        from kvlab.cache.paged import init_paged_cache  # paged.py builds on this module
-
-        return init_paged_cache(model_cfg, cache_cfg, batch_size, max_len)
-    shapes = [(heads, width) for _, heads, width in cached_tensors(model_cfg)]
-    layout = quant.quantized_layout(model_cfg, cache_cfg, max_len)
-    if layout is None:
-        dtype = dtype_of(cache_cfg["dtype"])
-        new_layer = lambda: DenseLayer(  # noqa: E731
-            tuple(jnp.zeros((batch_size, h, max_len, w), dtype) for h, w in shapes)
-        )
-    else:
-        specs = quant.storages(model_cfg, cache_cfg)
-        new_layer = lambda: quant.init_layer(specs, layout, batch_size, shapes)  # noqa: E731
-    layers = tuple(new_layer() for _ in range(model_cfg["num_layers"]))
-    return Cache(layers=layers, lengths=jnp.zeros((batch_size,), jnp.int32))

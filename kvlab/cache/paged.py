@@ -2,32 +2,21 @@
 
 PagedAttention (vLLM, arXiv:2309.06180): a row's tokens live in pages of
 `cache.page_size` (L) tokens taken from a shared pool, so memory is handed out
-as sequences grow instead of reserved at max_len for each.
+as sequences grow instead of reserved at max_len for each. The pools are laid
+out as JAX's Pallas paged-attention kernels take them ([K, P, L, H]); the
+layout of each storage kind is in docs/design.md ("The cache pytree").
 
-    PagedCache
-      layers        one storage per layer:
-                    PagedLayer (every tensor 16-bit): per cached tensor a pool
-                      [KH, num_pages, L, W], the layout of JAX's Pallas
-                      paged-attention kernels (k_pages[K, P, L, H]);
-                    PagedQuantizedLayer: per tensor the payload, scale and zero
-                      pools (token-indexed arrays page by L tokens, channel-axis
-                      scales by L / group_size token groups) and the row's
-                      full-precision ring, which stays per row (kvlab/cache/quant.py)
-      block_tables  int32[B, n]  row b's slot s lives in page block_tables[b, s // L]
-                                 at offset s % L; -1 where the row holds no page
-      lengths       int32[B]     tokens written per row
-
-Pages are handed out on the host (kvlab/cache/allocator.py, prefix.py);
-`init_cache` gives each row its own n = ceil(max_len / L) pages, so a paged
-cache works through the normal API and gives the dense cache's logits. On CPU
+Pages are handed out on the host (kvlab/cache/allocator.py, prefix.py). On CPU
 the pages a step reads are gathered into the dense layout and the one
 attention function reads them; a GPU/TPU kernel can read the pools in place.
-A write to a slot whose page is -1 is dropped (never wrapped onto another
-page), and the capacity check is the dense cache's.
+Writes go to the written slots' pages only, through the one cache write
+(`write_tokens` over the pool seen as one long row of slots). A write to a
+slot whose page is -1 is dropped, never wrapped onto another page.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 
 import jax.numpy as jnp
@@ -35,9 +24,8 @@ from flax import struct
 from jaxtyping import Array, Int
 
 from kvlab.cache import quant
-from kvlab.cache.dense import Cache, DenseLayer, cached_tensors
-from kvlab.cache.placement import Placement
-from kvlab.config import dtype_of
+from kvlab.cache.dense import Cache, DenseLayer
+from kvlab.cache.placement import Placement, write_tokens
 
 
 def gather_pages(pool: Array, pages: Int[Array, "B n"], length: int) -> Array:
@@ -52,24 +40,22 @@ def gather_pages(pool: Array, pages: Int[Array, "B n"], length: int) -> Array:
     return view[:, :, :length]
 
 
-def scatter_entries(pool: Array, pages: Int[Array, "B n"], new: Array, slots: Int[Array, "B T"]):
+def write_pages(pool: Array, new: Array, slots: Int[Array, "B T"], pages: Int[Array, "B n"]):
     """Writes new [B, KH, T, X] at the rows' slots [B, T] of a pool [KH, P, Lp, X].
 
-    Slots past the block table or on a page the row does not hold are dropped.
+    Slot s of row b is entry s % Lp of page pages[b, s // Lp]. Slots past the
+    block table or on a page the row does not hold (-1) are dropped.
     """
-    num_pages, per_page = pool.shape[1:3]
+    heads, num_pages, per_page = pool.shape[:3]
     n = pages.shape[1]
     held = jnp.take_along_axis(pages, jnp.clip(slots // per_page, 0, n - 1), axis=1)
-    page = jnp.where((slots < n * per_page) & (held >= 0), held, num_pages)  # num_pages: drop
-    values = jnp.moveaxis(new, 1, 0).astype(pool.dtype)  # [KH, B, T, X]
-    return pool.at[:, page, slots % per_page].set(values, mode="drop")
-
-
-def scatter_view(pool: Array, pages: Int[Array, "B n"], view: Array) -> Array:
-    """Writes a whole dense view [B, KH, length, X] back into the rows' pages."""
-    batch, length = pages.shape[0], view.shape[2]
-    slots = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length))
-    return scatter_entries(pool, pages, view, slots)
+    kept = (slots >= 0) & (slots < n * per_page) & (held >= 0)
+    entries = jnp.where(kept, held * per_page + slots % per_page, -1)  # [B, T]; -1: dropped
+    # The pool as one row of P * Lp entries, written at the B * T entries.
+    flat = pool.reshape(1, heads, num_pages * per_page, *pool.shape[3:])
+    values = jnp.moveaxis(new, 1, 0).reshape(1, heads, -1, *new.shape[3:])  # [1, KH, B*T, X]
+    written = write_tokens(flat, values, entries.reshape(1, -1), axis=2)
+    return written.reshape(pool.shape)
 
 
 @struct.dataclass
@@ -83,9 +69,12 @@ class PagedLayer:
         views = tuple(gather_pages(p, placement.pages, self.capacity) for p in self.pools)
         return DenseLayer(views).read(fresh, placement)
 
+    def tensor_shapes(self) -> tuple[tuple[int, int], ...]:
+        return tuple((p.shape[0], p.shape[3]) for p in self.pools)
+
     def write(self, fresh: tuple, placement: Placement) -> PagedLayer:
         pools = tuple(
-            scatter_entries(p, placement.pages, x, placement.slots)
+            write_pages(p, x, placement.slots, placement.pages)
             for p, x in zip(self.pools, fresh, strict=True)
         )
         return PagedLayer(pools, self.capacity)
@@ -127,20 +116,14 @@ class PagedQuantizedLayer:
     def read(self, fresh: tuple, placement: Placement):
         return self._view(placement.pages).read(fresh, placement)
 
+    def tensor_shapes(self) -> tuple[tuple[int, int], ...]:
+        return tuple((t.payload.shape[0], t.width) for t in self.tensors)
+
     def write(self, flush: quant.Flush, placement: Placement) -> PagedQuantizedLayer:
-        # CPU reference: the row's pages are rewritten whole from the updated
-        # dense view (a kernel would write the flushed groups in place).
-        written = self._view(placement.pages).write(flush, placement)
-        tensors = []
-        for pooled, dense in zip(self.tensors, written.tensors, strict=True):
-            arrays = {
-                name: None
-                if getattr(pooled, name) is None
-                else scatter_view(getattr(pooled, name), placement.pages, getattr(dense, name))
-                for name in _POOLED
-            }
-            tensors.append(pooled.replace(ring=dense.ring, **arrays))
-        return PagedQuantizedLayer(tuple(tensors), self.layout, self.lengths)
+        """Writes the flushed groups into their pages and the rest into the rings."""
+        put = functools.partial(write_pages, pages=placement.pages)
+        tensors = quant.write_flush(self.tensors, self.layout, flush, placement, put)
+        return PagedQuantizedLayer(tensors, self.layout, self.lengths)
 
 
 @struct.dataclass
@@ -161,65 +144,3 @@ def pages_per_row(cache_cfg: Mapping, max_len: int) -> int:
 def pool_size(cache_cfg: Mapping, batch_size: int, max_len: int) -> int:
     """Pages in the pool: cache.num_pages, or (0) enough for every row at max_len."""
     return cache_cfg["num_pages"] or batch_size * pages_per_row(cache_cfg, max_len)
-
-
-def _pool(batch_dense: Array, num_pages: int, per_page: int) -> Array:
-    """A zero pool [KH, num_pages, per_page, X] for arrays shaped like batch_dense [1, KH, ., X]."""
-    heads, width = batch_dense.shape[1], batch_dense.shape[3]
-    return jnp.zeros((heads, num_pages, per_page, width), batch_dense.dtype)
-
-
-def init_paged_cache(
-    model_cfg: Mapping, cache_cfg: Mapping, batch_size: int, max_len: int, own_pages: bool = True
-) -> PagedCache:
-    """An empty paged cache whose rows each own n = ceil(max_len / page_size) pages.
-
-    With own_pages=False the block tables start empty (-1) and the pool may be
-    smaller than batch_size * n pages: a scheduler (kvlab.Engine) hands them out.
-    """
-    page = cache_cfg["page_size"]
-    n = pages_per_row(cache_cfg, max_len)
-    num_pages = pool_size(cache_cfg, batch_size, max_len)
-    if own_pages and num_pages < batch_size * n:
-        raise ValueError(
-            f"cache.num_pages={num_pages} is too few: {batch_size} rows of max_len={max_len} "
-            f"need {n} pages of cache.page_size={page} each, {batch_size * n} in all; set "
-            f"cache.num_pages >= {batch_size * n} (or 0), or share a smaller pool through "
-            "kvlab.Engine"
-        )
-    shapes = [(heads, width) for _, heads, width in cached_tensors(model_cfg)]
-    layout = quant.quantized_layout(model_cfg, cache_cfg, max_len)
-    if layout is None:
-        dtype = dtype_of(cache_cfg["dtype"])
-        new_layer = lambda: PagedLayer(  # noqa: E731
-            tuple(jnp.zeros((h, num_pages, page, w), dtype) for h, w in shapes), max_len
-        )
-    else:
-        specs = quant.storages(model_cfg, cache_cfg)
-        new_layer = lambda: _quantized_layer(specs, layout, shapes, batch_size, num_pages, page)  # noqa: E731
-    layers = tuple(new_layer() for _ in range(model_cfg["num_layers"]))
-    tables = jnp.arange(batch_size * n, dtype=jnp.int32).reshape(batch_size, n)
-    if not own_pages:
-        tables = jnp.full((batch_size, n), -1, jnp.int32)
-    return PagedCache(
-        layers=layers, lengths=jnp.zeros((batch_size,), jnp.int32), block_tables=tables
-    )
-
-
-def _quantized_layer(specs, layout, shapes, batch_size, num_pages, page) -> PagedQuantizedLayer:
-    """Fresh pools shaped after a one-row dense quantized layer (rings per row)."""
-    dense = quant.init_layer(specs, layout, 1, shapes)
-    tensors, lengths = [], []
-    for tensor in dense.tensors:
-        per_scale_row = tensor.spec.group_size if tensor.spec.axis == "channel" else 1
-        pooled = {"payload": _pool(tensor.payload, num_pages, page)}
-        for name in ("scale", "zero"):
-            array = getattr(tensor, name)
-            pooled[name] = None if array is None else _pool(array, num_pages, page // per_scale_row)
-        ring = None
-        if tensor.ring is not None:
-            ring = jnp.zeros((batch_size, *tensor.ring.shape[1:]), tensor.ring.dtype)
-        tensors.append(tensor.replace(ring=ring, **pooled))
-        scale_rows = 0 if tensor.scale is None else tensor.scale.shape[2]
-        lengths.append((tensor.payload.shape[2], scale_rows))
-    return PagedQuantizedLayer(tuple(tensors), layout, tuple(lengths))

@@ -67,14 +67,17 @@ def write_tokens(
 
     `new` has the buffer's layout with T tokens in place of the buffer's S
     along `axis` (a [B, K, S, H] buffer with axis 2 takes [B, K, T, H]).
-    Slots outside 0..S-1 are dropped.
+    Slots outside 0..S-1 are dropped, negative ones included.
 
-    The one write into any cache buffer. `jax.lax.dynamic_update_slice` would
-    move an out-of-range write back onto the last rows without a word; a
-    scatter in "drop" mode writes exactly the slots asked for and nothing else,
-    so padding tokens (slot S) and overflowing tokens vanish instead of
-    overwriting real ones.
+    The one write into any cache buffer (page pools too: kvlab/cache/paged.py
+    writes through it). `jax.lax.dynamic_update_slice` would move an
+    out-of-range write back onto the last rows without a word, and an indexed
+    update wraps negative indices onto the end; a scatter in "drop" mode with
+    negative slots moved past the end writes exactly the slots asked for and
+    nothing else, so padding tokens (slot S) and overflowing tokens vanish
+    instead of overwriting real ones.
     """
+    slots = jnp.where(slots < 0, buffer.shape[axis], slots)
     rows = jnp.arange(buffer.shape[0])[:, None]
     index = (rows,) + (slice(None),) * (axis - 1) + (slots,)
     # Indexed this way the selected entries come out [B, T, (axes before `axis`), ...].

@@ -43,6 +43,7 @@ probabilities for V; per-channel scales multiply the query group by group.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Mapping
 
 import jax
@@ -51,7 +52,7 @@ from flax import struct
 from jaxtyping import Array
 
 from kvlab.cache.placement import Placement, write_tokens
-from kvlab.config import CACHED, dtype_of
+from kvlab.config import cached_tensors, dtype_of
 
 FP8 = jnp.float8_e4m3fn
 FP8_MAX = float(jnp.finfo(FP8).max)  # 448
@@ -86,15 +87,15 @@ def storages(model_cfg: Mapping, cache_cfg: Mapping) -> tuple[Storage, ...]:
     """
     return tuple(
         Storage(
-            bits=cache_cfg[f"{prefix}_bits"],
-            format=cache_cfg[f"{prefix}_format"],
-            axis=cache_cfg[f"{prefix}_axis"],
+            bits=cache_cfg[f"{tensor.prefix}_bits"],
+            format=cache_cfg[f"{tensor.prefix}_format"],
+            axis=cache_cfg[f"{tensor.prefix}_axis"],
             group_size=cache_cfg["group_size"],
             symmetric=cache_cfg["symmetric"],
             scale_dtype=cache_cfg["scale_dtype"],
             dtype=cache_cfg["dtype"],
         )
-        for prefix in CACHED[model_cfg["attention"]]
+        for tensor in cached_tensors(model_cfg)
     )
 
 
@@ -245,6 +246,12 @@ class QuantizedTensor:
     ring: Array | None
     spec: Storage = struct.field(pytree_node=False)
 
+    @property
+    def width(self) -> int:
+        """W: numbers per token and head (the payload's last axis, unpacked)."""
+        packed = self.payload.shape[-1]
+        return packed if not self.spec.quantized else packed * 8 // self.spec.bits
+
     def reader(self):
         """What the attention function reads the settled tokens through."""
         return self.payload if not self.spec.quantized else PayloadReader(self)
@@ -269,8 +276,8 @@ class PayloadReader:
     @property
     def shape(self) -> tuple[int, int, int, int]:
         """The logical shape [B, KH, P, Wd] of what it reads."""
-        b, kh, p, packed = self.tensor.payload.shape
-        return (b, kh, p, packed * 8 // self.tensor.spec.bits)
+        b, kh, p, _ = self.tensor.payload.shape
+        return (b, kh, p, self.tensor.width)
 
     def dequantize(self) -> Array:
         return self.tensor.dequantize()
@@ -358,7 +365,7 @@ def init_tensor(
 class Flush:
     """Tokens leaving the ring this step, in whole groups (what `write` stores).
 
-    positions int32[B, F*g] (invalid ones at P); per tensor: payload rows
+    positions int32[B, F*g] (-1 where nothing settles); per tensor: payload rows
     [B, KH, F*g, .] (packed codes, or the numbers themselves at 16 bits),
     scales and zeros.
     """
@@ -408,7 +415,7 @@ class QuantizedLayer:
             payloads.append(payload)
             scales.append(scale)
             zeros.append(zero)
-        positions = jnp.where(valid, positions, layout.payload_len)
+        positions = jnp.where(valid, positions, -1)  # -1: nothing settles there (dropped)
         return Flush(positions, fresh, tuple(payloads), tuple(scales), tuple(zeros))
 
     def read(self, fresh: tuple, placement: Placement):
@@ -452,36 +459,51 @@ class QuantizedLayer:
                 self.tensors, flush.payloads, flush.scales, flush.zeros, strict=True
             )
         )
-        flushed = flush.positions[:, None, :]  # [B, 1, F*g]; P where nothing settles
-        blocks.append((settled_values, (flushed < seen_settled) & (flushed < layout.payload_len)))
+        flushed = flush.positions[:, None, :]  # [B, 1, F*g]; -1 where nothing settles
+        blocks.append((settled_values, (flushed >= 0) & (flushed < seen_settled)))
         return blocks, flush
+
+    def tensor_shapes(self) -> tuple[tuple[int, int], ...]:
+        return tuple((t.payload.shape[1], t.width) for t in self.tensors)
 
     def write(self, flush: Flush, placement: Placement) -> QuantizedLayer:
         """Stores the settled groups in the payloads and the rest of the new tokens in the ring."""
-        layout = self.layout
-        g = layout.granularity
-        after = layout.settled(placement.lengths + placement.num_tokens)
-        tensors = []
-        for tensor, new, payload, scale, zero in zip(
-            self.tensors, flush.fresh, flush.payloads, flush.scales, flush.zeros, strict=True
-        ):
-            rows = write_tokens(tensor.payload, payload, flush.positions, axis=2)
-            if tensor.spec.quantized:
-                if tensor.spec.axis == "token":
-                    scale_slots = flush.positions
-                else:  # one scale row per group of g tokens
-                    scale_slots = flush.positions[:, ::g] // g
-                scale = write_tokens(tensor.scale, scale, scale_slots, axis=2)
-                if zero is not None:
-                    zero = write_tokens(tensor.zero, zero, scale_slots, axis=2)
-            ring = tensor.ring
-            if ring is not None:
-                positions = placement.positions
-                stays = (positions >= after[:, None]) & (placement.slots < layout.capacity)
-                ring_slots = jnp.where(stays, positions % layout.ring_len, layout.ring_len)
-                ring = write_tokens(ring, new, ring_slots, axis=2)
-            tensors.append(QuantizedTensor(rows, scale, zero, ring, tensor.spec))
-        return QuantizedLayer(tuple(tensors), layout)
+        put = functools.partial(write_tokens, axis=2)
+        tensors = write_flush(self.tensors, self.layout, flush, placement, put)
+        return QuantizedLayer(tensors, self.layout)
+
+
+def write_flush(tensors: tuple, layout: Layout, flush: Flush, placement: Placement, put) -> tuple:
+    """The tensors with the step's settled groups written and its other tokens in the ring.
+
+    `put(array, new, slots)` writes token rows at each row's slots of a payload,
+    scale or zero array (per-row arrays: `write_tokens`; page pools: the pages'
+    slots, kvlab/cache/paged.py); only the flushed groups are written. The
+    ring is per row in every layout.
+    """
+    g = layout.granularity
+    after = layout.settled(placement.lengths + placement.num_tokens)
+    written = []
+    for tensor, new, payload, scale, zero in zip(
+        tensors, flush.fresh, flush.payloads, flush.scales, flush.zeros, strict=True
+    ):
+        rows = put(tensor.payload, payload, flush.positions)
+        if tensor.spec.quantized:
+            if tensor.spec.axis == "token":
+                scale_slots = flush.positions
+            else:  # one scale row per group of g tokens
+                scale_slots = flush.positions[:, ::g] // g
+            scale = put(tensor.scale, scale, scale_slots)
+            if zero is not None:
+                zero = put(tensor.zero, zero, scale_slots)
+        ring = tensor.ring
+        if ring is not None:
+            positions = placement.positions
+            stays = (positions >= after[:, None]) & (placement.slots < layout.capacity)
+            ring_slots = jnp.where(stays, positions % layout.ring_len, layout.ring_len)
+            ring = write_tokens(ring, new, ring_slots, axis=2)
+        written.append(QuantizedTensor(rows, scale, zero, ring, tensor.spec))
+    return tuple(written)
 
 
 def init_layer(specs: tuple[Storage, ...], layout: Layout, batch: int, shapes) -> QuantizedLayer:

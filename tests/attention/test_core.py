@@ -1,11 +1,17 @@
+import re
+from unittest import mock
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 from hypothesis import given
 from hypothesis import strategies as st
 
+import kvlab
+import kvlab.attention.gqa
 from kvlab.attention.core import attend, ordered_after
 from kvlab.cache.placement import causal_mask
+from tests.helpers import build, tiny_config
 
 
 def reference_attention(q, k, v, mask):
@@ -70,3 +76,25 @@ def test_ordered_after_leaves_values_unchanged():
     for before, now in zip(values, after, strict=True):
         np.testing.assert_array_equal(before, now)
         assert before.dtype == now.dtype
+
+
+def cache_copies(step, model, params, cache, token) -> int:
+    """Copies of a whole cache buffer in the compiled, cache-donating decode step."""
+    text = step.lower(model, params, cache, token).compile().as_text()
+    shape = ",".join(map(str, cache.layers[0].tensors[0].shape))
+    return len(re.findall(rf"= f32\[{shape}\]\{{[^}}]*\}} copy\(", text))
+
+
+def test_ordered_after_makes_the_cache_write_in_place():
+    """Its purpose: the decode step writes the donated cache in place. Without the
+    ordering (patched out here to show what it prevents) XLA copies every layer's
+    keys and values each step."""
+    cfg = tiny_config(num_kv_heads=2)
+    model, params, _ = build(cfg)
+    cache = kvlab.init_cache(cfg.model, cfg.cache, 2, 64)
+    token = jnp.zeros((2,), jnp.int32)
+    assert cache_copies(kvlab.decode_step, model, params, cache, token) == 0
+    with mock.patch.object(kvlab.attention.gqa, "ordered_after", lambda tree, _: tree):
+        jax.clear_caches()  # trace the step again, without the ordering
+        assert cache_copies(kvlab.decode_step, model, params, cache, token) > 0
+    jax.clear_caches()

@@ -31,22 +31,31 @@ def test_large_caches_agree_without_allocating(config, variant, batch, max_len):
 
 
 def test_formula_by_hand():
-    # 2 (K, V) x 2 layers x 2 KV heads x 16 head_dim x 100 tokens x 3 rows x 4 bytes + lengths
+    # 2 (K, V) x 2 layers x 2 KV heads x 16 head_dim x 100 tokens x 3 rows x 4 bytes,
+    # plus each row's length and error flags (int32 each)
     cfg = tiny_config(num_kv_heads=2)
-    assert kvlab.cache_bytes(cfg.model, cfg.cache, 3, 100) == 2 * 2 * 2 * 16 * 100 * 3 * 4 + 3 * 4
+    assert kvlab.cache_bytes(cfg.model, cfg.cache, 3, 100) == 2 * 2 * 2 * 16 * 100 * 3 * 4 + 3 * (
+        4 + 4
+    )
     cfg.cache.dtype = "bfloat16"
-    assert kvlab.cache_bytes(cfg.model, cfg.cache, 3, 100) == 2 * 2 * 2 * 16 * 100 * 3 * 2 + 3 * 4
+    assert kvlab.cache_bytes(cfg.model, cfg.cache, 3, 100) == 2 * 2 * 2 * 16 * 100 * 3 * 2 + 3 * (
+        4 + 4
+    )
 
 
 def test_latent_formula_by_hand():
     # layers x (kv_rank + rope_dim) x tokens x rows x bytes + lengths
     cfg = mla_config(kv_rank=64, rope_dim=8)
-    assert kvlab.cache_bytes(cfg.model, cfg.cache, 3, 100) == 2 * (64 + 8) * 100 * 3 * 4 + 3 * 4
+    assert kvlab.cache_bytes(cfg.model, cfg.cache, 3, 100) == 2 * (64 + 8) * 100 * 3 * 4 + 3 * (
+        4 + 4
+    )
 
 
 def test_sharing_heads_divides_the_cache():
     mha, mqa = tiny_config(num_kv_heads=4), tiny_config(num_kv_heads=1)
-    payload = lambda cfg: kvlab.cache_bytes(cfg.model, cfg.cache, 1, 1000) - 4  # noqa: E731
+    payload = lambda cfg: (
+        kvlab.cache_bytes(cfg.model, cfg.cache, 1, 1000) - kvlab.cache.accounting.ROW_BYTES
+    )  # noqa: E731
     assert payload(mha) == 4 * payload(mqa)
 
 

@@ -1,4 +1,5 @@
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import kvlab
@@ -28,7 +29,7 @@ def test_latent_cache_holds_only_the_latent_and_the_rope_key(dtype):
     cfg.cache.dtype = dtype
     cache = kvlab.init_cache(cfg.model, cfg.cache, batch_size=2, max_len=9)
     assert len(cache.layers) == cfg.model.num_layers
-    assert [name for name, _, _ in kvlab.cache.cached_tensors(cfg.model)] == ["c_kv", "k_rope"]
+    assert [t.name for t in kvlab.config.cached_tensors(cfg.model)] == ["c_kv", "k_rope"]
     for layer in cache.layers:
         c_kv, k_rope = layer.tensors
         assert c_kv.shape == (2, 1, 9, 40) and k_rope.shape == (2, 1, 9, 6)
@@ -36,9 +37,18 @@ def test_latent_cache_holds_only_the_latent_and_the_rope_key(dtype):
     assert cache.capacity == 9
 
 
-@pytest.mark.parametrize("name,value", [("batch_size", 0), ("max_len", -1), ("max_len", 2.0)])
+@pytest.mark.parametrize(
+    "name,value",
+    [("batch_size", 0), ("max_len", -1), ("max_len", 2.0), ("max_len", "8"), ("batch_size", True)],
+)
 def test_bad_cache_sizes(name, value):
     cfg = tiny_config()
     sizes = {"batch_size": 1, "max_len": 8, name: value}
-    with pytest.raises(ValueError, match=f"{name}={value!r} is not a positive integer"):
+    with pytest.raises(ValueError, match=rf"{name}={value!r} is (not an integer|below 1)"):
         kvlab.init_cache(cfg.model, cfg.cache, **sizes)
+
+
+def test_numpy_sizes_are_integers():
+    cfg = tiny_config()
+    cache = kvlab.init_cache(cfg.model, cfg.cache, np.int64(2), np.int32(8))
+    assert (cache.batch_size, cache.capacity) == (2, 8)

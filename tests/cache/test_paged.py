@@ -23,7 +23,7 @@ BATCH, MAX_LEN, PAGE = 3, 40, 8  # 5 pages per row
 
 
 def with_bits(cfg, k_bits, v_bits, **cache):
-    first, second = kvlab.config.CACHED[cfg.model.attention]
+    first, second = kvlab.config.cached_prefixes(cfg.model)
     cfg.cache.update({f"{first}_bits": k_bits, f"{second}_bits": v_bits, **cache})
     cfg.cache.group_size = 8
     return kvlab.validate_config(cfg)
@@ -97,6 +97,25 @@ def test_writes_outside_a_rows_pages_are_dropped():
     for pool in cache.layers[0].pools:
         written = np.abs(np.asarray(pool)).sum(axis=(0, 2, 3)) > 0  # per page
         assert written.tolist() == [False, False, False, True, False, False, False, False]
+
+
+@pytest.mark.parametrize("name", ["mqa_k4v8_residual", "mla_latent4"])
+def test_quantized_writes_touch_only_the_rows_pages(name):
+    """A quantized paged write puts the flushed groups into the row's pages and
+    leaves every other page of each pool (payloads, scales, zeros) as it was."""
+    cfg = paged(CASES[name](), num_pages=10)
+    cache = kvlab.init_cache(cfg.model, cfg.cache, 1, 16)  # 2 pages of 8
+    cache = cache.replace(block_tables=jnp.array([[7, 2]], jnp.int32))
+    _, params, apply = build(cfg)
+    _, cache = run_in_chunks(apply, params, cache, random_tokens(cfg, (1, 16)), [5, 1, 1, 9])
+    touched = np.zeros(10, bool)
+    for tensor in cache.layers[0].tensors:
+        for pool in (tensor.payload, tensor.scale, tensor.zero):
+            if pool is not None:
+                touched |= np.abs(np.asarray(pool, np.float32)).sum(axis=(0, 2, 3)) > 0
+    settled = cache.layers[0].layout.settled(16)  # tokens held quantized, in pages
+    assert settled > 0
+    assert np.flatnonzero(touched).tolist() == sorted([7, 2][: -(-settled // PAGE)])
 
 
 def test_overflow_is_refused_and_decode_compiles_once():

@@ -55,7 +55,7 @@ def test_write_tokens_writes_exactly_the_slots_in_range(batch, capacity, new, he
     slots = np.array(
         data.draw(
             st.lists(
-                st.lists(st.integers(0, capacity + 2), min_size=new, max_size=new, unique=True),
+                st.lists(st.integers(-3, capacity + 2), min_size=new, max_size=new, unique=True),
                 min_size=batch,
                 max_size=batch,
             )
@@ -68,7 +68,7 @@ def test_write_tokens_writes_exactly_the_slots_in_range(batch, capacity, new, he
     expected = -np.ones((batch, capacity, 3, 2))
     for b in range(batch):
         for t in range(new):
-            if slots[b, t] < capacity:
+            if 0 <= slots[b, t] < capacity:  # negative slots are dropped, never wrapped
                 expected[b, slots[b, t]] = values[b, t]
     if heads_first:
         buffer = -jnp.ones((batch, 3, capacity, 2))

@@ -263,6 +263,8 @@ def test_chunks_see_exactly_what_token_by_token_decode_sees(specs, residual_grou
         cache = kvlab.Cache(
             layers=(init_layer(specs, layout, 2, [(heads, dim)] * 2),),
             lengths=jnp.zeros(2, jnp.int32),
+            errors=jnp.zeros(2, jnp.int32),
+            tensors=(),
         )
         outs, start = [], 0
         for size in sizes:
