@@ -55,6 +55,7 @@ def run_through_cache(model: Transformer, params, tokens, cache_cfg: Mapping, ch
         piece_logits, piece_outputs, cache = step(cache, tokens[:, start : start + chunk])
         logits.append(piece_logits)
         outputs.append(piece_outputs)
+    cache.check()
     return jnp.concatenate(logits, axis=1), jnp.concatenate(outputs, axis=2)
 
 

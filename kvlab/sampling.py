@@ -79,8 +79,7 @@ class TopK:
     temperature: float = 1.0
 
     def __post_init__(self):
-        if isinstance(self.k, bool) or not isinstance(self.k, int) or self.k < 1:
-            raise ValueError(f"TopK.k={self.k!r} must be an integer >= 1")
+        object.__setattr__(self, "k", check_count("TopK.k", self.k))
         _check_temperature(self)
 
     def __call__(self, logits, rng):

@@ -20,7 +20,6 @@ from flax import struct
 from jaxtyping import Array, Int
 
 from kvlab.cache.placement import Placement, causal_mask, write_tokens
-from kvlab.config import CachedTensor
 
 # Bits of Cache.errors: what a compiled step was given that it could not run.
 OVERFLOW = 1  # more tokens than the capacity holds: those past it were dropped
@@ -97,7 +96,7 @@ class Cache:
     layers: tuple
     lengths: Int[Array, " B"]
     errors: Int[Array, " B"]
-    tensors: tuple[CachedTensor, ...] = struct.field(pytree_node=False)
+    tensors: tuple = struct.field(pytree_node=False)  # CachedTensor per cached tensor
 
     @property
     def capacity(self) -> int:
