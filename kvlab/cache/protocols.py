@@ -1,0 +1,78 @@
+"""The contract between attention modules and cache storage, declared once.
+
+An attention module computes the step's new tokens for each tensor its layer
+caches (`kvlab.config.cached_tensors`), asks the layer's storage what to
+attend over, attends, and hands back what to store:
+
+    blocks, pending = layer.read(fresh, placement)
+    out = attend(q, [(keys, values, mask) for (keys, values), mask in blocks])
+    layer = layer.write(ordered_after(pending, out), placement)
+
+Every storage kind (dense, quantized, paged, paged quantized) is a
+`CacheLayer`. A block's keys or values are arrays, or a `Reader` of stored
+data that computes attention's two products without a dequantized copy
+(kvlab/cache/quant.py). docs/design.md, "The read/write contract", says why
+the write comes after the read.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Protocol, runtime_checkable
+
+from jaxtyping import Array, Bool, Float
+
+from kvlab.cache.placement import Placement
+
+Tensors = tuple  # one entry per cached tensor, in cached_tensors order: arrays or Readers
+Block = tuple[Tensors, Bool[Array, "B T|1 S"]]  # (tensors, mask: which queries see which slots)
+
+
+@runtime_checkable
+class Reader(Protocol):
+    """Stored tokens that attention reads without materialising them as an array.
+
+    Shapes: keys/values [B, K, S, W] logically (`shape`); queries and weights
+    are folded as in `kvlab.attention.core.attend` (M = T x G queries per KV head).
+    """
+
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        """The logical [B, K, S, W] of the stored tensor."""
+
+    def scores(self, q: Float[Array, "B K M W"]) -> Float[Array, "B K M S"]:
+        """float32 dot products of the queries with every stored token."""
+
+    def weighted_sum(self, w: Float[Array, "B K M S"]) -> Float[Array, "B K M W"]:
+        """float32 sum of the stored tokens weighted by `w`."""
+
+    def dequantize(self) -> Float[Array, "B K S W"]:
+        """The stored tokens as a float32 array (for paths that need one)."""
+
+
+class CacheLayer(Protocol):
+    """One transformer layer's cache storage: an immutable pytree.
+
+    `read` never changes the storage; `write` returns the new storage with the
+    step's tokens placed at `placement.slots` (slots outside the storage are
+    dropped, never wrapped).
+    """
+
+    @property
+    def capacity(self) -> int:
+        """S: the tokens one row may hold."""
+
+    def tensor_shapes(self) -> tuple[tuple[int, int], ...]:
+        """(heads, width) of each cached tensor, read from the stored arrays."""
+
+    def read(self, fresh: Tensors, placement: Placement) -> tuple[Sequence[Block], Any]:
+        """Blocks to attend over, and what `write` stores.
+
+        fresh: the step's new tokens per cached tensor, [B, K, T, W]. The
+        blocks together hold the row's cached tokens as the storage keeps them
+        and the new tokens as the storage will keep them, each masked to what
+        each query may see.
+        """
+
+    def write(self, pending: Any, placement: Placement) -> CacheLayer:
+        """The storage with the step's tokens written (`pending` from `read`)."""
