@@ -8,17 +8,20 @@ sections (DESIGN.md): `model`, `cache`, `train`, `data`, `eval`, `wandb`. Config
     cfg.model.num_kv_heads = 1
     kvlab.validate_config(cfg)                       # re-checks after edits
 
-`validate_config` raises `ValueError` naming the field, its value and the fix
-for every inconsistent or out-of-range field, before anything is compiled.
+`validate_config` first fills the fields a config omits with `base_config()`'s
+defaults (`complete_config`: a grouped-query model needs no `mla` section), then
+raises `ValueError` naming the field, its value and the fix for every unknown,
+inconsistent or out-of-range field, before anything is compiled.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import math
 import operator
 import os
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax.numpy as jnp
 import ml_collections
@@ -32,12 +35,14 @@ CACHE_KINDS = ("dense", "paged")
 BIT_WIDTHS = (16, 8, 4, 2)
 CODE_FORMATS = ("int", "fp8")
 GROUP_AXES = ("token", "channel")
-# The cached tensors' config prefixes, by attention kind (kvlab/cache/quant.py).
-CACHED = {"gqa": ("k", "v"), "mla": ("latent", "rope")}
-CACHED_PREFIXES = ("k", "v", "latent", "rope")
+CACHED_PREFIXES = ("k", "v", "latent", "rope")  # cache.<prefix>_bits, _format, _axis
 DATA_SOURCES = ("stdlib", "text", "mqar")
 WANDB_MODES = ("offline", "online", "disabled")
 EVAL_SPLITS = ("validation", "test")
+# Token ids of the byte sources (data.source 'stdlib' and 'text'): one per byte value.
+BYTE_VOCAB_SIZE = 256
+# train.seed feeds a 32-bit PRNG seed (jax.random.key): larger seeds would wrap around.
+SEED_LIMIT = 2**32
 
 # Model sizes. `tiny` runs on two CPU cores in seconds; `small` and `base` are
 # meant for an accelerator (base is GPT-2-small sized, ~85M non-embedding).
@@ -66,7 +71,7 @@ def base_config(variant: str = "tiny") -> ml_collections.ConfigDict:
 
     cfg.model = ml_collections.ConfigDict(
         dict(
-            vocab_size=256,  # bytes
+            vocab_size=BYTE_VOCAB_SIZE,  # bytes
             num_layers=size["num_layers"],
             embed_dim=size["embed_dim"],  # D, the residual stream width
             num_heads=size["num_heads"],  # N query heads
@@ -177,6 +182,48 @@ def base_config(variant: str = "tiny") -> ml_collections.ConfigDict:
 
 
 # ---------------------------------------------------------------------------
+# What each attention kind caches
+
+
+class CachedTensor(NamedTuple):
+    """One tensor a layer caches per token: `heads` x `width` numbers."""
+
+    name: str  # k, v (grouped-query attention); c_kv, k_rope (latent attention)
+    prefix: str  # its storage fields: cache.<prefix>_bits, _format, _axis
+    heads: int
+    width: int
+    width_field: str  # the model field that sets the width (for error messages)
+
+
+def cached_tensors(model: Mapping) -> tuple[CachedTensor, CachedTensor]:
+    """What one layer of `model` caches per token: the one definition of each
+    attention kind's cache (docs/design.md, "The cache pytree").
+
+    Grouped-query attention (MHA, GQA, MQA): keys and values, num_kv_heads heads
+    of head_dim. Latent attention (DeepSeek-V2, arXiv:2405.04434): the latent
+    c_kv (width mla.kv_rank) and the RoPE key k_rope all heads share (width
+    mla.rope_dim), each with a single head.
+    """
+    if model["attention"] == "mla":
+        mla = model["mla"]
+        return (
+            CachedTensor("c_kv", "latent", 1, mla["kv_rank"], "model.mla.kv_rank"),
+            CachedTensor("k_rope", "rope", 1, mla["rope_dim"], "model.mla.rope_dim"),
+        )
+    heads, width = model["num_kv_heads"], model["head_dim"]
+    return (
+        CachedTensor("k", "k", heads, width, "model.head_dim"),
+        CachedTensor("v", "v", heads, width, "model.head_dim"),
+    )
+
+
+def cached_prefixes(model: Mapping) -> tuple[str, str]:
+    """The storage-field prefixes of the two tensors `model` caches: (k, v) or (latent, rope)."""
+    first, second = cached_tensors(model)
+    return first.prefix, second.prefix
+
+
+# ---------------------------------------------------------------------------
 # Validation
 
 
@@ -209,8 +256,9 @@ def _check_known_fields(section: str, given: Mapping, schema: Mapping) -> None:
     for key in schema:
         if key not in given:
             raise ValueError(
-                f"{section}.{key} is missing: start the config from "
-                f"kvlab.config.base_config(variant) so every field has a value"
+                f"{section}.{key} is missing: validate the whole config with "
+                "kvlab.validate_config (it fills omitted fields from base_config), or start "
+                "it from kvlab.config.base_config(variant)"
             )
 
 
@@ -221,10 +269,14 @@ def _check_int(section: str, cfg: Mapping, name: str, minimum: int = 1) -> None:
     check_count(f"{section}.{name}", value, minimum)
 
 
-def _check_positive_number(section: str, cfg: Mapping, name: str) -> None:
+def _check_number(section: str, cfg: Mapping, name: str, zero_allowed: bool = False) -> None:
+    """A finite real number > 0 (>= 0 with `zero_allowed`): NaN and infinity are refused,
+    as they would turn every weight or every loss into NaN."""
     value = cfg[name]
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-        _fail(f"{section}.{name}", value, "is not a positive number", "set a number > 0")
+    number = not isinstance(value, bool) and isinstance(value, (int, float))
+    if not number or not math.isfinite(value) or value < 0 or (value == 0 and not zero_allowed):
+        bound = ">= 0" if zero_allowed else "> 0"
+        _fail(f"{section}.{name}", value, f"is not a finite number {bound}", f"set one {bound}")
 
 
 def _check_choice(section: str, cfg: Mapping, name: str, choices: tuple) -> None:
@@ -248,7 +300,7 @@ def validate_model_config(model: Mapping) -> None:
     ):
         _check_int("model", model, name)
     for name in ("rope_theta", "norm_eps"):
-        _check_positive_number("model", model, name)
+        _check_number("model", model, name)
     _check_choice("model", model, "dtype", tuple(DTYPES))
     _check_choice("model", model, "param_dtype", tuple(DTYPES))
     _check_choice("model", model, "attention", ATTENTION_KINDS)
@@ -372,7 +424,7 @@ def validate_cache_config(cache: Mapping, model: Mapping | None = None) -> None:
 
 
 def _validate_cache_for_model(cache: Mapping, model: Mapping) -> None:
-    used = CACHED[model["attention"]]
+    used = cached_prefixes(model)
     for prefix in CACHED_PREFIXES:
         if prefix not in used and cache[f"{prefix}_bits"] != 16:
             _fail(
@@ -382,15 +434,8 @@ def _validate_cache_for_model(cache: Mapping, model: Mapping) -> None:
                 f"set cache.{used[0]}_bits / cache.{used[1]}_bits instead and leave "
                 f"cache.{prefix}_bits=16",
             )
-    if model["attention"] == "mla":
-        mla = model["mla"]
-        widths = {
-            "latent": ("model.mla.kv_rank", mla["kv_rank"]),
-            "rope": ("model.mla.rope_dim", mla["rope_dim"]),
-        }
-    else:
-        widths = {p: ("model.head_dim", model["head_dim"]) for p in ("k", "v")}
-    for prefix, (width_name, width) in widths.items():
+    for tensor in cached_tensors(model):
+        prefix, width, width_name = tensor.prefix, tensor.width, tensor.width_field
         bits = cache[f"{prefix}_bits"]
         if bits == 16:
             continue
@@ -412,9 +457,36 @@ def _validate_cache_for_model(cache: Mapping, model: Mapping) -> None:
             )
 
 
+def complete_config(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+    """Fills the fields `cfg` omits with base_config()'s defaults, in place; returns `cfg`.
+
+    A config may leave out what does not apply to it (the model.mla section of a
+    grouped-query model, cache fields it keeps at their defaults), and a run saved
+    before a field joined the schema loads with that field at its default. Given
+    fields are never changed; unknown ones stay, for validate_config to refuse.
+    Defaults are the tiny variant's: a config sized for an accelerator sets its sizes.
+    """
+    if isinstance(cfg, ml_collections.FrozenConfigDict):
+        return cfg  # immutable: validate_config names what it lacks
+    with cfg.unlocked():  # a config from --config flags comes locked
+        _fill(cfg, base_config())
+    return cfg
+
+
+def _fill(given, defaults: ml_collections.ConfigDict) -> None:
+    for key, default in defaults.items():
+        is_section = isinstance(default, ml_collections.ConfigDict)
+        if key not in given:
+            given[key] = ml_collections.ConfigDict(default.to_dict()) if is_section else default
+        elif is_section and isinstance(given[key], (ml_collections.ConfigDict, Mapping)):
+            _fill(given[key], default)
+
+
 def validate_config(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
-    """Checks every section of a full config; returns it unchanged when valid."""
+    """Completes `cfg` (complete_config) and checks every section; returns it when valid."""
     schema = base_config()
+    if isinstance(cfg, ml_collections.ConfigDict):
+        complete_config(cfg)
     _check_known_fields("config", cfg, schema)
     validate_model_config(cfg.model)
     validate_cache_config(cfg.cache, cfg.model)
@@ -432,15 +504,16 @@ def validate_config(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict
         _check_int("train", cfg.train, name)
     _check_int("train", cfg.train, "warmup", minimum=0)
     _check_int("train", cfg.train, "seed", minimum=0)
-    _check_positive_number("train", cfg.train, "lr")
-    _check_positive_number("train", cfg.train, "clip")
-    if not isinstance(cfg.train.weight_decay, (int, float)) or cfg.train.weight_decay < 0:
+    if cfg.train.seed >= SEED_LIMIT:
         _fail(
-            "train.weight_decay",
-            cfg.train.weight_decay,
-            "is not a number >= 0",
-            "set a number >= 0 (0 turns weight decay off)",
+            "train.seed",
+            cfg.train.seed,
+            f"does not fit a 32-bit PRNG seed (it would act as {cfg.train.seed % SEED_LIMIT})",
+            f"set train.seed in 0..{SEED_LIMIT - 1}",
         )
+    _check_number("train", cfg.train, "lr")
+    _check_number("train", cfg.train, "clip")
+    _check_number("train", cfg.train, "weight_decay", zero_allowed=True)
 
     _check_known_fields("data", cfg.data, schema.data)
     _check_choice("data", cfg.data, "source", DATA_SOURCES)
@@ -455,6 +528,14 @@ def validate_config(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict
     _check_known_fields("data.mqar", cfg.data.mqar, schema.data.mqar)
     if cfg.data.source == "mqar":
         _validate_mqar(cfg)
+    elif cfg.model.vocab_size < BYTE_VOCAB_SIZE:
+        _fail(
+            "model.vocab_size",
+            cfg.model.vocab_size,
+            f"is below the {BYTE_VOCAB_SIZE} byte values data.source={cfg.data.source!r} "
+            "feeds the model",
+            f"set model.vocab_size >= {BYTE_VOCAB_SIZE}",
+        )
 
     _check_known_fields("eval", cfg.eval, schema.eval)
     _check_choice("eval", cfg.eval, "split", EVAL_SPLITS)
@@ -470,7 +551,7 @@ def _validate_mqar(cfg: ml_collections.ConfigDict) -> None:
     mqar = cfg.data.mqar
     _check_int("data.mqar", mqar, "num_pairs")
     _check_int("data.mqar", mqar, "vocab_size", minimum=4)
-    _check_positive_number("data.mqar", mqar, "power")
+    _check_number("data.mqar", mqar, "power")
     if mqar.vocab_size > cfg.model.vocab_size:
         _fail(
             "data.mqar.vocab_size",
@@ -517,7 +598,7 @@ def import_config_file(path: str):
 
 
 def load_config(spec: str) -> ml_collections.ConfigDict:
-    """Loads `path/to/file.py[:arg]` through its `get_config(arg)` and validates it."""
+    """Loads `path/to/file.py[:arg]` through its `get_config(arg)`, completes and validates it."""
     path, _, arg = spec.partition(":")
     module = import_config_file(path)
     cfg = module.get_config(arg) if arg else module.get_config()

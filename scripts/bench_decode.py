@@ -31,7 +31,7 @@ from ml_collections import config_flags
 
 import kvlab
 from kvlab import cli
-from kvlab.config import CACHED
+from kvlab.config import cached_prefixes
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/gqa.py:tiny", "kvlab config file.")
 _LENGTHS = flags.DEFINE_list("lengths", ["128", "256", "512", "1024", "2048"], "Context lengths.")
@@ -159,7 +159,7 @@ def bench_mla_paths(cfg, params, lengths, batch: int, steps: int, repeats: int) 
 
 def bench_bit_widths(cfg, model, params, lengths, bit_widths, batch, steps, repeats) -> list[dict]:
     """(d) Decode tokens/s with every cached tensor stored at each bit-width."""
-    prefixes = CACHED[cfg.model.attention]
+    prefixes = cached_prefixes(cfg.model)
     rows = []
     for bits in bit_widths:
         variant = cfg.copy_and_resolve_references()

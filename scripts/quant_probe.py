@@ -25,7 +25,7 @@ from ml_collections import config_flags
 
 import kvlab
 from kvlab import cli
-from kvlab.config import CACHED
+from kvlab.config import cached_prefixes
 from kvlab.probe import cache_error
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/gqa.py:tiny", "kvlab config file.")
@@ -54,7 +54,7 @@ def main(argv):
     model = kvlab.Transformer(cfg.model)
     params = kvlab.init_params(cfg.model, jax.random.key(_SEED.value))
     tokens = text_tokens(_BATCH.value, _LENGTH.value)
-    key, value = CACHED[cfg.model.attention]
+    key, value = cached_prefixes(cfg.model)
     reference = cfg.cache.copy_and_resolve_references()
     reference.update({f"{key}_bits": 16, f"{value}_bits": 16})
     rows = []
