@@ -1,6 +1,6 @@
 """kvlab: experiments on the transformer KV cache in JAX/Flax.
 
-The public API (DESIGN.md):
+The public API (docs/design.md):
 
     cfg = kvlab.load_config("configs/gqa.py:tiny")
     model = kvlab.Transformer(cfg.model)

@@ -1,7 +1,7 @@
 """Config schema, defaults, validation and loading.
 
 Every kvlab run is described by one `ml_collections.ConfigDict` with six
-sections (DESIGN.md): `model`, `cache`, `train`, `data`, `eval`, `wandb`. Config files in
+sections (docs/design.md): `model`, `cache`, `train`, `data`, `eval`, `wandb`. Config files in
 `configs/` start from `base_config(variant)` and change what they study.
 
     cfg = kvlab.load_config("configs/gqa.py:tiny")   # loads and validates

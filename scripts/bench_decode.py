@@ -11,7 +11,7 @@ recomputing: one full causal forward over the L-token prefix per new token.
 buffer once, so it cannot beat (weight bytes + cache bytes) / bandwidth. The
 bandwidth is measured in this process the way decode reads memory (a jitted
 reduction over 512 MiB and a 256 MiB matrix-vector product, best of a few;
-REFERENCES.md explains why an elementwise copy would understate it). The
+docs/references.md explains why an elementwise copy would understate it). The
 script reports the step time's fraction of that bound.
 (c) For latent-attention configs (model.attention='mla'): decode tokens/s of
 the absorbed path against the expanded one at --mla_lengths, same weights.
