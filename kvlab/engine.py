@@ -1,68 +1,46 @@
 """Continuous batching over one paged cache, with automatic prefix caching.
 
     engine = kvlab.Engine(cfg.model, cfg.cache, params, max_slots=8)
+    engine.warm_up()                                       # optional: compile before timing
     outputs = engine.generate(list_of_token_lists, max_new_tokens=32)
 
-The engine holds one PagedCache of `max_slots` rows (slots) sharing a pool of
-`cache.num_pages` pages, and a host-side PrefixCache that hands the pages out.
-Each scheduling step, on the host:
+The engine holds the model, one PagedCache of `max_slots` rows (slots) sharing
+a pool of `cache.num_pages` pages, and a Scheduler (kvlab/scheduler.py) that
+decides on the host who runs where, on which pages, and hands the pages out
+through a PrefixCache. `generate` loops:
 
-  1. finished requests release their pages at once (their full pages stay
-     matchable when `cache.prefix_caching` is on);
-  2. waiting requests are admitted, oldest first, while a slot is free and
-     the pool has pages for the prompt; a prompt that starts with cached full
-     pages reuses them and skips their prefill;
-  3. one jitted step runs over all slots: prompt chunks of `prefill_chunk`
-     tokens while any slot is still prefilling, else one decode token per slot;
-     idle slots take no tokens (num_tokens 0), so the cache never changes for them;
-  4. a decoding slot that needs a new page and finds none preempts the most
-     recently admitted request, whose pages are released; it is recomputed
-     later from its prompt and the tokens it had generated.
+    step = scheduler.plan()                  # numpy: tokens [B, T], counts, lengths, block tables
+    next_tokens = one jitted greedy step     # [B]: argmax after each slot's last fed token
+    cache.check()                            # raise what the compiled step flagged
+    scheduler.advance(next_tokens)
 
-Requests are greedy (argmax). Shared pages are always full pages that no
-request writes again (a request writes from the first token after its
-matched prefix, which starts a fresh page), so no page is copied on write.
-Two step shapes compile: [max_slots, prefill_chunk] and [max_slots, 1].
+Requests are greedy (argmax); each gets what it would get alone. Two step
+shapes compile: [max_slots, prefill_chunk] and [max_slots, 1]. Every step
+attends over max_len positions per slot, so a max_len near the longest request
+makes steps cheaper than the default (all the pool holds).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import time
-from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvlab.cache.allocator import OutOfPages
-from kvlab.cache.paged import PagedCache, init_paged_cache, pages_per_row
-from kvlab.cache.prefix import PrefixCache
-from kvlab.config import frozen, validate_cache_config
+from kvlab.cache import PagedCache, PrefixCache, init_cache
+from kvlab.cache.paged import pool_size
+from kvlab.config import check_count, frozen, validate_cache_config
 from kvlab.model import Transformer
 from kvlab.sampling import prefill
+from kvlab.scheduler import Scheduler, Step, check_requests, check_token_id
 
-
-@dataclasses.dataclass
-class _Request:
-    index: int
-    tokens: list[int]  # prompt, then the tokens generated so far
-    prompt_len: int
-    max_new_tokens: int
-    arrival: int  # admission order, for preemption (latest first)
-    slot: int = -1
-    pages: list[int] = dataclasses.field(default_factory=list)
-    cached: int = 0  # tokens the slot's cache holds
-    first_token_s: float | None = None
-
-    @property
-    def generated(self) -> int:
-        return len(self.tokens) - self.prompt_len
-
-    @property
-    def done(self) -> bool:
-        return self.generated >= self.max_new_tokens
+# max_len when cache.num_pages=0 (a pool of max_slots rows of max_len tokens).
+DEFAULT_MAX_LEN = 2048
 
 
 @dataclasses.dataclass
@@ -71,7 +49,7 @@ class EngineStats:
 
     requests: int = 0
     prompt_tokens: int = 0
-    prefill_tokens: int = 0  # prompt tokens computed (prefix hits are not)
+    prefill_tokens: int = 0  # prompt tokens computed (prefix hits are not, recomputations are)
     generated_tokens: int = 0
     steps: int = 0
     preemptions: int = 0
@@ -82,15 +60,28 @@ class EngineStats:
         return json.dumps(dataclasses.asdict(self))
 
 
+@functools.partial(jax.jit, static_argnums=0, donate_argnums=2)
+def greedy_step(model: Transformer, params, cache: PagedCache, tokens, num_tokens):
+    """Feeds tokens [B, T] (num_tokens[b] real per row); returns each row's
+    argmax after its last fed token, int32[B] (row b's entry is meaningless
+    if num_tokens[b] is 0), and the cache."""
+    logits, cache = prefill(model, params, cache, tokens, num_tokens)  # [B, T, V]
+    last = jnp.maximum(num_tokens - 1, 0)  # [B]
+    rows = jnp.arange(tokens.shape[0])
+    return jnp.argmax(logits[rows, last], axis=-1).astype(jnp.int32), cache
+
+
 class Engine:
     """Greedy generation for many requests at once over a shared paged cache.
 
     Args:
       model_cfg, cache_cfg: the config's sections; cache.kind must be 'paged'
-        (cache.num_pages pages of cache.page_size tokens; 0 = max_slots full rows).
+        (cache.num_pages pages of cache.page_size tokens; 0 = max_slots rows of max_len).
       params: the model's parameters.
       max_slots: requests decoded together (rows of the cache).
-      max_len: the most tokens one request may hold (prompt + output - 1).
+      max_len: the most tokens one request may hold (prompt + output - 1);
+        default all the pool holds, num_pages * page_size (DEFAULT_MAX_LEN when
+        cache.num_pages=0).
       prefill_chunk: prompt tokens fed per slot and step.
       end_token: a request stops after emitting it (kept in its output).
     """
@@ -107,9 +98,6 @@ class Engine:
         end_token: int | None = None,
     ):
         validate_cache_config(cache_cfg, model_cfg)
-        for name, value in (("max_slots", max_slots), ("prefill_chunk", prefill_chunk)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name}={value!r} must be an integer >= 1")
         if cache_cfg["kind"] != "paged":
             raise ValueError(
                 f"cache.kind={cache_cfg['kind']!r}: the engine shares a page pool between "
@@ -124,170 +112,78 @@ class Engine:
         self.model = Transformer(model_cfg)
         self.cache_cfg = frozen(cache_cfg)
         self.params = params
-        self.max_slots = max_slots
-        self.max_len = max_len or 2048
-        self.page_size = cache_cfg["page_size"]
-        self.prefill_chunk = prefill_chunk
+        self.max_slots = check_count("max_slots", max_slots)
+        if max_len is None:
+            max_len = cache_cfg["num_pages"] * cache_cfg["page_size"] or DEFAULT_MAX_LEN
+        self.max_len = check_count("max_len", max_len)
+        self.prefill_chunk = check_count("prefill_chunk", prefill_chunk)
+        if end_token is not None:
+            end_token = check_token_id("end_token", end_token, self.model.config.vocab_size)
         self.end_token = end_token
-        self.pages_per_slot = pages_per_row(cache_cfg, self.max_len)
-        self.num_pages = cache_cfg["num_pages"] or max_slots * self.pages_per_slot
-        if self.num_pages < self.pages_per_slot:
-            raise ValueError(
-                f"cache.num_pages={self.num_pages} is too few for one sequence of "
-                f"max_len={self.max_len} ({self.pages_per_slot} pages of cache.page_size="
-                f"{self.page_size}): raise cache.num_pages or lower max_len"
-            )
-        salt = json.dumps({"model": self.model.config.to_dict(), "cache": dict(self.cache_cfg)})
-        self.pages = PrefixCache(self.num_pages, self.page_size, salt=salt)
+        self.num_pages = pool_size(cache_cfg, self.max_slots, self.max_len)
         self.stats = EngineStats()
-        self._cache = self._empty_cache()
+        self._reset()
 
-    def _empty_cache(self) -> PagedCache:
+    def _reset(self) -> None:
+        """An empty pool, prefix cache and scheduler."""
+        salt = json.dumps({"model": self.model.config.to_dict(), "cache": dict(self.cache_cfg)})
+        self.pages = PrefixCache(self.num_pages, self.cache_cfg["page_size"], salt=salt)
+        self.scheduler = Scheduler(
+            self.pages,
+            max_slots=self.max_slots,
+            max_len=self.max_len,
+            prefill_chunk=self.prefill_chunk,
+            prefix_caching=self.cache_cfg["prefix_caching"],
+            end_token=self.end_token,
+        )
         pool_cfg = dict(self.cache_cfg, num_pages=self.num_pages)
-        return init_paged_cache(
+        self._cache = init_cache(
             self.model.config, pool_cfg, self.max_slots, self.max_len, own_pages=False
         )
 
-    # ------------------------------------------------------------------
-    def generate(self, requests: Sequence[Sequence[int]], max_new_tokens: int) -> list[list[int]]:
-        """The greedy continuation (up to max_new_tokens) of every request, in order."""
-        if not isinstance(requests, Sequence) or len(requests) == 0:
-            raise ValueError("requests is empty: pass a list of token lists")
-        if (
-            isinstance(max_new_tokens, bool)
-            or not isinstance(max_new_tokens, int)
-            or max_new_tokens < 1
-        ):
-            raise ValueError(f"max_new_tokens={max_new_tokens!r} must be an integer >= 1")
-        vocab = self.model.config.vocab_size
-        for i, tokens in enumerate(requests):
-            tokens = list(tokens)
-            if not tokens:
-                raise ValueError(f"requests[{i}] is empty: every request needs a prompt token")
-            if any(not 0 <= int(t) < vocab for t in tokens):
-                raise ValueError(f"requests[{i}] has a token outside 0..{vocab - 1}")
-            needed = len(tokens) + max_new_tokens - 1  # the last token is never cached
-            if needed > self.max_len or -(-needed // self.page_size) > self.num_pages:
-                raise ValueError(
-                    f"requests[{i}] needs {needed} cached tokens but a sequence holds at most "
-                    f"{min(self.max_len, self.num_pages * self.page_size)} (max_len="
-                    f"{self.max_len}, cache.num_pages={self.num_pages} of {self.page_size} tokens)"
-                )
-        self.stats = EngineStats(requests=len(requests))
-        waiting = deque(
-            _Request(i, [int(t) for t in r], len(r), max_new_tokens, arrival=-1)
-            for i, r in enumerate(requests)
-        )
-        self.stats.prompt_tokens = sum(r.prompt_len for r in waiting)
-        running: dict[int, _Request] = {}
-        finished: dict[int, list[int]] = {}
+    def generate(self, requests, max_new_tokens: int) -> list[list[int]]:
+        """The greedy continuation (up to max_new_tokens) of every request, in order.
+
+        requests: a list of prompts (lists of ints or 1-D integer arrays) or a
+        2-D integer array, one prompt per row. If a step fails, the engine starts
+        over empty (its prefix cache too) before the error propagates.
+        """
+        max_new_tokens = check_count("max_new_tokens", max_new_tokens)
+        prompts = check_requests(requests, self.model.config.vocab_size)
+        for i, prompt in enumerate(prompts):
+            self.scheduler.check_fits(f"requests[{i}]", len(prompt), max_new_tokens)
+        added = [self.scheduler.add(prompt, max_new_tokens) for prompt in prompts]
+        stats = EngineStats(requests=len(added), prompt_tokens=sum(map(len, prompts)))
         start = time.perf_counter()
-        arrivals = 0
-        while waiting or running:
-            for slot, request in list(running.items()):
-                if request.done or (
-                    self.end_token is not None
-                    and request.generated
-                    and request.tokens[-1] == self.end_token
-                ):
-                    self._finish(request)
-                    finished[request.index] = request.tokens[request.prompt_len :]
-                    del running[slot]
-            while waiting and len(running) < self.max_slots:
-                request = waiting[0]
-                if not self._admit(request, running):
-                    break
-                waiting.popleft()
-                request.arrival = arrivals
-                arrivals += 1
-                running[request.slot] = request
-            if not running:
-                if waiting:  # cannot happen: a lone request always fits (checked above)
-                    raise OutOfPages(1, self.pages.num_free, self.num_pages)
-                break
-            self._step(running, waiting, start)
-        self.stats.seconds = time.perf_counter() - start
-        self.stats.generated_tokens = sum(len(t) for t in finished.values())
-        return [finished[i] for i in range(len(requests))]
-
-    # ------------------------------------------------------------------
-    def _admit(self, request: _Request, running: Mapping[int, _Request]) -> bool:
-        """Gives the request a slot and pages for its tokens, reusing cached prefixes."""
-        slot = next(s for s in range(self.max_slots) if s not in running)
-        context = request.tokens  # prompt (and, after preemption, what it had generated)
-        matched = self.pages.match(context) if self.cache_cfg["prefix_caching"] else []
-        needed = -(-len(context) // self.page_size) - len(matched)
         try:
-            fresh = self.pages.allocate(needed)
-        except OutOfPages:
-            self.pages.release(matched)
-            return False
-        request.slot, request.pages = slot, matched + fresh
-        request.cached = len(matched) * self.page_size
-        return True
+            while (step := self.scheduler.plan()) is not None:
+                emitted = self.scheduler.advance(self._run(step))
+                stats.steps += 1
+                now = time.perf_counter() - start
+                stats.time_to_first_token_s += [now for r in emitted if r.generated == 1]
+        except BaseException:
+            self._reset()  # the cache and the pages may be half-written
+            raise
+        stats.seconds = time.perf_counter() - start
+        stats.prefill_tokens = sum(r.prefill_tokens for r in added)
+        stats.preemptions = sum(r.preemptions for r in added)
+        stats.generated_tokens = sum(r.generated for r in added)
+        self.stats = stats
+        return [r.output for r in added]
 
-    def _register(self, request: _Request, length: int) -> None:
-        """Makes the request's full pages up to `length` tokens matchable."""
-        if self.cache_cfg["prefix_caching"]:
-            self.pages.register(request.tokens[:length], request.pages)
+    def warm_up(self) -> None:
+        """Compiles both step shapes on steps in which no slot feeds a token, so
+        the cache and the prefix cache stay as they are (call before timing)."""
+        for width in sorted({self.prefill_chunk, 1}):
+            self._run(Step.idle(self.max_slots, width, self.scheduler.pages_per_slot))
 
-    def _finish(self, request: _Request) -> None:
-        self._register(request, request.cached)
-        self.pages.release(request.pages)
-        request.pages = []
-
-    def _preempt(self, running: dict, waiting: deque) -> None:
-        """Frees the most recently admitted request's pages; it is recomputed later."""
-        victim = max(running.values(), key=lambda r: r.arrival)
-        self.pages.release(victim.pages)
-        victim.pages, victim.cached = [], 0
-        del running[victim.slot]
-        waiting.appendleft(victim)
-        self.stats.preemptions += 1
-
-    def _step(self, running: dict, waiting: deque, start: float) -> None:
-        """One jitted step over every slot: each request feeds what its cache lacks."""
-        width = 1
-        if any(len(r.tokens) - r.cached > 1 for r in running.values()):
-            width = self.prefill_chunk
-        # Pages for this step's tokens, oldest request first; the youngest is
-        # preempted (maybe the request itself) when the pool runs dry.
-        for request in sorted(running.values(), key=lambda r: r.arrival):
-            if request.slot not in running:
-                continue
-            end = request.cached + min(width, len(request.tokens) - request.cached)
-            while -(-end // self.page_size) > len(request.pages) and request.slot in running:
-                try:
-                    request.pages += self.pages.allocate(1)
-                except OutOfPages:
-                    self._preempt(running, waiting)
-        if not running:
-            return
-        tokens = np.zeros((self.max_slots, width), np.int32)
-        counts = np.zeros((self.max_slots,), np.int32)
-        lengths = np.zeros((self.max_slots,), np.int32)
-        tables = np.full((self.max_slots, self.pages_per_slot), -1, np.int32)
-        for request in running.values():
-            take = request.tokens[request.cached : request.cached + width]
-            tokens[request.slot, : len(take)] = take
-            counts[request.slot] = len(take)
-            lengths[request.slot] = request.cached
-            tables[request.slot, : len(request.pages)] = request.pages
-        cache = self._cache.replace(block_tables=jnp.asarray(tables), lengths=jnp.asarray(lengths))
-        logits, self._cache = prefill(self.model, self.params, cache, tokens, jnp.asarray(counts))
-        rows = np.arange(self.max_slots)
-        choice = np.asarray(jnp.argmax(logits[rows, np.maximum(counts - 1, 0)], axis=-1))
-        self.stats.steps += 1
-        for request in running.values():
-            fed = int(counts[request.slot])
-            self.stats.prefill_tokens += max(
-                0, min(request.cached + fed, request.prompt_len) - request.cached
-            )
-            if request.cached < request.prompt_len <= request.cached + fed:
-                self._register(request, request.prompt_len)  # its prompt pages are full now
-            request.cached += fed
-            if request.cached == len(request.tokens):  # all fed: the next token is known
-                request.tokens.append(int(choice[request.slot]))
-                if request.first_token_s is None:
-                    request.first_token_s = time.perf_counter() - start
-                    self.stats.time_to_first_token_s.append(request.first_token_s)
+    def _run(self, step: Step) -> np.ndarray:
+        """One jitted step over every slot: the greedy next token of each, int32[max_slots]."""
+        cache = self._cache.replace(
+            block_tables=jnp.asarray(step.block_tables), lengths=jnp.asarray(step.lengths)
+        )
+        next_tokens, self._cache = greedy_step(
+            self.model, self.params, cache, jnp.asarray(step.tokens), jnp.asarray(step.counts)
+        )
+        self._cache.check()
+        return np.asarray(next_tokens)

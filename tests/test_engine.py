@@ -1,11 +1,12 @@
 """The engine: continuous batching over a shared page pool gives every request
 what it gets alone, with prefix caching on or off and under preemption."""
 
+import flax
 import numpy as np
 import pytest
 
 import kvlab
-from tests.helpers import build, mla_config, tiny_config
+from tests.helpers import build, count_compiles, mla_config, tiny_config
 
 NEW = 6
 
@@ -106,3 +107,136 @@ def test_the_pool_holds_exactly_the_configured_pages():
     assert kvlab.tree_bytes(engine._cache) == kvlab.cache_bytes(
         cfg.model, dict(cfg.cache), batch_size=4, seq_len=32
     )
+
+
+@pytest.fixture(scope="module")
+def small_engine():
+    """An engine over a 4-page pool (32 tokens) that the refusal tests never run."""
+    cfg = engine_config(False, num_pages=4)
+    _, params, _ = build(cfg)
+    return kvlab.Engine(cfg.model, cfg.cache, params, max_slots=2, max_len=32)
+
+
+def test_numpy_requests_give_what_lists_give():
+    cfg = engine_config(False, num_pages=7, num_kv_heads=2)
+    _, params, _ = build(cfg)
+    engine = kvlab.Engine(cfg.model, cfg.cache, params, max_slots=3, max_len=48, prefill_chunk=8)
+    prompts = [p[:21] for p in requests(seed=2, count=3)]
+    expected = engine.generate(prompts, max_new_tokens=NEW)
+    as_numpy = [
+        np.array(prompts, np.int64),  # one 2-D array
+        [np.array(p, np.int32) for p in prompts],  # a list of 1-D arrays
+        [[np.uint8(t) for t in p] for p in prompts],  # numpy integer ids
+    ]
+    for given in as_numpy:
+        outputs = engine.generate(given, max_new_tokens=np.int64(NEW))
+        assert outputs == expected
+        assert all(type(t) is int for out in outputs for t in out)
+    assert expected[0] == solo(cfg, prompts[0])
+
+
+@pytest.mark.parametrize(
+    "given, message",
+    [
+        ([[1, 3.0]], r"requests\[0\]\[1\]=3.0 is not an integer token id"),
+        ([[1, 2], [3.7]], r"requests\[1\]\[0\]=3.7 is not an integer token id"),
+        ([["3"]], r"requests\[0\]\[0\]='3' is not an integer token id"),
+        ([[True, 1]], r"requests\[0\]\[0\]=True is not an integer token id"),
+        ([[[1, 2]]], r"requests\[0\]\[0\]=\[1, 2\] is not an integer token id"),
+        (np.array([[1.0, 2.0]]), r"requests\[0\] has dtype float64: pass an integer array"),
+        (np.array([[True]]), r"requests\[0\] has dtype bool"),
+        (np.array([1, 2]), r"requests has shape \(2,\): pass a 2-D array"),
+        ([1, 2], r"requests\[0\]=1 is not a list of token ids"),
+        ([[1, 256]], r"requests\[0\]\[1\]=256 is outside the vocabulary: pass ids in 0..255"),
+        ([[-1]], r"requests\[0\]\[0\]=-1 is outside the vocabulary"),
+        ([[]], r"requests\[0\] is empty"),
+        ([], "requests is empty"),
+        ([[1, 2], list(range(30))], r"requests\[1\] needs 35 cached tokens .* max_len=32"),
+    ],
+)
+def test_bad_requests_are_refused_and_change_nothing(small_engine, given, message):
+    with pytest.raises(ValueError, match=message):
+        small_engine.generate(given, max_new_tokens=6)
+    assert small_engine.scheduler.idle and small_engine.pages.num_free == 4
+
+
+@pytest.mark.parametrize("value", [0, -1, "4", 4.0, True])
+def test_bad_counts_are_refused(small_engine, value):
+    with pytest.raises(ValueError, match=f"max_new_tokens={value!r}"):
+        small_engine.generate([[1, 2]], max_new_tokens=value)
+    cfg = engine_config(False, num_pages=4)
+    for name in ("max_slots", "max_len", "prefill_chunk"):
+        with pytest.raises(ValueError, match=f"{name}={value!r}.*pass an integer >= 1"):
+            kvlab.Engine(cfg.model, cfg.cache, small_engine.params, **{name: value})
+
+
+@pytest.mark.parametrize(
+    "value, message",
+    [
+        (3.0, "is not an integer token id"),
+        (True, "is not an integer"),
+        (256, "is outside the vocabulary: pass ids in 0..255"),
+    ],
+)
+def test_bad_end_token_is_refused(small_engine, value, message):
+    cfg = engine_config(False, num_pages=4)
+    with pytest.raises(ValueError, match=f"end_token={value!r} {message}"):
+        kvlab.Engine(cfg.model, cfg.cache, small_engine.params, end_token=value)
+
+
+def test_max_len_defaults_to_what_the_pool_holds():
+    cfg = engine_config(False, num_pages=4)  # 4 pages of 8 tokens
+    _, params, _ = build(cfg)
+    engine = kvlab.Engine(cfg.model, cfg.cache, params, max_slots=2)
+    assert engine.max_len == 32 and engine.num_pages == 4
+    prompt = requests(seed=3, count=1)[0][:27]  # 27 + 6 - 1 = 32 tokens: the whole pool
+    assert engine.generate([prompt], max_new_tokens=NEW) == [solo(cfg, prompt)]
+    rows = kvlab.Engine(cfg.model, dict(cfg.cache, num_pages=0), params, max_slots=2)
+    assert rows.max_len == kvlab.engine.DEFAULT_MAX_LEN
+    assert rows.num_pages == 2 * kvlab.engine.DEFAULT_MAX_LEN // 8
+
+
+def test_warm_up_compiles_both_step_shapes_and_changes_nothing():
+    cfg = engine_config(True, num_pages=12)
+    _, params, _ = build(cfg)
+    make = lambda: kvlab.Engine(  # noqa: E731  (shapes no other test compiles)
+        cfg.model, cfg.cache, params, max_slots=2, max_len=40, prefill_chunk=4
+    )
+    engine = make()
+    with count_compiles() as compiled:
+        engine.warm_up()
+    assert compiled[0] >= 2  # the shapes were new: [2, 4] and [2, 1]
+    assert engine.pages.num_free == 12 and engine.pages.num_cached == 0
+    prompts = requests(seed=4, count=3)
+    with count_compiles() as compiled:
+        outputs = engine.generate(prompts, max_new_tokens=NEW)
+    assert compiled[0] == 0
+    assert outputs == make().generate(prompts, max_new_tokens=NEW)
+
+
+def test_every_step_checks_the_cache_for_flagged_rows(small_engine):
+    from kvlab.cache import CacheError
+    from kvlab.scheduler import Step
+
+    engine = kvlab.Engine(
+        small_engine.model.config, small_engine.cache_cfg, small_engine.params, max_slots=2
+    )
+    step = Step.idle(2, 1, engine.scheduler.pages_per_slot)
+    step.tokens[1, 0], step.counts[1], step.block_tables[1, 0] = 256, 1, 0  # outside the vocab
+    with pytest.raises(CacheError, match="row 1 was given a token id outside the vocabulary"):
+        engine._run(step)
+
+
+def test_a_failed_step_leaves_an_empty_working_engine():
+    cfg = engine_config(True, num_pages=7, num_kv_heads=2)
+    _, params, _ = build(cfg)
+    engine = kvlab.Engine(cfg.model, cfg.cache, params, max_slots=3, max_len=48, prefill_chunk=8)
+    prompts = requests(seed=5, count=2)
+    expected = engine.generate(prompts, max_new_tokens=NEW)
+    assert engine.pages.num_cached > 0
+    engine.params = {"wrong": params}  # the model finds none of its weights
+    with pytest.raises(flax.errors.ScopeParamNotFoundError):
+        engine.generate(prompts, max_new_tokens=NEW)
+    assert engine.scheduler.idle and engine.pages.num_free == 7 and engine.pages.num_cached == 0
+    engine.params = params
+    assert engine.generate(prompts, max_new_tokens=NEW) == expected

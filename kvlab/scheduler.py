@@ -1,0 +1,383 @@
+"""Continuous batching on the host: which request runs in which slot, on which pages.
+
+    scheduler = Scheduler(pages, max_slots=8, max_len=512, prefill_chunk=32)
+    request = scheduler.add(prompt, max_new_tokens=32)  # queued behind earlier requests
+    while (step := scheduler.plan()) is not None:       # numpy arrays, a row per slot
+        next_tokens = ...                               # int[B]: after each slot's last fed token
+        scheduler.advance(next_tokens)
+    request.output                                      # the tokens it generated
+
+The host half of kvlab.Engine (vLLM's scheduler over PagedAttention,
+arXiv:2309.06180): plain Python and numpy, no JAX, so every decision is tested
+without a model (tests/test_scheduler.py). The device half runs the model over
+each Step and returns the next tokens. Pages come from a PrefixCache
+(kvlab/cache/prefix.py) that the caller owns: its cached prefixes outlive a
+scheduler's requests.
+
+Each `plan()`:
+
+  1. admits waiting requests, oldest first, while a slot is free and the pool
+     has pages for the request's whole context; a context that starts with
+     cached full pages reuses them (cache.prefix_caching) and skips their
+     prefill. Admission stops at the first request that does not fit: no later
+     request overtakes it;
+  2. gives every running request, oldest admitted first, pages for the tokens
+     it feeds this step; when the pool runs dry it preempts the most recently
+     admitted request, which releases its pages and goes back to the front of
+     the queue, to be recomputed later from its prompt and generated tokens;
+  3. returns the Step: width prefill_chunk while any slot has more than one
+     token to feed, else 1 (decode); per slot the tokens to feed, how many,
+     the tokens its cache holds and its block table. Idle slots feed nothing.
+
+`advance(next_tokens)` counts the fed tokens as cached; a slot that fed all its
+tokens appends next_tokens[slot]. A request that has max_new_tokens tokens, or
+has just emitted end_token, finishes and releases its pages (with prefix caching,
+its full pages stay matchable, and so do a prompt's once it is prefilled).
+
+Invariants (property-tested in tests/test_scheduler.py):
+
+  - a slot holds at most one request; waiting and finished requests hold no page;
+  - the references requests hold on a page are exactly its occurrences in the
+    running requests' page lists: no page is leaked or owned twice, and once
+    every request has finished, pages.num_free == pages.num_pages;
+  - a running request's pages hold its cached tokens and at most max_len tokens
+    (ceil(max_len / page_size) pages, the block table's width n); a page a step
+    writes is held by that request alone and is never a cached prefix page (a
+    request writes from the first token after its matched pages, which starts a
+    fresh page), so no page is copied on write;
+  - requests are served in the order they were added: they are first admitted
+    in that order, the queue keeps it, and every running request was added
+    before every waiting one (the preempted request is the youngest running
+    one, and it returns to the front of the queue). A younger request may
+    still finish first: it may need fewer tokens, or fewer pages;
+  - every running request feeds at least one token per step, and the oldest
+    is never preempted (only a request running alone could be, and a lone
+    request always fits: `add` checks it), so every request finishes, with
+    exactly max_new_tokens tokens, or fewer that end with end_token.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import operator
+from collections import deque
+from collections.abc import Sequence
+
+import numpy as np
+
+from kvlab.cache import OutOfPages, PrefixCache
+from kvlab.config import check_count
+
+MAX_TOKEN_ID = 2**31 - 1  # token ids are fed as int32
+
+
+def pages_for(num_tokens: int, page_size: int) -> int:
+    """Pages of `page_size` tokens that hold `num_tokens` tokens."""
+    return -(-num_tokens // page_size)
+
+
+def check_token_id(name: str, value: object, vocab_size: int | None = None) -> int:
+    """`value` as a Python int if it is an integer token id, else a ValueError.
+
+    Python and numpy integers pass; bools, floats (even 3.0: an id is never
+    rounded), strings and lists are refused, and so is an id outside
+    0..vocab_size-1 (0..2**31-1 without a vocabulary).
+    """
+    token = None
+    if not isinstance(value, (bool, np.bool_)):
+        try:
+            token = operator.index(value)
+        except TypeError:
+            pass
+    if token is None:
+        raise ValueError(
+            f"{name}={value!r} is not an integer token id: pass ints or a numpy integer array "
+            "(token ids are never rounded)"
+        )
+    top = MAX_TOKEN_ID if vocab_size is None else vocab_size - 1
+    if not 0 <= token <= top:
+        raise ValueError(f"{name}={token} is outside the vocabulary: pass ids in 0..{top}")
+    return token
+
+
+def check_tokens(name: str, tokens: object, vocab_size: int | None = None) -> list[int]:
+    """A prompt (a sequence of token ids or a 1-D integer array) as Python ints.
+
+    A ValueError names `name` and the fix for anything else: an empty prompt, a
+    float, bool or string id, a nested list, an array of another rank or dtype.
+    """
+    if hasattr(tokens, "__array__"):
+        array = np.asarray(tokens)
+        if array.ndim != 1:
+            raise ValueError(
+                f"{name} has shape {array.shape}: pass one prompt as a 1-D array of token ids"
+            )
+        if array.dtype.kind not in "iu":
+            raise ValueError(
+                f"{name} has dtype {array.dtype}: pass an integer array of token ids "
+                "(token ids are never rounded)"
+            )
+        tokens = array.tolist()
+    elif isinstance(tokens, (str, bytes)) or not isinstance(tokens, Sequence):
+        raise ValueError(
+            f"{name}={tokens!r} is not a list of token ids: pass each prompt as a list of ints "
+            "or a 1-D integer array ([prompt] for a single prompt)"
+        )
+    if len(tokens) == 0:
+        raise ValueError(f"{name} is empty: every request needs at least one prompt token")
+    return [check_token_id(f"{name}[{j}]", t, vocab_size) for j, t in enumerate(tokens)]
+
+
+def check_requests(requests: object, vocab_size: int | None = None) -> list[list[int]]:
+    """Prompts (a sequence of prompts, or a 2-D integer array with one per row)
+    as lists of Python ints; a ValueError naming requests[i] for a bad one."""
+    if hasattr(requests, "__array__"):
+        array = np.asarray(requests)
+        if array.ndim != 2:
+            raise ValueError(
+                f"requests has shape {array.shape}: pass a 2-D array [requests, prompt tokens] "
+                "or a list of prompts ([prompt] for a single prompt)"
+            )
+        requests = list(array)
+    elif isinstance(requests, (str, bytes)) or not isinstance(requests, Sequence):
+        raise ValueError(
+            f"requests={requests!r} is not a list of prompts: pass a list of token lists "
+            "or a 2-D integer array"
+        )
+    if len(requests) == 0:
+        raise ValueError("requests is empty: pass a list of token lists")
+    return [check_tokens(f"requests[{i}]", r, vocab_size) for i, r in enumerate(requests)]
+
+
+@dataclasses.dataclass(eq=False)
+class Request:
+    """One request's tokens and where it stands. Read it; the Scheduler writes it."""
+
+    id: int  # order of `add`
+    tokens: list[int]  # the prompt, then the tokens generated so far
+    prompt_len: int
+    max_new_tokens: int
+    slot: int = -1  # its row of the cache while running, else -1
+    pages: list[int] = dataclasses.field(default_factory=list)  # its block table while running
+    cached: int = 0  # tokens its slot's cache holds
+    admitted: int = -1  # admission order, counted over admissions (preemption: latest first)
+    prefill_tokens: int = 0  # prompt tokens computed for it (recomputations count, hits do not)
+    preemptions: int = 0
+    finished: bool = False
+
+    @property
+    def generated(self) -> int:
+        return len(self.tokens) - self.prompt_len
+
+    @property
+    def output(self) -> list[int]:
+        return self.tokens[self.prompt_len :]
+
+
+@dataclasses.dataclass(frozen=True)
+class Step:
+    """One device step's inputs, a row per slot (B = max_slots, T = width,
+    n = pages per slot). The model appends tokens[b, :counts[b]] to row b after
+    its lengths[b] cached tokens, in the pages block_tables[b]."""
+
+    tokens: np.ndarray  # int32[B, T]  tokens to feed, zeros past counts
+    counts: np.ndarray  # int32[B]     tokens fed per slot (0: idle)
+    lengths: np.ndarray  # int32[B]     tokens each slot's cache holds before the step
+    block_tables: np.ndarray  # int32[B, n]  each slot's pages, -1 past them
+
+    @classmethod
+    def idle(cls, max_slots: int, width: int, pages_per_slot: int) -> Step:
+        """A step of the given width in which no slot feeds a token."""
+        return cls(
+            tokens=np.zeros((max_slots, width), np.int32),
+            counts=np.zeros((max_slots,), np.int32),
+            lengths=np.zeros((max_slots,), np.int32),
+            block_tables=np.full((max_slots, pages_per_slot), -1, np.int32),
+        )
+
+
+class Scheduler:
+    """Requests, slots and pages for continuous batching (module docstring).
+
+    Args:
+      pages: hands out the pool's pages (its num_pages and page_size are the pool's).
+      max_slots: requests running at once (rows of the cache).
+      max_len: the most tokens one request's cache holds (prompt + output - 1).
+      prefill_chunk: prompt tokens a slot feeds per step.
+      prefix_caching: reuse and register cached full pages.
+      end_token: a request finishes after emitting it (kept in its output).
+    """
+
+    def __init__(
+        self,
+        pages: PrefixCache,
+        *,
+        max_slots: int,
+        max_len: int,
+        prefill_chunk: int,
+        prefix_caching: bool = False,
+        end_token: int | None = None,
+    ):
+        self.pages = pages
+        self.page_size = pages.page_size
+        self.max_slots = check_count("max_slots", max_slots)
+        self.max_len = check_count("max_len", max_len)
+        self.prefill_chunk = check_count("prefill_chunk", prefill_chunk)
+        self.prefix_caching = bool(prefix_caching)
+        self.end_token = None if end_token is None else check_token_id("end_token", end_token)
+        self.pages_per_slot = pages_for(self.max_len, self.page_size)
+        if self.pages_per_slot > pages.num_pages:
+            raise ValueError(
+                f"cache.num_pages={pages.num_pages} is too few for one sequence of "
+                f"max_len={self.max_len} ({self.pages_per_slot} pages of cache.page_size="
+                f"{self.page_size}): raise cache.num_pages or lower max_len"
+            )
+        self.waiting: deque[Request] = deque()  # in order of `add`, preempted ones in front
+        self.running: dict[int, Request] = {}  # slot -> request
+        self._added = 0
+        self._admissions = 0
+        self._planned: Step | None = None  # the step `advance` completes
+
+    @property
+    def idle(self) -> bool:
+        """No request is waiting or running."""
+        return not self.waiting and not self.running
+
+    def check_fits(self, name: str, prompt_len: int, max_new_tokens: int) -> None:
+        """A ValueError if a request of this size could never run (its last token
+        is never cached, so it needs prompt_len + max_new_tokens - 1 tokens)."""
+        needed = prompt_len + max_new_tokens - 1
+        if needed > self.max_len:
+            raise ValueError(
+                f"{name} needs {needed} cached tokens (a prompt of {prompt_len} + "
+                f"max_new_tokens={max_new_tokens} - 1) but a sequence holds at most "
+                f"max_len={self.max_len} ({self.pages.num_pages} pages of "
+                f"cache.page_size={self.page_size} in the pool): shorten the request or raise "
+                "max_len (and cache.num_pages)"
+            )
+
+    def add(self, tokens: Sequence[int], max_new_tokens: int, name: str = "request") -> Request:
+        """Queues a request behind every earlier one; returns it (its `output` fills in)."""
+        tokens = check_tokens(name, tokens)
+        max_new_tokens = check_count("max_new_tokens", max_new_tokens)
+        self.check_fits(name, len(tokens), max_new_tokens)
+        request = Request(self._added, tokens, len(tokens), max_new_tokens)
+        self._added += 1
+        self.waiting.append(request)
+        return request
+
+    # ------------------------------------------------------------------
+    def plan(self) -> Step | None:
+        """Admits, hands out pages, preempts; the next step, or None once idle."""
+        if self._planned is not None:
+            raise RuntimeError(
+                "plan() was called twice: pass the last step's next tokens to advance() first"
+            )
+        self._admit()
+        for request in sorted(self.running.values(), key=lambda r: r.admitted):
+            if request.slot >= 0:  # not preempted by an older request's pages
+                self._give_pages(request, self._feed(request, self.prefill_chunk))
+        if not self.running:
+            if self.waiting:  # a lone request always fits (check_fits): the invariants broke
+                raise RuntimeError(f"{len(self.waiting)} requests wait but none can run")
+            return None
+        step = Step.idle(self.max_slots, self._width(), self.pages_per_slot)
+        for slot, request in self.running.items():
+            take = request.tokens[request.cached : request.cached + step.tokens.shape[1]]
+            step.tokens[slot, : len(take)] = take
+            step.counts[slot] = len(take)
+            step.lengths[slot] = request.cached
+            step.block_tables[slot, : len(request.pages)] = request.pages
+        self._planned = step
+        return step
+
+    def advance(self, next_tokens) -> list[Request]:
+        """Completes the planned step with each slot's next token (int[max_slots]; a
+        slot's entry is used only if it fed all its tokens). Returns the requests
+        that emitted a token, in slot order; finished ones have released their pages."""
+        step = self._planned
+        if step is None:
+            raise RuntimeError("advance() without a planned step: call plan() first")
+        next_tokens = np.asarray(next_tokens)
+        if next_tokens.shape != (self.max_slots,) or next_tokens.dtype.kind not in "iu":
+            raise ValueError(
+                f"next_tokens has shape {next_tokens.shape} and dtype {next_tokens.dtype}: "
+                f"pass one integer token per slot, shape ({self.max_slots},)"
+            )
+        self._planned = None
+        emitted = []
+        for slot in sorted(self.running):
+            request = self.running[slot]
+            start, fed = request.cached, int(step.counts[slot])
+            request.prefill_tokens += max(0, min(start + fed, request.prompt_len) - start)
+            request.cached += fed
+            if start < request.prompt_len <= request.cached:  # its prompt pages are full now
+                self._register(request, request.prompt_len)
+            if request.cached == len(request.tokens):  # all fed: the next token is known
+                request.tokens.append(check_token_id(f"next_tokens[{slot}]", next_tokens[slot]))
+                emitted.append(request)
+                if self._done(request):
+                    self._finish(request)
+        return emitted
+
+    # ------------------------------------------------------------------
+    def _admit(self) -> None:
+        """Slots and pages for waiting requests, oldest first, until one does not fit."""
+        while self.waiting and len(self.running) < self.max_slots:
+            request = self.waiting[0]
+            context = request.tokens  # the prompt and, after preemption, what it generated
+            matched = self.pages.match(context) if self.prefix_caching else []
+            try:
+                fresh = self.pages.allocate(pages_for(len(context), self.page_size) - len(matched))
+            except OutOfPages:
+                self.pages.release(matched)
+                return
+            self.waiting.popleft()
+            request.slot = min(set(range(self.max_slots)) - set(self.running))
+            request.pages, request.cached = matched + fresh, len(matched) * self.page_size
+            request.admitted = self._admissions
+            self._admissions += 1
+            self.running[request.slot] = request
+
+    def _feed(self, request: Request, width: int) -> int:
+        """Tokens the request feeds in a step of `width`."""
+        return min(width, len(request.tokens) - request.cached)
+
+    def _width(self) -> int:
+        """prefill_chunk while a slot has more than one token to feed, else 1."""
+        if any(self._feed(r, self.prefill_chunk) > 1 for r in self.running.values()):
+            return self.prefill_chunk
+        return 1
+
+    def _give_pages(self, request: Request, feed: int) -> None:
+        """Pages for the request's next `feed` tokens, preempting the youngest
+        running request (maybe this one) while the pool has none."""
+        end = request.cached + feed
+        while request.slot >= 0 and pages_for(end, self.page_size) > len(request.pages):
+            try:
+                request.pages += self.pages.allocate(1)
+            except OutOfPages:
+                self._preempt(max(self.running.values(), key=lambda r: r.admitted))
+
+    def _preempt(self, request: Request) -> None:
+        """Releases the request's pages and queues it first, to be recomputed."""
+        self.pages.release(request.pages)
+        del self.running[request.slot]
+        request.slot, request.pages, request.cached = -1, [], 0
+        request.preemptions += 1
+        self.waiting.appendleft(request)
+
+    def _done(self, request: Request) -> bool:
+        ended = self.end_token is not None and request.tokens[-1] == self.end_token
+        return request.generated >= request.max_new_tokens or ended
+
+    def _finish(self, request: Request) -> None:
+        self._register(request, request.cached)
+        self.pages.release(request.pages)
+        del self.running[request.slot]
+        request.slot, request.pages, request.finished = -1, [], True
+
+    def _register(self, request: Request, length: int) -> None:
+        """Makes the request's full pages up to `length` tokens matchable."""
+        if self.prefix_caching:
+            self.pages.register(request.tokens[:length], request.pages)

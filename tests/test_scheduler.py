@@ -1,0 +1,365 @@
+"""The scheduler without a model: a token-level stand-in for the device stores
+each step's tokens in the pages its block tables name and answers with a
+deterministic function of the context it reads back, so a request's output
+equals its solo generation only if the pages really held its tokens."""
+
+import ast
+from collections import Counter
+
+import numpy as np
+import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
+
+from kvlab.cache import PrefixCache
+from kvlab.scheduler import Scheduler, check_requests, check_tokens, pages_for
+from tests.helpers import ROOT
+
+VOCAB = 6  # ids the stand-in model emits
+END = 5
+UNUSED = 99  # answered for idle slots: an output containing it read a token it should not have
+
+
+def next_token(context) -> int:
+    """The stand-in model: a token that depends on every token of the context, in order."""
+    mixed = 0
+    for token in context:
+        mixed = (mixed * 31 + int(token) + 7) % 1_000_003
+    return mixed % VOCAB
+
+
+def solo(prompt, max_new_tokens, end_token=None):
+    tokens = list(prompt)
+    while len(tokens) - len(prompt) < max_new_tokens:
+        tokens.append(next_token(tokens))
+        if tokens[-1] == end_token:
+            break
+    return tokens[len(prompt) :]
+
+
+class TokenPool:
+    """The device side in tokens: a page pool [num_pages, page_size] of token ids."""
+
+    def __init__(self, scheduler: Scheduler):
+        self.scheduler = scheduler
+        self.pages = scheduler.pages
+        self.pool = np.full((self.pages.num_pages, self.pages.page_size), -1)
+
+    def run(self, step) -> np.ndarray:
+        """Writes each slot's tokens, reads its whole context back, answers next_token."""
+        size = self.pages.page_size
+        next_tokens = np.full(self.scheduler.max_slots, UNUSED)
+        for slot, (count, length) in enumerate(zip(step.counts, step.lengths, strict=True)):
+            table = step.block_tables[slot]
+            for j in range(count):
+                page = table[(length + j) // size]
+                assert page >= 0, "a fed token has no page"
+                assert self.pages.refcount(page) == 1, "a step writes a page another request holds"
+                self.pool[page, (length + j) % size] = step.tokens[slot, j]
+            if count:
+                end = length + count
+                context = [self.pool[table[p // size], p % size] for p in range(end)]
+                assert context == self.scheduler.running[slot].tokens[:end]
+                next_tokens[slot] = next_token(context)
+        return next_tokens
+
+    def drain(self, limit: int = 10_000) -> int:
+        """Steps until every request has finished; the number of steps."""
+        for steps in range(limit):
+            step = self.scheduler.plan()
+            if step is None:
+                return steps
+            self.scheduler.advance(self.run(step))
+        raise AssertionError(f"still running after {limit} steps")
+
+
+def make(num_pages=8, page_size=4, **kwargs):
+    kwargs = dict(dict(max_slots=2, max_len=num_pages * page_size, prefill_chunk=4), **kwargs)
+    scheduler = Scheduler(PrefixCache(num_pages, page_size, salt="test"), **kwargs)
+    return scheduler, TokenPool(scheduler)
+
+
+def test_each_step_feeds_every_slot_what_its_cache_lacks():
+    scheduler, _ = make(num_pages=8, page_size=4, max_len=12)
+    first = scheduler.add([1, 2, 3, 4, 5, 6], max_new_tokens=2)
+    second = scheduler.add([7, 8], max_new_tokens=3)
+
+    step = scheduler.plan()  # prompts: a chunk of 4 each; pages for whole prompts
+    np.testing.assert_array_equal(step.tokens, [[1, 2, 3, 4], [7, 8, 0, 0]])
+    np.testing.assert_array_equal(step.counts, [4, 2])
+    np.testing.assert_array_equal(step.lengths, [0, 0])
+    np.testing.assert_array_equal(step.block_tables, [[0, 1, -1], [2, -1, -1]])
+    assert scheduler.advance([10, 11]) == [second]  # the first still has prompt to feed
+
+    step = scheduler.plan()
+    np.testing.assert_array_equal(step.tokens, [[5, 6, 0, 0], [11, 0, 0, 0]])
+    np.testing.assert_array_equal(step.counts, [2, 1])
+    np.testing.assert_array_equal(step.lengths, [4, 2])
+    assert scheduler.advance([12, 13]) == [first, second]
+
+    step = scheduler.plan()  # every prompt fed: one decode token per slot
+    np.testing.assert_array_equal(step.tokens, [[12], [13]])
+    np.testing.assert_array_equal(step.lengths, [6, 3])
+    np.testing.assert_array_equal(step.block_tables, [[0, 1, -1], [2, -1, -1]])
+    scheduler.advance([14, 15])
+
+    assert first.finished and second.finished and scheduler.idle
+    assert scheduler.plan() is None
+    assert (first.output, second.output) == ([12, 14], [11, 13, 15])
+    assert (first.prefill_tokens, second.prefill_tokens) == (6, 2)
+    assert scheduler.pages.num_free == 8
+
+
+def test_a_cached_prefix_is_reused_and_not_recomputed():
+    scheduler, device = make(num_pages=8, page_size=2, prefix_caching=True)
+    first = scheduler.add([1, 2, 3, 4, 5], max_new_tokens=1)
+    device.drain()
+    second = scheduler.add([1, 2, 3, 4, 9], max_new_tokens=2)
+    step = scheduler.plan()
+    slot = second.slot
+    assert step.lengths[slot] == 4 and step.counts[slot] == 1 and step.tokens[slot, 0] == 9
+    scheduler.advance(device.run(step))
+    device.drain()
+    assert second.prefill_tokens == 1 and first.prefill_tokens == 5
+    assert second.output == solo([1, 2, 3, 4, 9], 2)
+    assert scheduler.pages.stats.hit_tokens == 4
+
+
+def test_the_youngest_is_preempted_and_recomputed_from_its_tokens():
+    # Two requests that each grow to 3 pages share a pool of 3.
+    scheduler, device = make(num_pages=3, page_size=2, max_len=6, prefill_chunk=2)
+    old = scheduler.add([1, 2], max_new_tokens=5)
+    young = scheduler.add([3, 4], max_new_tokens=5)
+    scheduler.advance(device.run(scheduler.plan()))  # both prompts fed, one token each
+    step = scheduler.plan()  # both need a second page; one is left
+    assert young.slot == -1 and young.preemptions == 1 and young.pages == []
+    assert list(scheduler.waiting) == [young] and step.counts[1] == 0
+    assert list(scheduler.running.values()) == [old]
+    scheduler.advance(device.run(step))
+    device.drain()
+    assert old.output == solo([1, 2], 5) and young.output == solo([3, 4], 5)
+    assert young.prefill_tokens == 4  # its prompt, computed twice
+    assert scheduler.pages.num_free == 3
+
+
+def test_a_request_that_does_not_fit_holds_back_later_ones():
+    scheduler, device = make(num_pages=4, page_size=1, max_slots=3, max_len=4)
+    scheduler.add([1, 2], max_new_tokens=1)  # 2 pages
+    blocked = scheduler.add([1, 2, 3], max_new_tokens=1)  # 3 pages: 2 are left
+    small = scheduler.add([4], max_new_tokens=1)  # 1 page would fit, but must wait its turn
+    scheduler.plan()
+    assert list(scheduler.waiting) == [blocked, small]
+    scheduler.advance(np.zeros(3, np.int64))
+    device.drain()
+    assert blocked.finished and small.finished
+
+
+def test_end_token_finishes_a_request_early():
+    prompt = next(p for p in ([a, b] for a in range(6) for b in range(6)) if END in solo(p, 8))
+    scheduler, device = make(end_token=END)
+    request = scheduler.add(prompt, max_new_tokens=8)
+    device.drain()
+    assert request.output == solo(prompt, 8, END) and request.output[-1] == END
+    assert len(request.output) < 8
+
+
+def test_out_of_order_calls_are_refused():
+    scheduler, _ = make()
+    with pytest.raises(RuntimeError, match="call plan"):
+        scheduler.advance(np.zeros(2, np.int32))
+    scheduler.add([1, 2], max_new_tokens=1)
+    scheduler.plan()
+    with pytest.raises(RuntimeError, match="plan\\(\\) was called twice"):
+        scheduler.plan()
+    with pytest.raises(ValueError, match="next_tokens has shape \\(3,\\)"):
+        scheduler.advance(np.zeros(3, np.int32))
+    with pytest.raises(ValueError, match="dtype float32"):
+        scheduler.advance(np.zeros(2, np.float32))
+
+
+def test_a_request_longer_than_max_len_is_refused():
+    scheduler, _ = make(num_pages=4, page_size=4, max_len=10)
+    with pytest.raises(ValueError, match=r"needs 11 cached tokens .* max_len=10"):
+        scheduler.add(list(range(8)), max_new_tokens=4)
+    assert scheduler.idle
+
+
+def test_a_pool_smaller_than_one_sequence_is_refused():
+    with pytest.raises(ValueError, match="cache.num_pages=2 is too few for one sequence"):
+        make(num_pages=2, page_size=4, max_len=9)
+
+
+@pytest.mark.parametrize("name", ["max_slots", "max_len", "prefill_chunk"])
+@pytest.mark.parametrize("value", [0, -1, 2.0, "2", True])
+def test_bad_counts_are_refused(name, value):
+    with pytest.raises(ValueError, match=f"{name}={value!r}"):
+        make(**{name: value})
+
+
+@pytest.mark.parametrize(
+    "tokens",
+    [[3, 1], (3, 1), [np.int64(3), np.uint8(1)], np.array([3, 1]), np.array([3, 1], np.uint16)],
+    ids=["list", "tuple", "numpy_ints", "int_array", "uint16_array"],
+)
+def test_integer_prompts_pass_as_python_ints(tokens):
+    checked = check_tokens("prompt", tokens, vocab_size=4)
+    assert checked == [3, 1] and all(type(t) is int for t in checked)
+
+
+@pytest.mark.parametrize(
+    "tokens, message",
+    [
+        ([3.0], r"prompt\[0\]=3.0 is not an integer token id"),
+        ([3.7], r"prompt\[0\]=3.7 is not an integer token id"),
+        (["3"], r"prompt\[0\]='3' is not an integer token id"),
+        ([True], r"prompt\[0\]=True is not an integer token id"),
+        ([np.True_], r"prompt\[0\]=np.True_ is not an integer token id"),
+        ([[1, 2]], r"prompt\[0\]=\[1, 2\] is not an integer token id"),
+        ([np.array([1, 2])], r"prompt\[0\]=array\(\[1, 2\]\) is not an integer token id"),
+        (np.array([1.0, 2.0]), "prompt has dtype float64: pass an integer array"),
+        (np.array([True]), "prompt has dtype bool"),
+        (np.array([[1, 2]]), r"prompt has shape \(1, 2\)"),
+        ([], "prompt is empty"),
+        ("abc", "prompt='abc' is not a list of token ids"),
+        (3, "prompt=3 is not a list of token ids"),
+        ([1, 4], r"prompt\[1\]=4 is outside the vocabulary: pass ids in 0..3"),
+        ([-1], r"prompt\[0\]=-1 is outside the vocabulary"),
+    ],
+)
+def test_bad_prompts_are_refused_never_rounded(tokens, message):
+    with pytest.raises(ValueError, match=message):
+        check_tokens("prompt", tokens, vocab_size=4)
+
+
+def test_requests_as_a_2d_array_or_a_list_of_arrays():
+    expected = [[1, 2], [3, 0]]
+    assert check_requests(np.array(expected, np.int32), 4) == expected
+    assert check_requests([np.array(row) for row in expected], 4) == expected
+    for bad, message in [
+        (np.array([1, 2]), r"requests has shape \(2,\)"),
+        ([1, 2], r"requests\[0\]=1 is not a list of token ids: .*\[prompt\] for a single prompt"),
+        ([], "requests is empty"),
+        (np.zeros((0, 3), np.int32), "requests is empty"),
+        ("ab", "requests='ab' is not a list of prompts"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            check_requests(bad, 4)
+
+
+def test_the_scheduler_does_not_import_jax():
+    tree = ast.parse((ROOT / "kvlab" / "scheduler.py").read_text())
+    modules = [
+        alias.name
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Import)
+        for alias in node.names
+    ]
+    modules += [node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)]
+    assert not [m for m in modules if m.split(".")[0] in ("jax", "flax", "jaxtyping")]
+
+
+class SchedulerMachine(RuleBasedStateMachine):
+    """Requests arrive between steps of a random pool, slot count and chunk."""
+
+    @initialize(
+        page_size=st.integers(1, 4),
+        num_pages=st.integers(1, 10),
+        max_slots=st.integers(1, 4),
+        prefill_chunk=st.integers(1, 5),
+        prefix_caching=st.booleans(),
+        end_token=st.sampled_from([None, END]),
+        data=st.data(),
+    )
+    def setup(
+        self, page_size, num_pages, max_slots, prefill_chunk, prefix_caching, end_token, data
+    ):
+        max_len = data.draw(st.integers(1, num_pages * page_size), label="max_len")
+        self.scheduler, self.device = make(
+            num_pages,
+            page_size,
+            max_slots=max_slots,
+            max_len=max_len,
+            prefill_chunk=prefill_chunk,
+            prefix_caching=prefix_caching,
+            end_token=end_token,
+        )
+        self.requests = []
+        self.first_admissions = []  # ids in the order they were first admitted
+
+    @rule(data=st.data())
+    def add(self, data):
+        max_len = self.scheduler.max_len
+        prompt_len = data.draw(st.integers(1, max_len), label="prompt_len")
+        max_new_tokens = data.draw(st.integers(1, max_len - prompt_len + 1), label="max_new")
+        # Two token values: prompts often share prefixes.
+        prompt = data.draw(st.lists(st.integers(0, 1), min_size=prompt_len, max_size=prompt_len))
+        self.requests.append(self.scheduler.add(prompt, max_new_tokens))
+
+    @rule()
+    def step(self):
+        scheduler = self.scheduler
+        before = {r.id: (r.admitted, r.preemptions) for r in self.requests}
+        step = scheduler.plan()
+        if step is None:
+            assert scheduler.idle
+            return
+        admitted = [r for r in self.requests if r.admitted != before[r.id][0]]
+        for request in sorted(admitted, key=lambda r: r.admitted):
+            if request.id not in self.first_admissions:
+                self.first_admissions.append(request.id)
+        preempted = [r for r in self.requests if r.preemptions > before[r.id][1]]
+        survivors = list(scheduler.running.values())
+        assert all(p.admitted > s.admitted for p in preempted for s in survivors)
+        # Every running request feeds, so the oldest always progresses.
+        assert all(step.counts[r.slot] >= 1 for r in survivors)
+        assert (step.tokens.shape[1] > 1) == (step.counts.max() > 1)
+        for request in survivors:
+            table = step.block_tables[request.slot]
+            assert step.lengths[request.slot] == request.cached
+            assert table[: len(request.pages)].tolist() == request.pages
+            assert (table[len(request.pages) :] == -1).all()
+        scheduler.advance(self.device.run(step))
+
+    @invariant()
+    def pages_are_held_exactly_once(self):
+        scheduler, pages = self.scheduler, self.scheduler.pages
+        held = Counter(page for r in scheduler.running.values() for page in r.pages)
+        assert all(pages.refcount(page) == held[page] for page in range(pages.num_pages))
+        assert pages.num_free == pages.num_pages - len(held)
+        for slot, request in scheduler.running.items():
+            assert request.slot == slot and not request.finished
+            assert request.cached < len(request.tokens)
+            assert pages_for(request.cached, pages.page_size) <= len(request.pages)
+            assert len(request.pages) <= scheduler.pages_per_slot
+        for request in self.requests:
+            if request.slot < 0:
+                assert request.pages == []
+
+    @invariant()
+    def requests_are_served_in_order(self):
+        waiting = [r.id for r in self.scheduler.waiting]
+        running = [r.id for r in self.scheduler.running.values()]
+        assert waiting == sorted(waiting)
+        assert not waiting or not running or max(running) < min(waiting)
+        assert self.first_admissions == sorted(self.first_admissions)
+
+    def teardown(self):
+        if not hasattr(self, "scheduler"):
+            return
+        for _ in range(10_000):
+            if self.scheduler.idle:
+                break
+            self.step()
+            self.pages_are_held_exactly_once()
+            self.requests_are_served_in_order()
+        assert self.scheduler.pages.num_free == self.scheduler.pages.num_pages
+        for request in self.requests:
+            assert request.finished
+            prompt = request.tokens[: request.prompt_len]
+            expected = solo(prompt, request.max_new_tokens, self.scheduler.end_token)
+            assert request.output == expected
+
+
+TestSchedulerMachine = SchedulerMachine.TestCase
+TestSchedulerMachine.settings = settings(max_examples=150, stateful_step_count=30, deadline=None)
