@@ -16,10 +16,12 @@ applicable (model, cache) pairs in model-major order.
     run_sweep(cfg, grid, workdir, sweep_index=i, sweep_count=n)
 
 runs slice i of n (a contiguous run of units, so most slices train one or two
-models) and writes workdir/slices/<i>-of-<n>.csv; `merge(workdir)` joins the
-slices, checks each unit appears exactly once, and writes workdir/results.csv,
-workdir/pareto.png and a wandb run holding both. With one slice, run_sweep
-merges by itself. Working directory:
+models) and writes workdir/slices/<i>-of-<n>.csv, printing a line per unit
+(model 2/5, cache 3/12, units done and the time left at the pace so far);
+`merge(workdir)` joins the slices, checks each unit appears exactly once, and
+writes workdir/results.csv, workdir/pareto.png and a wandb run holding both.
+With one slice, run_sweep merges by itself. Files are replaced atomically
+(kvlab/files.py). Working directory:
 
     workdir/sweep.json              the grid's units and the base config
     workdir/models/<model>/         one training run per model (kvlab/train.py)
@@ -34,20 +36,32 @@ from __future__ import annotations
 import csv
 import dataclasses
 import glob
+import io
 import itertools
 import json
 import os
+import time
 from collections.abc import Mapping
 
 import ml_collections
 
-from kvlab.config import CACHED, CACHED_PREFIXES, validate_config
+from kvlab.config import (
+    CACHED_PREFIXES,
+    cached_prefixes,
+    check_count,
+    complete_config,
+    dtype_of,
+    validate_config,
+)
 from kvlab.data import make_dataset
 from kvlab.eval import evaluate, full_precision
+from kvlab.files import read_json, store_json, write_atomic
 from kvlab.logging import Run
 from kvlab.train import train
 
-# results.csv columns, in order.
+# results.csv columns, in order. `bits` labels each cached tensor by the bits it
+# is stored in (K8V4; K32V32 for an unquantized float32 cache); k_bits etc. are
+# the config fields (16 = cache.dtype, whatever its width).
 COLUMNS = (
     "sweep",
     "model",
@@ -103,12 +117,14 @@ class Unit:
 
 
 def split_sweep_config(cfg: ml_collections.ConfigDict) -> tuple:
-    """(base kvlab config, sweep section) of a sweep config."""
+    """(base kvlab config, sweep section) of a sweep config, completed in place
+    (fields it omits take base_config()'s defaults)."""
     if "sweep" not in cfg or "name" not in cfg.sweep:
         raise ValueError(
             "the sweep config has no sweep.name: add cfg.sweep = ConfigDict(dict(name=...)) "
             "in get_config (see configs/sweeps/cache_pareto.py)"
         )
+    complete_config(cfg)
     base = ml_collections.ConfigDict({k: v for k, v in cfg.items() if k != "sweep"})
     return validate_config(base), cfg.sweep
 
@@ -145,7 +161,7 @@ def expand(cfg: ml_collections.ConfigDict, grid: Mapping) -> list[Unit]:
         model_cfg = ml_collections.ConfigDict(cfg.to_dict())
         _apply(model_cfg, f"models[{model_name!r}]", model_overrides)
         validate_config(model_cfg)
-        cached = set(CACHED[model_cfg.model.attention])
+        cached = set(cached_prefixes(model_cfg.model))
         for cache_name, cache_overrides in grid["caches"].items():
             where = f"caches[{cache_name!r}]"
             outside = [axis for axis in cache_overrides if not axis.startswith("cache.")]
@@ -170,9 +186,9 @@ def expand(cfg: ml_collections.ConfigDict, grid: Mapping) -> list[Unit]:
 
 def slice_units(units: list[Unit], index: int, count: int) -> list[Unit]:
     """Slice `index` of `count`: contiguous, sizes differing by at most one."""
-    if isinstance(count, bool) or not isinstance(count, int) or count < 1:
-        raise ValueError(f"--sweep_count={count!r} must be an integer >= 1")
-    if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < count:
+    count = check_count("--sweep_count", count)
+    index = check_count("--sweep_index", index, minimum=0)
+    if index >= count:
         raise ValueError(
             f"--sweep_index={index!r} must be in [0, {count - 1}] for --sweep_count={count}"
         )
@@ -191,15 +207,23 @@ def family(model_cfg: Mapping) -> str:
     return "mqa" if model_cfg.num_kv_heads == 1 else "gqa"
 
 
+def stored_bits(cache_cfg: Mapping, prefix: str) -> int:
+    """The bits each number of cached tensor `prefix` is stored in: cache.<prefix>_bits
+    when quantized, else the width of cache.dtype (32 for float32, 16 for bfloat16)."""
+    bits = cache_cfg[f"{prefix}_bits"]
+    return bits if bits < 16 else dtype_of(cache_cfg["dtype"]).itemsize * 8
+
+
 def bits_label(cfg: ml_collections.ConfigDict) -> str:
-    """'K8V4' for grouped-query models, 'L8R16' (latent, RoPE key) for MLA."""
-    k, v = CACHED[cfg.model.attention]
-    return f"{k[0].upper()}{cfg.cache[f'{k}_bits']}{v[0].upper()}{cfg.cache[f'{v}_bits']}"
+    """'K8V4' for grouped-query models, 'L8R16' (latent, RoPE key) for MLA, by
+    the bits really stored: an unquantized float32 cache is 'K32V32'."""
+    k, v = cached_prefixes(cfg.model)
+    return f"{k[0].upper()}{stored_bits(cfg.cache, k)}{v[0].upper()}{stored_bits(cfg.cache, v)}"
 
 
 def _row(sweep_name: str, unit: Unit, result: Mapping, baseline: Mapping, metric: str) -> dict:
     cfg = unit.cfg
-    cached = CACHED[cfg.model.attention]
+    cached = cached_prefixes(cfg.model)
     row = {
         "sweep": sweep_name,
         "model": unit.model,
@@ -226,10 +250,11 @@ def _row(sweep_name: str, unit: Unit, result: Mapping, baseline: Mapping, metric
 
 def _write_csv(path: str, rows: list[dict]) -> None:
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    with open(path, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=COLUMNS)
-        writer.writeheader()
-        writer.writerows(rows)
+    text = io.StringIO(newline="")
+    writer = csv.DictWriter(text, fieldnames=COLUMNS)
+    writer.writeheader()
+    writer.writerows(rows)
+    write_atomic(path, text.getvalue())
 
 
 def _read_csv(path: str) -> list[dict]:
@@ -264,18 +289,23 @@ def _write_plan(workdir: str, sweep_cfg: ml_collections.ConfigDict, units: list[
         "units": [[u.model, u.cache] for u in units],
         "config": json.loads(sweep_cfg.to_json()),
     }
+
+    def completed(stored: dict) -> dict:  # a plan written before a field joined the schema
+        config = complete_config(ml_collections.ConfigDict(stored.get("config", {})))
+        return {**stored, "config": json.loads(config.to_json())}
+
     path = os.path.join(workdir, "sweep.json")
-    if os.path.isfile(path):
-        with open(path) as f:
-            stored = json.load(f)
-        if stored != plan:
-            raise ValueError(
-                f"workdir={workdir!r} holds another sweep (its grid or config differs from "
-                f"this one's, see {path}): use a fresh --workdir"
-            )
-        return
-    with open(path, "w") as f:
-        json.dump(plan, f, indent=2)
+    store_json(path, plan, fixed=("units", "config"), owner="a sweep", normalize=completed)
+
+
+def _duration(seconds: float) -> str:
+    """'42s', '3m05s' or '2h07m'."""
+    seconds = int(round(seconds))
+    if seconds < 60:
+        return f"{seconds}s"
+    if seconds < 3600:
+        return f"{seconds // 60}m{seconds % 60:02d}s"
+    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
 
 
 def run_sweep(
@@ -295,8 +325,9 @@ def run_sweep(
     _write_plan(workdir, sweep_cfg, units)
 
     rows = []
-    for model_name, model_units in itertools.groupby(mine, key=lambda u: u.model):
-        model_units = list(model_units)
+    by_model = [(name, list(group)) for name, group in itertools.groupby(mine, lambda u: u.model)]
+    started = time.perf_counter()
+    for model_index, (model_name, model_units) in enumerate(by_model, start=1):
         first = model_units[0].cfg
         params = _model_params(model_units[0], workdir, sweep.name, progress)
         data = make_dataset(first.data, first.eval.split, first.train.seq_len)
@@ -304,16 +335,21 @@ def run_sweep(
         chunk = first.eval.chunk
         baseline_cache = full_precision(first.cache)
         baseline = evaluate(first.model, baseline_cache, params, batches, chunk=chunk)
-        for unit in model_units:
+        for cache_index, unit in enumerate(model_units, start=1):
             if unit.cfg.cache.to_dict() == baseline_cache.to_dict():
-                result = baseline  # the 16-bit entry: already evaluated
+                result = baseline  # the full-precision entry: already evaluated
             else:
                 result = evaluate(unit.cfg.model, unit.cfg.cache, params, batches, chunk=chunk)
             rows.append(_row(sweep.name, unit, result, baseline, data.metric))
             if progress:
+                elapsed = time.perf_counter() - started
+                left = elapsed / len(rows) * (len(mine) - len(rows))
                 print(
-                    f"{model_name:>10} {unit.cache:>10}: {data.metric}={result[data.metric]:.4f} "
-                    f"bytes/token={result['cache_bytes_per_token']:.1f}",
+                    f"model {model_index}/{len(by_model)} ({model_name}), cache "
+                    f"{cache_index}/{len(model_units)} ({unit.cache}): "
+                    f"{data.metric}={result[data.metric]:.4f} "
+                    f"bytes/token={result['cache_bytes_per_token']:.1f}; "
+                    f"{len(rows)}/{len(mine)} units, eta {_duration(left)}",
                     flush=True,
                 )
     _write_csv(os.path.join(workdir, "slices", f"{sweep_index}-of-{sweep_count}.csv"), rows)
@@ -334,8 +370,7 @@ def merge(workdir: str) -> list[dict]:
     path = os.path.join(workdir, "sweep.json")
     if not os.path.isfile(path):
         raise ValueError(f"workdir={workdir!r} has no sweep.json: run a sweep slice there first")
-    with open(path) as f:
-        plan = json.load(f)
+    plan = read_json(path)
     sweep_cfg = ml_collections.ConfigDict(plan["config"])
     cfg, sweep = split_sweep_config(sweep_cfg)
     found: dict[tuple, list] = {}
@@ -446,8 +481,10 @@ def pareto_plot(rows: list[Mapping], path: str, title: str = "") -> None:
     ax.add_artist(first)
     ax.legend(handles=bits, loc="upper center", fontsize=7, title="bits", ncol=2)
     fig.tight_layout()
-    fig.savefig(path)
+    image = io.BytesIO()
+    fig.savefig(image, format="png")
     plt.close(fig)
+    write_atomic(path, image.getvalue())
 
 
 def _numbers(label: str) -> list[str]:

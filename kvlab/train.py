@@ -4,27 +4,37 @@
 
 A run's working directory holds
 
-    workdir/config.json        the whole config the run was started with
+    workdir/config.json        the whole config the run was last started with
     workdir/checkpoints/<step> orbax checkpoints of the train state (the last
                                `train.keep`, every `train.checkpoint_every` steps
-                               and at the end)
+                               and at the end), each with the sha256 of its
+                               arrays in its orbax metadata
+    workdir/damaged_checkpoints/<step>  checkpoints a resume found damaged
     workdir/metrics.jsonl      one JSON line per logged step (train and eval)
+    workdir/wandb_run_id       the wandb run every restart continues
     workdir/wandb/             the wandb run (offline by default; `wandb sync`)
 
 A run started in a working directory that holds checkpoints resumes from the
-latest one. Batches are a pure function of (seed, step) (kvlab/data), so a
-resumed run continues exactly the loss curve of an uninterrupted one (bitwise
-on CPU). A step whose loss or gradient is not finite leaves the state as it was
-and the run stops with `NonFiniteLoss` before anything else is saved, so the
-latest checkpoint is always the last good state.
+newest one that restores and matches its checksum: a truncated, partly deleted
+or altered one is skipped with a warning and moved to damaged_checkpoints/.
+Lines of metrics.jsonl after the restored step are dropped, as those steps run
+again. Batches are a pure function of (seed, step) (kvlab/data), so a resumed
+run continues exactly the loss curve of an uninterrupted one (bitwise on CPU).
+A step whose loss, gradient, updated weights or optimizer state is not finite
+leaves the state as it was and the run stops with `NonFiniteLoss` before
+anything else is saved, so the latest checkpoint is always the last good state.
+The files a later run reads are replaced atomically (kvlab/files.py).
 """
 
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
 import os
+import shutil
 import time
+import warnings
 from collections.abc import Mapping
 
 import jax
@@ -36,21 +46,29 @@ import orbax.checkpoint as ocp
 import tqdm
 from flax import struct
 
-from kvlab.config import base_config, frozen, validate_config
+from kvlab.config import complete_config, frozen, validate_config
 from kvlab.data import make_dataset
+from kvlab.files import read_json, store_json, write_atomic
 from kvlab.logging import Run
 from kvlab.model import Transformer
 
 
 class NonFiniteLoss(FloatingPointError):
-    """The loss or the gradient norm of a training step was NaN or infinite."""
+    """A training step's loss, gradient norm, updated weights or optimizer state
+    was NaN or infinite."""
+
+
+class DamagedCheckpoint(ValueError):
+    """A checkpoint does not restore, or its arrays differ from what was saved."""
 
 
 @struct.dataclass
 class TrainState:
     step: jax.Array  # int32 scalar: optimizer updates applied
     params: dict
-    opt_state: optax.OptState
+    # optimizer()'s optax.OptState, a tuple (one state per transform of the chain);
+    # annotated as the tuple because optax's alias does not resolve outside optax.
+    opt_state: tuple
 
 
 def learning_rate(train_cfg: Mapping) -> optax.Schedule:
@@ -108,12 +126,21 @@ def score(logits, targets, weights) -> dict:
     }
 
 
+def all_finite(tree) -> jax.Array:
+    """True when every floating-point number in `tree` is finite (a bool scalar)."""
+    leaves = [x for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.inexact)]
+    return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves]))
+
+
 @functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=2)
 def train_step(model: Transformer, train_cfg, state: TrainState, batch) -> tuple:
     """One AdamW update on one batch; returns (state, metrics).
 
-    A non-finite loss or gradient leaves the state untouched (metrics report
-    finite=False and the host stops the run).
+    The step keeps the new state only when everything it would keep is finite:
+    the loss and gradient norm, and also the updated weights and optimizer
+    state, which a learning rate too large for float32 overflows while the
+    loss is still finite. Otherwise the state stays as it was and
+    metrics["finite"] says which part was not (the host stops the run).
     """
 
     def loss_fn(params):
@@ -124,9 +151,15 @@ def train_step(model: Transformer, train_cfg, state: TrainState, batch) -> tuple
     updates, opt_state = optimizer(train_cfg).update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
     grad_norm = optax.tree.norm(grads)
-    finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+    finite = {
+        "loss": jnp.isfinite(loss),
+        "grad_norm": jnp.isfinite(grad_norm),
+        "params": all_finite(params),
+        "opt_state": all_finite(opt_state),
+    }
+    keep = finite["loss"] & finite["grad_norm"] & finite["params"] & finite["opt_state"]
     stepped = TrainState(step=state.step + 1, params=params, opt_state=opt_state)
-    state = jax.tree.map(lambda new, old: jnp.where(finite, new, old), stepped, state)
+    state = jax.tree.map(lambda new, old: jnp.where(keep, new, old), stepped, state)
     metrics = {
         "loss": loss,
         "accuracy": sums["correct"] / jnp.maximum(sums["weight"], 1.0),
@@ -173,64 +206,198 @@ def checkpoint_manager(workdir: str, train_cfg: Mapping) -> ocp.CheckpointManage
         max_to_keep=train_cfg.keep, create=True, enable_async_checkpointing=False
     )
     directory = os.path.join(os.path.abspath(workdir), "checkpoints")
-    return ocp.CheckpointManager(directory, options=options)
+    # One unnamed item, fixed here: left to guess, orbax takes the layout from
+    # the first step folder it reads, and a stray empty one makes it expect
+    # several named items for every step.
+    return ocp.CheckpointManager(
+        directory, options=options, item_handlers=ocp.StandardCheckpointHandler()
+    )
 
 
-def restore(manager: ocp.CheckpointManager, template: TrainState, step: int | None = None):
-    """The state saved at `step` (default the latest), shaped like `template`."""
-    step = manager.latest_step() if step is None else step
+# The step metadata key of a checkpoint's checksum (state_checksum).
+CHECKSUM_KEY = "kvlab_sha256"
+
+
+def state_checksum(state: TrainState) -> str:
+    """sha256 over every leaf of `state`: its tree path, dtype, shape and bytes."""
+    digest = hashlib.sha256()
+    for path, leaf in jax.tree_util.tree_leaves_with_path(jax.device_get(state)):
+        array = np.ascontiguousarray(leaf)
+        digest.update(f"{jax.tree_util.keystr(path)} {array.dtype} {array.shape}\n".encode())
+        digest.update(array.tobytes())
+    return digest.hexdigest()
+
+
+def save(manager: ocp.CheckpointManager, state: TrainState) -> None:
+    """Saves `state` at its step, its checksum in the step's orbax metadata."""
+    manager.save(
+        int(state.step),
+        args=ocp.args.StandardSave(state),
+        custom_metadata={CHECKSUM_KEY: state_checksum(state)},
+    )
+
+
+def restore(
+    manager: ocp.CheckpointManager, template: TrainState, step: int | None = None
+) -> TrainState:
+    """The state saved at `step` (default the latest), shaped like `template`.
+
+    Raises ValueError naming the steps there are when there is no checkpoint
+    at `step`, and DamagedCheckpoint when it does not restore (files truncated
+    or missing) or its arrays no longer match the checksum saved with them.
+    """
+    steps = list(manager.all_steps())
+    if not steps:
+        raise ValueError(f"{manager.directory} holds no checkpoint: train a model there first")
+    step = max(steps) if step is None else step
+    if step not in steps:
+        raise ValueError(
+            f"step={step!r} has no checkpoint in {manager.directory}, which holds steps "
+            f"{steps}: pass one of those (or no step, for the latest)"
+        )
+    where = f"checkpoint step {step} in {manager.directory}"
     abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, template)
-    return manager.restore(step, args=ocp.args.StandardRestore(abstract))
+    try:
+        state = manager.restore(step, args=ocp.args.StandardRestore(abstract))
+        saved = (manager.metadata(step).custom_metadata or {}).get(CHECKSUM_KEY)
+    except Exception as error:  # orbax and tensorstore raise many kinds for damaged files
+        first_line = (str(error).splitlines() or [""])[0][:200]
+        raise DamagedCheckpoint(
+            f"{where} does not restore ({type(error).__name__}: {first_line})"
+        ) from error
+    if saved is not None and saved != state_checksum(state):  # None: saved before checksums
+        raise DamagedCheckpoint(f"{where} does not match the checksum saved with it")
+    return state
+
+
+def latest_good_state(
+    manager: ocp.CheckpointManager, template: TrainState, set_aside: str | None = None
+) -> TrainState | None:
+    """The state of the newest checkpoint that restores (see `restore`); None when
+    there is no checkpoint.
+
+    Each newer, damaged one is skipped with a warning saying why; with
+    `set_aside` (a folder) it is also moved there, so that a resumed run can
+    save its step again. Raises ValueError when no checkpoint restores.
+    """
+    damaged = []
+    for step in sorted(manager.all_steps(), reverse=True):
+        try:
+            state = restore(manager, template, step)
+        except DamagedCheckpoint as error:
+            damaged.append((step, error))
+            continue
+        for bad_step, error in damaged:
+            moved = ""
+            if set_aside is not None:
+                moved = f"; moved it to {_move_aside(manager, bad_step, set_aside)}"
+            warnings.warn(f"{error}: skipped it for step {step}{moved}", stacklevel=2)
+        manager.reload()
+        return state
+    if damaged:
+        raise ValueError(
+            f"no checkpoint restores ({'; '.join(str(error) for _, error in damaged)}): move "
+            f"{manager.directory} aside to start the run over"
+        )
+    return None
+
+
+def _move_aside(manager: ocp.CheckpointManager, step: int, folder: str) -> str:
+    """Moves checkpoint `step` into `folder` (as <step>, or <step>-<n> if taken); returns where."""
+    os.makedirs(folder, exist_ok=True)
+    target, n = os.path.join(folder, str(step)), 0
+    while os.path.exists(target):
+        n += 1
+        target = os.path.join(folder, f"{step}-{n}")
+    shutil.move(os.path.join(manager.directory, str(step)), target)
+    return target
 
 
 def load_params(workdir: str, step: int | None = None):
-    """(config, params) of a finished or interrupted run in `workdir`."""
+    """(config, params) of a finished or interrupted run in `workdir`: the
+    checkpoint at `step`, or the newest one that restores."""
     cfg = load_run_config(workdir)
     manager = checkpoint_manager(workdir, cfg.train)
-    if manager.latest_step() is None:
-        raise ValueError(f"workdir={workdir!r} holds no checkpoint: train a model there first")
-    state = restore(manager, jax.eval_shape(lambda: init_state(cfg)), step)
-    manager.close()
+    try:
+        template = jax.eval_shape(lambda: init_state(cfg))
+        if step is None:
+            state = latest_good_state(manager, template)
+            if state is None:
+                raise ValueError(
+                    f"workdir={workdir!r} holds no checkpoint: train a model there first"
+                )
+        else:
+            state = restore(manager, template, step)
+    finally:
+        manager.close()
     return cfg, state.params
 
 
 def load_run_config(workdir: str) -> ml_collections.ConfigDict:
+    """The config stored in workdir/config.json; fields added to the schema
+    since the run was saved take their defaults."""
     path = os.path.join(workdir, "config.json")
     if not os.path.isfile(path):
         raise ValueError(
             f"workdir={workdir!r} has no config.json: it is not a kvlab training directory"
         )
+    return validate_config(ml_collections.ConfigDict(read_json(path)))
+
+
+def _store_run_config(cfg: ml_collections.ConfigDict, workdir: str) -> None:
+    """Records the config in workdir/config.json (rewritten only when it changed),
+    refusing to resume a different model or data."""
+    store_json(
+        os.path.join(workdir, "config.json"),
+        json.loads(cfg.to_json()),
+        fixed=("model", "data"),
+        owner="a run",
+        normalize=lambda stored: json.loads(
+            complete_config(ml_collections.ConfigDict(stored)).to_json()
+        ),
+    )
+
+
+def _drop_replayed_metrics(workdir: str, step: int) -> None:
+    """Keeps the lines of workdir/metrics.jsonl up to `step`, the restored one: the
+    steps after it run again. A torn line (a run killed mid-write) goes too."""
+    path = os.path.join(workdir, "metrics.jsonl")
+    if not os.path.exists(path):
+        return
     with open(path) as f:
-        stored = json.load(f)
-    # Fields added to the schema after the run was saved take their defaults.
-    cfg = base_config()
-    for name, section in stored.items():
-        _merge(cfg[name], section)
-    return validate_config(cfg)
+        lines = f.readlines()
+    kept = []
+    for line in lines:
+        try:
+            logged = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if logged["step"] <= step:
+            kept.append(line if line.endswith("\n") else line + "\n")
+    if kept != lines:
+        write_atomic(path, "".join(kept))
 
 
-def _merge(target: ml_collections.ConfigDict, values: Mapping) -> None:
-    for key, value in values.items():
-        if isinstance(value, Mapping) and key in target:
-            _merge(target[key], value)
-        else:
-            target[key] = value
-
-
-def _write_run_config(cfg: ml_collections.ConfigDict, workdir: str) -> None:
-    """Stores the config, refusing to resume a different model or data."""
-    path = os.path.join(workdir, "config.json")
+def _wandb_run(cfg: ml_collections.ConfigDict, workdir: str, name: str, group) -> Run:
+    """The run's wandb run: the one workdir/wandb_run_id names (a restart goes
+    on logging there), else a new one whose id is stored there."""
+    path = os.path.join(workdir, "wandb_run_id")
+    stored = None
     if os.path.isfile(path):
         with open(path) as f:
-            stored = json.load(f)
-        for section in ("model", "data"):
-            if stored[section] != json.loads(cfg[section].to_json()):
-                raise ValueError(
-                    f"workdir={workdir!r} holds a run with another {section} section: "
-                    f"use a fresh workdir, or the config stored in {path}"
-                )
-    with open(path, "w") as f:
-        f.write(cfg.to_json(indent=2))
+            stored = f.read().strip() or None
+    run = Run(
+        cfg.wandb,
+        name=name,
+        config=cfg.to_dict(),
+        workdir=workdir,
+        job_type="train",
+        group=group,
+        run_id=stored,
+    )
+    if run.id is not None and run.id != stored:
+        write_atomic(path, run.id + "\n")
+    return run
 
 
 # ---------------------------------------------------------------------------
@@ -260,12 +427,15 @@ class _Log:
             return
         fetched = jax.device_get([m for _, m in self.pending])
         for (bad, _), m in zip(self.pending, fetched, strict=True):
-            if not m["finite"]:
+            parts = [part for part, finite in m["finite"].items() if not finite]
+            if parts:
+                latest = manager.latest_step()
+                kept = f"the latest checkpoint (step {latest}) is the last good state"
                 raise NonFiniteLoss(
-                    f"step {bad}: loss={float(m['loss'])}, grad_norm={float(m['grad_norm'])} is "
-                    f"not finite; the run stopped and the latest checkpoint "
-                    f"(step {manager.latest_step()}) is the last good state. Lower train.lr "
-                    "or raise train.warmup"
+                    f"step {bad}: {', '.join(parts)} not finite (loss={float(m['loss'])}, "
+                    f"grad_norm={float(m['grad_norm'])}); the step was not kept, the run "
+                    f"stopped and {kept if latest is not None else 'no checkpoint was saved'}. "
+                    "Lower train.lr or raise train.warmup"
                 )
         elapsed = time.perf_counter() - self.clock
         metrics = {
@@ -292,7 +462,8 @@ def train(
 ) -> tuple[TrainState, list[dict]]:
     """Trains `cfg.model` on `cfg.data` for `cfg.train.steps` steps in `workdir`.
 
-    Resumes from the latest checkpoint there; every `train.eval_every` steps
+    Resumes from the newest checkpoint there that restores (damaged ones are
+    skipped with a warning and moved aside); every `train.eval_every` steps
     logs the loss on the validation split (plain forward). Returns the final
     state and the metrics logged by this call (the lines added to metrics.jsonl).
     """
@@ -303,26 +474,28 @@ def train(
         cfg.eval.batch_size, cfg.eval.num_batches
     )
     os.makedirs(workdir, exist_ok=True)
-    _write_run_config(cfg, workdir)
+    _store_run_config(cfg, workdir)
 
     model = Transformer(cfg.model)
     frozen_train = frozen(tcfg)
     manager = checkpoint_manager(workdir, tcfg)
-    if manager.latest_step() is None:
-        state = init_state(cfg)
-    else:
-        state = restore(manager, jax.eval_shape(lambda: init_state(cfg)))
-    start = int(state.step)
-    if start >= tcfg.steps:
-        manager.close()
-        return state, []  # a finished run: nothing to do
-
-    name = name or os.path.basename(os.path.abspath(workdir))
-    config = cfg.to_dict()
-    run = Run(cfg.wandb, name=name, config=config, workdir=workdir, job_type="train", group=group)
-    bar = tqdm.tqdm(total=tcfg.steps, initial=start, disable=not progress, desc=name, unit="step")
-    log = _Log(workdir, run, bar, tokens_per_step=tcfg.batch_size * tcfg.seq_len)
     try:
+        template = jax.eval_shape(lambda: init_state(cfg))
+        damaged = os.path.join(workdir, "damaged_checkpoints")
+        state = latest_good_state(manager, template, set_aside=damaged)
+        if state is None:
+            state = init_state(cfg)
+        start = int(state.step)
+        if start >= tcfg.steps:
+            return state, []  # a finished run: nothing to do
+        _drop_replayed_metrics(workdir, start)
+
+        name = name or os.path.basename(os.path.abspath(workdir))
+        run = _wandb_run(cfg, workdir, name, group)
+        bar = tqdm.tqdm(
+            total=tcfg.steps, initial=start, disable=not progress, desc=name, unit="step"
+        )
+        log = _Log(workdir, run, bar, tokens_per_step=tcfg.batch_size * tcfg.seq_len)
         with run, bar:
             for step in range(start + 1, tcfg.steps + 1):
                 batch = train_data.batch(step - 1, tcfg.batch_size, tcfg.seed)
@@ -338,7 +511,7 @@ def train(
                     log.record(step, {f"eval/{k}": v for k, v in result.items()})
                 if step % tcfg.checkpoint_every == 0 or last:
                     log.flush(step, manager)
-                    manager.save(step, args=ocp.args.StandardSave(state))
+                    save(manager, state)
             run.summary({k: v for line in log.history for k, v in line.items() if k != "step"})
     finally:
         manager.close()

@@ -1,8 +1,10 @@
+import math
+
 import ml_collections
 import pytest
 
 import kvlab
-from kvlab.config import VARIANTS
+from kvlab.config import VARIANTS, complete_config
 from tests.helpers import ROOT
 
 GQA_KV_HEADS = {"tiny": 2, "small": 2, "base": 4}
@@ -58,8 +60,9 @@ BAD_CONFIGS = [
     ("model", "vocab_size", 0, "below 1"),
     ("model", "num_kv_heads", 0, "below 1"),
     ("model", "head_dim", 2.5, "not an integer"),
-    ("model", "rope_theta", 0.0, "not a positive number"),
-    ("model", "norm_eps", -1e-6, "not a positive number"),
+    ("model", "rope_theta", 0.0, "not a finite number > 0"),
+    ("model", "rope_theta", math.inf, "not a finite number > 0"),
+    ("model", "norm_eps", -1e-6, "not a finite number > 0"),
     ("model", "attention", "linear", "'gqa', 'mla'"),
     ("model", "dtype", "float8", "'float32'"),
     ("model", "param_dtype", "fp32", "'bfloat16'"),
@@ -69,8 +72,20 @@ BAD_CONFIGS = [
     ("cache", "k_bits", 3, "16"),
     ("cache", "v_bits", 16.0, "16"),
     ("train", "steps", 0, "below 1"),
-    ("train", "lr", -1.0, "not a positive number"),
-    ("train", "weight_decay", -0.1, ">= 0"),
+    ("train", "lr", -1.0, "not a finite number > 0"),
+    ("train", "lr", math.inf, "not a finite number > 0"),
+    ("train", "lr", math.nan, "not a finite number > 0"),
+    ("train", "weight_decay", -0.1, "not a finite number >= 0"),
+    ("train", "weight_decay", math.nan, "not a finite number >= 0"),
+    ("train", "weight_decay", math.inf, "not a finite number >= 0"),
+    ("train", "clip", math.inf, "not a finite number > 0"),
+    ("train", "clip", 0.0, "not a finite number > 0"),
+    ("train", "warmup", math.inf, "not an integer"),
+    ("train", "warmup", -1, "below 0"),
+    ("train", "seed", 2**32, "set train.seed in 0..4294967295"),
+    ("train", "seed", 2**32 + 7, "it would act as 7"),
+    ("train", "seed", -1, "below 0"),
+    ("model", "vocab_size", 100, "below the 256 byte values data.source='stdlib'"),
     ("data", "source", "web", "'stdlib'"),
     ("wandb", "mode", "cloud", "'offline'"),
 ]
@@ -123,21 +138,91 @@ def test_bad_field_raises_naming_field_value_and_fix(section, field, value, word
     assert words in message
 
 
+def test_seed_and_numbers_at_their_limits_pass():
+    cfg = kvlab.base_config("tiny")
+    cfg.train.update(seed=2**32 - 1, weight_decay=0.0, lr=1e-8)
+    assert kvlab.validate_config(cfg).train.seed == 2**32 - 1
+
+
+def test_the_model_vocabulary_must_hold_the_data_vocabulary():
+    cfg = kvlab.base_config("tiny")
+    cfg.data.source = "text"
+    cfg.data.path = "corpus.txt"
+    cfg.model.vocab_size = 255
+    with pytest.raises(ValueError) as error:
+        kvlab.validate_config(cfg)
+    message = str(error.value)
+    assert message.startswith("model.vocab_size=255") and "256" in message
+    assert "set model.vocab_size >= 256" in message
+    # MQAR uses only its own ids: a small model vocabulary fits a small MQAR one.
+    cfg.data.source = "mqar"
+    cfg.data.mqar.vocab_size = 64
+    cfg.model.vocab_size = 64
+    kvlab.validate_config(cfg)
+    cfg.model.vocab_size = 63
+    with pytest.raises(ValueError, match=r"data.mqar.vocab_size=64 exceeds model.vocab_size=63"):
+        kvlab.validate_config(cfg)
+
+
 def test_text_source_needs_a_path():
     cfg = _bad("data", "source", "text")
     with pytest.raises(ValueError, match=r"data.path=''"):
         kvlab.validate_config(cfg)
 
 
-def test_unknown_and_missing_fields_are_named():
+def test_unknown_fields_are_named_and_omitted_ones_take_their_defaults():
     cfg = kvlab.base_config("tiny")
     cfg.model.num_kv_head = 2  # a typo of num_kv_heads
     with pytest.raises(ValueError, match=r"model.num_kv_head is not a kvlab config field"):
         kvlab.validate_config(cfg)
     cfg = kvlab.base_config("tiny")
-    del cfg.cache["dtype"]
-    with pytest.raises(ValueError, match=r"cache.dtype is missing"):
-        kvlab.validate_config(cfg)
+    cfg.cache.dtype = "bfloat16"
+    del cfg.cache["residual"]
+    del cfg.model["mla"]  # a grouped-query model has no use for it
+    assert kvlab.validate_config(cfg) is cfg
+    assert cfg.cache.residual == 0 and cfg.cache.dtype == "bfloat16"
+    assert cfg.model.mla.to_dict() == kvlab.base_config("tiny").model.mla.to_dict()
+
+
+def test_a_partial_config_is_completed_then_validated():
+    """Sections a config file builds by hand, with only the fields it cares about."""
+    cfg = ml_collections.ConfigDict(
+        {
+            "model": {"num_layers": 1, "num_kv_heads": 2, "attention": "gqa"},
+            "cache": {"k_bits": 8, "v_bits": 4},
+            "train": {"steps": 3},
+        }
+    )
+    cfg.lock()  # as a --config flag delivers it
+    kvlab.validate_config(cfg)
+    full = kvlab.base_config("tiny")
+    assert set(cfg) == set(full) and set(cfg.model) == set(full.model)
+    assert (cfg.model.num_layers, cfg.model.embed_dim, cfg.cache.v_bits) == (1, 64, 4)
+    assert cfg.train.lr == full.train.lr and cfg.wandb.mode == full.wandb.mode
+
+    # Completion never hides a bad or unknown field, and never changes a given one.
+    bad = ml_collections.ConfigDict({"model": {"num_kv_heads": 3}})
+    with pytest.raises(ValueError, match=r"model.num_kv_heads=3 must divide"):
+        kvlab.validate_config(bad)
+    unknown = ml_collections.ConfigDict({"model": {"kv_heads": 2}, "optimizer": {}})
+    complete_config(unknown)
+    assert unknown.model.kv_heads == 2 and "optimizer" in unknown
+    with pytest.raises(ValueError, match=r"config.optimizer is not a kvlab config field"):
+        kvlab.validate_config(unknown)
+
+
+def test_a_config_file_may_omit_what_does_not_apply(tmp_path):
+    path = tmp_path / "partial.py"
+    path.write_text(
+        "import ml_collections\n\n\n"
+        "def get_config(arg='tiny'):\n"
+        "    return ml_collections.ConfigDict(\n"
+        "        {'model': {'attention': 'mla', 'head_dim': 24, 'mla': {'kv_rank': 32}}}\n"
+        "    )\n"
+    )
+    cfg = kvlab.load_config(f"{path}:tiny")
+    assert cfg.model.attention == "mla" and cfg.model.mla.kv_rank == 32
+    assert cfg.model.mla.rope_dim == 8 and cfg.cache.latent_bits == 16
 
 
 def test_bad_config_is_refused_by_the_model_and_cache_before_compiling():

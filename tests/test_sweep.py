@@ -5,15 +5,18 @@ import csv
 import json
 import shutil
 
+import ml_collections
+import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvlab.config import import_config_file
+from kvlab.config import import_config_file, validate_config
 from kvlab.logging import read_offline_run
 from kvlab.sweep import (
     COLUMNS,
     Unit,
+    bits_label,
     expand,
     merge,
     pareto_front,
@@ -59,8 +62,32 @@ def test_slices_cover_the_grid_exactly_once_and_in_order(units, count):
 def test_bad_slices_are_refused():
     with pytest.raises(ValueError, match="--sweep_index=3"):
         slice_units([], 3, 3)
-    with pytest.raises(ValueError, match="--sweep_count=0"):
+    with pytest.raises(ValueError, match="--sweep_count=0 is below 1"):
         slice_units([], 0, 0)
+    with pytest.raises(ValueError, match="--sweep_index=-1 is below 0"):
+        slice_units([], -1, 2)
+    with pytest.raises(ValueError, match="--sweep_count=True is not an integer"):
+        slice_units([], 0, True)
+    assert slice_units(list("abcd"), np.int64(1), np.int32(2)) == ["c", "d"]
+
+
+@pytest.mark.parametrize(
+    "attention, dtype, bits, label",
+    [
+        ("gqa", "float32", {}, "K32V32"),
+        ("gqa", "bfloat16", {}, "K16V16"),
+        ("gqa", "float16", {"k_bits": 8}, "K8V16"),
+        ("gqa", "float32", {"k_bits": 4, "v_bits": 2}, "K4V2"),
+        ("mla", "float32", {"latent_bits": 4}, "L4R32"),
+        ("mla", "bfloat16", {"rope_bits": 8}, "L16R8"),
+    ],
+)
+def test_the_bits_label_counts_the_bits_really_stored(attention, dtype, bits, label):
+    cfg = ml_collections.ConfigDict({"model": {"attention": attention}, "cache": {"dtype": dtype}})
+    if attention == "mla":
+        cfg.model.update(num_kv_heads=4, head_dim=24)
+    cfg.cache.update(bits)
+    assert bits_label(validate_config(cfg)) == label
 
 
 def test_cache_entries_apply_to_the_models_that_cache_their_tensors(tmp_path):
@@ -110,13 +137,19 @@ def test_the_pareto_front_holds_exactly_the_undominated_points(points):
     assert pareto_front(mirrored, higher_is_better=True) == pareto_front(points)
 
 
-def test_sliced_sweep_merges_into_table_plot_and_wandb(tmp_path):
+def test_sliced_sweep_merges_into_table_plot_and_wandb(tmp_path, capsys):
     corpus = write_corpus(tmp_path / "corpus")
     cfg = sweep_config(corpus)
     cfg.wandb.mode = "offline"
     workdir = tmp_path / "sweep"
-    first = run_sweep(cfg, GRID, str(workdir), sweep_index=0, sweep_count=2, progress=False)
+    first = run_sweep(cfg, GRID, str(workdir), sweep_index=0, sweep_count=2, progress=True)
     assert [r["model"] for r in first] == ["mqa", "mqa"]
+    printed = [line for line in capsys.readouterr().out.splitlines() if line.startswith("model")]
+    assert [line.split(":")[0] for line in printed] == [
+        "model 1/1 (mqa), cache 1/2 (16bit)",
+        "model 1/1 (mqa), cache 2/2 (K8V4)",
+    ]
+    assert "; 1/2 units, eta " in printed[0] and printed[1].endswith("; 2/2 units, eta 0s")
     with pytest.raises(ValueError, match="2 of 4 units have no results"):
         merge(str(workdir))
     second = run_sweep(cfg, GRID, str(workdir), sweep_index=1, sweep_count=2, progress=False)
@@ -139,7 +172,8 @@ def test_sliced_sweep_merges_into_table_plot_and_wandb(tmp_path):
         assert float(row["delta_vs_16bit_pct"]) == pytest.approx(
             100 * (float(row["ppl"]) / baseline[row["model"]] - 1), abs=1e-6
         )
-    assert table[1]["bits"] == "K8V4" and table[3]["bits"] == "L4R16"
+    # Labelled by the bits stored: the unquantized float32 cache is 32-bit.
+    assert [r["bits"] for r in table] == ["K32V32", "K8V4", "L32R32", "L4R32"]
     assert table[3]["k_bits"] == "" and table[3]["latent_bits"] == "4"
     assert float(table[1]["cache_bytes_per_token"]) < float(table[0]["cache_bytes_per_token"])
     assert (workdir / "pareto.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -167,6 +201,11 @@ def test_sliced_sweep_merges_into_table_plot_and_wandb(tmp_path):
     with pytest.raises(ValueError, match="appears in 2 slices"):
         merge(str(workdir))
     assert len(rows) == 4
+
+    # The folder holds this sweep: another grid is refused before anything runs.
+    smaller = {"models": {"mqa": GRID["models"]["mqa"]}, "caches": GRID["caches"]}
+    with pytest.raises(ValueError, match=r"holds a sweep with another units section"):
+        run_sweep(cfg, smaller, str(workdir), progress=False)
 
 
 def test_the_default_sweep_config_spans_every_lever():

@@ -1,15 +1,36 @@
 """Training: the loss falls, checkpoints round-trip, a resumed run is the same
-run, and a non-finite loss stops the run without touching the last good state."""
+run (even when its latest checkpoint is damaged), and a non-finite loss or
+update stops the run without touching the last good state."""
 
 import json
+import os
 import shutil
 
 import jax
+import ml_collections
 import numpy as np
 import pytest
 
-from kvlab.train import NonFiniteLoss, checkpoint_manager, load_params, restore, train
+from kvlab.config import base_config
+from kvlab.logging import read_offline_run
+from kvlab.train import (
+    DamagedCheckpoint,
+    NonFiniteLoss,
+    checkpoint_manager,
+    load_params,
+    load_run_config,
+    restore,
+    train,
+)
 from tests.helpers import run_config, write_corpus
+
+# When one array of a damaged checkpoint fails to read, orbax drops the reads of
+# the others unfinished; Python reports each when it collects it, during
+# whichever test runs then.
+pytestmark = pytest.mark.filterwarnings(
+    "ignore:Exception ignored in. <coroutine object _read_array_index_and_device_put"
+    ":pytest.PytestUnraisableExceptionWarning"
+)
 
 
 @pytest.fixture(scope="module")
@@ -51,20 +72,21 @@ def test_resumed_run_continues_the_same_curve_bitwise(corpus, tmp_path):
     assert_trees_equal(restore(manager, state), state)
     manager.close()
 
-    # Lose everything after step 2, as if the run had been killed there.
+    # Lose the checkpoint after step 2, as if the run had been killed before
+    # saving it: the resumed run drops the metrics of steps 3-4 and logs them again.
     shutil.rmtree(tmp_path / "checkpoints" / "4")
-    (tmp_path / "metrics.jsonl").write_text(
-        "".join(json.dumps(line) + "\n" for line in uninterrupted if line["step"] <= 2)
-    )
     resumed_state, history = train(cfg, tmp_path, progress=False)
     assert history[0]["step"] == 3 and history[0]["train/tokens_per_s"] > 0
     assert read_metrics(tmp_path) == uninterrupted
     assert_trees_equal(resumed_state, state)
 
-    # A finished run is reused as it is.
+    # A finished run is reused as it is, its config.json not even rewritten.
+    stored = os.stat(tmp_path / "config.json")
     again, history = train(cfg, tmp_path, progress=False)
     assert history == []
     assert_trees_equal(again, state)
+    unchanged = os.stat(tmp_path / "config.json")
+    assert (unchanged.st_ino, unchanged.st_mtime_ns) == (stored.st_ino, stored.st_mtime_ns)
     _, params = load_params(tmp_path)
     assert_trees_equal(params, state.params)
 
@@ -97,3 +119,169 @@ def test_bfloat16_compute_trains_float32_weights(corpus, tmp_path):
     assert all(p.dtype == np.float32 for p in jax.tree.leaves(state.params))
     assert all(np.isfinite(line["train/loss"]) for line in history if "train/loss" in line)
     assert history[-1]["eval/loss"] < np.log(256) + 0.5
+
+
+# ---------------------------------------------------------------------------
+# Damaged checkpoints
+
+
+@pytest.fixture(scope="module")
+def finished_run(corpus, tmp_path_factory):
+    """An uninterrupted run of 6 steps (checkpoints 2, 4, 6): its config, folder,
+    final state and metrics."""
+    workdir = tmp_path_factory.mktemp("finished")
+    cfg = run_config(corpus, steps=6, checkpoint_every=2, log_every=1, eval_every=2)
+    state, _ = train(cfg, workdir, progress=False)
+    return cfg, workdir, state, read_metrics(workdir)
+
+
+def largest_file(folder):
+    return max((p for p in folder.rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
+
+
+def truncate(step_dir):
+    data = largest_file(step_dir)
+    data.write_bytes(data.read_bytes()[: data.stat().st_size // 2])
+
+
+def delete(step_dir):
+    largest_file(step_dir).unlink()
+
+
+def flip_bytes(step_dir):
+    """Bytes that still decode, into other numbers: only the checksum sees it."""
+    data = largest_file(step_dir)
+    content = bytearray(data.read_bytes())
+    middle = len(content) // 2
+    content[middle : middle + 8] = bytes(b ^ 0xFF for b in content[middle : middle + 8])
+    data.write_bytes(bytes(content))
+
+
+def empty_folder(step_dir):
+    shutil.rmtree(step_dir)
+    step_dir.mkdir()
+
+
+@pytest.mark.parametrize(
+    "damage, reason",
+    [
+        (truncate, "does not restore"),
+        (delete, "does not restore"),
+        (flip_bytes, "does not match the checksum"),
+        (empty_folder, "does not restore"),
+    ],
+)
+def test_a_damaged_latest_checkpoint_resumes_from_the_one_before(
+    finished_run, tmp_path, damage, reason
+):
+    cfg, finished, state, metrics = finished_run
+    workdir = tmp_path / "run"
+    shutil.copytree(finished, workdir)
+    damage(workdir / "checkpoints" / "6")
+    with pytest.warns(UserWarning, match=rf"checkpoint step 6 .* {reason}.*skipped it for step 4"):
+        resumed, history = train(cfg, workdir, progress=False)
+    assert history[0]["step"] == 5
+    assert read_metrics(workdir) == metrics  # steps 5-6 replaced, not duplicated
+    assert_trees_equal(resumed, state)
+    assert (workdir / "damaged_checkpoints" / "6").is_dir()
+    _, params = load_params(workdir, step=6)  # saved again, whole
+    assert_trees_equal(params, state.params)
+
+
+def test_load_params_names_the_steps_there_are_and_refuses_a_damaged_one(finished_run, tmp_path):
+    cfg, finished, state, _ = finished_run
+    workdir = tmp_path / "run"
+    shutil.copytree(finished, workdir)
+    with pytest.raises(ValueError, match=r"step=5 has no checkpoint .* holds steps \[2, 4, 6\]"):
+        load_params(workdir, step=5)
+    flip_bytes(workdir / "checkpoints" / "4")
+    with pytest.raises(DamagedCheckpoint, match="step 4 .* does not match the checksum"):
+        load_params(workdir, step=4)
+    _, params = load_params(workdir, step=6)
+    assert_trees_equal(params, state.params)
+
+    # Without a step: the newest that restores, left where it is.
+    flip_bytes(workdir / "checkpoints" / "6")
+    with pytest.warns(UserWarning) as warned:
+        _, params = load_params(workdir)
+    assert [str(w.message).split()[2] for w in warned] == ["6", "4"]
+    assert all(str(w.message).endswith("skipped it for step 2") for w in warned)
+    assert_trees_equal(params, load_params(workdir, step=2)[1])
+    assert sorted(p.name for p in (workdir / "checkpoints").iterdir()) == ["2", "4", "6"]
+
+    # When nothing restores, the run does not start over silently.
+    for step in ("2", "4", "6"):
+        empty_folder(workdir / "checkpoints" / step)
+    with pytest.raises(ValueError, match=r"no checkpoint restores .* to start the run over"):
+        train(cfg, workdir, progress=False)
+
+
+# ---------------------------------------------------------------------------
+# Resuming: metrics, wandb, the stored config, weights that overflow
+
+
+def test_metrics_after_the_restored_step_and_torn_lines_are_dropped(finished_run, tmp_path):
+    cfg, finished, state, metrics = finished_run
+    workdir = tmp_path / "run"
+    shutil.copytree(finished, workdir)
+    shutil.rmtree(workdir / "checkpoints" / "6")  # killed after logging step 6, before saving
+    with open(workdir / "metrics.jsonl", "a") as f:
+        f.write('{"step": 7, "train/lo')  # and mid-line in a later start
+    resumed, history = train(cfg, workdir, progress=False)
+    assert [line["step"] for line in history] == [5, 6, 6]  # train 5, train 6, eval 6
+    assert read_metrics(workdir) == metrics
+    assert_trees_equal(resumed, state)
+
+
+def test_a_restarted_run_logs_to_the_same_wandb_run(finished_run, tmp_path):
+    cfg, finished, _, _ = finished_run
+    cfg = ml_collections.ConfigDict(cfg.to_dict())  # the fixture's stays as it is
+    cfg.wandb.mode = "offline"
+    workdir = tmp_path / "run"
+    shutil.copytree(finished, workdir)
+    ids = []
+    for _ in range(2):  # two restarts, each from step 4
+        shutil.rmtree(workdir / "checkpoints" / "6")
+        train(cfg, workdir, progress=False)
+        ids.append((workdir / "wandb_run_id").read_text().strip())
+    runs = [read_offline_run(path) for path in sorted(workdir.glob("wandb/offline-run-*"))]
+    assert len(runs) == 2 and {run["id"] for run in runs} == {ids[0]} == {ids[1]}
+    assert [row["_step"] for row in runs[1]["history"]] == [5, 6]
+
+
+def test_an_old_runs_config_loads_with_the_fields_added_since(finished_run, tmp_path):
+    cfg, finished, state, _ = finished_run
+    workdir = tmp_path / "run"
+    shutil.copytree(finished, workdir)
+    stored = json.loads(cfg.to_json())
+    del stored["model"]["mla"], stored["cache"]["residual"], stored["eval"]
+    (workdir / "config.json").write_text(json.dumps(stored))
+    loaded = load_run_config(workdir)
+    assert loaded.model.to_dict() == cfg.model.to_dict()
+    assert loaded.cache.to_dict() == cfg.cache.to_dict()
+    assert loaded.eval.to_dict() == base_config("tiny").eval.to_dict()
+    # Resuming compares the completed sections: the same model is not "another" one.
+    again, history = train(loaded, workdir, progress=False)
+    assert history == [] and int(again.step) == 6
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered in cast:RuntimeWarning")  # the lr
+def test_an_update_that_overflows_the_weights_is_not_kept(finished_run, tmp_path):
+    """A learning rate beyond float32 turns the weights into inf/NaN in one update
+    while that step's loss and gradient are finite: the step must not be kept,
+    nor saved as the last good state."""
+    cfg, finished, _, _ = finished_run
+    cfg = ml_collections.ConfigDict(cfg.to_dict())  # the fixture's stays as it is
+    cfg.train.update(steps=8, checkpoint_every=1, lr=1e39)  # finite in Python, inf in float32
+    workdir = tmp_path / "run"
+    shutil.copytree(finished, workdir)
+    with pytest.raises(NonFiniteLoss) as error:
+        train(cfg, workdir, progress=False)
+    message = str(error.value)
+    assert message.startswith("step 7: params") and "latest checkpoint (step 6)" in message
+    assert "loss=nan" not in message and "grad_norm=nan" not in message
+    manager = checkpoint_manager(workdir, cfg.train)
+    assert manager.all_steps() == [2, 4, 6]
+    manager.close()
+    _, params = load_params(workdir)
+    assert all(bool(np.isfinite(p).all()) for p in jax.tree.leaves(params))

@@ -18,8 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-import numpy as np
-
+from kvlab.config import check_count
 from kvlab.data.mqar import MqarDataset, mqar_batch
 from kvlab.data.text import SPLITS, Batch, ByteDataset, load_corpus
 
@@ -36,8 +35,7 @@ def make_dataset(data: Mapping, split: str, seq_len: int) -> ByteDataset | MqarD
         raise ValueError(
             f"split={split!r} is not a data split: use one of {', '.join(map(repr, SPLITS))}"
         )
-    if isinstance(seq_len, bool) or not isinstance(seq_len, (int, np.integer)) or seq_len < 1:
-        raise ValueError(f"train.seq_len={seq_len!r} is not a positive integer: set one >= 1")
+    seq_len = check_count("train.seq_len", seq_len)
     source = data["source"]
     if source == "mqar":
         return MqarDataset(data["mqar"], split, seq_len)

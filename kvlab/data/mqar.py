@@ -37,6 +37,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
+from kvlab.config import check_count
 from kvlab.data.text import SPLITS, Batch
 
 # The last word of every evaluation seed; training seeds end in a split index
@@ -96,17 +97,15 @@ class MqarDataset:
 
     def __init__(self, mqar: Mapping, split: str, seq_len: int):
         self.split, self.seq_len = split, seq_len
-        self.num_pairs, self.vocab_size = mqar["num_pairs"], mqar["vocab_size"]
+        self.vocab_size = check_count("data.mqar.vocab_size", mqar["vocab_size"], minimum=4)
+        self.num_pairs = check_count("data.mqar.num_pairs", mqar["num_pairs"])
         self.power = mqar["power"]
-        if self.vocab_size < 4:
-            _fail("data.mqar.vocab_size", self.vocab_size, "is below 4", "set it to at least 4")
         keys = num_keys(self.vocab_size)
-        if not 1 <= self.num_pairs <= keys:
+        if self.num_pairs > keys:
             _fail(
                 "data.mqar.num_pairs",
                 self.num_pairs,
-                f"is not between 1 and the {keys} keys data.mqar.vocab_size={self.vocab_size} "
-                "holds",
+                f"exceeds the {keys} keys data.mqar.vocab_size={self.vocab_size} holds",
                 f"set data.mqar.num_pairs in 1..{keys} or raise data.mqar.vocab_size",
             )
         if 4 * self.num_pairs > seq_len + 1:

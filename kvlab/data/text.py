@@ -10,9 +10,11 @@ consecutive bytes inside one file, never across a file boundary:
 Sources. 'stdlib' is every `*.py` file under `sysconfig.get_paths()["stdlib"]`
 (recursive, outside any site-packages / dist-packages folder), so its content
 depends on the Python version (`describe()` records it). 'text' is
-`data.path`: one file, or a folder of which every regular file counts
-(recursive, skipping hidden files and folders, names starting with '.').
-Empty files are ignored.
+`data.path`: one file, or a folder of which every file counts (recursive,
+skipping hidden files and folders, names starting with '.'). Empty files are
+ignored; anything else that is not a regular file (a FIFO, socket, device or
+broken link), as data.path or inside its folder, is refused, since reading it
+could block forever.
 
 Splits. A folder is split by file, so no file is in two splits: files are
 ordered by the sha1 hex digest of their path relative to the root (ties by
@@ -47,10 +49,13 @@ import functools
 import hashlib
 import os
 import platform
+import stat
 import sysconfig
 from collections.abc import Mapping
 
 import numpy as np
+
+from kvlab.config import BYTE_VOCAB_SIZE
 
 SPLITS = ("train", "validation", "test")
 HELD_OUT_FRACTION = 0.05  # of the files (folder) or bytes (single file) in each of test, validation
@@ -90,28 +95,34 @@ def batch_from_windows(windows: np.ndarray) -> Batch:
 
 
 def _walk(root: str, skip_dir, keep_file) -> list[str]:
-    """Paths relative to `root` (with '/') of the files kept, in no particular order."""
+    """Paths relative to `root` (with '/') of the files kept, in no particular order.
+
+    Every directory entry that is not a folder counts as a file here, links
+    and FIFOs included: `read_regular` refuses what is not a regular file.
+    """
     found = []
     for folder, dirnames, filenames in os.walk(root):
         dirnames[:] = [d for d in dirnames if not skip_dir(d)]  # os.walk then skips them
         for name in filenames:
-            path = os.path.join(folder, name)
-            if keep_file(name) and os.path.isfile(path):
+            if keep_file(name):
+                path = os.path.join(folder, name)
                 found.append(os.path.relpath(path, root).replace(os.sep, "/"))
     return found
 
 
 def stdlib_files(root: str) -> list[str]:
-    """Every *.py file under the stdlib folder `root`, outside installed packages."""
-    return _walk(
+    """Every *.py regular file under the stdlib folder `root`, outside installed packages."""
+    names = _walk(
         root,
         skip_dir=lambda name: name in ("site-packages", "dist-packages"),
         keep_file=lambda name: name.endswith(".py"),
     )
+    return [name for name in names if os.path.isfile(os.path.join(root, name))]
 
 
 def folder_files(root: str) -> list[str]:
-    """Every regular file under `root`, skipping hidden files and folders."""
+    """Every file under `root` (regular or not: reading refuses the others),
+    skipping hidden files and folders."""
     hidden = lambda name: name.startswith(".")
     return _walk(root, skip_dir=hidden, keep_file=lambda name: not hidden(name))
 
@@ -146,11 +157,45 @@ def _concatenate(contents: list[bytes], names: list[str]) -> SplitBytes:
     return SplitBytes(tokens=tokens, offsets=offsets, names=tuple(names))
 
 
-def _read(root: str, names: list[str]) -> dict[str, bytes]:
+_NOT_REGULAR = {
+    stat.S_ISFIFO: "a FIFO",
+    stat.S_ISSOCK: "a socket",
+    stat.S_ISCHR: "a character device",
+    stat.S_ISBLK: "a block device",
+    stat.S_ISDIR: "a folder",
+}
+
+
+def read_regular(path: str, what: str, fix: str) -> bytes:
+    """The bytes of the regular file at `path`; ValueError for anything else.
+
+    Opened without blocking and checked on the open descriptor, so a FIFO
+    (whose read would wait for a writer) is refused, not read, even when it
+    replaced a regular file after the folder was listed. `what` names the path
+    in the error ("data.path='corpus/x'") and `fix` says what to do.
+    """
+    try:
+        descriptor = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    except FileNotFoundError:
+        raise ValueError(f"{what} is a broken link or vanished while reading: {fix}") from None
+    with os.fdopen(descriptor, "rb") as file:
+        mode = os.fstat(descriptor).st_mode
+        if not stat.S_ISREG(mode):
+            kind = next((k for test, k in _NOT_REGULAR.items() if test(mode)), "not a file")
+            raise ValueError(f"{what} is {kind}, not a regular file: {fix}")
+        return file.read()
+
+
+def _read(root: str, names: list[str], what: str) -> dict[str, bytes]:
+    """Each file's bytes; `what` names the folder in errors."""
     contents = {}
     for name in names:
-        with open(os.path.join(root, name), "rb") as file:
-            contents[name] = file.read()
+        path = os.path.join(root, name)
+        contents[name] = read_regular(
+            path,
+            f"{path!r} in {what}",
+            fix="remove it from the folder, or hide it (names starting with '.' are skipped)",
+        )
     return contents
 
 
@@ -181,8 +226,9 @@ def load_corpus(source: str, path: str) -> dict[str, SplitBytes]:
             what=f"data.path={path!r}",
             fix="put text files in it, or point data.path at a single non-empty file",
         )
-    with open(path, "rb") as file:
-        content = file.read()
+    content = read_regular(
+        path, f"data.path={path!r}", fix="point data.path at a text file or a folder of them"
+    )
     if not content:
         raise ValueError(
             f"data.path={path!r} is an empty file: point data.path at a file with text in it"
@@ -196,7 +242,7 @@ def load_corpus(source: str, path: str) -> dict[str, SplitBytes]:
 
 def _load_folder(root: str, names: list[str], what: str, fix: str) -> dict[str, SplitBytes]:
     """Splits a folder by file; `what` names it and `fix` says what to do if it is empty."""
-    contents = {name: content for name, content in _read(root, names).items() if content}
+    contents = {name: content for name, content in _read(root, names, what).items() if content}
     if not contents:
         found = f"{len(names)} files, all empty" if names else "no files"
         raise ValueError(f"{what} holds no bytes ({found}): {fix}")
@@ -220,7 +266,7 @@ class ByteDataset:
     """Windows of seq_len + 1 bytes from one split of a byte corpus (see the module docstring)."""
 
     metric = "ppl"
-    vocab_size = 256
+    vocab_size = BYTE_VOCAB_SIZE
 
     def __init__(self, data: Mapping, split: str, seq_len: int):
         self.source, self.path = data["source"], data.get("path", "")

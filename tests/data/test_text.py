@@ -2,6 +2,7 @@
 
 import os
 import platform
+import signal
 import sysconfig
 
 import numpy as np
@@ -290,8 +291,50 @@ def test_bad_data_raises_naming_the_field(tmp_path, files, path, split, seq_len,
 
 def test_unknown_source_and_bad_seq_len_raise_naming_the_field():
     cfg = kvlab.base_config("tiny")
-    with pytest.raises(ValueError, match=r"train\.seq_len=0"):
+    with pytest.raises(ValueError, match=r"train\.seq_len=0 is below 1"):
         make_dataset(cfg.data, "train", 0)
+    with pytest.raises(ValueError, match=r"train\.seq_len=16.0 is not an integer"):
+        make_dataset(cfg.data, "train", 16.0)
+    assert make_dataset(cfg.data, "train", np.int64(16)).seq_len == 16
     cfg.data.source = "wiki"
     with pytest.raises(ValueError, match=r"data\.source='wiki' is not supported"):
         make_dataset(cfg.data, "train", 16)
+
+
+@pytest.fixture
+def no_hang():
+    """Fails a test that blocks (a FIFO opened for reading waits for a writer)."""
+
+    def stuck(signum, frame):
+        raise TimeoutError("reading the data blocked")
+
+    previous = signal.signal(signal.SIGALRM, stuck)
+    signal.alarm(20)
+    yield
+    signal.alarm(0)
+    signal.signal(signal.SIGALRM, previous)
+
+
+def test_a_fifo_as_data_path_is_refused(tmp_path, no_hang):
+    os.mkfifo(tmp_path / "pipe")
+    cfg = text_config(tmp_path / "pipe")
+    with pytest.raises(ValueError, match=r"data\.path='.*pipe' is a FIFO, not a regular file"):
+        make_dataset(cfg.data, "train", 16)
+
+
+def test_a_fifo_or_broken_link_inside_the_data_folder_is_refused(tmp_path, no_hang):
+    for name in THREE_FILES:
+        write(tmp_path / "corpus" / name, b"x" * 100)
+    (tmp_path / "corpus" / "sub").mkdir()
+    os.mkfifo(tmp_path / "corpus" / "sub" / "pipe")
+    cfg = text_config(tmp_path / "corpus")
+    with pytest.raises(ValueError, match=r"sub/pipe' in data\.path=.* is a FIFO.*remove it"):
+        make_dataset(cfg.data, "train", 16)
+    os.remove(tmp_path / "corpus" / "sub" / "pipe")
+    os.symlink(tmp_path / "nowhere", tmp_path / "corpus" / "sub" / "link")
+    cfg = text_config(tmp_path / "corpus")
+    with pytest.raises(ValueError, match=r"sub/link' in data\.path=.* is a broken link"):
+        make_dataset(cfg.data, "train", 16)
+    os.remove(tmp_path / "corpus" / "sub" / "link")
+    os.mkfifo(tmp_path / "corpus" / "sub" / ".pipe")  # hidden files are skipped
+    assert make_dataset(text_config(tmp_path / "corpus").data, "train", 16).seq_len == 16

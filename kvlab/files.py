@@ -1,0 +1,104 @@
+"""Files kvlab writes for a later run to read, replaced whole or not at all.
+
+    write_atomic("runs/gqa/metrics.jsonl", text)   # readers see the old file or the new one
+    store_json("runs/gqa/config.json", config, fixed=("model", "data"), owner="a run")
+
+`write_atomic` writes into a temporary file beside the target, flushes and
+fsyncs it, renames it over the target (`os.replace`, atomic on POSIX) and
+fsyncs the folder, so a run killed mid-write or a full disk leaves the old file
+as it was; the temporary file is removed when anything fails. `store_json`
+is how a working directory remembers what it holds (a training run's config,
+a sweep's grid): it refuses a different one, naming the section that differs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import secrets
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+
+def write_atomic(path: str | os.PathLike, data: str | bytes) -> None:
+    """Replaces the file at `path` with `data` (text is written as UTF-8), atomically."""
+    if isinstance(data, str):
+        data = data.encode("utf-8")
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise TypeError(f"write_atomic writes str or bytes, not {type(data).__name__}")
+    path = os.path.abspath(os.fspath(path))
+    folder, name = os.path.split(path)
+    # Hidden and unique, so neither a reader globbing the folder nor a second
+    # writer sees it; created with the umask's permissions, as open() would.
+    temporary = os.path.join(folder, f".{name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+    descriptor = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+    try:
+        with os.fdopen(descriptor, "wb") as file:
+            file.write(data)
+            file.flush()
+            os.fsync(file.fileno())
+        os.replace(temporary, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(temporary)
+        raise
+    _fsync_folder(folder)
+
+
+def _fsync_folder(folder: str) -> None:
+    """Makes the rename durable; skipped where folders cannot be opened (Windows)."""
+    with contextlib.suppress(OSError):
+        descriptor = os.open(folder, os.O_RDONLY)
+        try:
+            os.fsync(descriptor)
+        finally:
+            os.close(descriptor)
+
+
+def read_json(path: str | os.PathLike) -> Any:
+    """The JSON value stored at `path`; ValueError naming the file when it does not parse."""
+    with open(path) as file:
+        text = file.read()
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as error:
+        raise ValueError(
+            f"{os.fspath(path)!r} is not valid JSON ({error}): it was damaged or written by "
+            "another program; restore it from a copy or start in a fresh directory"
+        ) from None
+
+
+def store_json(
+    path: str | os.PathLike,
+    value: Mapping[str, Any],
+    *,
+    fixed: Sequence[str],
+    owner: str,
+    normalize: Callable[[dict], dict] | None = None,
+) -> bool:
+    """Records `value` (a dict of sections) at `path`; returns whether the file was written.
+
+    A file already there must agree with `value` on every section named in
+    `fixed`, else ValueError naming the folder, the section and the fix; its
+    other sections are updated. An identical file is left untouched (its
+    mtime and inode stay). `normalize` brings a stored value up to date before
+    comparing (e.g. fields added to the schema since it was written); `owner`
+    says what the folder holds ("a run", "a sweep").
+    """
+    value = json.loads(json.dumps(value))  # tuples as lists, as the file holds them
+    if os.path.exists(path):
+        stored = read_json(path)
+        if normalize is not None:
+            stored = normalize(stored)
+        folder = os.path.dirname(os.path.abspath(path))
+        for section in fixed:
+            if stored.get(section) != value.get(section):
+                raise ValueError(
+                    f"{folder!r} holds {owner} with another {section} section (see {path}): "
+                    f"use a fresh directory, or keep the {section} section stored there"
+                )
+        if stored == value:
+            return False
+    write_atomic(path, json.dumps(value, indent=2) + "\n")
+    return True
