@@ -40,16 +40,25 @@ def gather_pages(pool: Array, pages: Int[Array, "B n"], length: int) -> Array:
     return view[:, :, :length]
 
 
-def write_pages(pool: Array, new: Array, slots: Int[Array, "B T"], pages: Int[Array, "B n"]):
+def write_pages(
+    pool: Array,
+    new: Array,
+    slots: Int[Array, "B T"],
+    pages: Int[Array, "B n"],
+    size: int | None = None,
+):
     """Writes new [B, KH, T, X] at the rows' slots [B, T] of a pool [KH, P, Lp, X].
 
-    Slot s of row b is entry s % Lp of page pages[b, s // Lp]. Slots past the
-    block table or on a page the row does not hold (-1) are dropped.
+    Slot s of row b is entry s % Lp of page pages[b, s // Lp]. Slots outside
+    0..size-1 (a row's entries, default all its block table reaches) or on a
+    page the row does not hold (-1) are dropped, as the dense cache drops them,
+    even where the row's last page has room past `size`.
     """
     heads, num_pages, per_page = pool.shape[:3]
     n = pages.shape[1]
     held = jnp.take_along_axis(pages, jnp.clip(slots // per_page, 0, n - 1), axis=1)
-    kept = (slots >= 0) & (slots < n * per_page) & (held >= 0)
+    size = n * per_page if size is None else min(size, n * per_page)
+    kept = (slots >= 0) & (slots < size) & (held >= 0)
     entries = jnp.where(kept, held * per_page + slots % per_page, -1)  # [B, T]; -1: dropped
     # The pool as one row of P * Lp entries, written at the B * T entries.
     flat = pool.reshape(1, heads, num_pages * per_page, *pool.shape[3:])
@@ -74,7 +83,7 @@ class PagedLayer:
 
     def write(self, fresh: tuple, placement: Placement) -> PagedLayer:
         pools = tuple(
-            write_pages(p, x, placement.slots, placement.pages)
+            write_pages(p, x, placement.slots, placement.pages, self.capacity)
             for p, x in zip(self.pools, fresh, strict=True)
         )
         return PagedLayer(pools, self.capacity)

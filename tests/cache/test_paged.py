@@ -99,6 +99,18 @@ def test_writes_outside_a_rows_pages_are_dropped():
         assert written.tolist() == [False, False, False, True, False, False, False, False]
 
 
+def test_overflow_past_max_len_is_dropped_even_with_room_in_the_last_page():
+    cfg = paged(tiny_config(num_kv_heads=1), num_pages=4)
+    cache = kvlab.init_cache(cfg.model, cfg.cache, 1, 12)  # 2 pages of 8 hold 16 slots
+    _, params, _ = build(cfg)
+    model = kvlab.Transformer(cfg.model)
+    _, cache = kvlab.prefill(model, params, cache, random_tokens(cfg, (1, 15)))
+    assert bool(cache.overflowed()[0])
+    for pool in cache.layers[0].pools:
+        last_page = np.asarray(pool)[:, 1]  # slots 8..15; only 8..11 are the row's
+        assert np.abs(last_page[:, :4]).sum() > 0 and not last_page[:, 4:].any()
+
+
 @pytest.mark.parametrize("name", ["mqa_k4v8_residual", "mla_latent4"])
 def test_quantized_writes_touch_only_the_rows_pages(name):
     """A quantized paged write puts the flushed groups into the row's pages and
