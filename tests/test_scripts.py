@@ -37,7 +37,7 @@ def user_error(result: subprocess.CompletedProcess) -> str:
 def test_readme_example_runs(monkeypatch):
     monkeypatch.chdir(ROOT)
     readme = (ROOT / "README.md").read_text()
-    example = re.search(r"## The API\n\n```python\n(.*?)```", readme, re.S).group(1)
+    example = re.search(r"## The API\n.*?```python\n(.*?)```", readme, re.S).group(1)
     namespace = {}
     exec(compile(example, "README.md", "exec"), namespace)  # noqa: S102
     assert namespace["out"].shape == (2, 35)
@@ -246,6 +246,8 @@ def test_train_then_eval_through_another_cache(tmp_path):
         100 * (report["ppl"] / report["baseline_16bit"]["ppl"] - 1)
     )
     assert not INFO_LINE.search(result.stderr)
+    missing = run_script("scripts/eval.py", f"--workdir={tmp_path}", "--step=3", check=False)
+    assert "step=3" in user_error(missing) and "[4]" in user_error(missing)
     # The trained model through generate.py: orbax's restore logs stay quiet too.
     generated = run_script(
         "scripts/generate.py", f"--workdir={tmp_path}", "--max_new_tokens=2", "--prompt=a"
