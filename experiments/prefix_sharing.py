@@ -16,10 +16,11 @@ import os
 
 import jax
 import numpy as np
-from absl import app, flags, logging
+from absl import flags
 from ml_collections import config_flags
 
 import kvlab
+from kvlab import cli
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/gqa.py:tiny", "Model and cache.")
 _WORKDIR = flags.DEFINE_string("workdir", "runs/prefix_sharing", "Where results go.")
@@ -72,7 +73,6 @@ def run(cfg, params, requests, prefix_caching):
 
 def main(argv):
     del argv
-    logging.set_verbosity(logging.WARNING)
     cfg = kvlab.validate_config(_CONFIG.value)
     params = kvlab.init_params(cfg.model, jax.random.key(0))
     requests = workload(_REQUESTS.value, _SYSTEM.value, _USER.value)
@@ -117,4 +117,4 @@ def plot(report, path):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main)

@@ -15,10 +15,11 @@ import time
 
 import jax
 import numpy as np
-from absl import app, flags, logging
+from absl import flags
 from ml_collections import config_flags
 
 import kvlab
+from kvlab import cli
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/gqa.py:tiny", "Model and cache.")
 _REQUESTS = flags.DEFINE_integer("requests", 32, "Requests in the workload.")
@@ -52,7 +53,6 @@ def one_at_a_time(model, params, cache_cfg, requests, max_len):
 
 def main(argv):
     del argv
-    logging.set_verbosity(logging.WARNING)
     cfg = kvlab.validate_config(_CONFIG.value)
     params = kvlab.init_params(cfg.model, jax.random.key(0))
     model = kvlab.Transformer(cfg.model)
@@ -105,4 +105,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main)
