@@ -19,7 +19,6 @@ in the order they were released. Every call is O(1) per page it touches, and
 
 from __future__ import annotations
 
-import operator
 from collections import deque
 
 from kvlab.config import check_count
@@ -45,10 +44,8 @@ def page_id(page: int, num_pages: int) -> int:
     Accepts numpy integers (block tables are arrays); a negative id would silently
     index from the end of a list, so the range is checked.
     """
-    if isinstance(page, bool) or not hasattr(page, "__index__"):
-        raise ValueError(f"page={page!r} is not an integer page id")
-    page = operator.index(page)
-    if not 0 <= page < num_pages:
+    page = check_count("page", page, minimum=0)
+    if page >= num_pages:
         raise ValueError(f"page={page} is not a page id in 0..{num_pages - 1}")
     return page
 
