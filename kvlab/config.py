@@ -31,6 +31,7 @@ import ml_collections
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
 ATTENTION_KINDS = ("gqa", "mla")
+ROPE_SCALINGS = ("none", "linear", "llama3", "yarn")  # model.rope_scaling.type
 CACHE_KINDS = ("dense", "paged")
 BIT_WIDTHS = (16, 8, 4, 2)
 CODE_FORMATS = ("int", "fp8")
@@ -84,6 +85,28 @@ def base_config(variant: str = "tiny") -> ml_collections.ConfigDict:
             dtype="float32" if on_cpu else "bfloat16",  # compute dtype
             param_dtype="float32",  # dtype the weights are stored in
             attention="gqa",  # 'gqa' (covers MHA, GQA, MQA) or 'mla' (latent, see mla below)
+            qkv_bias=False,  # biases on the query, key and value projections (Qwen2); gqa only
+            qk_norm=False,  # RMSNorm over each head's query and key before RoPE (Qwen3); gqa only
+        )
+    )
+    # RoPE for contexts longer than the model was trained on, as Hugging Face
+    # transformers computes it (kvlab/attention/rope.py). 'none' is plain RoPE;
+    # 'linear' divides every frequency by factor; 'llama3' (Llama 3.1) and 'yarn'
+    # (DeepSeek-V2, Qwen2.5) interpolate low frequencies, keep high ones and
+    # blend between, relative to original_max_len.
+    cfg.model.rope_scaling = ml_collections.ConfigDict(
+        dict(
+            type="none",  # 'none', 'linear', 'llama3' or 'yarn'
+            factor=1.0,  # context stretch: frequencies / factor where interpolated
+            original_max_len=0,  # llama3, yarn: the pre-training context (HF
+            #                      original_max_position_embeddings)
+            low_freq_factor=1.0,  # llama3: wavelengths above original_max_len / this interpolate
+            high_freq_factor=4.0,  # llama3: wavelengths below original_max_len / this stay
+            beta_fast=32.0,  # yarn: turns over original_max_len below which frequencies stay
+            beta_slow=1.0,  # yarn: turns below which frequencies are fully interpolated
+            mscale=1.0,  # yarn: cos/sin x mscale(factor, mscale) / mscale(factor, mscale_all_dim)
+            mscale_all_dim=0.0,  # yarn: 0 = cos/sin x mscale(factor, 1); MLA's softmax scale
+            #                      is multiplied by mscale(factor, mscale_all_dim) ** 2
         )
     )
     # Multi-head latent attention (DeepSeek-V2), used when attention='mla'. The
@@ -98,6 +121,7 @@ def base_config(variant: str = "tiny") -> ml_collections.ConfigDict:
             nope_dim=size["head_dim"],  # per-head key width without position
             v_head_dim=size["head_dim"],  # per-head value width
             absorb=True,  # cached steps attend in latent space (False: expand K/V per head)
+            norm_eps=1e-6,  # epsilon of the latent norms (DeepSeek-V2 fixes it at 1e-6)
         )
     )
 
@@ -146,6 +170,7 @@ def base_config(variant: str = "tiny") -> ml_collections.ConfigDict:
             checkpoint_every=500 if on_cpu else 2_000,
             keep=3,  # checkpoints kept
             seed=0,
+            init_from="",  # '' = random weights; else a training workdir or a Hugging Face dir
         )
     )
 
@@ -153,6 +178,9 @@ def base_config(variant: str = "tiny") -> ml_collections.ConfigDict:
         dict(
             source="stdlib",  # the Python standard library's own sources, as bytes
             path="",  # file or folder for source='text'
+            # '' = bytes (vocab 256); else a folder holding a real model's tokenizer.json
+            # (or the file): 'stdlib' and 'text' then yield its token ids (kvlab/data/tokenizer.py)
+            tokenizer="",
         )
     )
     # Multi-query associative recall (Zoology), used when data.source='mqar':
@@ -304,8 +332,12 @@ def validate_model_config(model: Mapping) -> None:
     _check_choice("model", model, "dtype", tuple(DTYPES))
     _check_choice("model", model, "param_dtype", tuple(DTYPES))
     _check_choice("model", model, "attention", ATTENTION_KINDS)
-    if not isinstance(model["tie_embeddings"], bool):
-        _fail("model.tie_embeddings", model["tie_embeddings"], "is not a bool", "set True or False")
+    for name in ("tie_embeddings", "qkv_bias", "qk_norm"):
+        if not isinstance(model[name], bool):
+            _fail(f"model.{name}", model[name], "is not a bool", "set True or False")
+    scaling_schema = base_config().model.rope_scaling
+    _check_known_fields("model.rope_scaling", model["rope_scaling"], scaling_schema)
+    _validate_rope_scaling(model["rope_scaling"])
     _check_known_fields("model.mla", model["mla"], base_config().model.mla)
     if model["attention"] == "mla":
         _validate_mla(model)
@@ -332,11 +364,63 @@ def _validate_grouped(model: Mapping) -> None:
         )
 
 
+def _validate_rope_scaling(scaling: Mapping) -> None:
+    section = "model.rope_scaling"
+    _check_choice(section, scaling, "type", ROPE_SCALINGS)
+    for name in ("factor", "low_freq_factor", "high_freq_factor", "beta_fast", "beta_slow"):
+        _check_number(section, scaling, name)
+    for name in ("mscale", "mscale_all_dim"):
+        _check_number(section, scaling, name, zero_allowed=True)
+    _check_int(section, scaling, "original_max_len", minimum=0)
+    kind = scaling["type"]
+    if kind == "none" and scaling["factor"] != 1.0:
+        _fail(
+            f"{section}.factor",
+            scaling["factor"],
+            f"does nothing with {section}.type='none'",
+            f"set {section}.type to 'linear', 'llama3' or 'yarn', or factor=1.0",
+        )
+    if kind in ("llama3", "yarn") and scaling["original_max_len"] < 1:
+        _fail(
+            f"{section}.original_max_len",
+            scaling["original_max_len"],
+            f"is unset but {section}.type={kind!r} scales relative to the pre-training context",
+            "set it to the context the model was trained on (HF "
+            "original_max_position_embeddings), e.g. 8192",
+        )
+    if kind == "llama3" and scaling["high_freq_factor"] <= scaling["low_freq_factor"]:
+        _fail(
+            f"{section}.high_freq_factor",
+            scaling["high_freq_factor"],
+            f"is not above {section}.low_freq_factor={scaling['low_freq_factor']}, so the "
+            "band between kept and interpolated frequencies is empty",
+            "set high_freq_factor > low_freq_factor (Llama 3.1: 4.0 and 1.0)",
+        )
+    if kind == "yarn" and scaling["beta_fast"] <= scaling["beta_slow"]:
+        _fail(
+            f"{section}.beta_fast",
+            scaling["beta_fast"],
+            f"is not above {section}.beta_slow={scaling['beta_slow']}, so the ramp between "
+            "kept and interpolated frequencies runs backwards",
+            "set beta_fast > beta_slow (YaRN: 32.0 and 1.0)",
+        )
+
+
 def _validate_mla(model: Mapping) -> None:
     mla = model["mla"]
     for name in ("kv_rank", "rope_dim", "nope_dim", "v_head_dim"):
         _check_int("model.mla", mla, name)
     _check_int("model.mla", mla, "q_rank", minimum=0)
+    _check_number("model.mla", mla, "norm_eps")
+    for name in ("qkv_bias", "qk_norm"):
+        if model[name]:
+            _fail(
+                f"model.{name}",
+                True,
+                "applies to grouped-query attention but model.attention='mla' has no "
+                "per-head key and value projections",
+                f"set model.{name}=False or model.attention='gqa'",
+            )
     if not isinstance(mla["absorb"], bool):
         _fail("model.mla.absorb", mla["absorb"], "is not a bool", "set True or False")
     if mla["rope_dim"] % 2:
@@ -514,6 +598,15 @@ def validate_config(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict
     _check_number("train", cfg.train, "lr")
     _check_number("train", cfg.train, "clip")
     _check_number("train", cfg.train, "weight_decay", zero_allowed=True)
+    init_from = cfg.train.init_from
+    if not isinstance(init_from, str) or (init_from and not os.path.isdir(init_from)):
+        _fail(
+            "train.init_from",
+            init_from,
+            "is not a directory",
+            "give a kvlab training workdir or a Hugging Face model directory, or '' for "
+            "random weights",
+        )
 
     _check_known_fields("data", cfg.data, schema.data)
     _check_choice("data", cfg.data, "source", DATA_SOURCES)
@@ -526,8 +619,25 @@ def validate_config(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict
         )
 
     _check_known_fields("data.mqar", cfg.data.mqar, schema.data.mqar)
+    tokenizer = cfg.data.tokenizer
+    if not isinstance(tokenizer, str):
+        _fail(
+            "data.tokenizer",
+            tokenizer,
+            "is not a string",
+            "set '' (bytes) or a folder holding tokenizer.json (or the file)",
+        )
+    if tokenizer and cfg.data.source == "mqar":
+        _fail(
+            "data.tokenizer",
+            tokenizer,
+            "applies to text, but data.source='mqar' makes its own token ids",
+            "set data.tokenizer='' or data.source='text' / 'stdlib'",
+        )
     if cfg.data.source == "mqar":
         _validate_mqar(cfg)
+    elif tokenizer:
+        _validate_tokenizer_vocab(cfg)
     elif cfg.model.vocab_size < BYTE_VOCAB_SIZE:
         _fail(
             "model.vocab_size",
@@ -545,6 +655,21 @@ def validate_config(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict
     _check_known_fields("wandb", cfg.wandb, schema.wandb)
     _check_choice("wandb", cfg.wandb, "mode", WANDB_MODES)
     return cfg
+
+
+def _validate_tokenizer_vocab(cfg: ml_collections.ConfigDict) -> None:
+    """model.vocab_size must hold every id of data.tokenizer (read here: a missing or
+    unreadable tokenizer is refused, naming data.tokenizer)."""
+    from kvlab.data.tokenizer import load_tokenizer  # kvlab.data imports this module
+
+    needed = load_tokenizer(cfg.data.tokenizer).vocab_size
+    if cfg.model.vocab_size < needed:
+        _fail(
+            "model.vocab_size",
+            cfg.model.vocab_size,
+            f"is below the {needed} token ids of data.tokenizer={cfg.data.tokenizer!r}",
+            f"set model.vocab_size >= {needed}",
+        )
 
 
 def _validate_mqar(cfg: ml_collections.ConfigDict) -> None:

@@ -46,7 +46,7 @@ import orbax.checkpoint as ocp
 import tqdm
 from flax import struct
 
-from kvlab.config import complete_config, frozen, validate_config
+from kvlab.config import complete_config, dtype_of, frozen, validate_config
 from kvlab.data import make_dataset
 from kvlab.files import read_json, store_json, write_atomic
 from kvlab.logging import Run
@@ -96,16 +96,47 @@ def optimizer(train_cfg: Mapping) -> optax.GradientTransformation:
     )
 
 
-def init_state(cfg: ml_collections.ConfigDict) -> TrainState:
-    """Fresh parameters (seeded by train.seed) and optimizer state, in one compiled call."""
+def init_state(cfg: ml_collections.ConfigDict, params=None) -> TrainState:
+    """Fresh optimizer state over `params`, or over fresh parameters (seeded by
+    train.seed), in one compiled call."""
     model, tx = Transformer(cfg.model), optimizer(cfg.train)
 
     @jax.jit
-    def init(key):
-        params = model.init(key, jnp.zeros((1, 1), jnp.int32))["params"]
+    def init(key, params):
+        if params is None:
+            params = model.init(key, jnp.zeros((1, 1), jnp.int32))["params"]
         return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params))
 
-    return init(jax.random.key(cfg.train.seed))
+    return init(jax.random.key(cfg.train.seed), params)
+
+
+def initial_params(cfg: ml_collections.ConfigDict):
+    """The weights `train.init_from` names, shaped and typed as `cfg.model`'s.
+
+    A kvlab training workdir gives its latest good checkpoint's parameters; a
+    Hugging Face directory (config.json with a model_type) is imported with
+    kvlab.load_hf. The source's model must be `cfg.model` (dtypes aside):
+    a different one is refused naming the first field that differs.
+    """
+    path = cfg.train.init_from
+    with open(os.path.join(path, "config.json")) as file:
+        stored = json.load(file)
+    if "model_type" in stored:
+        from kvlab.hf import load_hf  # only runs that start from a Hugging Face model need it
+
+        source, params = load_hf(path)
+    else:
+        source, params = load_params(path)
+    ignored = ("dtype", "param_dtype")
+    for key, value in cfg.model.items():
+        if key not in ignored and source.model.get(key) != value:
+            raise ValueError(
+                f"train.init_from={path!r} holds a model with model.{key}="
+                f"{source.model.get(key)!r} but the config has {value!r}: start from a config "
+                "whose model section is the source's (its config.json, or kvlab.load_hf's)"
+            )
+    dtype = dtype_of(cfg.model.param_dtype)
+    return jax.tree.map(lambda leaf: jnp.asarray(leaf, dtype), params)
 
 
 def token_losses(model: Transformer, params, batch) -> dict:
@@ -181,16 +212,38 @@ def evaluate_forward(model: Transformer, params, batches) -> dict:
     for batch in batches:
         sums = jax.device_get(_eval_step(model, params, batch))
         totals = {k: totals[k] + float(sums[k]) for k in totals}
-    return summarize(totals)
+    return summarize(totals, target_bytes(batches))
 
 
-def summarize(totals: Mapping) -> dict:
-    """loss (nats per target), perplexity, bits per target and accuracy from sums."""
+def target_bytes(batches) -> float | None:
+    """UTF-8 bytes of text the weighted targets of `batches` cover, from their
+    `target_bytes` (tokenized text); None for batches without it, whose targets
+    are bytes themselves (or, for MQAR, no text at all)."""
+    if not batches or any("target_bytes" not in batch for batch in batches):
+        return None
+    return sum(
+        float(np.sum(np.asarray(b["target_bytes"], np.float64) * b["weights"])) for b in batches
+    )
+
+
+def summarize(totals: Mapping, num_bytes: float | None = None) -> dict:
+    """loss (nats per target), perplexity, bits per token and per byte, and accuracy from sums.
+
+    bits_per_byte divides the bits by `num_bytes`, the UTF-8 bytes the targets
+    cover (`target_bytes`), when given; without it every target is a byte and
+    it equals bits_per_token.
+    """
     loss = totals["nll"] / max(totals["weight"], 1.0)
+    bits_per_token = loss / np.log(2.0)
+    if num_bytes is None:
+        bits_per_byte = bits_per_token
+    else:
+        bits_per_byte = totals["nll"] / np.log(2.0) / max(num_bytes, 1.0)
     return {
         "loss": loss,
         "ppl": float(np.exp(loss)),
-        "bits_per_byte": loss / np.log(2.0),
+        "bits_per_token": bits_per_token,
+        "bits_per_byte": bits_per_byte,
         "accuracy": totals["correct"] / max(totals["weight"], 1.0),
         "targets": int(totals["weight"]),
     }
@@ -483,8 +536,8 @@ def train(
         template = jax.eval_shape(lambda: init_state(cfg))
         damaged = os.path.join(workdir, "damaged_checkpoints")
         state = latest_good_state(manager, template, set_aside=damaged)
-        if state is None:
-            state = init_state(cfg)
+        if state is None:  # a new run: random weights, or those train.init_from names
+            state = init_state(cfg, initial_params(cfg) if tcfg.init_from else None)
         start = int(state.step)
         if start >= tcfg.steps:
             return state, []  # a finished run: nothing to do

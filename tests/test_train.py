@@ -285,3 +285,33 @@ def test_an_update_that_overflows_the_weights_is_not_kept(finished_run, tmp_path
     manager.close()
     _, params = load_params(workdir)
     assert all(bool(np.isfinite(p).all()) for p in jax.tree.leaves(params))
+
+
+# ---------------------------------------------------------------------------
+# Starting from given weights
+
+
+def test_init_from_a_workdir_starts_from_its_weights(finished_run, tmp_path):
+    cfg, workdir, state, _ = finished_run
+    start = cfg.copy_and_resolve_references()
+    start.train.update(init_from=str(workdir), steps=1, lr=1e-9, warmup=0, checkpoint_every=1)
+    started, _ = train(start, tmp_path, progress=False)
+    # One update at a vanishing learning rate: the weights are the source's.
+    same = jax.tree.map(
+        lambda a, b: np.allclose(np.asarray(a), np.asarray(b), atol=1e-6),
+        started.params,
+        state.params,
+    )
+    assert jax.tree.all(same)
+
+
+def test_init_from_a_different_model_or_a_missing_folder_is_refused(finished_run, tmp_path):
+    cfg, workdir, _, _ = finished_run
+    other = cfg.copy_and_resolve_references()
+    other.train.init_from = str(workdir)
+    other.model.num_kv_heads = 1
+    with pytest.raises(ValueError, match="model.num_kv_heads=4 but the config has 1"):
+        train(other, tmp_path, progress=False)
+    other.train.init_from = str(tmp_path / "nowhere")
+    with pytest.raises(ValueError, match="train.init_from=.* is not a directory"):
+        train(other, tmp_path, progress=False)
