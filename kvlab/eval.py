@@ -10,8 +10,10 @@ storage is chunk-invariant (kvlab/cache/quant.py), so any chunk size gives the
 logits token-by-token decoding gives; larger chunks are only faster. With a
 16-bit dense cache the result equals the plain forward's.
 
-The result holds loss (nats per target), ppl, bits_per_byte (= bits per
-target; a byte for the byte corpora), accuracy (argmax hits; MQAR's metric),
+The result holds loss (nats per target), ppl, bits_per_token (bits per
+target), bits_per_byte (per UTF-8 byte of the text the targets cover: the
+batches' `target_bytes` with data.tokenizer, else a target is a byte and it
+equals bits_per_token), accuracy (argmax hits; MQAR's metric),
 targets (how many were scored) and the cache's bytes per token: analytic
 (`cache_bytes` of one sequence of T tokens over T), measured (`tree_bytes`
 of that cache over T) and long (what each further token adds to a long cache,
@@ -29,7 +31,7 @@ import ml_collections
 from kvlab.cache import cache_bytes, init_cache, tree_bytes
 from kvlab.config import CACHED_PREFIXES, check_count, frozen, validate_cache_config
 from kvlab.model import Transformer
-from kvlab.train import score, summarize
+from kvlab.train import score, summarize, target_bytes
 
 
 @functools.partial(jax.jit, static_argnums=0, donate_argnums=2)
@@ -86,7 +88,10 @@ def evaluate(
         cache.check()  # after each window: a flag names the rows it was given bad values
     scored = jax.device_get(scored)
     totals = {k: sum(float(sums[k]) for sums in scored) for k in ("nll", "correct", "weight")}
-    return {**summarize(totals), **cache_bytes_per_token(model.config, cache_cfg, seq_len)}
+    return {
+        **summarize(totals, target_bytes(batches)),
+        **cache_bytes_per_token(model.config, cache_cfg, seq_len),
+    }
 
 
 def full_precision(cache_cfg: Mapping) -> ml_collections.ConfigDict:

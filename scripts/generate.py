@@ -7,11 +7,19 @@
     python scripts/generate.py --workdir runs/cache_pareto/models/mha \
         --config configs/kv_k8v4.py:tiny        # a trained model through an 8/4-bit cache
 
-Tokens are bytes (vocab 256). Without --workdir the weights are random and the
-text is noise: the demo shows the mechanics - ragged prompts decoded together,
-per-row stop, the cache's analytic and measured bytes, decode tokens/s. With
---workdir the model and its weights come from that training run and only the
-cache section from --config.
+    python scripts/generate.py --config configs/gqa.py:tiny \
+        --config.data.tokenizer=path/to/model --config.model.vocab_size=50304 \
+        --prompt="The KV cache"                 # text in, text out through tokenizer.json
+
+Tokens are bytes (vocab 256) and a row stops after a newline, unless the
+config's data.tokenizer names a real model's tokenizer.json: then prompts are
+encoded by it, the output decoded by it, and a row stops after its end token
+(eos, <|endoftext|>; none if it defines none). Without --workdir the weights
+are random and the text is noise: the demo shows the mechanics - ragged
+prompts decoded together, per-row stop, the cache's analytic and measured
+bytes, decode tokens/s. With --workdir the model, its data section (so its
+tokenizer) and its weights come from that training run and only the cache
+section from --config.
 """
 
 import time
@@ -23,6 +31,7 @@ from ml_collections import config_flags
 
 import kvlab
 from kvlab import cli
+from kvlab.data import load_tokenizer
 from kvlab.train import load_params
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/gqa.py:tiny", "kvlab config file.")
@@ -36,7 +45,12 @@ _SAMPLER = flags.DEFINE_enum(
 _TEMPERATURE = flags.DEFINE_float("temperature", 1.0, "Sampling temperature.")
 _K = flags.DEFINE_integer("k", 40, "top_k: tokens kept.")
 _P = flags.DEFINE_float("p", 0.9, "top_p: probability mass kept.")
-_END = flags.DEFINE_integer("end_token", ord("\n"), "A row stops after this token (-1: never).")
+_END = flags.DEFINE_integer(
+    "end_token",
+    None,
+    "A row stops after this token (-1: never; default: newline for bytes, the tokenizer's "
+    "end token with data.tokenizer).",
+)
 _SEED = flags.DEFINE_integer("seed", 0, "Parameter and sampling seed.")
 _WORKDIR = flags.DEFINE_string("workdir", None, "A training run to take the model from.")
 
@@ -57,12 +71,21 @@ def main(argv):
     cfg = kvlab.validate_config(_CONFIG.value)
     if _WORKDIR.value:
         trained, params = load_params(_WORKDIR.value)
-        cfg.model = trained.model
+        cfg.model, cfg.data = trained.model, trained.data
         kvlab.validate_config(cfg)
     else:
         params = kvlab.init_params(cfg.model, jax.random.key(_SEED.value))
     model = kvlab.Transformer(cfg.model)
-    encoded = [list(prompt.encode()) for prompt in _PROMPTS.value]
+    if cfg.data.tokenizer:
+        tokenizer = load_tokenizer(cfg.data.tokenizer)
+        encode, decode, default_end = tokenizer.encode, tokenizer.decode, tokenizer.end_token
+    else:
+        encode = lambda text: list(text.encode())
+        decode = lambda tokens: bytes(tokens).decode(errors="replace")
+        default_end = ord("\n")
+    end = default_end if _END.value is None else _END.value
+    end = None if end is None or end < 0 else end
+    encoded = [encode(prompt) for prompt in _PROMPTS.value]
     lengths = np.array([len(e) for e in encoded])
     prompts = np.zeros((len(encoded), lengths.max()), np.int32)  # right-padded
     for row, tokens in enumerate(encoded):
@@ -77,7 +100,7 @@ def main(argv):
             max_new_tokens=_NEW.value,
             sampler=make_sampler(),
             prompt_lengths=lengths,
-            end_token=None if _END.value < 0 else _END.value,
+            end_token=end,
             rng=jax.random.key(_SEED.value),
         ).block_until_ready()
 
@@ -94,11 +117,10 @@ def main(argv):
     generated = 0
     for row, length in enumerate(lengths):
         new = out[row, length : length + _NEW.value]
-        if _END.value >= 0 and (new == _END.value).any():
-            new = new[: np.argmax(new == _END.value) + 1]
+        if end is not None and (new == end).any():
+            new = new[: np.argmax(new == end) + 1]
         generated += len(new)
-        text = bytes(out[row, :length].tolist()).decode(errors="replace")
-        tail = bytes(new.tolist()).decode(errors="replace")
+        text, tail = decode(out[row, :length].tolist()), decode(new.tolist())
         print(f"  [{row}] {text!r} -> {tail!r}")
     batch, max_len = len(encoded), prompts.shape[1] + _NEW.value
     analytic = kvlab.cache_bytes(cfg.model, cfg.cache, batch, max_len)

@@ -1,4 +1,5 @@
-"""Datasets that need no download: byte corpora (text.py) and synthetic recall (mqar.py).
+"""Datasets that need no download: byte corpora (text.py), the same corpora through a
+real model's tokenizer (tokenizer.py, with data.tokenizer) and synthetic recall (mqar.py).
 
     ds = make_dataset(cfg.data, split="train", seq_len=cfg.train.seq_len)
     batch = ds.batch(step, batch_size, seed)        # the same arguments, the same arrays
@@ -10,7 +11,10 @@ Every batch is a dict of numpy arrays:
     targets  int32[B, T]    targets[:, t] is the token after inputs[:, t]
     weights  float32[B, T]  1 where the target counts for the loss and metric, else 0
 
-A dataset also has `metric` ('ppl' for bytes, 'accuracy' for MQAR), `vocab_size`,
+and, with data.tokenizer only, `target_bytes` int32[B, T]: the UTF-8 bytes of
+text each target token adds (bits per byte; kvlab/train.py `summarize`).
+
+A dataset also has `metric` ('ppl' for text, 'accuracy' for MQAR), `vocab_size`,
 `seq_len` (T) and `describe()`, a small JSON-able dict of facts about it.
 """
 
@@ -21,11 +25,14 @@ from collections.abc import Mapping
 from kvlab.config import check_count
 from kvlab.data.mqar import MqarDataset, mqar_batch
 from kvlab.data.text import SPLITS, Batch, ByteDataset, load_corpus
+from kvlab.data.tokenizer import TokenDataset, Tokenizer, load_tokenizer
 
 SOURCES = ("stdlib", "text", "mqar")
 
 
-def make_dataset(data: Mapping, split: str, seq_len: int) -> ByteDataset | MqarDataset:
+def make_dataset(
+    data: Mapping, split: str, seq_len: int
+) -> ByteDataset | TokenDataset | MqarDataset:
     """The dataset `data` (a config's `data` section) describes, for one split.
 
     Raises ValueError naming the field, its value and the fix when the data
@@ -37,13 +44,15 @@ def make_dataset(data: Mapping, split: str, seq_len: int) -> ByteDataset | MqarD
         )
     seq_len = check_count("train.seq_len", seq_len)
     source = data["source"]
+    if source not in SOURCES:
+        raise ValueError(
+            f"data.source={source!r} is not supported: use one of {', '.join(map(repr, SOURCES))}"
+        )
+    if data.get("tokenizer", ""):  # refuses mqar, naming data.tokenizer
+        return TokenDataset(data, split, seq_len)
     if source == "mqar":
         return MqarDataset(data["mqar"], split, seq_len)
-    if source in ("stdlib", "text"):
-        return ByteDataset(data, split, seq_len)
-    raise ValueError(
-        f"data.source={source!r} is not supported: use one of {', '.join(map(repr, SOURCES))}"
-    )
+    return ByteDataset(data, split, seq_len)
 
 
 __all__ = [
@@ -52,7 +61,10 @@ __all__ = [
     "Batch",
     "ByteDataset",
     "MqarDataset",
+    "TokenDataset",
+    "Tokenizer",
     "load_corpus",
+    "load_tokenizer",
     "make_dataset",
     "mqar_batch",
 ]

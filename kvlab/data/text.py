@@ -1,6 +1,8 @@
 """Byte corpora: the Python standard library's sources ('stdlib') or local files ('text').
 
-Tokens are raw bytes (vocab 256, no tokenizer). A sample is a window of T + 1
+Tokens are raw bytes (vocab 256) unless data.tokenizer names a real model's
+tokenizer (kvlab/data/tokenizer.py: the same files, splits and draws over its
+token ids). A sample is a window of T + 1
 consecutive bytes inside one file, never across a file boundary:
 
     inputs  = window[:-1]   int32[B, T]
@@ -263,10 +265,15 @@ def _load_folder(root: str, names: list[str], what: str, fix: str) -> dict[str, 
 
 
 class ByteDataset:
-    """Windows of seq_len + 1 bytes from one split of a byte corpus (see the module docstring)."""
+    """Windows of seq_len + 1 bytes from one split of a byte corpus (see the module docstring).
+
+    `files` is the split (a SplitBytes); `read_split` and `_gather` are what a
+    dataset over other tokens of the same corpus changes (kvlab/data/tokenizer.py).
+    """
 
     metric = "ppl"
     vocab_size = BYTE_VOCAB_SIZE
+    unit = "bytes"  # what a token is, for messages
 
     def __init__(self, data: Mapping, split: str, seq_len: int):
         self.source, self.path = data["source"], data.get("path", "")
@@ -274,24 +281,31 @@ class ByteDataset:
         # Keyed by the absolute path, so a later change of directory cannot mix up corpora.
         key = os.path.abspath(self.path) if self.source == "text" and self.path else ""
         self.corpus = load_corpus(self.source, key)
-        self.bytes = self.corpus[split]
-        lengths = self.bytes.lengths
+        self.files = self.read_split(key)
+        lengths = self.files.lengths
         longest = int(lengths.max(initial=0))
         if longest < seq_len + 1:
             fix = f"set train.seq_len <= {longest - 1}" if longest >= 2 else "use longer files"
             raise ValueError(
-                f"train.seq_len={seq_len} needs windows of {seq_len + 1} bytes inside one file, "
-                f"but the longest {split} file of data.source={self.source!r} has {longest} "
-                f"bytes: {fix}"
+                f"train.seq_len={seq_len} needs windows of {seq_len + 1} {self.unit} inside one "
+                f"file, but the longest {split} file of data.source={self.source!r} has "
+                f"{longest} {self.unit}: {fix}"
             )
         # Valid window starts: file f has max(0, length - T) of them.
         self._starts_per_file = np.maximum(lengths - seq_len, 0)
         self._cumulative_starts = np.cumsum(self._starts_per_file)
 
+    def read_split(self, key: str) -> SplitBytes:
+        """This dataset's split of the corpus (`key`: the corpus path load_corpus was given)."""
+        return self.corpus[self.split]
+
+    def _gather(self, positions: np.ndarray) -> Batch:
+        """The batch of the windows at corpus positions [B, T + 1]."""
+        return batch_from_windows(self.files.tokens[positions])
+
     def _windows(self, starts: np.ndarray) -> Batch:
         # [B, T + 1] corpus positions, gathered in one indexing op
-        positions = starts[:, None] + np.arange(self.seq_len + 1)
-        return batch_from_windows(self.bytes.tokens[positions])
+        return self._gather(starts[:, None] + np.arange(self.seq_len + 1))
 
     def batch(self, step: int, batch_size: int, seed: int) -> Batch:
         """A batch of uniformly drawn windows, a pure function of (seed, step, batch_size)."""
@@ -299,15 +313,15 @@ class ByteDataset:
         draws = rng.integers(0, self._cumulative_starts[-1], batch_size)  # [B] over all starts
         files = np.searchsorted(self._cumulative_starts, draws, side="right")
         first_draw_of_file = self._cumulative_starts[files] - self._starts_per_file[files]
-        return self._windows(self.bytes.offsets[files] + draws - first_draw_of_file)
+        return self._windows(self.files.offsets[files] + draws - first_draw_of_file)
 
     def eval_starts(self) -> np.ndarray:
         """Start positions of every evaluation window: stride T from each file's start."""
-        windows_per_file = (self.bytes.lengths - 1) // self.seq_len
+        windows_per_file = np.maximum(self.files.lengths - 1, 0) // self.seq_len
         files = np.repeat(np.arange(len(windows_per_file)), windows_per_file)
         first_window_of_file = np.cumsum(windows_per_file) - windows_per_file
         index_in_file = np.arange(len(files)) - first_window_of_file[files]
-        return self.bytes.offsets[files] + index_in_file * self.seq_len
+        return self.files.offsets[files] + index_in_file * self.seq_len
 
     def eval_batches(self, batch_size: int, num_batches: int) -> list[Batch]:
         """Deterministic held-out batches (how many: see the module docstring)."""
@@ -326,8 +340,8 @@ class ByteDataset:
             source=self.source,
             split=self.split,
             seq_len=self.seq_len,
-            num_files=len(self.bytes.names),
-            bytes=int(self.bytes.tokens.size),
+            num_files=len(self.files.names),
+            bytes=int(self.files.tokens.size),
             window_starts=int(self._cumulative_starts[-1]),  # distinct windows batch() draws from
         )
         if self.source == "stdlib":
