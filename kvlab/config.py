@@ -31,6 +31,7 @@ import ml_collections
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
 ATTENTION_KINDS = ("gqa", "mla")
+MOE_ROUTINGS = ("softmax", "sigmoid")  # model.moe.routing: DeepSeek-V2, DeepSeek-V3
 ROPE_SCALINGS = ("none", "linear", "llama3", "yarn")  # model.rope_scaling.type
 CACHE_KINDS = ("dense", "paged")
 BIT_WIDTHS = (16, 8, 4, 2)
@@ -122,6 +123,28 @@ def base_config(variant: str = "tiny") -> ml_collections.ConfigDict:
             v_head_dim=size["head_dim"],  # per-head value width
             absorb=True,  # cached steps attend in latent space (False: expand K/V per head)
             norm_eps=1e-6,  # epsilon of the latent norms (DeepSeek-V2 fixes it at 1e-6)
+        )
+    )
+    # Mixture-of-experts feed-forward (DeepSeekMoE, kvlab/moe.py), used when
+    # num_experts > 0: layers from first_dense_layers on (every `every`-th) route
+    # each token to experts_per_token of num_experts SwiGLU experts of width
+    # expert_dim and add num_shared_experts shared ones; the other layers keep
+    # the dense MLP of width mlp_dim. Hugging Face names in brackets.
+    cfg.model.moe = ml_collections.ConfigDict(
+        dict(
+            num_experts=0,  # E routed experts (n_routed_experts); 0 = dense MLP in every layer
+            experts_per_token=2,  # k experts each token uses (num_experts_per_tok)
+            expert_dim=size["mlp_dim"] // 4,  # each expert's SwiGLU width (moe_intermediate_size)
+            num_shared_experts=0,  # experts every token uses, run as one SwiGLU of
+            #                        num_shared_experts * expert_dim (n_shared_experts)
+            first_dense_layers=0,  # layers 0..n-1 keep the dense MLP (first_k_dense_replace)
+            every=1,  # from there, every `every`-th layer is MoE (moe_layer_freq)
+            routing="softmax",  # 'softmax' (DeepSeek-V2) or 'sigmoid' with a score-correction
+            #                     bias used only for choosing (DeepSeek-V3)
+            num_groups=1,  # expert groups (n_group); 1 = plain top-k ('greedy')
+            groups_per_token=1,  # groups a token may choose from (topk_group)
+            routed_scale=1.0,  # routed experts' weights x this (routed_scaling_factor)
+            normalize_weights=False,  # chosen weights / their sum (norm_topk_prob)
         )
     )
 
@@ -339,6 +362,8 @@ def validate_model_config(model: Mapping) -> None:
     _check_known_fields("model.rope_scaling", model["rope_scaling"], scaling_schema)
     _validate_rope_scaling(model["rope_scaling"])
     _check_known_fields("model.mla", model["mla"], base_config().model.mla)
+    _check_known_fields("model.moe", model["moe"], base_config().model.moe)
+    _validate_moe(model)
     if model["attention"] == "mla":
         _validate_mla(model)
     else:
@@ -403,6 +428,73 @@ def _validate_rope_scaling(scaling: Mapping) -> None:
             f"is not above {section}.beta_slow={scaling['beta_slow']}, so the ramp between "
             "kept and interpolated frequencies runs backwards",
             "set beta_fast > beta_slow (YaRN: 32.0 and 1.0)",
+        )
+
+
+def _validate_moe(model: Mapping) -> None:
+    section, moe = "model.moe", model["moe"]
+    for name in ("experts_per_token", "expert_dim", "every", "num_groups", "groups_per_token"):
+        _check_int(section, moe, name)
+    for name in ("num_experts", "num_shared_experts", "first_dense_layers"):
+        _check_int(section, moe, name, minimum=0)
+    _check_choice(section, moe, "routing", MOE_ROUTINGS)
+    _check_number(section, moe, "routed_scale")
+    if not isinstance(moe["normalize_weights"], bool):
+        _fail(
+            f"{section}.normalize_weights",
+            moe["normalize_weights"],
+            "is not a bool",
+            "set True or False",
+        )
+    experts = moe["num_experts"]
+    if experts == 0:
+        return  # dense everywhere: the other fields are unused
+    if moe["experts_per_token"] > experts:
+        _fail(
+            f"{section}.experts_per_token",
+            moe["experts_per_token"],
+            f"exceeds {section}.num_experts={experts}",
+            f"set {section}.experts_per_token <= {experts}",
+        )
+    if moe["first_dense_layers"] > model["num_layers"]:
+        _fail(
+            f"{section}.first_dense_layers",
+            moe["first_dense_layers"],
+            f"exceeds model.num_layers={model['num_layers']}",
+            f"set {section}.first_dense_layers <= {model['num_layers']}",
+        )
+    groups = moe["num_groups"]
+    if experts % groups:
+        divisors = [d for d in range(1, experts + 1) if experts % d == 0]
+        _fail(
+            f"{section}.num_groups",
+            groups,
+            f"does not divide {section}.num_experts={experts} into equal groups",
+            f"set {section}.num_groups to one of {divisors}",
+        )
+    if moe["groups_per_token"] > groups:
+        _fail(
+            f"{section}.groups_per_token",
+            moe["groups_per_token"],
+            f"exceeds {section}.num_groups={groups}",
+            f"set {section}.groups_per_token <= {groups}",
+        )
+    reachable = moe["groups_per_token"] * (experts // groups)
+    if moe["experts_per_token"] > reachable:
+        _fail(
+            f"{section}.experts_per_token",
+            moe["experts_per_token"],
+            f"exceeds the {reachable} experts in {section}.groups_per_token="
+            f"{moe['groups_per_token']} groups of {experts // groups}",
+            f"set {section}.experts_per_token <= {reachable} or raise {section}.groups_per_token",
+        )
+    if moe["routing"] == "sigmoid" and groups > 1 and experts // groups < 2:
+        _fail(
+            f"{section}.num_groups",
+            groups,
+            f"leaves one expert per group, but {section}.routing='sigmoid' scores a group "
+            "by its two best experts",
+            f"set {section}.num_groups to at most {experts // 2} or 1",
         )
 
 

@@ -2,7 +2,9 @@
 
 Embedding -> num_layers x (RMSNorm, attention, residual, RMSNorm, SwiGLU MLP,
 residual) -> RMSNorm -> logits (tied to the embedding or a separate matrix).
-Llama (arXiv:2302.13971); SwiGLU (arXiv:2002.05202).
+Llama (arXiv:2302.13971); SwiGLU (arXiv:2002.05202). With model.moe.num_experts
+> 0, layers from model.moe.first_dense_layers on replace the MLP by DeepSeek's
+mixture of experts (kvlab/moe.py).
 
     model = Transformer(cfg.model)
     logits, cache = model.apply({"params": p}, tokens, cache=cache, num_tokens=None)
@@ -41,34 +43,25 @@ from kvlab.cache.dense import BAD_COUNT, BAD_TOKEN, OVERFLOW, Cache
 from kvlab.cache.placement import Placement, place_without_cache
 from kvlab.config import cached_tensors, dtype_of, frozen, validate_model_config
 from kvlab.layers import RMSNorm, projection
+from kvlab.moe import MLP, MoE, uses_experts
 
 ATTENTION = {"gqa": GroupedQueryAttention, "mla": MultiHeadLatentAttention}
 
 
-class MLP(nn.Module):
-    """SwiGLU feed-forward: down(silu(gate(x)) * up(x))."""
-
-    config: FrozenConfigDict
-
-    @nn.compact
-    def __call__(self, x):
-        cfg = self.config
-        gate = projection(cfg, cfg.mlp_dim, "gate")(x)  # [B, T, F]
-        up = projection(cfg, cfg.mlp_dim, "up")(x)
-        return projection(cfg, cfg.embed_dim, "down")(nn.silu(gate) * up)
-
-
 class Block(nn.Module):
-    """Pre-norm residual block: attention then MLP."""
+    """Pre-norm residual block: attention then the feed-forward (the MLP, or
+    the mixture of experts where `uses_experts(config, index)`)."""
 
     config: FrozenConfigDict
+    index: int = 0  # the layer's place in the stack
 
     @nn.compact
     def __call__(self, x, placement: Placement, layer):
         attention = ATTENTION[self.config.attention](self.config, name="attention")
         h, layer = attention(RMSNorm(self.config, name="attention_norm")(x), placement, layer)
         x = x + h
-        x = x + MLP(self.config, name="mlp")(RMSNorm(self.config, name="mlp_norm")(x))
+        feed_forward = MoE if uses_experts(self.config, self.index) else MLP
+        x = x + feed_forward(self.config, name="mlp")(RMSNorm(self.config, name="mlp_norm")(x))
         return x, layer
 
 
@@ -228,7 +221,7 @@ class Transformer(nn.Module):
         x = embed(tokens)  # [B, T, D]
         new_layers = []
         for i, layer in enumerate(layers):
-            x, layer = Block(cfg, name=f"block_{i}")(x, placement, layer)
+            x, layer = Block(cfg, index=i, name=f"block_{i}")(x, placement, layer)
             new_layers.append(layer)
         x = RMSNorm(cfg, name="final_norm")(x)
         if cfg.tie_embeddings:
