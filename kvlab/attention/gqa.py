@@ -7,6 +7,11 @@ G = N / K. The cache stores K heads, never N.
     GroupedQueryAttention(config)(x [B, T, D], placement, layer | None)
         -> (out [B, T, D], layer)
 
+Options that Hugging Face families use: `model.qkv_bias` gives the query, key
+and value projections biases (Qwen2, Qwen2.5); `model.qk_norm` normalises
+each head's query and key (RMSNorm over H, modules `query_norm`, `key_norm`)
+before RoPE (Qwen3); `model.rope_scaling` stretches RoPE (kvlab/attention/rope.py).
+
 With a cache layer (dense or quantized, kvlab/cache), the queries attend over
 what the layer holds and over the new keys and values as the layer will hold
 them; then the layer stores the new ones. Without one (the plain forward) they
@@ -21,7 +26,7 @@ from ml_collections import FrozenConfigDict
 from kvlab.attention.core import attend, ordered_after
 from kvlab.attention.rope import apply_rope
 from kvlab.cache.placement import Placement
-from kvlab.layers import projection
+from kvlab.layers import RMSNorm, projection
 
 
 class GroupedQueryAttention(nn.Module):
@@ -31,11 +36,14 @@ class GroupedQueryAttention(nn.Module):
     def __call__(self, x, placement: Placement, layer=None):
         cfg = self.config
         # [B, T, N, H] and [B, T, K, H]
-        q = projection(cfg, (cfg.num_heads, cfg.head_dim), "query")(x)
-        k = projection(cfg, (cfg.num_kv_heads, cfg.head_dim), "key")(x)
-        v = projection(cfg, (cfg.num_kv_heads, cfg.head_dim), "value")(x)
-        q = apply_rope(q, placement.positions, cfg.rope_theta)
-        k = apply_rope(k, placement.positions, cfg.rope_theta)
+        q = projection(cfg, (cfg.num_heads, cfg.head_dim), "query", bias=cfg.qkv_bias)(x)
+        k = projection(cfg, (cfg.num_kv_heads, cfg.head_dim), "key", bias=cfg.qkv_bias)(x)
+        v = projection(cfg, (cfg.num_kv_heads, cfg.head_dim), "value", bias=cfg.qkv_bias)(x)
+        if cfg.qk_norm:
+            q = RMSNorm(cfg, name="query_norm")(q)
+            k = RMSNorm(cfg, name="key_norm")(k)
+        q = apply_rope(q, placement.positions, cfg.rope_theta, cfg.rope_scaling)
+        k = apply_rope(k, placement.positions, cfg.rope_theta, cfg.rope_scaling)
         out_projection = projection(cfg, cfg.embed_dim, "out", axis=(-2, -1))
         # [B, K, T, H]
         fresh = (k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3))

@@ -8,7 +8,10 @@ heads ("decoupled RoPE"). The cache holds only c_kv and k_rope:
 R + Hr numbers per token and layer instead of 2 x N x head_dim.
 
 Queries are full rank (x W_Q) or, with mla.q_rank > 0, low rank with their own
-norm (RMSNorm(x W_DQ) W_UQ); each head's query is [nope | rope].
+norm (RMSNorm(x W_DQ) W_UQ); each head's query is [nope | rope]. The two latent
+norms use mla.norm_eps (DeepSeek-V2 fixes them at 1e-6). Under a scaled RoPE
+(model.rope_scaling, kvlab/attention/rope.py) the softmax scale is multiplied by
+`softmax_mscale` twice (yarn's mscale), as DeepSeek-V2 does.
 
     MultiHeadLatentAttention(config)(x [B, T, D], placement, layer | None)
         -> (out [B, T, D], layer)
@@ -40,7 +43,7 @@ import jax.numpy as jnp
 from ml_collections import FrozenConfigDict
 
 from kvlab.attention.core import attend, ordered_after
-from kvlab.attention.rope import apply_rope
+from kvlab.attention.rope import apply_rope, softmax_mscale
 from kvlab.cache.placement import Placement
 from kvlab.cache.protocols import Reader
 from kvlab.config import dtype_of
@@ -96,16 +99,19 @@ class MultiHeadLatentAttention(nn.Module):
         heads = cfg.num_heads
         # [B, T, N, nope + Hr]
         if mla.q_rank:
-            c_q = RMSNorm(cfg, name="query_norm")(projection(cfg, mla.q_rank, "query_down")(x))
+            c_q = projection(cfg, mla.q_rank, "query_down")(x)
+            c_q = RMSNorm(cfg, eps=mla.norm_eps, name="query_norm")(c_q)
             q = projection(cfg, (heads, cfg.head_dim), "query_up")(c_q)
         else:
             q = projection(cfg, (heads, cfg.head_dim), "query")(x)
         q_nope = q[..., : mla.nope_dim]
-        q_rope = apply_rope(q[..., mla.nope_dim :], placement.positions, cfg.rope_theta)
+        rope = (placement.positions, cfg.rope_theta, cfg.rope_scaling)
+        q_rope = apply_rope(q[..., mla.nope_dim :], *rope)
         # What the cache holds: [B, T, R] and [B, T, Hr]
-        c_kv = RMSNorm(cfg, name="kv_norm")(projection(cfg, mla.kv_rank, "kv_down")(x))
+        c_kv = projection(cfg, mla.kv_rank, "kv_down")(x)
+        c_kv = RMSNorm(cfg, eps=mla.norm_eps, name="kv_norm")(c_kv)
         k_rope = projection(cfg, (1, mla.rope_dim), "key_rope")(x)
-        k_rope = apply_rope(k_rope, placement.positions, cfg.rope_theta)[:, :, 0]
+        k_rope = apply_rope(k_rope, *rope)[:, :, 0]
 
         up_init = nn.initializers.lecun_normal(in_axis=0, out_axis=(1, 2))
         param_dtype = dtype_of(cfg.param_dtype)
@@ -114,7 +120,9 @@ class MultiHeadLatentAttention(nn.Module):
             "value_up", up_init, (mla.kv_rank, heads, mla.v_head_dim), param_dtype
         )
         out_projection = projection(cfg, cfg.embed_dim, "out", axis=(-2, -1))
-        scale = cfg.head_dim**-0.5  # 1 / sqrt(nope + Hr), the per-head query/key width
+        # 1 / sqrt(nope + Hr), the per-head query/key width, times yarn's correction squared
+        mscale = softmax_mscale(cfg.rope_scaling)
+        scale = cfg.head_dim**-0.5 * mscale * mscale
 
         # [B, 1, T, R] and [B, 1, T, Hr]: one "head" each, as the cache holds them
         fresh = (c_kv[:, None], k_rope[:, None])
