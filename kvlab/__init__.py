@@ -11,6 +11,8 @@ The public API (docs/design.md):
     kvlab.cache_bytes(cfg.model, cfg.cache, batch_size=2, seq_len=256) == kvlab.tree_bytes(cache)
     engine = kvlab.Engine(cfg.model, cfg.cache, params, max_slots=8)   # cache.kind='paged'
     outputs = engine.generate(list_of_token_lists, max_new_tokens=32)
+    cfg, params = kvlab.load_hf("path/to/hf_model")      # a transformers checkpoint folder
+    kvlab.save_hf(cfg, params, "out/hf_model")           # and back
 
 Training, evaluation through a cache and sweeps: kvlab.train, kvlab.eval, kvlab.sweep.
 """
@@ -18,6 +20,7 @@ Training, evaluation through a cache and sweeps: kvlab.train, kvlab.eval, kvlab.
 from kvlab.cache import Cache, cache_bytes, init_cache, tree_bytes
 from kvlab.config import base_config, load_config, validate_config
 from kvlab.engine import Engine
+from kvlab.hf import load_hf, save_hf
 from kvlab.model import Transformer, init_params
 from kvlab.sampling import Greedy, Temperature, TopK, TopP, decode_step, generate, prefill
 
@@ -36,7 +39,9 @@ __all__ = [
     "init_cache",
     "init_params",
     "load_config",
+    "load_hf",
     "prefill",
+    "save_hf",
     "tree_bytes",
     "validate_config",
 ]

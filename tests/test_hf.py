@@ -1,0 +1,437 @@
+"""kvlab.load_hf and kvlab.save_hf against checkpoints transformers wrote (no torch here).
+
+The fixtures in tests/fixtures/hf were written by scripts/make_hf_fixtures.py
+with transformers' own save_pretrained; each holds the logits transformers
+computed on a token batch and its greedy continuation (reference.npz).
+"""
+
+import json
+import os
+import pathlib
+import shutil
+
+import jax
+import numpy as np
+import pytest
+import safetensors.numpy
+from flax import traverse_util
+
+import kvlab
+from tests.helpers import TOLERANCE
+
+FIXTURES = pathlib.Path(__file__).parent / "fixtures" / "hf"
+GROUPED = ["llama", "qwen2", "qwen3", "mistral"]
+LATENT = ["deepseek_v2_q_lora", "deepseek_v2", "deepseek_v3"]
+ALL = GROUPED + LATENT
+
+
+def reference(name):
+    return np.load(FIXTURES / name / "reference.npz")
+
+
+@pytest.fixture(scope="module")
+def loaded():
+    """load_hf of each fixture, once per module (lazily)."""
+    cache = {}
+
+    def get(name):
+        if name not in cache:
+            cache[name] = kvlab.load_hf(FIXTURES / name)
+        return cache[name]
+
+    return get
+
+
+def flat(params):
+    return traverse_util.flatten_dict(params)
+
+
+def read_tensors(folder) -> dict:
+    tensors = {}
+    for name in sorted(os.listdir(folder)):
+        if name.endswith(".safetensors"):
+            tensors.update(safetensors.numpy.load_file(os.path.join(folder, name)))
+    return tensors
+
+
+# ---------------------------------------------------------------------------
+# Logits and tokens against transformers'
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_forward_matches_transformers(name, loaded):
+    cfg, params = loaded(name)
+    ref = reference(name)
+    logits, _ = jax.jit(kvlab.Transformer(cfg.model).apply)({"params": params}, ref["tokens"])
+    np.testing.assert_allclose(np.asarray(logits), ref["logits"], atol=TOLERANCE, rtol=0)
+
+
+# Each latent fixture goes through the cache once, both MLA paths covered; every
+# test here compiles its own programs, so the cases are chosen to stay fast.
+THROUGH_CACHE = [(name, None) for name in GROUPED] + [
+    ("deepseek_v2_q_lora", True),
+    ("deepseek_v2", False),
+    ("deepseek_v3", True),
+]
+# Greedy generation (absorbed MLA in its loop): a GQA family with and without
+# norms and biases, and both DeepSeek routings.
+GREEDY = ["llama", "qwen2", "qwen3", "deepseek_v2_q_lora", "deepseek_v3"]
+
+
+@pytest.mark.parametrize("name, absorb", THROUGH_CACHE)
+def test_cache_token_by_token_matches_transformers(name, absorb, loaded):
+    cfg, params = loaded(name)
+    model_cfg = cfg.model.copy_and_resolve_references()
+    if absorb is not None:
+        model_cfg.mla.absorb = absorb
+    ref = reference(name)
+    tokens = ref["tokens"]
+    model = kvlab.Transformer(model_cfg)
+    cache = kvlab.init_cache(model_cfg, cfg.cache, batch_size=tokens.shape[0], max_len=16)
+    steps = []
+    for t in range(tokens.shape[1]):
+        logits, cache = kvlab.decode_step(model, params, cache, tokens[:, t])
+        steps.append(np.asarray(logits))
+    cache.check()
+    np.testing.assert_allclose(np.stack(steps, 1), ref["logits"], atol=TOLERANCE, rtol=0)
+
+
+@pytest.mark.parametrize("name", GREEDY)
+def test_greedy_tokens_match_transformers(name, loaded):
+    cfg, params = loaded(name)
+    ref = reference(name)
+    new_tokens = ref["generated"].shape[1] - ref["tokens"].shape[1]
+    out = kvlab.generate(
+        kvlab.Transformer(cfg.model),
+        params,
+        ref["tokens"],
+        cache_cfg=cfg.cache,
+        max_new_tokens=new_tokens,
+        sampler=kvlab.Greedy(),
+    )
+    np.testing.assert_array_equal(np.asarray(out), ref["generated"])
+
+
+# ---------------------------------------------------------------------------
+# What the import maps
+
+
+def test_config_fields_are_mapped(loaded):
+    llama = loaded("llama")[0].model
+    assert (llama.num_heads, llama.num_kv_heads, llama.head_dim) == (4, 2, 16)
+    assert not llama.tie_embeddings and llama.attention == "gqa"
+    assert dict(llama.rope_scaling) == dict(
+        kvlab.base_config().model.rope_scaling,
+        type="llama3",
+        factor=8.0,
+        original_max_len=64,
+        low_freq_factor=1.0,
+        high_freq_factor=4.0,
+    )
+    qwen2 = loaded("qwen2")[0].model
+    assert qwen2.qkv_bias and qwen2.tie_embeddings and qwen2.rope_theta == 1e6
+    qwen3 = loaded("qwen3")[0].model
+    assert qwen3.qk_norm and qwen3.head_dim == 24 and qwen3.norm_eps == 1e-5
+    assert (qwen3.rope_scaling.type, qwen3.rope_scaling.factor) == ("linear", 2.0)
+    deepseek = loaded("deepseek_v2_q_lora")[0].model
+    assert deepseek.attention == "mla" and deepseek.head_dim == 16
+    assert deepseek.mla.q_rank == 12 and deepseek.mla.norm_eps == 1e-6 and deepseek.norm_eps == 1e-5
+    assert deepseek.moe.first_dense_layers == 1 and deepseek.moe.routing == "softmax"
+    assert (deepseek.rope_scaling.type, deepseek.rope_scaling.mscale_all_dim) == ("yarn", 0.707)
+    assert loaded("deepseek_v2")[0].model.mla.q_rank == 0
+    v3 = loaded("deepseek_v3")[0].model.moe
+    assert (v3.routing, v3.num_groups, v3.groups_per_token, v3.normalize_weights) == (
+        "sigmoid",
+        2,
+        1,
+        True,
+    )
+
+
+def test_params_are_laid_out_as_init_params(loaded):
+    for name in ("qwen2", "deepseek_v3"):
+        cfg, params = loaded(name)
+        expected = jax.eval_shape(lambda c=cfg: kvlab.init_params(c.model, jax.random.key(0)))
+        assert jax.tree.structure(params) == jax.tree.structure(expected)
+        assert jax.tree.map(lambda x: (x.shape, x.dtype), params) == jax.tree.map(
+            lambda x: (x.shape, x.dtype), expected
+        )
+
+
+def test_interleaved_rope_channels_are_reordered_to_halves(loaded):
+    """DeepSeek's rope key rows [latent; rope] come back with channels 0,2,4,.. then 1,3,5,.."""
+    cfg, params = loaded("deepseek_v2")
+    stored = read_tensors(FIXTURES / "deepseek_v2")[
+        "model.layers.0.self_attn.kv_a_proj_with_mqa.weight"
+    ]
+    rank, rope = cfg.model.mla.kv_rank, cfg.model.mla.rope_dim
+    key_rope = np.asarray(params["block_0"]["attention"]["key_rope"]["kernel"])[:, 0]  # [D, Hr]
+    np.testing.assert_array_equal(key_rope[:, : rope // 2], stored[rank::2].T)
+    np.testing.assert_array_equal(key_rope[:, rope // 2 :], stored[rank + 1 :: 2].T)
+
+
+def test_dtype_argument_and_checkpoint_dtype():
+    cfg, params = kvlab.load_hf(FIXTURES / "qwen2", dtype="bfloat16")
+    assert cfg.model.dtype == cfg.model.param_dtype == "bfloat16"
+    assert {x.dtype for x in jax.tree.leaves(params)} == {np.dtype("bfloat16")}
+    cfg, _ = kvlab.load_hf(FIXTURES / "qwen2")
+    assert cfg.model.param_dtype == "float32"  # config.json's dtype
+    with pytest.raises(ValueError, match=r"dtype='int8' is not supported.*'bfloat16'"):
+        kvlab.load_hf(FIXTURES / "qwen2", dtype="int8")
+
+
+# ---------------------------------------------------------------------------
+# Export
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_export_writes_transformers_tensors_and_round_trips(name, loaded, tmp_path):
+    cfg, params = loaded(name)
+    kvlab.save_hf(cfg, params, tmp_path)
+    assert sorted(os.listdir(tmp_path)) == ["config.json", "model.safetensors"]
+    # The tensors transformers itself saved, bit for bit (a sharded fixture in one file).
+    written, original = read_tensors(tmp_path), read_tensors(FIXTURES / name)
+    assert sorted(written) == sorted(original)
+    for key, value in original.items():
+        assert written[key].dtype == value.dtype and np.array_equal(written[key], value), key
+    again_cfg, again = kvlab.load_hf(tmp_path)
+    assert again_cfg.model.to_dict() == cfg.model.to_dict()
+    first, second = flat(params), flat(again)
+    assert first.keys() == second.keys()
+    for path in first:
+        assert np.array_equal(np.asarray(first[path]), np.asarray(second[path])), path
+
+
+# config.json fields transformers reads, which an export must give as transformers wrote them.
+COMMON_FIELDS = [
+    "model_type",
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "hidden_act",
+    "rms_norm_eps",
+    "tie_word_embeddings",
+    "rope_parameters",
+]
+EXPORTED_FIELDS = {
+    "llama": ["num_key_value_heads", "head_dim", "attention_bias", "mlp_bias"],
+    "deepseek_v3": [
+        "kv_lora_rank",
+        "q_lora_rank",
+        "qk_rope_head_dim",
+        "qk_nope_head_dim",
+        "v_head_dim",
+        "n_routed_experts",
+        "num_experts_per_tok",
+        "moe_intermediate_size",
+        "n_shared_experts",
+        "first_k_dense_replace",
+        "routed_scaling_factor",
+        "norm_topk_prob",
+        "n_group",
+        "topk_group",
+        "rope_interleave",
+    ],
+}
+
+
+@pytest.mark.parametrize("name", sorted(EXPORTED_FIELDS))
+def test_export_config_gives_the_fields_transformers_reads(name, loaded, tmp_path):
+    cfg, params = loaded(name)
+    kvlab.save_hf(cfg, params, tmp_path)
+    written = json.loads((tmp_path / "config.json").read_text())
+    original = json.loads((FIXTURES / name / "config.json").read_text())
+    for key in COMMON_FIELDS + EXPORTED_FIELDS[name]:
+        assert written[key] == original[key], key
+
+
+def test_export_refuses_what_transformers_cannot_compute(loaded, tmp_path):
+    cfg, params = loaded("qwen3")
+    both = cfg.copy_and_resolve_references()
+    both.model.qkv_bias = True
+    with pytest.raises(ValueError, match=r"model.qkv_bias=True with model.qk_norm=True"):
+        kvlab.save_hf(both, params, tmp_path / "both")
+    cfg, params = loaded("deepseek_v2")
+    eps = cfg.copy_and_resolve_references()
+    eps.model.mla.norm_eps = 1e-5
+    with pytest.raises(ValueError, match=r"model.mla.norm_eps=1e-05.*set model.mla.norm_eps=1e-06"):
+        kvlab.save_hf(eps, params, tmp_path / "eps")
+    normalized = cfg.copy_and_resolve_references()
+    normalized.model.moe.normalize_weights = True
+    with pytest.raises(ValueError, match=r"normalize_weights=True.*ignores norm_topk_prob"):
+        kvlab.save_hf(normalized, params, tmp_path / "normalized")
+
+
+def test_export_refuses_params_of_another_model(loaded, tmp_path):
+    cfg, params = loaded("llama")
+    missing = {k: v for k, v in params.items() if k != "final_norm"}
+    with pytest.raises(ValueError, match=r"params has no parameter final_norm/scale"):
+        kvlab.save_hf(cfg, missing, tmp_path)
+    extra = dict(params, spare={"kernel": np.zeros(3)})
+    with pytest.raises(ValueError, match=r"parameters the model does not use: spare/kernel"):
+        kvlab.save_hf(cfg, extra, tmp_path)
+    reshaped = dict(params, final_norm={"scale": np.ones(65, np.float32)})
+    with pytest.raises(ValueError, match=r"final_norm/scale of params has shape \(65,\)"):
+        kvlab.save_hf(cfg, reshaped, tmp_path)
+    (tmp_path / "model.safetensors.index.json").write_text("{}")
+    with pytest.raises(ValueError, match=r"holds a sharded checkpoint"):
+        kvlab.save_hf(cfg, params, tmp_path)
+
+
+# ---------------------------------------------------------------------------
+# Refusals on import
+
+
+def copy_fixture(name, tmp_path, config_changes=None, tensors=None):
+    """A copy of fixture `name` with config.json fields changed (None deletes) and
+    model.safetensors replaced by `tensors(old) -> new`."""
+    folder = tmp_path / name
+    shutil.copytree(FIXTURES / name, folder)
+    if config_changes:
+        config = json.loads((folder / "config.json").read_text())
+        for key, value in config_changes.items():
+            if value is None:
+                config.pop(key, None)
+            else:
+                config[key] = value
+        (folder / "config.json").write_text(json.dumps(config))
+    if tensors:
+        new = tensors(read_tensors(folder))
+        safetensors.numpy.save_file(new, folder / "model.safetensors", metadata={"format": "pt"})
+    return folder
+
+
+CONFIG_REFUSALS = {
+    "unknown family": (
+        "llama",
+        {"model_type": "gpt2"},
+        r"model_type='gpt2' is not a family kvlab reads: kvlab reads llama, mistral, qwen2, "
+        r"qwen3, deepseek_v2, deepseek_v3",
+    ),
+    "mistral sliding window": (
+        "mistral",
+        {"sliding_window": 4096},
+        r"sliding_window=4096 .*kvlab has no sliding-window attention yet",
+    ),
+    "qwen sliding layers": (
+        "qwen2",
+        {"layer_types": ["full_attention", "sliding_attention"]},
+        r"layer_types=.*sliding-attention layers",
+    ),
+    "dynamic rope": (
+        "llama",
+        {"rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}},
+        r"rope_parameters.rope_type='dynamic' is not supported: kvlab computes RoPE types "
+        r"'default', 'linear', 'llama3', 'yarn'",
+    ),
+    "legacy rope_scaling": (
+        "llama",
+        {"rope_scaling": {"type": "longrope", "factor": 2.0}},
+        r"rope_scaling.rope_type='longrope' is not supported",
+    ),
+    "partial rotary": (
+        "qwen3",
+        {"partial_rotary_factor": 0.5},
+        r"partial_rotary_factor=0.5 rotates only part of each head",
+    ),
+    "o_proj bias": (
+        "llama",
+        {"attention_bias": True},
+        r"attention_bias=True puts biases on q/k/v and o_proj",
+    ),
+    "activation": ("qwen3", {"hidden_act": "gelu"}, r"hidden_act='gelu' is not SwiGLU"),
+    "quantized": (
+        "qwen2",
+        {"quantization_config": {"quant_method": "fp8"}},
+        r"quantization_config=.*dequantize first",
+    ),
+    "missing field": ("llama", {"hidden_size": None}, r"config.json has no hidden_size"),
+    "v2 routing": (
+        "deepseek_v2",
+        {"topk_method": "noaux_tc"},
+        r"topk_method='noaux_tc' is not a DeepSeek-V2 routing",
+    ),
+    "yarn attention factor": (
+        "deepseek_v2",
+        {
+            "rope_parameters": {
+                "rope_type": "yarn",
+                "factor": 4.0,
+                "original_max_position_embeddings": 128,
+                "attention_factor": 2.0,
+            }
+        },
+        r"attention_factor=2.0 differs from the 1.13",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CONFIG_REFUSALS))
+def test_import_refuses_config(case, tmp_path):
+    name, changes, message = CONFIG_REFUSALS[case]
+    with pytest.raises(ValueError, match=message):
+        kvlab.load_hf(copy_fixture(name, tmp_path, changes))
+
+
+def test_import_refuses_missing_tensor(tmp_path):
+    name = "model.layers.1.self_attn.k_proj.weight"
+    folder = copy_fixture(
+        "llama", tmp_path, tensors=lambda t: {k: v for k, v in t.items() if k != name}
+    )
+    with pytest.raises(ValueError, match=rf"has no tensor '{name}'.*block_1/attention/key/kernel"):
+        kvlab.load_hf(folder)
+
+
+def test_import_refuses_wrong_shape(tmp_path):
+    name = "model.layers.0.mlp.up_proj.weight"
+    folder = copy_fixture("llama", tmp_path, tensors=lambda t: dict(t, **{name: t[name][:32]}))
+    with pytest.raises(
+        ValueError, match=rf"'{name}'.*has shape \(32, 64\) but config.json makes it \(64, 64\)"
+    ):
+        kvlab.load_hf(folder)
+
+
+def test_import_refuses_leftover_tensors(tmp_path):
+    extra = {"model.layers.0.self_attn.o_proj.bias": np.zeros(64, np.float32)}
+    folder = copy_fixture("llama", tmp_path, tensors=lambda t: dict(t, **extra))
+    with pytest.raises(ValueError, match=r"no place for: 'model.layers.0.self_attn.o_proj.bias'"):
+        kvlab.load_hf(folder)
+
+
+def test_import_refuses_untied_head_under_tied_config(tmp_path):
+    def add_head(t):
+        return dict(t, **{"lm_head.weight": t["model.embed_tokens.weight"] + 1})
+
+    with pytest.raises(ValueError, match=r"'lm_head.weight'.*differs.*tie_word_embeddings=true"):
+        kvlab.load_hf(copy_fixture("qwen2", tmp_path, tensors=add_head))
+    # An identical copy of the tied matrix is the same model.
+    same = lambda t: dict(t, **{"lm_head.weight": t["model.embed_tokens.weight"]})  # noqa: E731
+    kvlab.load_hf(copy_fixture("qwen2", tmp_path / "same", tensors=same))
+
+
+def test_import_refuses_quantized_tensors(tmp_path):
+    name = "model.norm.weight"
+    folder = copy_fixture(
+        "llama", tmp_path, tensors=lambda t: dict(t, **{name: t[name].astype(np.int8)})
+    )
+    with pytest.raises(ValueError, match=rf"'{name}'.*stored as I8: kvlab reads F32, BF16, F16"):
+        kvlab.load_hf(folder)
+
+
+def test_import_refuses_folders_without_a_checkpoint(tmp_path):
+    with pytest.raises(ValueError, match=r"is not a folder"):
+        kvlab.load_hf(tmp_path / "absent")
+    with pytest.raises(ValueError, match=r"has no config.json"):
+        kvlab.load_hf(tmp_path)
+    folder = copy_fixture("llama", tmp_path)
+    os.rename(folder / "model.safetensors", folder / "pytorch_model.bin")
+    with pytest.raises(
+        ValueError, match=r"neither model.safetensors nor .*pytorch_model.bin.*safe_serialization"
+    ):
+        kvlab.load_hf(folder)
+    sharded = copy_fixture("mistral", tmp_path)
+    os.remove(sharded / "model-00002-of-00004.safetensors")
+    with pytest.raises(ValueError, match=r"names model-00002-of-00004.safetensors, which"):
+        kvlab.load_hf(sharded)
