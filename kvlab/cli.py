@@ -19,7 +19,9 @@
 - refuses to start when `import kvlab` found a folder named kvlab (the
   repository clone itself, from the folder above it) instead of the package.
 
-`attention_label` and `count` word what the scripts print about a model.
+`attention_label` and `count` word what the scripts print about a model;
+`with_hf` is what every script's `--hf DIR` does (docs/design.md, "Your own
+checkpoint").
 """
 
 import os
@@ -29,6 +31,7 @@ from collections.abc import Callable
 import ml_collections
 from absl import app, flags, logging
 
+from kvlab.hf import config_from_hf
 from kvlab.sweep import family
 
 # The package's own folder, found through this file: kvlab.cli is imported
@@ -93,6 +96,34 @@ def check_package() -> None:
         file=sys.stderr,
     )
     sys.exit(USER_ERROR_STATUS)
+
+
+def with_hf(
+    cfg: ml_collections.ConfigDict, path: str, config_flag: str = "config", **others: object
+) -> ml_collections.ConfigDict:
+    """`cfg` running the Hugging Face checkpoint in `path`: a script's `--hf DIR`.
+
+    kvlab.hf.config_from_hf: the model section from the checkpoint,
+    train.init_from=path, its tokenizer.json as data.tokenizer. Refused with a
+    message naming the flag: any of `others` (flag name -> value, e.g.
+    workdir=...) that is set, and command-line overrides of
+    `--<config_flag>.model.*` or `--<config_flag>.train.init_from`, which the
+    checkpoint decides.
+    """
+    for name, value in others.items():
+        if value is not None and value is not False:
+            raise ValueError(
+                f"--{name}={value} and --hf={path} both name the weights to use: pass one of them"
+            )
+    for arg in sys.argv[1:]:
+        name = arg.split("=", 1)[0]
+        if name.startswith(f"--{config_flag}.model.") or name == f"--{config_flag}.train.init_from":
+            raise ValueError(
+                f"{arg}: with --hf={path} the model section and train.init_from come from the "
+                "checkpoint: drop the override (convert the checkpoint, scripts/convert.py, to "
+                "change its attention)"
+            )
+    return config_from_hf(cfg, path)
 
 
 def attention_label(model: ml_collections.ConfigDict) -> str:

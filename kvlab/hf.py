@@ -804,6 +804,14 @@ def load_hf(path: str | os.PathLike, dtype: Any = None) -> tuple[ml_collections.
     in that dtype, laid out as kvlab.init_params(cfg.model, key) lays them out.
     """
     folder = os.fspath(path)
+    hf, cfg = _mapped_config(folder, dtype)
+    with _Checkpoint(folder) as checkpoint:
+        params = _read_params(checkpoint, hf, cfg.model)
+    return cfg, params
+
+
+def _mapped_config(folder: str, dtype: Any) -> tuple[_HFConfig, ml_collections.ConfigDict]:
+    """config.json of `folder` read, and base_config() with the model section it maps to."""
     if not os.path.isdir(folder):
         raise ValueError(f"path={folder!r} is not a folder: pass a save_pretrained directory")
     hf = _HFConfig(folder)
@@ -813,9 +821,30 @@ def load_hf(path: str | os.PathLike, dtype: Any = None) -> tuple[ml_collections.
         validate_config(cfg)
     except ValueError as error:
         raise ValueError(f"{hf.file} maps to a kvlab config that is not valid: {error}") from None
-    with _Checkpoint(folder) as checkpoint:
-        params = _read_params(checkpoint, hf, cfg.model)
-    return cfg, params
+    return hf, cfg
+
+
+def config_from_hf(
+    cfg: ml_collections.ConfigDict, path: str | os.PathLike
+) -> ml_collections.ConfigDict:
+    """A copy of `cfg` that runs the checkpoint in `path` (what the scripts' --hf means).
+
+    The model section becomes the one config.json maps to (load_hf's, nothing
+    else of `cfg.model` kept), train.init_from becomes `path` (training starts
+    from its weights; kvlab.train.initial_params(cfg) reads them), and when the
+    folder holds a tokenizer.json and `cfg` names no data.tokenizer, text goes
+    through it (data.tokenizer = path; not for data.source='mqar'). Every other
+    section is `cfg`'s. The result is validated; no tensor is read.
+    """
+    folder = os.fspath(path)
+    _, source = _mapped_config(folder, None)
+    cfg = cfg.copy_and_resolve_references()
+    cfg.model = source.model
+    cfg.train.init_from = folder
+    tokenizer = os.path.join(folder, "tokenizer.json")
+    if not cfg.data.tokenizer and cfg.data.source != "mqar" and os.path.isfile(tokenizer):
+        cfg.data.tokenizer = folder
+    return validate_config(cfg)
 
 
 # ---------------------------------------------------------------------------

@@ -128,11 +128,13 @@ def initial_params(cfg: ml_collections.ConfigDict):
     else:
         source, params = load_params(path)
     ignored = ("dtype", "param_dtype")
-    for key, value in cfg.model.items():
-        if key not in ignored and source.model.get(key) != value:
+    # Plain dicts: ConfigDicts of equal fields compare unequal when one is locked.
+    wanted, held = cfg.model.to_dict(), source.model.to_dict()
+    for key, value in wanted.items():
+        if key not in ignored and held.get(key) != value:
             raise ValueError(
                 f"train.init_from={path!r} holds a model with model.{key}="
-                f"{source.model.get(key)!r} but the config has {value!r}: start from a config "
+                f"{held.get(key)!r} but the config has {value!r}: start from a config "
                 "whose model section is the source's (its config.json, or kvlab.load_hf's)"
             )
     dtype = dtype_of(cfg.model.param_dtype)

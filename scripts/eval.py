@@ -4,13 +4,20 @@
     python scripts/eval.py --workdir runs/gqa --cache configs/kv_k8v4.py:tiny
     python scripts/eval.py --workdir runs/gqa --cache configs/gqa.py:tiny \
         --cache.cache.k_bits=4 --json
+    python scripts/eval.py --hf path/to/hf_model --cache configs/kv_kivi2.py:tiny \
+        --cache.data.source=text --cache.data.path=notes.txt      # your own checkpoint
 
 The model, data and eval sections come from the run (workdir/config.json); the
 cache section from --cache (a config file; its other sections are ignored) with
-any --cache.cache.* overrides. Every window of held-out text goes through the cache in
-prefill chunks (kvlab/eval.py), so the numbers are what generation with that
-cache sees. Prints ppl, bits per byte, cache bytes per token (analytic and
-measured) and the change against the same cache at 16 bits.
+any --cache.cache.* overrides. With --hf instead of --workdir (a local Hugging
+Face checkpoint, kvlab.cli.with_hf) the model section and the weights come from
+the checkpoint, its tokenizer.json (if any) reads the text, and every other
+section (data, eval, train.seq_len, cache) from --cache (default:
+kvlab.base_config()'s). Every window of held-out
+text goes through the cache in prefill chunks (kvlab/eval.py), so the numbers
+are what generation with that cache sees. Prints ppl, bits per byte, cache
+bytes per token (analytic and measured) and the change against the same cache
+at 16 bits.
 """
 
 import json
@@ -19,14 +26,20 @@ from absl import flags
 from ml_collections import config_flags
 
 from kvlab import cli
-from kvlab.config import validate_cache_config
+from kvlab.config import base_config, validate_cache_config
 from kvlab.data import make_dataset
 from kvlab.eval import evaluate, full_precision
-from kvlab.train import load_params
+from kvlab.train import initial_params, load_params
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "A training run's directory (scripts/train.py).")
+_HF = flags.DEFINE_string(
+    "hf", None, "A Hugging Face checkpoint folder to evaluate instead of --workdir."
+)
 _CACHE = config_flags.DEFINE_config_file(
-    "cache", None, "Config file whose cache section to evaluate through (default: the run's)."
+    "cache",
+    None,
+    "Config file whose cache section to evaluate through (default: the run's); with --hf "
+    "also the data, eval and train sections.",
 )
 _SPLIT = flags.DEFINE_enum(
     "split", None, ["validation", "test"], "Held-out split (default eval.split)."
@@ -34,13 +47,27 @@ _SPLIT = flags.DEFINE_enum(
 _CHUNK = flags.DEFINE_integer("chunk", None, "Tokens per prefill step (default eval.chunk).")
 _STEP = flags.DEFINE_integer("step", None, "Checkpoint step (default: the latest).")
 _JSON = flags.DEFINE_bool("json", False, "Print one JSON object instead of a table.")
-flags.mark_flag_as_required("workdir")
+
+
+def load():
+    """(config, params, where they came from) as --workdir or --hf say."""
+    if _HF.value is None:
+        if _WORKDIR.value is None:
+            raise ValueError(
+                "--workdir is not set: pass a training run's directory, or --hf with a "
+                "Hugging Face checkpoint folder"
+            )
+        cfg, params = load_params(_WORKDIR.value, _STEP.value)
+        return cfg, params, _WORKDIR.value
+    base = _CACHE.value if _CACHE.value is not None else base_config()
+    cfg = cli.with_hf(base, _HF.value, "cache", workdir=_WORKDIR.value, step=_STEP.value)
+    return cfg, initial_params(cfg), _HF.value
 
 
 def main(argv):
     del argv
-    cfg, params = load_params(_WORKDIR.value, _STEP.value)
-    cache_cfg = _CACHE.value.cache if _CACHE.value is not None else cfg.cache
+    cfg, params, source = load()
+    cache_cfg = cfg.cache if _HF.value or _CACHE.value is None else _CACHE.value.cache
     validate_cache_config(cache_cfg, cfg.model)
     split = _SPLIT.value or cfg.eval.split
     chunk = _CHUNK.value or cfg.eval.chunk
@@ -51,6 +78,7 @@ def main(argv):
     metric = data.metric
     report = {
         "workdir": _WORKDIR.value,
+        "hf": _HF.value,
         "split": split,
         "metric": metric,
         **result,
@@ -60,7 +88,7 @@ def main(argv):
     if _JSON.value:
         print(json.dumps(report, indent=2))
         return
-    print(f"{_WORKDIR.value}: {split} split, {result['targets']} targets, chunks of {chunk}")
+    print(f"{source}: {split} split, {result['targets']} targets, chunks of {chunk}")
     print(f"{'':>18} {'this cache':>12} {'16-bit':>12}")
     for key in ("ppl", "bits_per_byte", "accuracy", "cache_bytes_per_token"):
         print(f"{key:>18} {result[key]:>12.4f} {baseline[key]:>12.4f}")

@@ -11,6 +11,9 @@
         --config.data.tokenizer=path/to/model --config.model.vocab_size=50304 \
         --prompt="The KV cache"                 # text in, text out through tokenizer.json
 
+    python scripts/generate.py --hf path/to/hf_model --config configs/kv_kivi2.py:tiny \
+        --prompt="The KV cache"                 # a local Hugging Face checkpoint, KIVI cache
+
 Tokens are bytes (vocab 256) and a row stops after a newline, unless the
 config's data.tokenizer names a real model's tokenizer.json: then prompts are
 encoded by it, the output decoded by it, and a row stops after its end token
@@ -19,7 +22,9 @@ are random and the text is noise: the demo shows the mechanics - ragged
 prompts decoded together, per-row stop, the cache's analytic and measured
 bytes, decode tokens/s. With --workdir the model, its data section (so its
 tokenizer) and its weights come from that training run and only the cache
-section from --config.
+section from --config. With --hf DIR (kvlab.cli.with_hf) they come from a
+Hugging Face checkpoint folder: its model, its weights and, when it holds a
+tokenizer.json, its tokenizer.
 """
 
 import time
@@ -32,7 +37,7 @@ from ml_collections import config_flags
 import kvlab
 from kvlab import cli
 from kvlab.data import load_tokenizer
-from kvlab.train import load_params
+from kvlab.train import initial_params, load_params
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/gqa.py:tiny", "kvlab config file.")
 _PROMPTS = flags.DEFINE_multi_string(
@@ -53,6 +58,7 @@ _END = flags.DEFINE_integer(
 )
 _SEED = flags.DEFINE_integer("seed", 0, "Parameter and sampling seed.")
 _WORKDIR = flags.DEFINE_string("workdir", None, "A training run to take the model from.")
+_HF = flags.DEFINE_string("hf", None, "A Hugging Face checkpoint folder to take the model from.")
 
 
 def make_sampler():
@@ -66,10 +72,19 @@ def make_sampler():
     return kvlab.TopP(_P.value, temperature)
 
 
+def weights_label() -> str:
+    if _HF.value is not None:
+        return f"weights of {_HF.value}"
+    return f"trained in {_WORKDIR.value}" if _WORKDIR.value else "untrained weights"
+
+
 def main(argv):
     del argv
     cfg = kvlab.validate_config(_CONFIG.value)
-    if _WORKDIR.value:
+    if _HF.value is not None:
+        cfg = cli.with_hf(cfg, _HF.value, workdir=_WORKDIR.value)
+        params = initial_params(cfg)
+    elif _WORKDIR.value:
         trained, params = load_params(_WORKDIR.value)
         cfg.model, cfg.data = trained.model, trained.data
         kvlab.validate_config(cfg)
@@ -111,8 +126,7 @@ def main(argv):
 
     m = cfg.model
     print(
-        f"{cli.attention_label(m)}; {m.num_layers} layers, head_dim {m.head_dim}, "
-        f"{'trained in ' + _WORKDIR.value if _WORKDIR.value else 'untrained weights'}"
+        f"{cli.attention_label(m)}; {m.num_layers} layers, head_dim {m.head_dim}, {weights_label()}"
     )
     generated = 0
     for row, length in enumerate(lengths):

@@ -2,6 +2,7 @@
 
     python scripts/quant_probe.py --config configs/kv_kivi2.py:tiny
     python scripts/quant_probe.py --config configs/gqa.py:tiny --bits=16,8,4,2 --json
+    python scripts/quant_probe.py --hf path/to/hf_model --config configs/kv_kivi2.py:tiny
 
 For every pair (key bits, value bits) from --bits, the model reads a stretch of
 real text (a Python standard-library source file, as bytes) through that cache
@@ -12,7 +13,10 @@ latent-attention model the pairs are (latent bits, RoPE-key bits).
 
 The weights are randomly initialised (seeded): a random model's attention is
 flatter than a trained one's, which makes key errors matter less than they do
-in a trained model. Read the numbers as a property of this model.
+in a trained model. Read the numbers as a property of this model, or measure
+a real one: --hf DIR (kvlab.cli.with_hf) takes the model and its weights from
+a local Hugging Face checkpoint, and the text goes through its tokenizer.json
+when the folder holds one.
 """
 
 import json
@@ -26,7 +30,9 @@ from ml_collections import config_flags
 import kvlab
 from kvlab import cli
 from kvlab.config import cached_prefixes
+from kvlab.data import load_tokenizer
 from kvlab.probe import cache_error
+from kvlab.train import initial_params
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/gqa.py:tiny", "kvlab config file.")
 _BITS = flags.DEFINE_list("bits", ["16", "8", "4", "2"], "Bit-widths to pair up.")
@@ -35,15 +41,20 @@ _BATCH = flags.DEFINE_integer("batch_size", 2, "Rows (consecutive stretches of t
 _CHUNK = flags.DEFINE_integer("chunk", 16, "Tokens fed per step.")
 _SEED = flags.DEFINE_integer("seed", 0, "Parameter seed.")
 _JSON = flags.DEFINE_bool("json", False, "Print one JSON object.")
+_HF = flags.DEFINE_string("hf", None, "A Hugging Face checkpoint folder to measure.")
 
 
-def text_tokens(batch: int, length: int) -> np.ndarray:
-    """Bytes of the standard library's os.py, cut into rows."""
-    data = np.frombuffer(open(os.__file__, "rb").read(), np.uint8).astype(np.int32)
+def text_tokens(batch: int, length: int, tokenizer: str = "") -> np.ndarray:
+    """The standard library's os.py as bytes (or through `tokenizer`), cut into rows."""
+    text = open(os.__file__, "rb").read()
+    if tokenizer:
+        data = np.asarray(load_tokenizer(tokenizer).encode(text.decode()), np.int32)
+    else:
+        data = np.frombuffer(text, np.uint8).astype(np.int32)
     if data.size < batch * length:
         raise ValueError(
             f"--batch_size x --seq_len = {batch * length} exceeds the text's "
-            f"{data.size} bytes: ask for fewer tokens"
+            f"{data.size} tokens: ask for fewer tokens"
         )
     return data[: batch * length].reshape(batch, length)
 
@@ -51,9 +62,13 @@ def text_tokens(batch: int, length: int) -> np.ndarray:
 def main(argv):
     del argv
     cfg = kvlab.validate_config(_CONFIG.value)
+    if _HF.value is not None:
+        cfg = cli.with_hf(cfg, _HF.value)
+        params = initial_params(cfg)
+    else:
+        params = kvlab.init_params(cfg.model, jax.random.key(_SEED.value))
     model = kvlab.Transformer(cfg.model)
-    params = kvlab.init_params(cfg.model, jax.random.key(_SEED.value))
-    tokens = text_tokens(_BATCH.value, _LENGTH.value)
+    tokens = text_tokens(_BATCH.value, _LENGTH.value, cfg.data.tokenizer)
     key, value = cached_prefixes(cfg.model)
     reference = cfg.cache.copy_and_resolve_references()
     reference.update({f"{key}_bits": 16, f"{value}_bits": 16})

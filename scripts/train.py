@@ -4,8 +4,13 @@
     python scripts/train.py --config configs/mla.py:tiny --workdir runs/mla \
         --config.train.steps=1000 --config.wandb.mode=disabled
 
+    python scripts/train.py --hf path/to/hf_model --workdir runs/uptrain \
+        --config.train.steps=200 --config.train.lr=1e-4     # continue a checkpoint
+
 Workdir layout: kvlab/train.py. Evaluate the result through any cache with
-scripts/eval.py --workdir runs/gqa.
+scripts/eval.py --workdir runs/gqa. --hf DIR (kvlab.cli.with_hf) starts from a
+local Hugging Face checkpoint's weights: train.init_from=DIR, the model section
+(and a tokenizer.json) from it, every other section from --config.
 """
 
 from absl import flags
@@ -17,12 +22,15 @@ from kvlab.train import train
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/gqa.py:tiny", "kvlab config file.")
 _WORKDIR = flags.DEFINE_string("workdir", None, "Checkpoints, metrics and wandb files go here.")
+_HF = flags.DEFINE_string("hf", None, "A Hugging Face checkpoint folder to start from.")
 flags.mark_flag_as_required("workdir")
 
 
 def main(argv):
     del argv
     cfg = kvlab.validate_config(_CONFIG.value)
+    if _HF.value is not None:
+        cfg = cli.with_hf(cfg, _HF.value)
     _, history = train(cfg, _WORKDIR.value)
     evals = [line for line in history if "eval/loss" in line]
     if evals:

@@ -1,0 +1,158 @@
+"""The scripts on a local Hugging Face checkpoint: --hf, scripts/convert.py, refusals."""
+
+import json
+import shutil
+
+import jax
+import numpy as np
+import pytest
+import tokenizers
+from tokenizers import models, pre_tokenizers
+
+import kvlab
+from kvlab.config import base_config
+from kvlab.convert import to_gqa
+from kvlab.data import make_dataset
+from kvlab.eval import evaluate, full_precision
+from kvlab.hf import config_from_hf
+from kvlab.train import load_params
+from tests.helpers import ROOT
+from tests.test_scripts import run_script, user_error
+
+LLAMA = ROOT / "tests" / "fixtures" / "hf" / "llama"  # 4 query heads, 2 KV heads, vocab 256
+SHORT = [  # one small batch: the runs take seconds
+    "--config.train.batch_size=2",
+    "--config.train.seq_len=32",
+    "--config.eval.batch_size=2",
+    "--config.eval.num_batches=1",
+    "--config.wandb.mode=disabled",
+]
+WORDS = "<unk> the cat sat on a mat key value cache".split()
+
+
+@pytest.fixture(scope="module")
+def llama_with_tokenizer(tmp_path_factory):
+    """The llama fixture plus a word-level tokenizer.json whose ids fit its 256."""
+    folder = tmp_path_factory.mktemp("hf") / "llama"
+    shutil.copytree(LLAMA, folder)
+    backend = tokenizers.Tokenizer(
+        models.WordLevel({word: i for i, word in enumerate(WORDS)}, unk_token="<unk>")
+    )
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    backend.save(str(folder / "tokenizer.json"))
+    return folder
+
+
+def test_config_from_hf_takes_model_weights_source_and_tokenizer(llama_with_tokenizer):
+    source, _ = kvlab.load_hf(LLAMA)
+    cfg = base_config()
+    cfg.model.num_layers = 5  # replaced whole by the checkpoint's
+    cfg = config_from_hf(cfg, LLAMA)
+    assert cfg.model.to_dict() == source.model.to_dict()
+    assert cfg.train.init_from == str(LLAMA) and cfg.data.tokenizer == ""
+    with_tokenizer = config_from_hf(base_config(), llama_with_tokenizer)
+    assert with_tokenizer.data.tokenizer == str(llama_with_tokenizer)
+
+
+def test_eval_hf_reports_perplexity_through_a_kivi_cache():
+    # 64 tokens: past KIVI tiny's 32-token full-precision window.
+    overrides = [arg.replace("--config.", "--cache.") for arg in SHORT if "seq_len" not in arg]
+    result = run_script(
+        "scripts/eval.py",
+        f"--hf={LLAMA}",
+        "--cache=configs/kv_kivi2.py:tiny",
+        "--cache.eval.chunk=16",
+        "--cache.train.seq_len=64",
+        *overrides,
+        "--json",
+    )
+    report = json.loads(result.stdout)
+    assert report["hf"] == str(LLAMA) and report["targets"] == 2 * 64
+    assert report["cache_bytes_per_token"] < report["baseline_16bit"]["cache_bytes_per_token"]
+    # The 16-bit baseline is the checkpoint's own perplexity on the same windows.
+    cfg, params = kvlab.load_hf(LLAMA)
+    data = make_dataset(cfg.data, "validation", 64)
+    cache = full_precision(kvlab.load_config(f"{ROOT}/configs/kv_kivi2.py:tiny").cache)
+    expected = evaluate(cfg.model, cache, params, data.eval_batches(2, 1), chunk=16)
+    assert report["baseline_16bit"]["ppl"] == pytest.approx(expected["ppl"], rel=1e-5)
+
+
+def test_generate_hf_uses_the_checkpoint_and_its_tokenizer(llama_with_tokenizer):
+    result = run_script(
+        "scripts/generate.py",
+        f"--hf={llama_with_tokenizer}",
+        "--max_new_tokens=3",
+        "--end_token=-1",
+        "--prompt=the cat sat",
+    )
+    lines = result.stdout.splitlines()
+    assert lines[0].startswith("GQA: 2 KV heads shared by 4 query heads; 2 layers")
+    assert lines[0].endswith(f"weights of {llama_with_tokenizer}")
+    # Words in, words out: every generated id decodes to a word of the tokenizer.
+    prompt, _, tail = lines[1].partition(" -> ")
+    assert prompt == "  [0] 'the cat sat'"
+    assert all(word in WORDS for word in tail.strip("'").split()), tail
+
+
+def test_convert_to_mqa_then_uptrain_from_it(tmp_path):
+    out = tmp_path / "mqa"
+    converted = run_script("scripts/convert.py", f"--hf={LLAMA}", "--to=gqa:1", f"--out={out}")
+    assert "MQA: 1 KV head shared by 4 query heads" in converted.stdout
+    cfg, params = kvlab.load_hf(out)
+    assert cfg.model.num_kv_heads == 1
+    (out / "generation_config.json").read_text()  # the source's other files come along
+    expected_cfg, expected = to_gqa(*kvlab.load_hf(LLAMA), num_kv_heads=1)
+    tokens = np.arange(24, dtype=np.int32).reshape(2, 12) * 7 % 256
+    logits, _ = kvlab.Transformer(cfg.model).apply({"params": params}, tokens)
+    reference, _ = kvlab.Transformer(expected_cfg.model).apply({"params": expected}, tokens)
+    np.testing.assert_allclose(logits, reference, atol=1e-6)
+    # train.py --hf OUT: one update at a vanishing learning rate keeps its weights.
+    workdir = tmp_path / "run"
+    run_script(
+        "scripts/train.py",
+        f"--hf={out}",
+        f"--workdir={workdir}",
+        "--config.train.steps=1",
+        "--config.train.lr=1e-9",
+        "--config.train.warmup=0",
+        "--config.train.checkpoint_every=1",
+        *SHORT,
+    )
+    run_cfg, trained = load_params(str(workdir))
+    assert run_cfg.train.init_from == str(out) and run_cfg.model.num_kv_heads == 1
+    same = jax.tree.map(lambda a, b: np.allclose(a, b, atol=1e-6), trained, params)
+    assert jax.tree.all(same)
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (
+            ["scripts/eval.py", f"--hf={LLAMA}", "--workdir=runs/x"],
+            f"--workdir=runs/x and --hf={LLAMA} both name the weights to use: pass one of them",
+        ),
+        (
+            ["scripts/eval.py"],
+            "--workdir is not set: pass a training run's directory, or --hf",
+        ),
+        (
+            [
+                "scripts/train.py",
+                f"--hf={LLAMA}",
+                "--workdir=runs/x",
+                "--config.model.num_layers=3",
+            ],
+            f"--config.model.num_layers=3: with --hf={LLAMA} the model section",
+        ),
+        (
+            ["scripts/convert.py", f"--hf={LLAMA}", "--to=mla:32", "--out=runs/x"],
+            "--to=mla:32: MHA->MLA conversion (MHA2MLA, arXiv:2502.14837) is not implemented yet",
+        ),
+        (
+            ["scripts/convert.py", f"--hf={LLAMA}", "--to=gqa:3", "--out=runs/x"],
+            "num_kv_heads=3 does not divide the source's model.num_kv_heads=2",
+        ),
+    ],
+)
+def test_conflicting_or_invalid_flags_are_one_line(args, message):
+    assert user_error(run_script(*args, check=False)).startswith(message)
