@@ -13,6 +13,7 @@ The public API (docs/design.md):
     outputs = engine.generate(list_of_token_lists, max_new_tokens=32)
     cfg, params = kvlab.load_hf("path/to/hf_model")      # a transformers checkpoint folder
     kvlab.save_hf(cfg, params, "out/hf_model")           # and back
+    cfg, params, tokenizer = kvlab.load_gguf("model.gguf")   # llama.cpp's files (extra 'real')
 
 Training, evaluation through a cache and sweeps: kvlab.train, kvlab.eval, kvlab.sweep.
 """
@@ -20,6 +21,7 @@ Training, evaluation through a cache and sweeps: kvlab.train, kvlab.eval, kvlab.
 from kvlab.cache import Cache, cache_bytes, init_cache, tree_bytes
 from kvlab.config import base_config, load_config, validate_config
 from kvlab.engine import Engine
+from kvlab.gguf import load_gguf
 from kvlab.hf import load_hf, save_hf
 from kvlab.model import Transformer, init_params
 from kvlab.sampling import Greedy, Temperature, TopK, TopP, decode_step, generate, prefill
@@ -39,6 +41,7 @@ __all__ = [
     "init_cache",
     "init_params",
     "load_config",
+    "load_gguf",
     "load_hf",
     "prefill",
     "save_hf",

@@ -66,6 +66,13 @@ class Tokenizer:
     vocab_size: int  # every id it produces is below this (added tokens included)
     end_token: int | None  # the id ending a text (eos, <|endoftext|>), None if it defines none
 
+    @classmethod
+    def wrap(cls, backend: tokenizers.Tokenizer, path: str, end_token: int | None) -> Tokenizer:
+        """A Tokenizer over `backend` built elsewhere (kvlab.load_gguf builds one from a
+        GGUF file's metadata; `path` names that file)."""
+        vocabulary = backend.get_vocab(with_added_tokens=True)
+        return cls(path, backend, max(vocabulary.values(), default=-1) + 1, end_token)
+
     def encode(self, text: str) -> list[int]:
         """Token ids of `text`, without special tokens (no BOS/EOS added)."""
         return self.backend.encode(text, add_special_tokens=False).ids
@@ -116,12 +123,7 @@ def _load(file: str, mtime_ns: int, size: int) -> Tokenizer:
     vocabulary = backend.get_vocab(with_added_tokens=True)
     if not vocabulary:
         raise ValueError(f"{what} has an empty vocabulary: {_FIX}")
-    return Tokenizer(
-        path=file,
-        backend=backend,
-        vocab_size=max(vocabulary.values()) + 1,
-        end_token=_end_token(file, backend),
-    )
+    return Tokenizer.wrap(backend, file, _end_token(file, backend))
 
 
 def _end_token(file: str, backend: tokenizers.Tokenizer) -> int | None:
