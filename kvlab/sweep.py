@@ -8,7 +8,10 @@ config plus a `sweep` section (name), and `get_grid(cfg)`, which returns
 
 Every key is a dotted config field ("sweep axis"). Model entries may change any
 section; cache entries only `cache.*`, so every cache reuses the one checkpoint
-trained per model. A cache entry applies to the models that cache the tensors
+trained per model. A model entry {"hf": DIR, ...} is a local Hugging Face
+checkpoint evaluated as it is, without training: its model section and weights
+come from DIR (kvlab.hf.config_from_hf), so its other axes may not name
+`model.*` or `train.init_from`. A cache entry applies to the models that cache the tensors
 it names (`k_*`/`v_*` for grouped-query models, `latent_*`/`rope_*` for latent
 attention; an entry naming neither applies to all). The grid's units are the
 applicable (model, cache) pairs in model-major order.
@@ -56,8 +59,9 @@ from kvlab.config import (
 from kvlab.data import make_dataset
 from kvlab.eval import evaluate, full_precision
 from kvlab.files import read_json, store_json, write_atomic
+from kvlab.hf import config_from_hf
 from kvlab.logging import Run
-from kvlab.train import train
+from kvlab.train import initial_params, train
 
 # results.csv columns, in order. `bits` labels each cached tensor by the bits it
 # is stored in (K8V4; K32V32 for an unquantized float32 cache); k_bits etc. are
@@ -110,6 +114,7 @@ class Unit:
     model: str
     cache: str
     cfg: ml_collections.ConfigDict = dataclasses.field(compare=False, repr=False)
+    hf: str = dataclasses.field(default="", compare=False)  # a checkpoint, not trained
 
 
 # ---------------------------------------------------------------------------
@@ -159,6 +164,16 @@ def expand(cfg: ml_collections.ConfigDict, grid: Mapping) -> list[Unit]:
     units = []
     for model_name, model_overrides in grid["models"].items():
         model_cfg = ml_collections.ConfigDict(cfg.to_dict())
+        model_overrides = dict(model_overrides)
+        hf = model_overrides.pop("hf", "")
+        if hf:
+            fixed = [a for a in model_overrides if a.startswith("model.") or a == "train.init_from"]
+            if fixed:
+                raise ValueError(
+                    f"sweep axis {fixed[0]!r} in models[{model_name!r}] is decided by its "
+                    f"checkpoint hf={hf!r}: drop it (or convert the checkpoint, scripts/convert.py)"
+                )
+            model_cfg = config_from_hf(model_cfg, hf)
         _apply(model_cfg, f"models[{model_name!r}]", model_overrides)
         validate_config(model_cfg)
         cached = set(cached_prefixes(model_cfg.model))
@@ -180,7 +195,7 @@ def expand(cfg: ml_collections.ConfigDict, grid: Mapping) -> list[Unit]:
                 validate_config(unit_cfg)
             except ValueError as error:
                 raise ValueError(f"{where} on models[{model_name!r}]: {error}") from None
-            units.append(Unit(model_name, cache_name, unit_cfg))
+            units.append(Unit(model_name, cache_name, unit_cfg, hf))
     return units
 
 
@@ -236,7 +251,7 @@ def _row(sweep_name: str, unit: Unit, result: Mapping, baseline: Mapping, metric
         "num_kv_heads": cfg.model.num_kv_heads,
         "kv_rank": cfg.model.mla.kv_rank if cfg.model.attention == "mla" else None,
         "metric": metric,
-        "train_steps": cfg.train.steps,
+        "train_steps": 0 if unit.hf else cfg.train.steps,
         "eval_tokens": result["targets"],
     }
     for prefix in ("k", "v", "latent", "rope"):
@@ -275,7 +290,10 @@ def _number(text: str):
 
 
 def _model_params(unit: Unit, workdir: str, group: str, progress: bool):
-    """Trains (or resumes, or reuses) the unit's model in workdir/models/<model>."""
+    """Trains (or resumes, or reuses) the unit's model in workdir/models/<model>;
+    a checkpoint's (unit.hf) weights are read as they are."""
+    if unit.hf:
+        return initial_params(unit.cfg)
     cfg = ml_collections.ConfigDict(unit.cfg.to_dict())
     cfg.cache = full_precision(cfg.cache)  # training never reads a cache
     model_dir = os.path.join(workdir, "models", unit.model)

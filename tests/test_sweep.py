@@ -219,3 +219,19 @@ def test_the_default_sweep_config_spans_every_lever():
     assert {(16, 16), (8, 8), (8, 4), (4, 8), (2, 2)} <= bits
     assert any(u.cfg.cache.latent_bits < 16 for u in units)
     assert sweep.name == "cache_pareto_tiny"
+
+
+def test_a_hugging_face_model_entry_is_evaluated_without_training(tmp_path):
+    llama = ROOT / "tests" / "fixtures" / "hf" / "llama"
+    cfg = sweep_config(write_corpus(tmp_path / "corpus", files=4))
+    caches = {"16bit": {}, "K8V4": {"cache.k_bits": 8, "cache.v_bits": 4}}
+    grid = {"models": {"llama": {"hf": str(llama)}}, "caches": caches}
+    rows = run_sweep(cfg, grid, str(tmp_path / "sweep"), progress=False)
+    assert [(row["model"], row["cache"]) for row in rows] == [("llama", "16bit"), ("llama", "K8V4")]
+    assert all(row["train_steps"] == 0 and row["num_kv_heads"] == 2 for row in rows)
+    assert not (tmp_path / "sweep" / "models").exists()  # nothing trained
+    assert rows[1]["cache_bytes_per_token"] < rows[0]["cache_bytes_per_token"]
+    base, _ = split_sweep_config(sweep_config(tmp_path))
+    refused = {"models": {"llama": {"hf": str(llama), "model.num_kv_heads": 1}}, "caches": caches}
+    with pytest.raises(ValueError, match="'model.num_kv_heads' in models\\['llama'\\] is decided"):
+        expand(base, refused)
