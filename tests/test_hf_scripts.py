@@ -94,6 +94,16 @@ def test_generate_hf_uses_the_checkpoint_and_its_tokenizer(llama_with_tokenizer)
     assert all(word in WORDS for word in tail.strip("'").split()), tail
 
 
+def test_quant_probe_hf_measures_the_checkpoint():
+    args = ["--bits=16,4", "--seq_len=64", "--chunk=32", "--json"]
+    result = run_script("scripts/quant_probe.py", f"--hf={LLAMA}", *args)
+    report = json.loads(result.stdout)
+    cfg, _ = kvlab.load_hf(LLAMA)
+    assert report["config"]["model"] == cfg.model.to_dict()
+    rows = {(row["k_bits"], row["v_bits"]): row for row in report["rows"]}
+    assert rows[16, 16]["logit_max_abs_error"] == 0 and rows[4, 4]["kl_from_reference"] > 0
+
+
 def test_convert_to_mqa_then_uptrain_from_it(tmp_path):
     out = tmp_path / "mqa"
     converted = run_script("scripts/convert.py", f"--hf={LLAMA}", "--to=gqa:1", f"--out={out}")
