@@ -11,10 +11,14 @@ section; cache entries only `cache.*`, so every cache reuses the one checkpoint
 trained per model. A model entry {"hf": DIR, ...} is a local Hugging Face
 checkpoint evaluated as it is, without training: its model section and weights
 come from DIR (kvlab.hf.config_from_hf), so its other axes may not name
-`model.*` or `train.init_from`. A cache entry applies to the models that cache the tensors
-it names (`k_*`/`v_*` for grouped-query models, `latent_*`/`rope_*` for latent
-attention; an entry naming neither applies to all). The grid's units are the
-applicable (model, cache) pairs in model-major order.
+`model.*` or `train.init_from`. A model entry {"gguf": FILE, ...} is a llama.cpp
+GGUF file (kvlab.load_gguf, extra `real`), converted once into
+workdir/converted/<model>/ (config.json, float32 model.safetensors and its
+tokenizer.json, reused when present) and then evaluated as an hf entry. A
+cache entry applies to the models that cache the tensors it names (`k_*`/`v_*`
+for grouped-query models, `latent_*`/`rope_*` for latent attention; an entry
+naming neither applies to all). The grid's units are the applicable (model,
+cache) pairs in model-major order.
 
     run_sweep(cfg, grid, workdir, sweep_index=i, sweep_count=n)
 
@@ -28,6 +32,7 @@ With one slice, run_sweep merges by itself. Files are replaced atomically
 
     workdir/sweep.json              the grid's units and the base config
     workdir/models/<model>/         one training run per model (kvlab/train.py)
+    workdir/converted/<model>/      a gguf entry as a Hugging Face folder (not trained)
     workdir/slices/<i>-of-<n>.csv   each slice's rows
     workdir/results.csv             all rows, grid order
     workdir/pareto.png              the metric against cache bytes per token
@@ -59,7 +64,7 @@ from kvlab.config import (
 from kvlab.data import make_dataset
 from kvlab.eval import evaluate, full_precision
 from kvlab.files import read_json, store_json, write_atomic
-from kvlab.hf import config_from_hf
+from kvlab.hf import config_from_hf, save_hf
 from kvlab.logging import Run
 from kvlab.train import initial_params, train
 
@@ -153,8 +158,33 @@ def _tensors_named(overrides: Mapping) -> set:
     return {field.split("_", 1)[0] for field in fields} & set(CACHED_PREFIXES)
 
 
-def expand(cfg: ml_collections.ConfigDict, grid: Mapping) -> list[Unit]:
-    """The grid's units with their full, validated configs (before anything runs)."""
+def convert_gguf(file: str, folder: str) -> str:
+    """`folder` as a Hugging Face checkpoint of the GGUF file (kvlab.load_gguf then
+    kvlab.save_hf, float32) with its tokenizer.json and eos in tokenizer_config.json;
+    written once: a folder whose source.json names the same file (size, mtime) is reused."""
+    from kvlab.gguf import load_gguf
+
+    file = os.path.abspath(file)
+    if not os.path.isfile(file):
+        raise ValueError(f"gguf={file!r} is not a file: a gguf model entry names a .gguf file")
+    info = os.stat(file)
+    source = {"gguf": file, "size": info.st_size, "mtime_ns": info.st_mtime_ns}
+    marker = os.path.join(folder, "source.json")
+    if os.path.isfile(marker) and read_json(marker) == source:
+        return folder
+    cfg, params, tokenizer = load_gguf(file)
+    save_hf(cfg, params, folder)
+    write_atomic(os.path.join(folder, "tokenizer.json"), tokenizer.backend.to_str())
+    eos = tokenizer.end_token
+    config = {} if eos is None else {"eos_token": tokenizer.backend.id_to_token(eos)}
+    write_atomic(os.path.join(folder, "tokenizer_config.json"), json.dumps(config) + "\n")
+    write_atomic(marker, json.dumps(source) + "\n")  # last: the folder is complete
+    return folder
+
+
+def expand(cfg: ml_collections.ConfigDict, grid: Mapping, workdir: str | None = None) -> list[Unit]:
+    """The grid's units with their full, validated configs (before anything runs).
+    gguf model entries are converted into `workdir` (required when there are any)."""
     unknown = set(grid) - {"models", "caches"}
     if unknown or not grid.get("models") or not grid.get("caches"):
         raise ValueError(
@@ -166,6 +196,18 @@ def expand(cfg: ml_collections.ConfigDict, grid: Mapping) -> list[Unit]:
         model_cfg = ml_collections.ConfigDict(cfg.to_dict())
         model_overrides = dict(model_overrides)
         hf = model_overrides.pop("hf", "")
+        gguf = model_overrides.pop("gguf", "")
+        if gguf:
+            if hf:
+                raise ValueError(
+                    f"models[{model_name!r}] names both hf and gguf: keep one checkpoint"
+                )
+            if workdir is None:
+                raise ValueError(
+                    f"models[{model_name!r}] is a gguf file: expand(cfg, grid, workdir) "
+                    "converts it into workdir/converted/; pass the sweep's workdir"
+                )
+            hf = convert_gguf(gguf, os.path.join(workdir, "converted", model_name))
         if hf:
             fixed = [a for a in model_overrides if a.startswith("model.") or a == "train.init_from"]
             if fixed:
@@ -337,7 +379,7 @@ def run_sweep(
 ) -> list[dict]:
     """Runs one slice of the sweep; returns its rows (and merges when it is the only one)."""
     cfg, sweep = split_sweep_config(sweep_cfg)
-    units = expand(cfg, grid)
+    units = expand(cfg, grid, workdir)
     mine = slice_units(units, sweep_index, sweep_count)
     os.makedirs(workdir, exist_ok=True)
     _write_plan(workdir, sweep_cfg, units)
@@ -439,8 +481,9 @@ def pareto_front(points: list[tuple[float, float]], higher_is_better: bool = Fal
 
 
 def pareto_plot(rows: list[Mapping], path: str, title: str = "") -> None:
-    """The metric against cache bytes per token (log x): marker per model family,
-    colour per bit-width, the Pareto frontier drawn and ringed."""
+    """The metric against cache bytes per token (log x; log y too when the metric
+    spans more than a factor of 3): marker per model family, colour per
+    bit-width, the Pareto frontier drawn and ringed."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -482,6 +525,11 @@ def pareto_plot(rows: list[Mapping], path: str, title: str = "") -> None:
     ax.xaxis.set_major_formatter(plain)
     ax.xaxis.set_minor_formatter(plain)
     ax.tick_params(axis="x", which="minor", labelsize=7)
+    if min(y) > 0 and max(y) > 3 * min(y):  # a collapsed cache would flatten the rest
+        ax.set_yscale("log")
+        ax.yaxis.set_major_formatter(plain)
+        ax.yaxis.set_minor_formatter(plain)
+        ax.tick_params(axis="y", which="minor", labelsize=7)
     ax.set_xlabel("cache bytes per token (all layers)")
     ax.set_ylabel(metric + (" (higher is better)" if higher_is_better else " (lower is better)"))
     ax.set_title(title)
