@@ -61,9 +61,9 @@ import numpy as np
 import tokenizers
 from flax import traverse_util
 
-from kvlab.config import DTYPES, base_config, dtype_of, validate_config
+from kvlab.config import base_config, dtype_of, validate_config
 from kvlab.data.tokenizer import Tokenizer
-from kvlab.hf import _check_params, _links
+from kvlab.hf import _check_params, _links, dtype_name
 
 ARCHITECTURE = "llama"
 # Tensor types kvlab dequantizes (through gguf.quants.dequantize).
@@ -149,18 +149,7 @@ class _Metadata:
 
 def _dtype_name(dtype: Any) -> str:
     """The config dtype name: `dtype` if given, else float32 (what dequantization gives)."""
-    if dtype is None:
-        return "float32"
-    try:
-        name = jnp.dtype(dtype).name
-    except TypeError:
-        name = None
-    if name not in DTYPES:
-        raise ValueError(
-            f"dtype={dtype!r} is not supported: pass one of {', '.join(map(repr, DTYPES))} "
-            "or None (float32)"
-        )
-    return name
+    return dtype_name(dtype, "float32", "float32")
 
 
 def _model_section(meta: _Metadata, tensors: set[str], dtype: str) -> ml_collections.ConfigDict:

@@ -181,11 +181,11 @@ class _HFConfig:
             self.refuse(key, value, why, f"kvlab supports {key} in {list(allowed)}")
 
 
-def _dtype_name(dtype: Any, hf: _HFConfig) -> str:
-    """The config dtype name load_hf uses: `dtype` if given, else the checkpoint's own."""
+def dtype_name(dtype: Any, default: str, meaning: str) -> str:
+    """The config dtype name for a loader's `dtype` argument: `default` when None
+    (`meaning` says what that is), else the name of a dtype kvlab configs take."""
     if dtype is None:
-        stored = hf.get("dtype", hf.get("torch_dtype"))
-        return stored if stored in DTYPES else "float32"
+        return default
     try:
         name = jnp.dtype(dtype).name
     except TypeError:
@@ -193,9 +193,17 @@ def _dtype_name(dtype: Any, hf: _HFConfig) -> str:
     if name not in DTYPES:
         raise ValueError(
             f"dtype={dtype!r} is not supported: pass one of {', '.join(map(repr, DTYPES))} "
-            "or None (the checkpoint's own dtype)"
+            f"or None ({meaning})"
         )
     return name
+
+
+def _dtype_name(dtype: Any, hf: _HFConfig) -> str:
+    """The config dtype name load_hf uses: `dtype` if given, else the checkpoint's own."""
+    stored = hf.get("dtype", hf.get("torch_dtype"))
+    return dtype_name(
+        dtype, stored if stored in DTYPES else "float32", "the checkpoint's own dtype"
+    )
 
 
 def _rope(hf: _HFConfig) -> tuple[float, dict]:

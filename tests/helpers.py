@@ -7,6 +7,7 @@ import functools
 import pathlib
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from hypothesis import strategies as st
 
@@ -66,6 +67,17 @@ def run_in_chunks(apply, params, cache, tokens, chunk_sizes):
         logits.append(out)
         start += size
     return np.concatenate(logits, axis=1), cache
+
+
+def plain_rope(x, positions, theta):
+    """RoPE as kvlab computed it before scalings existed, kept to hold the model to the bit."""
+    half = x.shape[-1] // 2
+    inverse_frequency = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
+    angles = positions.astype(jnp.float32)[:, :, None, None] * inverse_frequency
+    sin, cos = jnp.sin(angles), jnp.cos(angles)
+    first, second = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+    rotated = jnp.concatenate([first * cos - second * sin, second * cos + first * sin], axis=-1)
+    return rotated.astype(x.dtype)
 
 
 def random_tokens(cfg, shape, seed: int = 0):

@@ -15,7 +15,7 @@ from kvlab.attention.rope import apply_rope
 from kvlab.cache.placement import Placement, place_without_cache
 from kvlab.config import frozen
 from kvlab.layers import projection
-from tests.helpers import TOLERANCE, build, random_tokens, run_in_chunks, tiny_config
+from tests.helpers import TOLERANCE, build, plain_rope, random_tokens, run_in_chunks, tiny_config
 
 BATCH, LENGTH = 2, 12
 LLAMA3 = dict(type="llama3", factor=8.0, original_max_len=16)
@@ -27,17 +27,6 @@ def options(rope_scaling=None, **model_fields):
     cfg.model.rope_scaling.update(rope_scaling or {})
     kvlab.config.validate_model_config(cfg.model)
     return cfg
-
-
-def plain_rope(x, positions, theta):
-    """RoPE as kvlab computed it before scalings existed."""
-    half = x.shape[-1] // 2
-    inverse_frequency = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
-    angles = positions.astype(jnp.float32)[:, :, None, None] * inverse_frequency
-    sin, cos = jnp.sin(angles), jnp.cos(angles)
-    first, second = jnp.split(x.astype(jnp.float32), 2, axis=-1)
-    rotated = jnp.concatenate([first * cos - second * sin, second * cos + first * sin], axis=-1)
-    return rotated.astype(x.dtype)
 
 
 def reference(model, params, x, placement, rope):

@@ -14,7 +14,7 @@ from kvlab.attention.rope import apply_rope
 from kvlab.cache.placement import Placement, causal_mask, place_without_cache
 from kvlab.config import frozen
 from kvlab.layers import projection
-from tests.helpers import TOLERANCE, build, mla_config, random_tokens, run_in_chunks
+from tests.helpers import TOLERANCE, build, mla_config, plain_rope, random_tokens, run_in_chunks
 
 
 def reference(q_nope, q_rope, c_kv, k_rope, mask, key_up, value_up, scale):
@@ -137,17 +137,6 @@ def latent_config(rope_scaling=None, **mla_fields):
     cfg = mla_config(**mla_fields)
     cfg.model.rope_scaling.update(rope_scaling or {})
     return kvlab.validate_config(cfg)
-
-
-def plain_rope(x, positions, theta):
-    """RoPE as kvlab computed it before scalings existed."""
-    half = x.shape[-1] // 2
-    inverse_frequency = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
-    angles = positions.astype(jnp.float32)[:, :, None, None] * inverse_frequency
-    sin, cos = jnp.sin(angles), jnp.cos(angles)
-    first, second = jnp.split(x.astype(jnp.float32), 2, axis=-1)
-    rotated = jnp.concatenate([first * cos - second * sin, second * cos + first * sin], axis=-1)
-    return rotated.astype(x.dtype)
 
 
 def reference_layer(model, params, x, placement, rope, scale, eps):

@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 
 import kvlab
 from kvlab.attention.rope import apply_rope, rope_frequencies, softmax_mscale, yarn_mscale
+from tests.helpers import plain_rope
 
 
 def scaling(kind="none", **fields):
@@ -25,17 +26,6 @@ LLAMA31 = scaling(
 DEEPSEEK_V2 = scaling(
     "yarn", factor=40.0, original_max_len=4096, mscale=0.707, mscale_all_dim=0.707
 )
-
-
-def plain_rope(x, positions, theta):
-    """RoPE as kvlab computed it before scalings existed, kept here to hold it to the bit."""
-    half = x.shape[-1] // 2
-    inverse_frequency = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
-    angles = positions.astype(jnp.float32)[:, :, None, None] * inverse_frequency
-    sin, cos = jnp.sin(angles), jnp.cos(angles)
-    first, second = jnp.split(x.astype(jnp.float32), 2, axis=-1)
-    rotated = jnp.concatenate([first * cos - second * sin, second * cos + first * sin], axis=-1)
-    return rotated.astype(x.dtype)
 
 
 @st.composite
