@@ -21,16 +21,17 @@
 
 `attention_label` and `count` word what the scripts print about a model;
 `with_hf` is what every script's `--hf DIR` does (docs/design.md, "Your own
-checkpoint").
+checkpoint"), `with_run` what scripts/train.py's `--init_from DIR` does.
 """
 
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import ml_collections
 from absl import app, flags, logging
 
+from kvlab.config import validate_config
 from kvlab.hf import config_from_hf
 from kvlab.sweep import family
 
@@ -110,20 +111,44 @@ def with_hf(
     `--<config_flag>.model.*` or `--<config_flag>.train.init_from`, which the
     checkpoint decides.
     """
+    _refuse_other_weights(f"--hf={path}", config_flag, others)
+    return config_from_hf(cfg, path)
+
+
+def with_run(
+    cfg: ml_collections.ConfigDict, path: str, config_flag: str = "config", **others: object
+) -> ml_collections.ConfigDict:
+    """`cfg` starting from the weights of the kvlab run in `path` (a training
+    workdir, or a conversion's output, scripts/convert.py): a script's
+    `--init_from DIR`. The model section and data.tokenizer come from the run's
+    config.json, train.init_from=path; refusals as `with_hf`'s."""
+    from kvlab.train import load_run_config  # the scripts that take --init_from train anyway
+
+    _refuse_other_weights(f"--init_from={path}", config_flag, others)
+    source = load_run_config(path)
+    cfg = cfg.copy_and_resolve_references()
+    cfg.model = source.model
+    cfg.train.init_from = path
+    if not cfg.data.tokenizer:
+        cfg.data.tokenizer = source.data.tokenizer
+    return validate_config(cfg)
+
+
+def _refuse_other_weights(flag: str, config_flag: str, others: Mapping[str, object]) -> None:
+    """ValueError when flags besides `flag` name the weights or the model section."""
     for name, value in others.items():
         if value is not None and value is not False:
             raise ValueError(
-                f"--{name}={value} and --hf={path} both name the weights to use: pass one of them"
+                f"--{name}={value} and {flag} both name the weights to use: pass one of them"
             )
     for arg in sys.argv[1:]:
         name = arg.split("=", 1)[0]
         if name.startswith(f"--{config_flag}.model.") or name == f"--{config_flag}.train.init_from":
             raise ValueError(
-                f"{arg}: with --hf={path} the model section and train.init_from come from the "
+                f"{arg}: with {flag} the model section and train.init_from come from the "
                 "checkpoint: drop the override (convert the checkpoint, scripts/convert.py, to "
                 "change its attention)"
             )
-    return config_from_hf(cfg, path)
 
 
 def attention_label(model: ml_collections.ConfigDict) -> str:
@@ -132,9 +157,14 @@ def attention_label(model: ml_collections.ConfigDict) -> str:
     'MHA: 4 query heads, 4 KV heads', 'GQA: 2 KV heads shared by 4 query
     heads', 'MQA: 1 KV head shared by 4 query heads', or for latent attention
     'MLA: a latent (kv_rank 32) and a RoPE key (rope_dim 8) shared by 4 query
-    heads'.
+    heads' (or, converted, '..., 4 RoPE keys (rope_dim 2) by groups').
     """
     kind, queries = family(model), count(model.num_heads, "query head")
+    if kind == "mla" and model.mla.rope_heads > 1:
+        return (
+            f"MLA: a latent (kv_rank {model.mla.kv_rank}) shared by {queries}, "
+            f"{model.mla.rope_heads} RoPE keys (rope_dim {model.mla.rope_dim}) by groups"
+        )
     if kind == "mla":
         return (
             f"MLA: a latent (kv_rank {model.mla.kv_rank}) and a RoPE key "

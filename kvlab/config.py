@@ -111,18 +111,24 @@ def base_config(variant: str = "tiny") -> ml_collections.ConfigDict:
         )
     )
     # Multi-head latent attention (DeepSeek-V2), used when attention='mla'. The
-    # cache holds kv_rank + rope_dim numbers per token and layer; head_dim must
+    # cache holds kv_rank + rope_heads x rope_dim numbers per token and layer; head_dim must
     # be nope_dim + rope_dim and num_kv_heads must equal num_heads (every head
     # gets its own K/V from the latent).
     cfg.model.mla = ml_collections.ConfigDict(
         dict(
             kv_rank=4 * size["head_dim"],  # d_c: width of the cached K/V latent
             q_rank=0,  # d_c': 0 = full-rank queries, else a low-rank query path with its norm
-            rope_dim=size["head_dim"] // 2,  # d_h^R: the one RoPE key shared by all heads
+            rope_dim=size["head_dim"] // 2,  # d_h^R: width of each RoPE key
             nope_dim=size["head_dim"],  # per-head key width without position
             v_head_dim=size["head_dim"],  # per-head value width
             absorb=True,  # cached steps attend in latent space (False: expand K/V per head)
             norm_eps=1e-6,  # epsilon of the latent norms (DeepSeek-V2 fixes it at 1e-6)
+            latent_norm=True,  # RMSNorm on the cached latent (False: converted models, whose
+            #                    latent is linear in x; kvlab/convert.py)
+            rope_heads=1,  # RoPE keys cached: 1 = one shared by all heads (DeepSeek); K = one
+            #                per group of num_heads / K query heads (MHA2MLA conversions)
+            rope_pairs=(),  # () = RoPE over rope_dim; else per layer and RoPE key the
+            #                 rope_dim / 2 pairs (0..head_dim/2 - 1) of a head_dim-wide RoPE kept
         )
     )
     # Mixture-of-experts feed-forward (DeepSeekMoE, kvlab/moe.py), used when
@@ -252,14 +258,16 @@ def cached_tensors(model: Mapping) -> tuple[CachedTensor, CachedTensor]:
 
     Grouped-query attention (MHA, GQA, MQA): keys and values, num_kv_heads heads
     of head_dim. Latent attention (DeepSeek-V2, arXiv:2405.04434): the latent
-    c_kv (width mla.kv_rank) and the RoPE key k_rope all heads share (width
-    mla.rope_dim), each with a single head.
+    c_kv (width mla.kv_rank, one head) and the RoPE keys k_rope (mla.rope_heads
+    of width mla.rope_dim; one shared by all heads in DeepSeek's design).
     """
     if model["attention"] == "mla":
         mla = model["mla"]
         return (
             CachedTensor("c_kv", "latent", 1, mla["kv_rank"], "model.mla.kv_rank"),
-            CachedTensor("k_rope", "rope", 1, mla["rope_dim"], "model.mla.rope_dim"),
+            CachedTensor(
+                "k_rope", "rope", mla["rope_heads"], mla["rope_dim"], "model.mla.rope_dim"
+            ),
         )
     heads, width = model["num_kv_heads"], model["head_dim"]
     return (
@@ -500,10 +508,21 @@ def _validate_moe(model: Mapping) -> None:
 
 def _validate_mla(model: Mapping) -> None:
     mla = model["mla"]
-    for name in ("kv_rank", "rope_dim", "nope_dim", "v_head_dim"):
+    for name in ("kv_rank", "rope_dim", "v_head_dim", "rope_heads"):
         _check_int("model.mla", mla, name)
     _check_int("model.mla", mla, "q_rank", minimum=0)
+    _check_int("model.mla", mla, "nope_dim", minimum=0)
     _check_number("model.mla", mla, "norm_eps")
+    for name in ("absorb", "latent_norm"):
+        if not isinstance(mla[name], bool):
+            _fail(f"model.mla.{name}", mla[name], "is not a bool", "set True or False")
+    if model["num_heads"] % mla["rope_heads"]:
+        _fail(
+            "model.mla.rope_heads",
+            mla["rope_heads"],
+            f"does not divide model.num_heads={model['num_heads']}",
+            "set 1 (one RoPE key for all heads) or a divisor of model.num_heads",
+        )
     for name in ("qkv_bias", "qk_norm"):
         if model[name]:
             _fail(
@@ -513,8 +532,6 @@ def _validate_mla(model: Mapping) -> None:
                 "per-head key and value projections",
                 f"set model.{name}=False or model.attention='gqa'",
             )
-    if not isinstance(mla["absorb"], bool):
-        _fail("model.mla.absorb", mla["absorb"], "is not a bool", "set True or False")
     if mla["rope_dim"] % 2:
         _fail(
             "model.mla.rope_dim",
@@ -530,6 +547,7 @@ def _validate_mla(model: Mapping) -> None:
             f"does not match model.mla.nope_dim + model.mla.rope_dim = {query_key_width}",
             f"set model.head_dim={query_key_width} (the per-head query/key width under MLA)",
         )
+    _validate_rope_pairs(model)
     if model["num_kv_heads"] != model["num_heads"]:
         _fail(
             "model.num_kv_heads",
@@ -538,6 +556,36 @@ def _validate_mla(model: Mapping) -> None:
             f"set model.num_kv_heads={model['num_heads']}: MLA expands K/V for every head "
             "from the latent",
         )
+
+
+def _validate_rope_pairs(model: Mapping) -> None:
+    """mla.rope_pairs: () or, per layer and RoPE key, rope_dim / 2 distinct pairs
+    of a head_dim-wide RoPE."""
+    mla = model["mla"]
+    pairs = mla["rope_pairs"]
+    if isinstance(pairs, (list, tuple)) and not pairs:
+        return
+    layers, heads = model["num_layers"], mla["rope_heads"]
+    count, available = mla["rope_dim"] // 2, model["head_dim"] // 2
+    fix = (
+        f"give {layers} lists (one per layer) of {heads} lists (one per model.mla.rope_heads) "
+        f"of {count} distinct integers in 0..{available - 1} (rope_dim / 2 pairs of a "
+        "head_dim-wide RoPE), or () for RoPE over rope_dim"
+    )
+
+    def sequence(x, length: int) -> bool:
+        return isinstance(x, (list, tuple)) and len(x) == length
+
+    shaped = sequence(pairs, layers) and all(
+        sequence(layer, heads) and all(sequence(kept, count) for kept in layer) for layer in pairs
+    )
+    if not shaped:
+        _fail("model.mla.rope_pairs", pairs, "has the wrong shape", fix)
+    for layer in pairs:
+        for kept in layer:
+            valid = all(type(i) is int and 0 <= i < available for i in kept)
+            if not valid or len(set(kept)) != len(kept):
+                _fail("model.mla.rope_pairs", pairs, f"holds {list(kept)!r}", fix)
 
 
 def validate_cache_config(cache: Mapping, model: Mapping | None = None) -> None:
@@ -665,6 +713,14 @@ def validate_config(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict
         complete_config(cfg)
     _check_known_fields("config", cfg, schema)
     validate_model_config(cfg.model)
+    pairs = cfg.model.mla.rope_pairs
+    canonical = tuple(tuple(map(tuple, layer)) for layer in pairs)
+    if pairs != canonical:
+        # One form for equal configs: a config.json gives lists where Python gave
+        # tuples (and a field read as a list keeps converting tuples to lists).
+        with cfg.unlocked():
+            del cfg.model.mla["rope_pairs"]
+            cfg.model.mla.rope_pairs = canonical
     validate_cache_config(cfg.cache, cfg.model)
 
     _check_known_fields("train", cfg.train, schema.train)

@@ -8,8 +8,36 @@ the group's. Query head n reads KV head n // G, so the query heads that read a
 group's heads before read the pooled head after. Pooling is exact when the
 heads of each group are already equal; otherwise the converted model is a
 starting point for uptraining (the paper uptrains with ~5% of pre-training
-compute). Conversion to latent attention (MHA2MLA, arXiv:2502.14837) is not
-here yet: docs/design.md says what it needs.
+compute).
+
+    cfg, params = kvlab.convert.to_mla(cfg, params, kv_rank, rope_pairs=1,
+                                       select="norm", tokens=calibration)
+
+MHA / GQA -> latent attention (MHA2MLA, arXiv:2502.14837; TransMLA,
+arXiv:2502.07864). Per source KV head, `rope_pairs` of its head_dim / 2 RoPE
+frequency pairs keep their rotation (partial RoPE) and become that head's RoPE
+key, cached as in DeepSeek's decoupled design but one per KV head
+(`model.mla.rope_heads`, `model.mla.rope_pairs`). The other channels of every
+key lose their rotation, and they and all values are factored jointly: the
+[D, K (H - 2r) + K H] matrix of those key and value columns is split by its
+SVD, U S V^T, into a down projection U_R S_R^(1/2) to a latent of width
+`kv_rank` and up projections S_R^(1/2) V_R^T, each query head taking its KV
+head's. The latent has no norm (`mla.latent_norm=False`): it is linear in x.
+Per token and layer the cache holds kv_rank + K x 2r numbers instead of 2 K H.
+
+Which pairs keep RoPE (`select`), as MHA2MLA compares them:
+- 'norm': per KV head, the pairs whose query and key norms contribute most,
+  mean ||q_pair|| x mean ||k_pair|| over the calibration `tokens` summed over
+  the group's query heads (MHA2MLA's 2-norm choice);
+- 'uniform': every (H/2 / r)-th pair from the first;
+- 'high': the r highest frequencies (pairs 0..r-1);
+- 'low': the r lowest.
+
+What is exact: with every pair kept and kv_rank at the matrix's full rank
+(min(D, K H)) the converted model computes the source's logits up to float
+rounding; at full rank with fewer pairs it computes the source with the
+dropped pairs unrotated. Below full rank the SVD is the best rank-kv_rank
+approximation of the stacked weights, a starting point for uptraining.
 """
 
 from __future__ import annotations
@@ -17,9 +45,14 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 import jax
+import jax.numpy as jnp
 import ml_collections
+import numpy as np
 
+from kvlab.attention.rope import softmax_mscale
 from kvlab.config import check_count, validate_config
+
+SELECTIONS = ("norm", "uniform", "high", "low")
 
 
 def to_gqa(
@@ -56,3 +89,183 @@ def to_gqa(
         return leaf.reshape(heads).mean(axis=-2, dtype="float32").astype(leaf.dtype)
 
     return converted, jax.tree_util.tree_map_with_path(pool, dict(params))
+
+
+def to_mla(
+    cfg: ml_collections.ConfigDict,
+    params: Mapping,
+    kv_rank: int,
+    rope_pairs: int = 1,
+    select: str = "norm",
+    tokens=None,
+) -> tuple[ml_collections.ConfigDict, dict]:
+    """(config, params) of the model with latent attention (module docstring).
+
+    The source uses grouped-query attention without biases, q/k norms or a
+    softmax mscale; `tokens` int32[B, T] are the calibration batch 'norm' needs.
+    """
+    source = cfg.model
+    kv_rank = check_count("kv_rank", kv_rank)
+    half = source.head_dim // 2
+    rope_pairs = check_count("rope_pairs", rope_pairs)
+    if rope_pairs > half:
+        raise ValueError(
+            f"rope_pairs={rope_pairs}: a head of model.head_dim={source.head_dim} has "
+            f"{half} RoPE pairs; keep 1..{half}"
+        )
+    if select not in SELECTIONS:
+        raise ValueError(f"select={select!r} is not a choice: use one of {SELECTIONS}")
+    _check_source(source)
+    heads, kv_heads, width = source.num_heads, source.num_kv_heads, source.head_dim
+    full_rank = min(source.embed_dim, kv_heads * (2 * width - 2 * rope_pairs))
+    if kv_rank > full_rank:
+        raise ValueError(
+            f"kv_rank={kv_rank} exceeds the full rank {full_rank} of the stacked key and value "
+            f"projections (min of model.embed_dim={source.embed_dim} and their "
+            f"{kv_heads * (2 * width - 2 * rope_pairs)} columns): pass at most {full_rank}"
+        )
+    kept = _kept_pairs(cfg, params, rope_pairs, select, tokens)  # [L, K, r]
+
+    converted = cfg.copy_and_resolve_references()
+    model = converted.model
+    model.attention = "mla"
+    model.num_kv_heads = heads
+    model.mla.update(
+        kv_rank=kv_rank,
+        q_rank=0,
+        rope_dim=2 * rope_pairs,
+        nope_dim=width - 2 * rope_pairs,
+        v_head_dim=width,
+        latent_norm=False,
+        rope_heads=kv_heads,
+        rope_pairs=tuple(tuple(tuple(int(i) for i in head) for head in layer) for layer in kept),
+    )
+    validate_config(converted)
+    params = dict(params)
+    for i in range(source.num_layers):
+        block = dict(params[f"block_{i}"])
+        block["attention"] = _latent_attention(block["attention"], kept[i], kv_rank, heads)
+        params[f"block_{i}"] = block
+    return converted, params
+
+
+def _check_source(source) -> None:
+    if source.attention != "gqa":
+        raise ValueError(
+            f"model.attention={source.attention!r}: to_mla converts grouped-query attention "
+            "(MHA, GQA, MQA); the source is latent already"
+        )
+    for name in ("qkv_bias", "qk_norm"):
+        if source[name]:
+            raise ValueError(
+                f"model.{name}=True: to_mla factors bias-free, unnormed key projections "
+                "(kvlab's latent attention has neither); convert a model without them"
+            )
+    if softmax_mscale(source.rope_scaling) != 1.0:
+        raise ValueError(
+            "model.rope_scaling.mscale_all_dim is set: latent attention would scale its "
+            "softmax by it where the source does not; set it to 0 before converting"
+        )
+
+
+def _rope_channels(pairs: np.ndarray, width: int) -> np.ndarray:
+    """The channels of RoPE pairs `pairs` in a head of `width`, as [first halves, second halves]."""
+    return np.concatenate([pairs, pairs + width // 2])
+
+
+def _nope_channels(pairs: np.ndarray, width: int) -> np.ndarray:
+    """The channels of a head of `width` outside the kept pairs, in order."""
+    return np.setdiff1d(np.arange(width), _rope_channels(pairs, width))
+
+
+def _kept_pairs(cfg, params, count: int, select: str, tokens) -> np.ndarray:
+    """int[L, K, count]: the RoPE pairs each layer's KV heads keep, sorted."""
+    model = cfg.model
+    layers, kv_heads, half = model.num_layers, model.num_kv_heads, model.head_dim // 2
+    if select != "norm":
+        if tokens is not None:
+            raise ValueError(f"tokens are for select='norm'; select={select!r} takes none")
+        pairs = {
+            "high": np.arange(count),
+            "low": np.arange(half - count, half),
+            "uniform": np.arange(count) * half // count,
+        }[select]
+        return np.broadcast_to(pairs, (layers, kv_heads, count))
+    if tokens is None:
+        raise ValueError(
+            "select='norm' ranks RoPE pairs by query and key norms over calibration tokens: "
+            "pass tokens=int32[B, T] (or select 'uniform', 'high' or 'low')"
+        )
+    contribution = _pair_contributions(cfg, params, tokens)  # [L, K, H/2]
+    # The `count` largest, sorted by pair index; ties go to the higher frequency.
+    ranked = np.argsort(-contribution, axis=-1, kind="stable")[..., :count]
+    return np.sort(ranked, axis=-1)
+
+
+def _pair_contributions(cfg, params, tokens) -> np.ndarray:
+    """float[L, K, H/2]: per layer, KV head and RoPE pair, the mean norm of the
+    pair in the keys times that in the queries, summed over the group's queries.
+
+    Norms are taken before RoPE (a rotation keeps a pair's norm)."""
+    from kvlab.model import Transformer  # the model imports nothing from here
+
+    model = cfg.model
+    _, variables = Transformer(model).apply(
+        {"params": params},
+        jnp.asarray(tokens),
+        capture_intermediates=lambda module, _: module.name in ("query", "key"),
+        mutable=["intermediates"],
+    )
+    half, kv_heads = model.head_dim // 2, model.num_kv_heads
+    contributions = []
+    for i in range(model.num_layers):
+        captured = variables["intermediates"][f"block_{i}"]["attention"]
+        norms = {}
+        for name in ("query", "key"):
+            x = np.asarray(captured[name]["__call__"][0], np.float64)  # [B, T, heads, H]
+            pair_norm = np.hypot(x[..., :half], x[..., half:])  # [B, T, heads, H/2]
+            norms[name] = pair_norm.mean(axis=(0, 1))  # [heads, H/2]
+        query = norms["query"].reshape(kv_heads, -1, half).sum(axis=1)  # [K, H/2]
+        contributions.append(query * norms["key"])
+    return np.stack(contributions)
+
+
+def _latent_attention(attention: Mapping, kept: np.ndarray, rank: int, heads: int) -> dict:
+    """A grouped-query layer's params as latent attention's (module docstring)."""
+    query, key, value = (attention[name]["kernel"] for name in ("query", "key", "value"))
+    dtype = query.dtype
+    embed, kv_heads, width = key.shape
+    group = heads // kv_heads
+    key64, value64 = np.asarray(key, np.float64), np.asarray(value, np.float64)
+    rope = [_rope_channels(pairs, width) for pairs in kept]
+    nope = [_nope_channels(pairs, width) for pairs in kept]
+    # [D, K (H - 2r) + K H]: the no-position key columns of every KV head, then the values
+    stacked = np.concatenate(
+        [np.concatenate([key64[:, k, nope[k]] for k in range(kv_heads)], axis=1)]
+        + [value64.reshape(embed, -1)],
+        axis=1,
+    )
+    u, singular, vt = np.linalg.svd(stacked, full_matrices=False)
+    root = np.sqrt(singular[:rank])
+    down = u[:, :rank] * root  # [D, R]
+    up = root[:, None] * vt[:rank]  # [R, K (H - 2r) + K H]
+    nope_width = width - rope[0].size
+    key_up = up[:, : kv_heads * nope_width].reshape(rank, kv_heads, nope_width)
+    value_up = up[:, kv_heads * nope_width :].reshape(rank, kv_heads, width)
+    # Query head n reads KV head n // group: its channels reordered as [nope | rope].
+    query64 = np.asarray(query, np.float64)
+    order = [np.concatenate([nope[n // group], rope[n // group]]) for n in range(heads)]
+    new_query = np.stack([query64[:, n, order[n]] for n in range(heads)], axis=1)
+    key_rope = np.stack([key64[:, k, rope[k]] for k in range(kv_heads)], axis=1)  # [D, K, 2r]
+
+    def cast(x):
+        return jnp.asarray(x, dtype)
+
+    return {
+        "query": {"kernel": cast(new_query)},
+        "kv_down": {"kernel": cast(down)},
+        "key_rope": {"kernel": cast(key_rope)},
+        "key_up": cast(np.repeat(key_up, group, axis=1)),
+        "value_up": cast(np.repeat(value_up, group, axis=1)),
+        "out": attention["out"],
+    }

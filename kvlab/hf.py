@@ -863,6 +863,21 @@ def _export_family(model) -> str:
     """The transformers family that computes what `model` computes, or ValueError."""
     moe = model.moe
     if model.attention == "mla":
+        mla = model.mla
+        converted = {
+            "latent_norm": (mla.latent_norm, True),
+            "rope_heads": (mla.rope_heads, 1),
+            "rope_pairs": (tuple(mla.rope_pairs), ()),
+        }
+        for name, (value, deepseek) in converted.items():
+            if value != deepseek:
+                raise ValueError(
+                    f"model.mla.{name}={value!r} cannot be exported: transformers' DeepSeek "
+                    f"attention has model.mla.{name}={deepseek!r} (one normed latent, one "
+                    "shared RoPE key); a model converted to latent attention "
+                    "(kvlab.convert.to_mla) is kept as a kvlab workdir (scripts/convert.py "
+                    "--out, then train.init_from or --workdir)"
+                )
         if model.mla.norm_eps != DEEPSEEK_LATENT_NORM_EPS:
             raise ValueError(
                 f"model.mla.norm_eps={model.mla.norm_eps!r} cannot be exported: transformers' "

@@ -45,8 +45,6 @@ from kvlab.config import cached_tensors, dtype_of, frozen, validate_model_config
 from kvlab.layers import RMSNorm, projection
 from kvlab.moe import MLP, MoE, uses_experts
 
-ATTENTION = {"gqa": GroupedQueryAttention, "mla": MultiHeadLatentAttention}
-
 
 class Block(nn.Module):
     """Pre-norm residual block: attention then the feed-forward (the MLP, or
@@ -57,7 +55,10 @@ class Block(nn.Module):
 
     @nn.compact
     def __call__(self, x, placement: Placement, layer):
-        attention = ATTENTION[self.config.attention](self.config, name="attention")
+        if self.config.attention == "mla":
+            attention = MultiHeadLatentAttention(self.config, self.index, name="attention")
+        else:
+            attention = GroupedQueryAttention(self.config, name="attention")
         h, layer = attention(RMSNorm(self.config, name="attention_norm")(x), placement, layer)
         x = x + h
         feed_forward = MoE if uses_experts(self.config, self.index) else MLP

@@ -388,6 +388,23 @@ def load_params(workdir: str, step: int | None = None):
     return cfg, state.params
 
 
+def start_workdir(cfg: ml_collections.ConfigDict, params, workdir: str) -> None:
+    """A new training workdir whose step-0 checkpoint holds `params` (fresh
+    optimizer state): what load_params, `train.init_from`, scripts/eval.py
+    --workdir read, and what train() resumes from (kvlab.convert's models,
+    which no Hugging Face family holds)."""
+    validate_config(cfg)
+    if os.path.exists(os.path.join(workdir, "config.json")):
+        raise ValueError(f"workdir={workdir!r} already holds a run (config.json): pick a new one")
+    os.makedirs(workdir, exist_ok=True)
+    _store_run_config(cfg, workdir)
+    manager = checkpoint_manager(workdir, cfg.train)
+    try:
+        save(manager, init_state(cfg, params))
+    finally:
+        manager.close()
+
+
 def load_run_config(workdir: str) -> ml_collections.ConfigDict:
     """The config stored in workdir/config.json; fields added to the schema
     since the run was saved take their defaults."""

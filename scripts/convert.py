@@ -1,19 +1,27 @@
-"""Converts a model's attention to one that caches less and writes a Hugging Face folder.
+"""Converts a model's attention to one that caches less.
 
     python scripts/convert.py --hf path/to/hf_model --to gqa:2 --out runs/gqa2_hf
     python scripts/convert.py --workdir runs/mha --to gqa:1 --out runs/mqa_hf
+    python scripts/convert.py --workdir runs/mha --to mla:16,rope=1,select=norm --out runs/mla16
 
 The source is a local Hugging Face checkpoint (--hf, kvlab.load_hf) or a kvlab
 training run's latest checkpoint (--workdir, kvlab.train.load_params).
-`--to gqa:N` pools its KV heads into N (kvlab.convert.to_gqa: the mean of each
-group; 1 = MQA). The result goes to --out through kvlab.save_hf (config.json and
-model.safetensors, plus the source folder's tokenizer files), a folder that
-transformers loads and that `scripts/train.py --hf OUT` uptrains and
-`scripts/eval.py --hf OUT` evaluates. Pooled heads are a starting point: GQA's
-paper uptrains with ~5% of the pre-training compute.
 
-MHA -> MLA conversion (`--to mla:...`, MHA2MLA, arXiv:2502.14837) is not
-implemented yet.
+- `--to gqa:N` pools its KV heads into N (kvlab.convert.to_gqa: the mean of
+  each group; 1 = MQA). The result goes to --out through kvlab.save_hf
+  (config.json and model.safetensors, plus the source folder's tokenizer
+  files), a folder that transformers loads, `scripts/train.py --hf OUT`
+  uptrains and `scripts/eval.py --hf OUT` evaluates.
+- `--to mla:R[,rope=P][,select=S]` converts to latent attention with a latent
+  of width R, P RoPE pairs kept per KV head (default 1) chosen by S (norm,
+  uniform, high or low; default norm, ranked over --calibration windows of the
+  source's training text) (kvlab.convert.to_mla, MHA2MLA). No transformers
+  family holds the result, so --out becomes a kvlab run whose step-0
+  checkpoint holds it (kvlab.train.start_workdir): `scripts/eval.py --workdir
+  OUT` evaluates it, `scripts/train.py --init_from OUT --workdir UP` uptrains it.
+
+Converted models are a starting point: GQA's paper uptrains with ~5% of the
+pre-training compute, MHA2MLA with 0.3-0.6% of the pre-training tokens.
 """
 
 import os
@@ -23,15 +31,22 @@ from absl import flags
 
 import kvlab
 from kvlab import cli
-from kvlab.convert import to_gqa
-from kvlab.train import load_params
+from kvlab.config import base_config
+from kvlab.convert import SELECTIONS, to_gqa, to_mla
+from kvlab.data import make_dataset
+from kvlab.train import load_params, start_workdir
 
 _HF = flags.DEFINE_string("hf", None, "A Hugging Face checkpoint folder to convert.")
 _WORKDIR = flags.DEFINE_string(
     "workdir", None, "A training run to convert (its latest checkpoint)."
 )
-_TO = flags.DEFINE_string("to", None, "What to convert to: gqa:N (N KV heads; 1 = MQA).")
-_OUT = flags.DEFINE_string("out", None, "A new folder for the converted Hugging Face checkpoint.")
+_TO = flags.DEFINE_string(
+    "to", None, "What to convert to: gqa:N (N KV heads; 1 = MQA) or mla:R[,rope=P][,select=S]."
+)
+_OUT = flags.DEFINE_string("out", None, "A new folder for the converted model.")
+_CALIBRATION = flags.DEFINE_integer(
+    "calibration", 16, "Training windows that rank RoPE pairs for mla:...,select=norm."
+)
 flags.mark_flag_as_required("to")
 flags.mark_flag_as_required("out")
 
@@ -44,19 +59,28 @@ TOKENIZER_FILES = (
 )
 
 
-def num_kv_heads(target: str) -> int:
-    """N of --to gqa:N; every other target refused with what to pass instead."""
+def parse_target(target: str) -> tuple[str, dict]:
+    """('gqa', {num_kv_heads}) or ('mla', {kv_rank, rope_pairs, select}) from --to."""
     kind, _, value = target.partition(":")
-    if kind == "mla":
-        raise ValueError(
-            f"--to={target}: MHA->MLA conversion (MHA2MLA, arXiv:2502.14837) is not implemented "
-            "yet: convert to gqa:N, or train an MLA model (configs/mla.py)"
-        )
-    if kind != "gqa" or not value.isdigit() or int(value) < 1:
-        raise ValueError(
-            f"--to={target} is not a conversion: pass gqa:N with N KV heads, e.g. gqa:1"
-        )
-    return int(value)
+    fields = value.split(",")
+    usage = "pass gqa:N with N KV heads (e.g. gqa:1) or mla:R[,rope=P][,select=S]"
+    if kind == "gqa" and len(fields) == 1 and fields[0].isdigit() and int(fields[0]) >= 1:
+        return "gqa", {"num_kv_heads": int(fields[0])}
+    if kind != "mla" or not fields[0].isdigit():
+        raise ValueError(f"--to={target} is not a conversion: {usage}")
+    options = {"kv_rank": int(fields[0]), "rope_pairs": 1, "select": "norm"}
+    for field in fields[1:]:
+        name, _, given = field.partition("=")
+        if name == "rope" and given.isdigit():
+            options["rope_pairs"] = int(given)
+        elif name == "select" and given in SELECTIONS:
+            options["select"] = given
+        else:
+            raise ValueError(
+                f"--to={target}: {field!r} is not an option of mla: pass rope=P (RoPE pairs "
+                f"kept per KV head) or select= one of {', '.join(SELECTIONS)}"
+            )
+    return "mla", options
 
 
 def load_source():
@@ -67,32 +91,52 @@ def load_source():
             "(a Hugging Face folder or a training run)"
         )
     if _HF.value is not None:
-        cfg, params = kvlab.load_hf(_HF.value)
-        return cfg, params, _HF.value
+        # The checkpoint's model and tokenizer (data.tokenizer) for calibration text.
+        _, params = kvlab.load_hf(_HF.value)
+        return cli.with_hf(base_config(), _HF.value), params, _HF.value
     cfg, params = load_params(_WORKDIR.value)
     return cfg, params, cfg.data.tokenizer or None
 
 
+def calibration_tokens(cfg, count: int):
+    """int32[count, seq_len]: training windows of the source's own data."""
+    data = make_dataset(cfg.data, "train", cfg.train.seq_len)
+    return data.batch(0, count, cfg.train.seed)["inputs"]
+
+
 def main(argv):
     del argv
-    heads = num_kv_heads(_TO.value)
+    kind, options = parse_target(_TO.value)
     out = _OUT.value
     if os.path.exists(os.path.join(out, "config.json")):
         raise ValueError(f"--out={out} already holds a checkpoint (config.json): pick a new folder")
     cfg, params, tokenizer = load_source()
-    source_heads = cfg.model.num_kv_heads
-    converted, params = to_gqa(cfg, params, heads)
-    kvlab.save_hf(converted, params, out)
+    source = cli.attention_label(cfg.model)
+    if kind == "gqa":
+        converted, params = to_gqa(cfg, params, **options)
+        kvlab.save_hf(converted, params, out)
+        copy_tokenizer(tokenizer, out)
+    else:
+        if options["select"] == "norm":
+            options["tokens"] = calibration_tokens(cfg, _CALIBRATION.value)
+        converted, params = to_mla(cfg, params, **options)
+        start_workdir(converted, params, out)
+    before = kvlab.cache_bytes(cfg.model, cfg.cache, 1, cfg.train.seq_len)
+    after = kvlab.cache_bytes(converted.model, converted.cache, 1, cfg.train.seq_len)
+    print(
+        f"{_HF.value or _WORKDIR.value}: {source} -> {cli.attention_label(converted.model)}, "
+        f"cache {after / before:.3f} of the source's; written to {out}"
+    )
+
+
+def copy_tokenizer(tokenizer: str | None, out: str) -> None:
+    """The source's tokenizer files into the Hugging Face folder `out`."""
     if tokenizer is not None and os.path.isdir(tokenizer):
         for name in TOKENIZER_FILES:
             if os.path.isfile(os.path.join(tokenizer, name)):
                 shutil.copyfile(os.path.join(tokenizer, name), os.path.join(out, name))
     elif tokenizer is not None:  # data.tokenizer named the tokenizer.json file itself
         shutil.copyfile(tokenizer, os.path.join(out, "tokenizer.json"))
-    print(
-        f"{_HF.value or _WORKDIR.value}: {cli.count(source_heads, 'KV head')} -> "
-        f"{cli.attention_label(converted.model)}; written to {out}"
-    )
 
 
 if __name__ == "__main__":

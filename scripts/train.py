@@ -6,11 +6,14 @@
 
     python scripts/train.py --hf path/to/hf_model --workdir runs/uptrain \
         --config.train.steps=200 --config.train.lr=1e-4     # continue a checkpoint
+    python scripts/train.py --init_from runs/mla_converted --workdir runs/mla_uptrained
 
 Workdir layout: kvlab/train.py. Evaluate the result through any cache with
 scripts/eval.py --workdir runs/gqa. --hf DIR (kvlab.cli.with_hf) starts from a
 local Hugging Face checkpoint's weights: train.init_from=DIR, the model section
 (and a tokenizer.json) from it, every other section from --config.
+--init_from DIR (kvlab.cli.with_run) does the same from a kvlab run: a training
+workdir's latest checkpoint, or a conversion scripts/convert.py wrote.
 """
 
 from absl import flags
@@ -23,6 +26,9 @@ from kvlab.train import train
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/gqa.py:tiny", "kvlab config file.")
 _WORKDIR = flags.DEFINE_string("workdir", None, "Checkpoints, metrics and wandb files go here.")
 _HF = flags.DEFINE_string("hf", None, "A Hugging Face checkpoint folder to start from.")
+_INIT_FROM = flags.DEFINE_string(
+    "init_from", None, "A kvlab run (training workdir or conversion) to start from."
+)
 flags.mark_flag_as_required("workdir")
 
 
@@ -30,7 +36,9 @@ def main(argv):
     del argv
     cfg = kvlab.validate_config(_CONFIG.value)
     if _HF.value is not None:
-        cfg = cli.with_hf(cfg, _HF.value)
+        cfg = cli.with_hf(cfg, _HF.value, init_from=_INIT_FROM.value)
+    elif _INIT_FROM.value is not None:
+        cfg = cli.with_run(cfg, _INIT_FROM.value)
     _, history = train(cfg, _WORKDIR.value)
     evals = [line for line in history if "eval/loss" in line]
     if evals:

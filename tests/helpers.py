@@ -87,7 +87,8 @@ def random_tokens(cfg, shape, seed: int = 0):
 @st.composite
 def small_model_configs(draw, attention=("gqa", "mla")):
     """Random small but complete models: head sharing or latent attention (with
-    random ranks, query path and decode path), widths, ties, RoPE base."""
+    random ranks, query path, decode path, latent norm, RoPE keys shared or one
+    per group with their own frequency pairs), widths, ties, RoPE base."""
     num_heads = draw(st.sampled_from([1, 2, 4, 6]))
     divisors = [d for d in range(1, num_heads + 1) if num_heads % d == 0]
     cfg = tiny_config(
@@ -106,12 +107,20 @@ def small_model_configs(draw, attention=("gqa", "mla")):
         mla.kv_rank = draw(st.integers(1, 24))
         mla.q_rank = draw(st.sampled_from([0, 5, 16]))
         mla.rope_dim = draw(st.sampled_from([2, 4, 8]))
-        mla.nope_dim = draw(st.integers(1, 12))
+        mla.nope_dim = draw(st.integers(0, 12))
         mla.v_head_dim = draw(st.integers(1, 12))
         mla.absorb = draw(st.booleans())
+        mla.latent_norm = draw(st.booleans())
+        mla.rope_heads = draw(st.sampled_from(divisors))
         cfg.model.attention = "mla"
         cfg.model.head_dim = mla.nope_dim + mla.rope_dim
         cfg.model.num_kv_heads = num_heads
+        if draw(st.booleans()):  # the pairs a conversion keeps (kvlab/convert.py)
+            pairs = st.permutations(range(cfg.model.head_dim // 2)).map(
+                lambda order: tuple(order[: mla.rope_dim // 2])
+            )
+            layer = st.tuples(*[pairs] * mla.rope_heads)
+            mla.rope_pairs = draw(st.tuples(*[layer] * cfg.model.num_layers))
     kvlab.config.validate_model_config(cfg.model)
     return cfg
 

@@ -97,9 +97,18 @@ BAD_MLA = [
     ("q_rank", -1, "below 0"),
     ("rope_dim", 0, "below 1"),
     ("rope_dim", 7, "odd"),
-    ("nope_dim", 0, "below 1"),
+    ("nope_dim", -1, "below 0"),
     ("v_head_dim", -4, "below 1"),
     ("absorb", 1, "not a bool"),
+    ("latent_norm", "no", "not a bool"),
+    ("rope_heads", 0, "below 1"),
+    ("rope_heads", 3, "does not divide model.num_heads=4"),
+    # configs/mla.py:tiny: 2 layers, one RoPE key of 4 pairs, head_dim 24 (12 pairs)
+    ("rope_pairs", ((0, 1, 2, 3),), "wrong shape"),
+    ("rope_pairs", (((0, 1, 2),), ((0, 1, 2, 3),)), "wrong shape"),
+    ("rope_pairs", (((0, 1, 2, 12),), ((0, 1, 2, 3),)), "holds [0, 1, 2, 12]"),
+    ("rope_pairs", (((0, 1, 2, 3),), ((5, 5, 2, 3),)), "holds [5, 5, 2, 3]"),
+    ("rope_pairs", (((0, 1, 2, 3.0),), ((0, 1, 2, 3),)), "holds [0, 1, 2, 3.0]"),
 ]
 
 

@@ -17,6 +17,7 @@ import safetensors.numpy
 from flax import traverse_util
 
 import kvlab
+from kvlab.convert import to_mla
 from tests.helpers import TOLERANCE
 
 FIXTURES = pathlib.Path(__file__).parent / "fixtures" / "hf"
@@ -262,6 +263,11 @@ def test_export_refuses_what_transformers_cannot_compute(loaded, tmp_path):
     normalized.model.moe.normalize_weights = True
     with pytest.raises(ValueError, match=r"normalize_weights=True.*ignores norm_topk_prob"):
         kvlab.save_hf(normalized, params, tmp_path / "normalized")
+    # What a conversion to latent attention makes (kvlab.convert.to_mla)
+    cfg, params = loaded("llama")
+    converted, converted_params = to_mla(cfg, params, 8, rope_pairs=1, select="high")
+    with pytest.raises(ValueError, match=r"model.mla.latent_norm=False cannot be exported"):
+        kvlab.save_hf(converted, converted_params, tmp_path / "converted")
 
 
 def test_export_refuses_params_of_another_model(loaded, tmp_path):

@@ -11,7 +11,7 @@ from tokenizers import models, pre_tokenizers
 
 import kvlab
 from kvlab.config import base_config
-from kvlab.convert import to_gqa
+from kvlab.convert import to_gqa, to_mla
 from kvlab.data import make_dataset
 from kvlab.eval import evaluate, full_precision
 from kvlab.hf import config_from_hf
@@ -99,7 +99,7 @@ def test_quant_probe_hf_measures_the_checkpoint():
     result = run_script("scripts/quant_probe.py", f"--hf={LLAMA}", *args)
     report = json.loads(result.stdout)
     cfg, _ = kvlab.load_hf(LLAMA)
-    assert report["config"]["model"] == cfg.model.to_dict()
+    assert report["config"]["model"] == json.loads(cfg.model.to_json())
     rows = {(row["k_bits"], row["v_bits"]): row for row in report["rows"]}
     assert rows[16, 16]["logit_max_abs_error"] == 0 and rows[4, 4]["kl_from_reference"] > 0
 
@@ -134,6 +134,44 @@ def test_convert_to_mqa_then_uptrain_from_it(tmp_path):
     assert jax.tree.all(same)
 
 
+def test_convert_to_latent_attention_then_uptrain_from_it(tmp_path):
+    out = tmp_path / "mla"
+    converted = run_script(
+        "scripts/convert.py",
+        f"--hf={LLAMA}",
+        "--to=mla:16,rope=2",
+        f"--out={out}",
+        "--calibration=2",
+    )
+    assert "MLA: a latent (kv_rank 16) shared by 4 query heads, 2 RoPE keys" in converted.stdout
+    # A kvlab run whose step-0 checkpoint is to_mla's result on the same calibration windows.
+    cfg, params = load_params(str(out))
+    source_cfg = config_from_hf(base_config(), LLAMA)
+    windows = make_dataset(source_cfg.data, "train", source_cfg.train.seq_len)
+    tokens = windows.batch(0, 2, source_cfg.train.seed)["inputs"]
+    expected_cfg, expected = to_mla(
+        source_cfg, kvlab.load_hf(LLAMA)[1], 16, rope_pairs=2, tokens=tokens
+    )
+    assert cfg.model.to_dict() == expected_cfg.model.to_dict()
+    assert jax.tree.all(jax.tree.map(np.array_equal, params, expected))
+    # train.py --init_from OUT: the model from the conversion, one update at a vanishing rate.
+    workdir = tmp_path / "run"
+    run_script(
+        "scripts/train.py",
+        f"--init_from={out}",
+        f"--workdir={workdir}",
+        "--config.train.steps=1",
+        "--config.train.lr=1e-9",
+        "--config.train.warmup=0",
+        "--config.train.checkpoint_every=1",
+        *SHORT,
+    )
+    run_cfg, trained = load_params(str(workdir))
+    assert run_cfg.train.init_from == str(out) and run_cfg.model.mla.rope_heads == 2
+    same = jax.tree.map(lambda a, b: np.allclose(a, b, atol=1e-6), trained, params)
+    assert jax.tree.all(same)
+
+
 @pytest.mark.parametrize(
     "args, message",
     [
@@ -155,8 +193,12 @@ def test_convert_to_mqa_then_uptrain_from_it(tmp_path):
             f"--config.model.num_layers=3: with --hf={LLAMA} the model section",
         ),
         (
-            ["scripts/convert.py", f"--hf={LLAMA}", "--to=mla:32", "--out=runs/x"],
-            "--to=mla:32: MHA->MLA conversion (MHA2MLA, arXiv:2502.14837) is not implemented yet",
+            ["scripts/convert.py", f"--hf={LLAMA}", "--to=mla:32,rope=two", "--out=runs/x"],
+            "--to=mla:32,rope=two: 'rope=two' is not an option of mla",
+        ),
+        (
+            ["scripts/convert.py", f"--hf={LLAMA}", "--to=mla:999,select=high", "--out=runs/x"],
+            "kv_rank=999 exceeds the full rank",
         ),
         (
             ["scripts/convert.py", f"--hf={LLAMA}", "--to=gqa:3", "--out=runs/x"],

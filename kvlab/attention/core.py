@@ -10,9 +10,12 @@ repeating K/V in memory: query head n = k * G + g reads KV head k, so MHA
     blocks: sequence of (k [B, K, S_i, H], v [B, K, S_i, Hv], mask bool[B, T or 1, S_i])
 
 Queries and keys may also come in parts: q a tuple of [B, T, N, H_j] and each
-block's k a tuple of [B, K, S_i, H_j]; the score is the sum of the parts' dot
+block's k a tuple of [B, K_j, S_i, H_j]; the score is the sum of the parts' dot
 products. Latent attention scores a latent part and a RoPE part this way
-without concatenating them in the cache.
+without concatenating them in the cache. A part may have its own head count
+K_j (a divisor of N): query head n reads that part's head n // (N / K_j), and
+the values' K decides the groups of the output (absorbed latent attention with
+one latent and a RoPE key per KV head of the source, kvlab/convert.py).
 
 A key or value may also be a `kvlab.cache.protocols.Reader` of stored data
 instead of an array (a quantized payload, kvlab/cache/quant.py), computing the
@@ -100,22 +103,35 @@ def attend(
     """
     queries = _parts(q)
     batch, length, num_heads, _ = queries[0].shape
-    num_kv_heads = _parts(blocks[0][0])[0].shape[1]
-    if num_heads % num_kv_heads:
-        raise ValueError(
-            f"query heads ({num_heads}) must be a multiple of KV heads ({num_kv_heads})"
-        )
+    # [B, K, S, H] keys and values (arrays or readers)
+    num_kv_heads = blocks[0][1].shape[1]
+    part_heads = [part.shape[1] for part in _parts(blocks[0][0])]
+    for heads in (num_kv_heads, *part_heads):
+        if num_heads % heads:
+            raise ValueError(f"query heads ({num_heads}) must be a multiple of KV heads ({heads})")
     groups = num_heads // num_kv_heads
     if scale is None:
         scale = sum(part.shape[-1] for part in queries) ** -0.5
-    # [B, K, M, H_j] with M = T * G
-    folded = [rearrange(part, "B T (K G) H -> B K (T G) H", K=num_kv_heads) for part in queries]
+    # [B, K_j, M_j, H_j] with M_j = T * N / K_j
+    folded = [
+        rearrange(part, "B T (K G) H -> B K (T G) H", K=heads)
+        for part, heads in zip(queries, part_heads, strict=True)
+    ]
+
+    def grouped(s, heads):
+        """[B, K_j, M_j, S] scores as [B, K, T, G, S] (K, G: the values' heads and groups)."""
+        if heads == num_kv_heads:
+            return s.reshape(batch, num_kv_heads, length, groups, -1)
+        s = rearrange(s, "B K (T G) S -> B T (K G) S", K=heads, T=length)
+        return rearrange(s, "B T (K G) S -> B K T G S", K=num_kv_heads)
 
     scores = []
     for k, _, mask in blocks:
-        # [B, K, M, S] -> [B, K, T, G, S]
-        s = sum(_scores(q_part, k_part) for q_part, k_part in zip(folded, _parts(k), strict=True))
-        s = s.reshape(batch, num_kv_heads, length, groups, -1)
+        # [B, K, T, G, S]
+        s = sum(
+            grouped(_scores(q_part, k_part), heads)
+            for q_part, k_part, heads in zip(folded, _parts(k), part_heads, strict=True)
+        )
         scores.append(jnp.where(mask[:, None, :, None, :], s * scale, MASKED))
     peak = MASKED  # [B, K, T, G, 1] after the loop; `initial` admits empty blocks
     for s in scores:

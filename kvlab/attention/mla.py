@@ -7,6 +7,12 @@ enters through a separate RoPE key of width Hr = mla.rope_dim, shared by all
 heads ("decoupled RoPE"). The cache holds only c_kv and k_rope:
 R + Hr numbers per token and layer instead of 2 x N x head_dim.
 
+Models converted from grouped-query attention (MHA2MLA, arXiv:2502.14837;
+kvlab/convert.py) keep part of each source KV head's rotary key, so they
+cache Kr = mla.rope_heads RoPE keys (query head n reads key n // (N / Kr)),
+each rotating its layer's frequency pairs `mla.rope_pairs` of a head_dim-wide RoPE,
+and their latent is linear in x (mla.latent_norm=False): R + Kr x Hr numbers.
+
 Queries are full rank (x W_Q) or, with mla.q_rank > 0, low rank with their own
 norm (RMSNorm(x W_DQ) W_UQ); each head's query is [nope | rope]. The two latent
 norms use mla.norm_eps (DeepSeek-V2 fixes them at 1e-6). Under a scaled RoPE
@@ -40,10 +46,11 @@ from __future__ import annotations
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 from ml_collections import FrozenConfigDict
 
 from kvlab.attention.core import attend, ordered_after
-from kvlab.attention.rope import apply_rope, softmax_mscale
+from kvlab.attention.rope import rope_frequencies, rotate, softmax_mscale
 from kvlab.cache.placement import Placement
 from kvlab.cache.protocols import Reader
 from kvlab.config import dtype_of
@@ -59,19 +66,20 @@ def expanded_attention(q_nope, q_rope, blocks, key_up, value_up, scale):
     """Per-head K/V expanded from each block's latent, then multi-head attention.
 
     q_nope [B, T, N, nope], q_rope [B, T, N, Hr]; blocks: sequence of
-    (c_kv [B, 1, S, R], k_rope [B, 1, S, Hr], mask bool[B, T or 1, S]);
+    (c_kv [B, 1, S, R], k_rope [B, Kr, S, Hr], mask bool[B, T or 1, S]);
     key_up [R, N, nope], value_up [R, N, Hv] -> [B, T, N, Hv].
     """
     dtype = q_nope.dtype
+    heads = q_nope.shape[2]
     expanded = []
     for c_kv, k_rope, mask in blocks:
         c_kv = _dense(c_kv)[:, 0].astype(dtype)  # [B, S, R]
         # [B, N, S, nope] and [B, N, S, Hv]
         k_nope = jnp.einsum("BSR,RNH->BNSH", c_kv, key_up.astype(dtype))
         v = jnp.einsum("BSR,RNH->BNSH", c_kv, value_up.astype(dtype))
-        # The shared RoPE key, seen by every head: [B, N, S, Hr]
+        # Each head's RoPE key (one shared by all, or one per group): [B, N, S, Hr]
         k_rope = _dense(k_rope).astype(dtype)
-        k_rope = jnp.broadcast_to(k_rope, (*k_nope.shape[:3], k_rope.shape[-1]))
+        k_rope = jnp.repeat(k_rope, heads // k_rope.shape[1], axis=1)
         expanded.append(((k_nope, k_rope), v, mask))
     return attend((q_nope, q_rope), expanded, scale)
 
@@ -80,7 +88,8 @@ def absorbed_attention(q_nope, q_rope, blocks, key_up, value_up, scale):
     """Attention in latent space: W_UK folded into the query, W_UV applied after.
 
     Same arguments and result as `expanded_attention`. The latent is one KV
-    head shared by all N query heads, read as both key part and value.
+    head shared by all N query heads, read as both key part and value; the
+    RoPE keys are read by their groups of query heads.
     """
     dtype = q_nope.dtype
     # [B, T, N, R]: each head's query against the latent
@@ -90,8 +99,26 @@ def absorbed_attention(q_nope, q_rope, blocks, key_up, value_up, scale):
     return jnp.einsum("BTNR,RNH->BTNH", out, value_up.astype(dtype))
 
 
+def rope_frequencies_of(model, index: int) -> tuple:
+    """(keys' [Kr, Hr/2] or [Hr/2], queries' [N, Hr/2] or [Hr/2] inverse frequencies,
+    cos/sin factor) of layer `index` of a latent attention `model` section.
+
+    Without `mla.rope_pairs`, RoPE over rope_dim channels (DeepSeek-V2); with
+    them, RoPE key k turns the pairs listed for it of a head_dim-wide RoPE, and
+    so do the queries that read it.
+    """
+    mla = model.mla
+    if not mla.rope_pairs:
+        frequency, factor = rope_frequencies(mla.rope_dim, model.rope_theta, model.rope_scaling)
+        return frequency, frequency, factor
+    frequency, factor = rope_frequencies(model.head_dim, model.rope_theta, model.rope_scaling)
+    keys = jnp.asarray(frequency)[np.asarray(mla.rope_pairs[index])]  # [Kr, Hr/2]
+    return keys, jnp.repeat(keys, model.num_heads // mla.rope_heads, axis=0), factor
+
+
 class MultiHeadLatentAttention(nn.Module):
     config: FrozenConfigDict  # the model section
+    index: int = 0  # the layer's place in the stack (mla.rope_pairs are per layer)
 
     @nn.compact
     def __call__(self, x, placement: Placement, layer=None):
@@ -105,17 +132,20 @@ class MultiHeadLatentAttention(nn.Module):
         else:
             q = projection(cfg, (heads, cfg.head_dim), "query")(x)
         q_nope = q[..., : mla.nope_dim]
-        rope = (placement.positions, cfg.rope_theta, cfg.rope_scaling)
-        q_rope = apply_rope(q[..., mla.nope_dim :], *rope)
-        # What the cache holds: [B, T, R] and [B, T, Hr]
+        key_frequency, query_frequency, factor = rope_frequencies_of(cfg, self.index)
+        q_rope = rotate(q[..., mla.nope_dim :], placement.positions, query_frequency, factor)
+        # What the cache holds: [B, T, R] and [B, T, Kr, Hr]
         c_kv = projection(cfg, mla.kv_rank, "kv_down")(x)
-        c_kv = RMSNorm(cfg, eps=mla.norm_eps, name="kv_norm")(c_kv)
-        k_rope = projection(cfg, (1, mla.rope_dim), "key_rope")(x)
-        k_rope = apply_rope(k_rope, *rope)[:, :, 0]
+        if mla.latent_norm:
+            c_kv = RMSNorm(cfg, eps=mla.norm_eps, name="kv_norm")(c_kv)
+        k_rope = projection(cfg, (mla.rope_heads, mla.rope_dim), "key_rope")(x)
+        k_rope = rotate(k_rope, placement.positions, key_frequency, factor)
 
         up_init = nn.initializers.lecun_normal(in_axis=0, out_axis=(1, 2))
         param_dtype = dtype_of(cfg.param_dtype)
-        key_up = self.param("key_up", up_init, (mla.kv_rank, heads, mla.nope_dim), param_dtype)
+        # nope_dim is 0 when every RoPE pair is kept (a conversion): an empty key_up.
+        key_init = up_init if mla.nope_dim else nn.initializers.zeros
+        key_up = self.param("key_up", key_init, (mla.kv_rank, heads, mla.nope_dim), param_dtype)
         value_up = self.param(
             "value_up", up_init, (mla.kv_rank, heads, mla.v_head_dim), param_dtype
         )
@@ -124,8 +154,8 @@ class MultiHeadLatentAttention(nn.Module):
         mscale = softmax_mscale(cfg.rope_scaling)
         scale = cfg.head_dim**-0.5 * mscale * mscale
 
-        # [B, 1, T, R] and [B, 1, T, Hr]: one "head" each, as the cache holds them
-        fresh = (c_kv[:, None], k_rope[:, None])
+        # [B, 1, T, R] and [B, Kr, T, Hr], as the cache holds them
+        fresh = (c_kv[:, None], k_rope.transpose(0, 2, 1, 3))
         if layer is None:
             out = expanded_attention(
                 q_nope, q_rope, [(*fresh, placement.fresh_mask)], key_up, value_up, scale

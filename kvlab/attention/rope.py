@@ -27,6 +27,7 @@ they computed there:
     rope_frequencies(head_width, theta, scaling | None) -> RopeFrequencies
         (inverse_frequency float32[H/2], attention_factor)
     apply_rope(x [B, T, N, H], positions int32[B, T], theta, scaling | None) -> [B, T, N, H]
+    rotate(x, positions, inverse_frequency [H/2] or [N, H/2], attention_factor) -> [B, T, N, H]
 """
 
 from __future__ import annotations
@@ -154,8 +155,18 @@ def apply_rope(
 
     `scaling` is a `model.rope_scaling` section (None: plain RoPE).
     """
-    inverse_frequency, attention_factor = rope_frequencies(x.shape[-1], theta, scaling)
-    # [B, T, 1, H/2]
+    return rotate(x, positions, *rope_frequencies(x.shape[-1], theta, scaling))
+
+
+def rotate(
+    x: Float[Array, "B T N H"],
+    positions: Int[Array, "B T"],
+    inverse_frequency: Float[Array | np.ndarray, "*N H/2"],
+    attention_factor: float = 1.0,
+) -> Float[Array, "B T N H"]:
+    """RoPE with given inverse frequencies: the same for every head ([H/2]) or
+    each head its own ([N, H/2], latent attention's kept pairs, `model.mla.rope_pairs`)."""
+    # [B, T, 1 or N, H/2]
     angles = positions.astype(jnp.float32)[:, :, None, None] * inverse_frequency
     sin, cos = jnp.sin(angles), jnp.cos(angles)
     if attention_factor != 1.0:
