@@ -1,8 +1,8 @@
 """Config schema, defaults, validation and loading.
 
-Every kvlab run is described by one `ml_collections.ConfigDict` with six
-sections (docs/design.md): `model`, `cache`, `train`, `data`, `eval`, `wandb`. Config files in
-`configs/` start from `base_config(variant)` and change what they study.
+Every kvlab run is described by one `ml_collections.ConfigDict` with seven
+sections (docs/design.md): `model`, `cache`, `train`, `data`, `eval`, `wandb`,
+`mesh`. Config files in `configs/` start from `base_config(variant)` and change what they study.
 
     cfg = kvlab.load_config("configs/gqa.py:tiny")   # loads and validates
     cfg.model.num_kv_heads = 1
@@ -54,6 +54,27 @@ _SIZES = {
     "base": dict(num_layers=12, embed_dim=768, num_heads=12, head_dim=64, mlp_dim=2048),
 }
 VARIANTS = tuple(_SIZES)
+
+MESH_AXES = ("data", "fsdp", "tensor")  # mesh.data, mesh.fsdp, mesh.tensor, in mesh order
+# mesh.rules' defaults: each logical axis and the mesh axes it is split over
+# (docs/design.md, "Scale-out"). Parameters: embed, heads, kv_heads, head_dim, mlp,
+# vocab, latent, experts, norm; activations: batch; caches: cache_batch,
+# cache_heads, cache_pages.
+LOGICAL_AXIS_RULES = (
+    ("batch", "data,fsdp"),  # training and evaluation batches
+    ("embed", "fsdp"),  # D: every weight's model-width side
+    ("heads", "tensor"),  # N query heads
+    ("kv_heads", "tensor"),  # K key/value heads (replicated where tensor does not divide K)
+    ("head_dim", ""),  # H
+    ("mlp", "tensor"),  # F, the feed-forward width (dense and expert)
+    ("vocab", "tensor"),  # V
+    ("latent", ""),  # MLA's kv_rank and q_rank
+    ("experts", ""),  # E routed experts (and the router's outputs)
+    ("norm", ""),  # RMSNorm scales
+    ("cache_batch", "data"),  # cache rows (and lengths, errors, block tables)
+    ("cache_heads", "tensor"),  # cached heads (MQA and MLA cache one: replicated)
+    ("cache_pages", ""),  # paged pools' pages (rows may use any page: replicated)
+)
 
 
 def base_config(variant: str = "tiny") -> ml_collections.ConfigDict:
@@ -235,6 +256,24 @@ def base_config(variant: str = "tiny") -> ml_collections.ConfigDict:
     )
 
     cfg.wandb = ml_collections.ConfigDict(dict(mode="offline", project="kvlab", group="", tags=()))
+
+    # The devices a run uses (kvlab/sharding.py): a data x fsdp x tensor mesh whose
+    # sizes multiply to the device count; -1 takes the devices the others leave.
+    # The default puts every device on `data` (pure data parallelism), so one
+    # device runs exactly as without a mesh.
+    cfg.mesh = ml_collections.ConfigDict(
+        dict(
+            data=-1,  # batch rows split, weights replicated (data parallelism)
+            fsdp=1,  # batch rows and weights split, weights gathered per use (FSDP, ZeRO-3)
+            tensor=1,  # heads and MLP width split (Megatron tensor parallelism)
+            distributed=False,  # several hosts (jax.distributed): not built yet
+        )
+    )
+    # Logical axis -> mesh axes, as flax's nn.logical_axis_rules takes them (MaxText's
+    # scheme): the mesh axes (comma-separated, '' = replicated) each logical axis of a
+    # parameter, batch or cache array is split over. A dimension the axes do not divide
+    # keeps the longest leading run of them that does (kvlab/sharding.py).
+    cfg.mesh.rules = ml_collections.ConfigDict(dict(LOGICAL_AXIS_RULES))
     return cfg
 
 
@@ -802,7 +841,100 @@ def validate_config(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict
 
     _check_known_fields("wandb", cfg.wandb, schema.wandb)
     _check_choice("wandb", cfg.wandb, "mode", WANDB_MODES)
+    validate_mesh_config(cfg)
     return cfg
+
+
+def validate_mesh_config(cfg: ml_collections.ConfigDict) -> None:
+    """Raises ValueError naming the first bad field of the `mesh` section.
+
+    What does not depend on the devices: sizes >= 1 or -1 (one at most), the
+    rules, and that the sizes given split what they split evenly
+    (`check_mesh_shape`). kvlab.sharding.mesh_shape checks the rest (the
+    product against the device count) when a run builds its mesh.
+    """
+    schema = base_config().mesh
+    mesh = cfg.mesh
+    _check_known_fields("mesh", mesh, schema)
+    for axis in MESH_AXES:
+        size = mesh[axis]
+        if size != -1:
+            _check_int("mesh", mesh, axis)
+    rest = [axis for axis in MESH_AXES if mesh[axis] == -1]
+    if len(rest) > 1:
+        _fail(
+            f"mesh.{rest[1]}",
+            -1,
+            f"is the second -1 (mesh.{rest[0]}=-1 already takes the devices the others leave)",
+            f"give mesh.{rest[1]} a size >= 1",
+        )
+    if not isinstance(mesh["distributed"], bool):
+        _fail("mesh.distributed", mesh["distributed"], "is not a bool", "set True or False")
+    if mesh["distributed"]:
+        _fail(
+            "mesh.distributed",
+            True,
+            "asks for several hosts (jax.distributed), which kvlab does not run yet",
+            "set mesh.distributed=False and use the devices of one host",
+        )
+    _check_known_fields("mesh.rules", mesh["rules"], schema.rules)
+    for name in schema.rules:
+        mesh_axes(mesh["rules"], name)  # refuses a malformed rule
+    check_mesh_shape(cfg, {axis: mesh[axis] for axis in MESH_AXES})
+
+
+def mesh_axes(rules: Mapping, name: str) -> tuple[str, ...]:
+    """The mesh axes rule `mesh.rules.<name>` splits a logical axis over, in order."""
+    value = rules[name]
+    if not isinstance(value, str):
+        _fail(
+            f"mesh.rules.{name}",
+            value,
+            "is not a string",
+            f"give mesh axes separated by commas from {', '.join(MESH_AXES)}, or '' (replicated)",
+        )
+    axes = tuple(axis.strip() for axis in value.split(",") if axis.strip())
+    for axis in axes:
+        if axis not in MESH_AXES:
+            _fail(
+                f"mesh.rules.{name}",
+                value,
+                f"names {axis!r}, which is not a mesh axis",
+                f"use mesh axes from {', '.join(MESH_AXES)} separated by commas, or ''",
+            )
+    if len(set(axes)) != len(axes):
+        _fail(f"mesh.rules.{name}", value, "names a mesh axis twice", "name each axis once")
+    return axes
+
+
+def check_mesh_shape(cfg: Mapping, shape: Mapping[str, int]) -> None:
+    """Raises ValueError when the mesh sizes `shape` (-1: not known yet, skipped)
+    do not split evenly what the rules split over them: the query heads, the
+    feed-forward widths and the training batch. (Key/value heads, the
+    vocabulary and the model width are replicated where they do not divide:
+    kvlab/sharding.py.)"""
+    rules = cfg["mesh"]["rules"]
+    model = cfg["model"]
+    widths = [("heads", "model.num_heads", model["num_heads"])]
+    widths.append(("mlp", "model.mlp_dim", model["mlp_dim"]))
+    if model["moe"]["num_experts"]:
+        widths.append(("mlp", "model.moe.expert_dim", model["moe"]["expert_dim"]))
+    widths.append(("batch", "train.batch_size", cfg["train"]["batch_size"]))
+    for logical, field, value in widths:
+        axes = mesh_axes(rules, logical)
+        if not axes or any(shape[axis] == -1 for axis in axes):
+            continue
+        split = math.prod(shape[axis] for axis in axes)
+        if value % split:
+            divisors = [d for d in range(1, value + 1) if value % d == 0]
+            _fail(
+                " * ".join(f"mesh.{axis}" for axis in axes),
+                split,
+                f"does not divide {field}={value}, which mesh.rules.{logical}="
+                f"{rules[logical]!r} splits over "
+                + ("it" if len(axes) == 1 else f"them ({', '.join(axes)})"),
+                f"make it one of {divisors}, or change {field}",
+            )
 
 
 def _validate_tokenizer_vocab(cfg: ml_collections.ConfigDict) -> None:

@@ -1,22 +1,66 @@
 """Building blocks shared by the attention variants and the model.
 
-projection(config, features, name, axis=-1, bias=False) -> nn.DenseGeneral
+projection(config, features, name, axis=-1, bias=False, axes=None) -> nn.DenseGeneral
 RMSNorm(config, eps=None)(x [..., D]) -> [..., D]      (arXiv:1910.07467)
+logical(init, names) -> init; with logical_axes(): ... (parameters' logical axis names)
+
+Parameters carry logical axis names (embed, heads, mlp, ...; kvlab/sharding.py
+maps them to mesh axes) through flax's `nn.with_logical_partitioning`, but only
+while `logical_axes()` is active: kvlab.sharding traces the model's init inside
+it to read the names (`nn.get_partition_spec`). Everywhere else the
+initialisers are the plain ones, so `model.init`, `init_params` and every
+parameter tree stay plain arrays and compile to the same program as without names.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+from collections.abc import Callable, Iterator, Sequence
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from flax.linen.linear import default_kernel_init
 from ml_collections import FrozenConfigDict
 
 from kvlab.config import dtype_of
 
+_NAMED = contextvars.ContextVar("kvlab_logical_axes", default=False)
 
-def projection(config, features, name: str, axis=-1, bias: bool = False) -> nn.DenseGeneral:
+
+@contextlib.contextmanager
+def logical_axes() -> Iterator[None]:
+    """Parameters created inside carry their logical axis names (flax
+    LogicallyPartitioned boxes); trace an init here, never a training step."""
+    token = _NAMED.set(True)
+    try:
+        yield
+    finally:
+        _NAMED.reset(token)
+
+
+def logical(init: Callable, names: Sequence[str | None]) -> Callable:
+    """`init` whose parameter carries the logical axis `names` (one per dimension)
+    inside `logical_axes()`, and `init` itself elsewhere."""
+    if _NAMED.get():
+        return nn.with_logical_partitioning(init, tuple(names))
+    return init
+
+
+def projection(
+    config, features, name: str, axis=-1, bias: bool = False, axes: Sequence | None = None
+) -> nn.DenseGeneral:
     """A linear map in the model's compute and parameter dtypes, bias-free unless
-    `bias` (then a `bias` of shape `features`, initialised to zeros)."""
+    `bias` (then a `bias` of shape `features`, initialised to zeros).
+
+    `axes` names the kernel's dimensions (inputs, then features) for sharding;
+    None leaves them to kvlab.sharding's fallback by parameter path."""
+    kernel_init, bias_init = default_kernel_init, nn.initializers.zeros_init()
+    if axes is not None:
+        num_features = 1 if isinstance(features, int) else len(features)
+        kernel_init = logical(kernel_init, axes)
+        bias_init = logical(bias_init, tuple(axes)[-num_features:])
     return nn.DenseGeneral(
         features,
         axis=axis,
@@ -24,6 +68,8 @@ def projection(config, features, name: str, axis=-1, bias: bool = False) -> nn.D
         name=name,
         dtype=dtype_of(config.dtype),
         param_dtype=dtype_of(config.param_dtype),
+        kernel_init=kernel_init,
+        bias_init=bias_init,
     )
 
 
@@ -36,7 +82,10 @@ class RMSNorm(nn.Module):
     @nn.compact
     def __call__(self, x):
         scale = self.param(
-            "scale", nn.initializers.ones, (x.shape[-1],), dtype_of(self.config.param_dtype)
+            "scale",
+            logical(nn.initializers.ones, ("norm",)),
+            (x.shape[-1],),
+            dtype_of(self.config.param_dtype),
         )
         eps = self.config.norm_eps if self.eps is None else self.eps
         x32 = x.astype(jnp.float32)

@@ -29,6 +29,7 @@ Without a cache, rows with an invalid id get NaN logits.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 
 import flax.linen as nn
@@ -42,8 +43,9 @@ from kvlab.attention.mla import MultiHeadLatentAttention
 from kvlab.cache.dense import BAD_COUNT, BAD_TOKEN, OVERFLOW, Cache
 from kvlab.cache.placement import Placement, place_without_cache
 from kvlab.config import cached_tensors, dtype_of, frozen, validate_model_config
-from kvlab.layers import RMSNorm, projection
+from kvlab.layers import RMSNorm, logical, logical_axes, projection
 from kvlab.moe import MLP, MoE, uses_experts
+from kvlab.sharding import fallback_axes
 
 
 class Block(nn.Module):
@@ -215,7 +217,9 @@ class Transformer(nn.Module):
             cfg.vocab_size,
             cfg.embed_dim,
             name="embed",
-            embedding_init=nn.initializers.normal(stddev=cfg.embed_dim**-0.5),
+            embedding_init=logical(
+                nn.initializers.normal(stddev=cfg.embed_dim**-0.5), ("vocab", "embed")
+            ),
             dtype=dtype_of(cfg.dtype),
             param_dtype=dtype_of(cfg.param_dtype),
         )
@@ -228,7 +232,7 @@ class Transformer(nn.Module):
         if cfg.tie_embeddings:
             logits = embed.attend(x)
         else:
-            logits = projection(cfg, cfg.vocab_size, "unembed")(x)
+            logits = projection(cfg, cfg.vocab_size, "unembed", axes=("embed", "vocab"))(x)
         logits = logits.astype(jnp.float32)  # [B, T, V]
         logits = jnp.where(invalid[:, None, None], jnp.nan, logits)
         if cache is None:
@@ -243,3 +247,32 @@ def init_params(model_cfg: Mapping, key: jax.Array):
     model = Transformer(model_cfg)
     tokens = jnp.zeros((1, 1), jnp.int32)
     return jax.jit(model.init)(key, tokens)["params"]
+
+
+def param_axes(model_cfg: Mapping) -> dict:
+    """The logical axis names of every parameter of `Transformer(model_cfg)`: a tree
+    shaped like its params of PartitionSpec (one name or None per dimension).
+
+    Read from the names the layers give their initialisers (kvlab.layers.logical,
+    flax's nn.with_logical_partitioning) by tracing init inside
+    kvlab.layers.logical_axes(); parameters without one take
+    kvlab.sharding.fallback_axes. Nothing is allocated."""
+    return _param_axes(frozen(model_cfg))
+
+
+@functools.cache
+def _param_axes(model_cfg: FrozenConfigDict) -> dict:
+    model = Transformer(model_cfg)
+    tokens = jnp.zeros((1, 1), jnp.int32)
+    with logical_axes():
+        # A fresh function, so no trace cached for model.init stands in for this one.
+        boxed = jax.eval_shape(lambda key: model.init(key, tokens), jax.random.key(0))["params"]
+
+    def axes(path, leaf):
+        if isinstance(leaf, nn.Partitioned):
+            return leaf.get_partition_spec()
+        return fallback_axes(path, len(leaf.shape))
+
+    return jax.tree_util.tree_map_with_path(
+        axes, boxed, is_leaf=lambda x: isinstance(x, nn.Partitioned)
+    )

@@ -45,11 +45,12 @@ from collections.abc import Mapping
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from flax.linen.linear import default_kernel_init
 from jaxtyping import Array, Float, Int
 from ml_collections import FrozenConfigDict
 
 from kvlab.config import dtype_of
-from kvlab.layers import projection
+from kvlab.layers import logical, projection
 
 
 class MLP(nn.Module):
@@ -63,9 +64,9 @@ class MLP(nn.Module):
     def __call__(self, x):
         cfg = self.config
         width = cfg.mlp_dim if self.hidden_dim is None else self.hidden_dim
-        gate = projection(cfg, width, "gate")(x)  # [B, T, F]
-        up = projection(cfg, width, "up")(x)
-        return projection(cfg, cfg.embed_dim, "down")(nn.silu(gate) * up)
+        gate = projection(cfg, width, "gate", axes=("embed", "mlp"))(x)  # [B, T, F]
+        up = projection(cfg, width, "up", axes=("embed", "mlp"))(x)
+        return projection(cfg, cfg.embed_dim, "down", axes=("mlp", "embed"))(nn.silu(gate) * up)
 
 
 def uses_experts(model: Mapping, index: int) -> bool:
@@ -210,17 +211,21 @@ class MoE(nn.Module):
             dtype=jnp.float32,
             param_dtype=jnp.float32,
             precision=jax.lax.Precision.HIGHEST,
+            kernel_init=logical(default_kernel_init, ("embed", "experts")),
         )
         logits = router(x.astype(jnp.float32)).reshape(-1, num_experts)  # [N, E]
         bias = None
         if moe.routing == "sigmoid":
-            bias = self.param("router_bias", nn.initializers.zeros, (num_experts,), jnp.float32)
+            zeros = logical(nn.initializers.zeros, ("experts",))
+            bias = self.param("router_bias", zeros, (num_experts,), jnp.float32)
         experts, weights = route(logits, bias, moe)  # [N, k]
 
         init = nn.initializers.lecun_normal(in_axis=-2, out_axis=-1, batch_axis=(0,))
-        gate = self.param("gate", init, (num_experts, embed_dim, width), param_dtype)
-        up = self.param("up", init, (num_experts, embed_dim, width), param_dtype)
-        down = self.param("down", init, (num_experts, width, embed_dim), param_dtype)
+        into = logical(init, ("experts", "embed", "mlp"))  # [E, D, F]
+        out_of = logical(init, ("experts", "mlp", "embed"))  # [E, F, D]
+        gate = self.param("gate", into, (num_experts, embed_dim, width), param_dtype)
+        up = self.param("up", into, (num_experts, embed_dim, width), param_dtype)
+        down = self.param("down", out_of, (num_experts, width, embed_dim), param_dtype)
         routed = routed_experts(
             x.reshape(-1, embed_dim),
             experts,

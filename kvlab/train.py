@@ -24,6 +24,12 @@ A step whose loss, gradient, updated weights or optimizer state is not finite
 leaves the state as it was and the run stops with `NonFiniteLoss` before
 anything else is saved, so the latest checkpoint is always the last good state.
 The files a later run reads are replaced atomically (kvlab/files.py).
+
+Every run is on the mesh of its config (`cfg.mesh`, kvlab/sharding.py; one
+device by default when there is one): the jitted step (`compiled_step`) keeps
+parameters and Adam moments split by their logical axes and takes batches split
+by rows over data x fsdp; checkpoints hold the split arrays and a resumed run
+restores them onto its own mesh, whatever mesh saved them.
 """
 
 from __future__ import annotations
@@ -45,12 +51,14 @@ import optax
 import orbax.checkpoint as ocp
 import tqdm
 from flax import struct
+from jax.sharding import Mesh
 
+from kvlab import sharding
 from kvlab.config import complete_config, dtype_of, frozen, validate_config
 from kvlab.data import make_dataset
 from kvlab.files import read_json, store_json, write_atomic
 from kvlab.logging import Run
-from kvlab.model import Transformer
+from kvlab.model import Transformer, param_axes
 
 
 class NonFiniteLoss(FloatingPointError):
@@ -96,18 +104,57 @@ def optimizer(train_cfg: Mapping) -> optax.GradientTransformation:
     )
 
 
-def init_state(cfg: ml_collections.ConfigDict, params=None) -> TrainState:
+def init_state(
+    cfg: ml_collections.ConfigDict, params=None, *, mesh: Mesh | None = None, rules=None
+) -> TrainState:
     """Fresh optimizer state over `params`, or over fresh parameters (seeded by
-    train.seed), in one compiled call."""
+    train.seed), in one compiled call; with `mesh`, built laid out on it
+    (`state_shardings`, by `rules`, default those of cfg.mesh)."""
     model, tx = Transformer(cfg.model), optimizer(cfg.train)
 
-    @jax.jit
     def init(key, params):
         if params is None:
             params = model.init(key, jnp.zeros((1, 1), jnp.int32))["params"]
         return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params))
 
-    return init(jax.random.key(cfg.train.seed), params)
+    placed = None
+    if mesh is not None:
+        rules = sharding.axis_rules(cfg.mesh) if rules is None else rules
+        placed = state_shardings(frozen(cfg.model), frozen(cfg.train), mesh, rules)
+    return jax.jit(init, out_shardings=placed)(jax.random.key(cfg.train.seed), params)
+
+
+def state_shardings(model_cfg, train_cfg, mesh: Mesh, rules: tuple) -> TrainState:
+    """Where each array of the train state lives on `mesh`: the parameters by
+    their logical axes (kvlab.model.param_axes, `rules`), each optimizer moment
+    as the parameter it follows, counts and the step replicated."""
+    model, tx = Transformer(model_cfg), optimizer(train_cfg)
+    abstract = jax.eval_shape(
+        lambda: model.init(jax.random.key(0), jnp.zeros((1, 1), jnp.int32))["params"]
+    )
+    params = sharding.shardings(param_axes(model_cfg), abstract, mesh, rules)
+    by_path = {
+        _key_names(path): (leaf.shape, placed)
+        for (path, leaf), placed in zip(
+            jax.tree_util.tree_leaves_with_path(abstract), jax.tree.leaves(params), strict=True
+        )
+    }
+
+    def follow(path, leaf):
+        # The moments of the parameter whose path ends this one's (mu/.../kernel).
+        names = _key_names(path)
+        for start in range(len(names)):
+            shape, placed = by_path.get(names[start:], (None, None))
+            if shape == leaf.shape:
+                return placed
+        return sharding.replicated(mesh)
+
+    opt_state = jax.tree_util.tree_map_with_path(follow, jax.eval_shape(tx.init, abstract))
+    return TrainState(step=sharding.replicated(mesh), params=params, opt_state=opt_state)
+
+
+def _key_names(path) -> tuple:
+    return tuple(str(getattr(key, "key", getattr(key, "name", key))) for key in path)
 
 
 def initial_params(cfg: ml_collections.ConfigDict):
@@ -165,9 +212,25 @@ def all_finite(tree) -> jax.Array:
     return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves]))
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=2)
+@functools.cache
+def compiled_step(model: Transformer, train_cfg, mesh: Mesh, rules: tuple):
+    """`train_step` for this model and train section, jitted once per mesh: the
+    state donated and kept where `state_shardings` puts it, batches split by
+    rows (`batch`: data x fsdp), metrics replicated. XLA inserts the gathers of
+    FSDP-split weights and the reductions of gradients; call it as
+    `state, metrics = step(state, batch)`."""
+    placed = state_shardings(model.config, train_cfg, mesh, rules)
+    return jax.jit(
+        functools.partial(train_step, model, train_cfg),
+        in_shardings=(placed, sharding.batch_sharding(mesh, rules)),
+        out_shardings=(placed, sharding.replicated(mesh)),
+        donate_argnums=0,
+    )
+
+
 def train_step(model: Transformer, train_cfg, state: TrainState, batch) -> tuple:
-    """One AdamW update on one batch; returns (state, metrics).
+    """One AdamW update on one batch; returns (state, metrics). Pure: run it
+    through `compiled_step`.
 
     The step keeps the new state only when everything it would keep is finite:
     the loss and gradient norm, and also the updated weights and optimizer
@@ -374,7 +437,9 @@ def load_params(workdir: str, step: int | None = None):
     cfg = load_run_config(workdir)
     manager = checkpoint_manager(workdir, cfg.train)
     try:
-        template = jax.eval_shape(lambda: init_state(cfg))
+        # Onto this process's first device, whatever mesh the run was saved from.
+        one_device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+        template = _placed(jax.eval_shape(lambda: init_state(cfg)), one_device)
         if step is None:
             state = latest_good_state(manager, template)
             if state is None:
@@ -403,6 +468,18 @@ def start_workdir(cfg: ml_collections.ConfigDict, params, workdir: str) -> None:
         save(manager, init_state(cfg, params))
     finally:
         manager.close()
+
+
+def _placed(abstract, shardings):
+    """ShapeDtypeStructs of `abstract` carrying `shardings` (a tree like it, or one
+    for every leaf): the targets orbax restores onto."""
+    if not isinstance(shardings, TrainState):
+        shardings = jax.tree.map(lambda _: shardings, abstract)
+    return jax.tree.map(
+        lambda leaf, placed: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=placed),
+        abstract,
+        shardings,
+    )
 
 
 def load_run_config(workdir: str) -> ml_collections.ConfigDict:
@@ -540,6 +617,7 @@ def train(
     state and the metrics logged by this call (the lines added to metrics.jsonl).
     """
     validate_config(cfg)
+    mesh, rules = sharding.make_mesh(cfg), sharding.axis_rules(cfg.mesh)
     tcfg = cfg.train
     train_data = make_dataset(cfg.data, "train", tcfg.seq_len)
     eval_batches = make_dataset(cfg.data, "validation", tcfg.seq_len).eval_batches(
@@ -550,13 +628,17 @@ def train(
 
     model = Transformer(cfg.model)
     frozen_train = frozen(tcfg)
+    step_fn = compiled_step(model, frozen_train, mesh, rules)
     manager = checkpoint_manager(workdir, tcfg)
     try:
-        template = jax.eval_shape(lambda: init_state(cfg))
+        # Restored onto this run's mesh, whatever mesh saved it.
+        placed = state_shardings(model.config, frozen_train, mesh, rules)
+        template = _placed(jax.eval_shape(lambda: init_state(cfg)), placed)
         damaged = os.path.join(workdir, "damaged_checkpoints")
         state = latest_good_state(manager, template, set_aside=damaged)
         if state is None:  # a new run: random weights, or those train.init_from names
-            state = init_state(cfg, initial_params(cfg) if tcfg.init_from else None)
+            params = initial_params(cfg) if tcfg.init_from else None
+            state = init_state(cfg, params, mesh=mesh, rules=rules)
         start = int(state.step)
         if start >= tcfg.steps:
             return state, []  # a finished run: nothing to do
@@ -571,7 +653,7 @@ def train(
         with run, bar:
             for step in range(start + 1, tcfg.steps + 1):
                 batch = train_data.batch(step - 1, tcfg.batch_size, tcfg.seed)
-                state, metrics = train_step(model, frozen_train, state, batch)
+                state, metrics = step_fn(state, batch)
                 log.pending.append((step, metrics))
                 bar.update(1)
                 last = step == tcfg.steps

@@ -23,7 +23,7 @@ def test_config_files_load_and_select_the_attention(name, variant):
     }[name]
     assert cfg.model.num_kv_heads == expected
     assert cfg.model.attention == ("mla" if name == "mla" else "gqa")
-    assert set(cfg) == {"model", "cache", "train", "data", "eval", "wandb"}
+    assert set(cfg) == {"model", "cache", "train", "data", "eval", "wandb", "mesh"}
 
 
 def test_mla_base_has_deepseek_v2_attention_widths():

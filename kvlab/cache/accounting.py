@@ -2,6 +2,8 @@
 
     cache_bytes(model_cfg, cache_cfg, batch_size, seq_len) -> int   (analytic)
     tree_bytes(tree) -> int                                         (measured)
+    cache_bytes(..., per_device=True, mesh=mesh) == tree_bytes(init_cache(..., mesh=mesh),
+                                                               per_device=True)
 
 The analytic count follows the formula every KV-cache paper uses (docs/references.md):
 2 (K and V) x layers x kv_heads x head_dim x seq_len x batch x bytes per element;
@@ -21,7 +23,9 @@ from collections.abc import Mapping
 
 import jax
 import numpy as np
+from jax.sharding import Mesh
 
+from kvlab import sharding
 from kvlab.cache import paged
 from kvlab.cache.quant import quantized_layout, storages
 from kvlab.config import cached_tensors, dtype_of, validate_cache_config, validate_model_config
@@ -30,29 +34,58 @@ ROW_BYTES = 4 + 4  # per row: an int32 length and int32 error flags
 TABLE_ENTRY_BYTES = 4  # paged: one int32 page id per row and page
 
 
-def cache_bytes(model_cfg: Mapping, cache_cfg: Mapping, batch_size: int, seq_len: int) -> int:
-    """Bytes a cache of `batch_size` rows and capacity `seq_len` occupies."""
+def cache_bytes(
+    model_cfg: Mapping,
+    cache_cfg: Mapping,
+    batch_size: int,
+    seq_len: int,
+    *,
+    per_device: bool = False,
+    mesh: Mesh | Mapping[str, int] | None = None,
+    rules: tuple | None = None,
+) -> int:
+    """Bytes a cache of `batch_size` rows and capacity `seq_len` occupies.
+
+    With per_device=True, the bytes one device of `mesh` (a Mesh, or its axis
+    sizes {'data': ., 'fsdp': ., 'tensor': .}) holds of the cache
+    `init_cache(..., mesh=mesh, rules=rules)` lays out: rows split over
+    `cache_batch`, each tensor's heads over `cache_heads`, pool pages over
+    `cache_pages`, each only where the split divides (kvlab.sharding.fit).
+    """
     validate_model_config(model_cfg)
     validate_cache_config(cache_cfg, model_cfg)
+    if per_device and mesh is None:
+        raise ValueError(
+            "cache_bytes(per_device=True) needs the mesh: pass mesh=a jax Mesh or its "
+            "axis sizes, e.g. {'data': 2, 'fsdp': 1, 'tensor': 4}"
+        )
+    split = lambda logical, size: 1  # noqa: E731
+    if per_device:
+        rules = sharding.axis_rules() if rules is None else rules
+        split = lambda logical, size: sharding.pieces(logical, size, mesh, rules)  # noqa: E731
     layout = quantized_layout(model_cfg, cache_cfg, seq_len)
-    tensors = list(zip(cached_tensors(model_cfg), storages(model_cfg, cache_cfg), strict=True))
+    tensors = [
+        (t._replace(heads=t.heads // split("cache_heads", t.heads)), spec)
+        for t, spec in zip(cached_tensors(model_cfg), storages(model_cfg, cache_cfg), strict=True)
+    ]
+    rows_held = batch_size // split("cache_batch", batch_size)  # rows on one device
     ring = 0 if layout is None else layout.ring_len
     # Token rows each tensor stores: a row's S (or P settled) tokens, or a page pool.
     if cache_cfg["kind"] == "paged":
         pages = paged.pool_size(cache_cfg, batch_size, seq_len)
-        pooled = pages * cache_cfg["page_size"]
+        pooled = pages // split("cache_pages", pages) * cache_cfg["page_size"]
         per_layer = sum(_tensor_bytes(spec, t.heads, t.width, pooled, 0) for t, spec in tensors)
-        per_layer += batch_size * sum(
+        per_layer += rows_held * sum(
             _tensor_bytes(spec, t.heads, t.width, 0, ring) for t, spec in tensors
         )
-        tables = batch_size * paged.pages_per_row(cache_cfg, seq_len) * TABLE_ENTRY_BYTES
+        tables = rows_held * paged.pages_per_row(cache_cfg, seq_len) * TABLE_ENTRY_BYTES
     else:
         rows = seq_len if layout is None else layout.payload_len
-        per_layer = batch_size * sum(
+        per_layer = rows_held * sum(
             _tensor_bytes(s, t.heads, t.width, rows, ring) for t, s in tensors
         )
         tables = 0
-    return model_cfg["num_layers"] * per_layer + tables + ROW_BYTES * batch_size
+    return model_cfg["num_layers"] * per_layer + tables + ROW_BYTES * rows_held
 
 
 def _tensor_bytes(spec, heads: int, width: int, rows: int, ring: int) -> int:
@@ -72,9 +105,17 @@ def elements_per_token_and_layer(model_cfg: Mapping) -> int:
     return sum(t.heads * t.width for t in cached_tensors(model_cfg))
 
 
-def tree_bytes(tree) -> int:
-    """Sum of the bytes of every array leaf (concrete or `jax.eval_shape` output)."""
+def tree_bytes(tree, per_device: bool = False) -> int:
+    """Sum of the bytes of every array leaf (concrete or `jax.eval_shape` output).
+
+    per_device=True counts what one device holds: each leaf's shard under its
+    sharding (a leaf without one counts whole)."""
+
+    def shape(leaf):
+        placed = getattr(leaf, "sharding", None) if per_device else None
+        return leaf.shape if placed is None else placed.shard_shape(leaf.shape)
+
     return sum(
-        int(np.prod(leaf.shape)) * np.dtype(leaf.dtype).itemsize
+        int(np.prod(shape(leaf))) * np.dtype(leaf.dtype).itemsize
         for leaf in jax.tree_util.tree_leaves(tree)
     )

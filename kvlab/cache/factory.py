@@ -1,20 +1,35 @@
-"""Building empty caches: one entry point for every cache kind.
+"""Building empty caches: one entry point for every cache kind, on one device or a mesh.
 
-    init_cache(model_cfg, cache_cfg, batch_size, max_len) -> Cache | PagedCache
+    init_cache(model_cfg, cache_cfg, batch_size, max_len, *, own_pages=True,
+               mesh=None, rules=None) -> Cache | PagedCache
+    cache_axes(cache) -> the cache's tree of PartitionSpec(logical axis names)
+    cache_shardings(cache, mesh, rules=None) -> its tree of NamedShardings
 
 What each layer stores follows from the model (`kvlab.config.cached_tensors`)
 and the cache section: the tensors' widths and heads, their storage
 (`quant.storages`: 16-bit or quantized) and layout (`quant.quantized_layout`),
 and the kind (contiguous rows, or page pools with block tables). The layouts
 are documented in docs/design.md ("The cache pytree").
+
+On a mesh (kvlab/sharding.py, docs/design.md "Scale-out") every per-row array
+[B, KH, ...] (dense tensors; quantized payloads, scales, zero points and
+rings) is split by rows over `cache_batch` (default: mesh axis data) and by
+heads over `cache_heads` (tensor), and page pools [KH, P, L, X] by heads and
+`cache_pages` (default replicated: any row may hold any page); a payload, its
+scales and its ring are split alike. Lengths, error flags and block tables
+follow the rows. A dimension the axes do not divide is replicated along them
+(sharding.fit): MQA's and MLA's one cached head sit whole on every tensor device.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 
+import jax
 import jax.numpy as jnp
+from jax.sharding import Mesh, PartitionSpec
 
+from kvlab import sharding
 from kvlab.cache import paged, quant
 from kvlab.cache.dense import Cache, DenseLayer
 from kvlab.config import (
@@ -33,6 +48,8 @@ def init_cache(
     max_len: int,
     *,
     own_pages: bool = True,
+    mesh: Mesh | None = None,
+    rules: tuple | None = None,
 ) -> Cache:
     """An empty cache for `batch_size` rows of up to `max_len` tokens each.
 
@@ -40,7 +57,17 @@ def init_cache(
     ceil(max_len / page_size) pages; with own_pages=False the block tables start
     empty (-1) and the pool (cache.num_pages) may be smaller than that: a
     scheduler (kvlab.Engine) hands the pages out.
+
+    With `mesh`, the cache is built in place laid out on it (`cache_shardings`,
+    by `rules`, default kvlab.sharding.axis_rules()): no device holds more than
+    its part.
     """
+    if mesh is not None:
+        build = lambda: init_cache(  # noqa: E731
+            model_cfg, cache_cfg, batch_size, max_len, own_pages=own_pages
+        )
+        layout = cache_shardings(jax.eval_shape(build), mesh, rules)
+        return jax.jit(build, out_shardings=layout)()
     validate_model_config(model_cfg)
     validate_cache_config(cache_cfg, model_cfg)
     batch_size = check_count("batch_size", batch_size)
@@ -114,3 +141,41 @@ def _pool(row: jnp.ndarray, num_pages: int, per_page: int) -> jnp.ndarray:
     """A zero pool [KH, num_pages, per_page, X] for arrays shaped like row [1, KH, ., X]."""
     heads, width = row.shape[1], row.shape[3]
     return jnp.zeros((heads, num_pages, per_page, width), row.dtype)
+
+
+# Logical axes of the cache's arrays: per row [B, KH, rows, X] and page pools [KH, P, L, X].
+ROW_AXES = PartitionSpec("cache_batch", "cache_heads", None, None)
+POOL_AXES = PartitionSpec("cache_heads", "cache_pages", None, None)
+
+
+def _layer_axes(layer):
+    if isinstance(layer, (DenseLayer, quant.QuantizedLayer)):
+        return jax.tree.map(lambda _: ROW_AXES, layer)
+    if isinstance(layer, paged.PagedLayer):
+        return jax.tree.map(lambda _: POOL_AXES, layer)
+    if isinstance(layer, paged.PagedQuantizedLayer):
+        tensors = tuple(
+            jax.tree.map(lambda _: POOL_AXES, t).replace(ring=None if t.ring is None else ROW_AXES)
+            for t in layer.tensors
+        )
+        return layer.replace(tensors=tensors)
+    raise TypeError(f"no mesh layout for the cache layer {type(layer).__name__}")
+
+
+def cache_axes(cache: Cache) -> Cache:
+    """The logical axes of `cache`'s arrays (concrete or abstract): the cache's
+    own tree with a PartitionSpec of logical names in place of each array."""
+    rows = PartitionSpec("cache_batch")
+    fields = dict(
+        layers=tuple(_layer_axes(layer) for layer in cache.layers), lengths=rows, errors=rows
+    )
+    if isinstance(cache, paged.PagedCache):
+        fields["block_tables"] = PartitionSpec("cache_batch", None)
+    return cache.replace(**fields)
+
+
+def cache_shardings(cache: Cache, mesh: Mesh, rules: tuple | None = None) -> Cache:
+    """The NamedShardings of `cache`'s arrays on `mesh` by `rules` (default
+    kvlab.sharding.axis_rules()): the cache's tree with one in place of each array."""
+    rules = sharding.axis_rules() if rules is None else rules
+    return sharding.shardings(cache_axes(cache), cache, mesh, rules)

@@ -1,0 +1,456 @@
+"""Scale-out (kvlab/sharding.py): meshes, logical axes, sharded params, caches and training.
+
+Two kinds of tests. Those named test_on_mesh_* need 8 devices: the normal
+suite runs on one, so `test_eight_host_devices_in_a_subprocess` runs them in
+one child pytest with XLA_FLAGS forcing 8 host CPU devices (XLA reads the
+flag once, when the backend starts, so it cannot change inside this process;
+and forcing it for the whole suite would put every training test on an
+8-device mesh, as mesh.data=-1 is the default). The child also lowers XLA's
+LLVM optimisation, which halves its compile time; single-device references
+and mesh results are computed under the same flags. Run them directly with
+
+    XLA_FLAGS=--xla_force_host_platform_device_count=8 pytest tests/test_sharding.py -k on_mesh
+
+The rest run here, on one device, without compiling anything.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+
+import flax.linen as nn
+import jax
+import ml_collections
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import kvlab
+from kvlab import sharding, train
+from kvlab.cache.factory import cache_shardings
+from kvlab.config import frozen
+from kvlab.model import param_axes
+from tests.helpers import ROOT, mla_config, run_config, write_corpus
+
+EIGHT = jax.device_count() >= 8
+on_eight = pytest.mark.skipif(not EIGHT, reason="runs in test_eight_host_devices_in_a_subprocess")
+CHILD_FLAGS = (
+    "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0 "
+    "--xla_llvm_disable_expensive_passes=true"
+)
+TOLERANCE = 1e-5  # float32: a sharded program sums in another order than one device
+
+
+def model_config(mesh=(1, 1, 1), corpus=None, **model):
+    """A one-layer GQA model (4 heads, 2 KV heads) small enough to compile fast, its
+    training section the same for every test (one compiled step per mesh)."""
+    cfg = kvlab.base_config("tiny") if corpus is None else run_config(corpus)
+    cfg.model.update(num_layers=1, embed_dim=32, mlp_dim=64, num_kv_heads=2)
+    cfg.model.update(model)
+    # A small learning rate: Adam's first step, g / (|g| + eps), would magnify the
+    # reordered sums of near-zero gradients past the tolerance at lr 3e-3.
+    cfg.train.update(batch_size=8, seq_len=16, warmup=0, lr=1e-4, steps=3, log_every=1)
+    cfg.train.update(checkpoint_every=2, eval_every=100)
+    cfg.mesh.update(data=mesh[0], fsdp=mesh[1], tensor=mesh[2])
+    return cfg
+
+
+def specs(tree):
+    return jax.tree.map(lambda s: s.spec, tree)
+
+
+def same_layout(got: NamedSharding, want: P, ndim: int) -> bool:
+    return got.is_equivalent_to(NamedSharding(got.mesh, want), ndim)
+
+
+# ---------------------------------------------------------------------------
+# One device: config, rules, logical names
+
+
+def test_invalid_meshes_name_the_axis_value_and_fix():
+    cfg = model_config()
+    cfg.mesh.tensor = 3
+    with pytest.raises(ValueError, match=r"mesh.tensor=3 does not divide model.num_heads=4.*"):
+        kvlab.validate_config(cfg)
+    cfg = model_config(num_heads=8)
+    cfg.model.mlp_dim, cfg.mesh.tensor = 66, 4
+    with pytest.raises(ValueError, match=r"mesh.tensor=4 does not divide model.mlp_dim=66"):
+        kvlab.validate_config(cfg)
+    cfg = model_config((3, 1, 1))
+    with pytest.raises(ValueError, match=r"mesh.data \* mesh.fsdp=3 does not divide train.batch"):
+        kvlab.validate_config(cfg)
+    cfg = model_config((-1, -1, 1))
+    with pytest.raises(ValueError, match=r"mesh.fsdp=-1 is the second -1"):
+        kvlab.validate_config(cfg)
+    cfg = model_config((0, 1, 1))
+    with pytest.raises(ValueError, match=r"mesh.data=0 is below 1"):
+        kvlab.validate_config(cfg)
+    cfg = model_config()
+    cfg.mesh.rules.heads = "tensor,model"
+    with pytest.raises(ValueError, match=r"mesh.rules.heads='tensor,model' names 'model'"):
+        kvlab.validate_config(cfg)
+    cfg = model_config()
+    cfg.mesh.distributed = True
+    with pytest.raises(ValueError, match=r"mesh.distributed=True .* not run yet"):
+        kvlab.validate_config(cfg)
+
+    # What depends on the device count, before any compile.
+    cfg = model_config((2, 2, 1))
+    with pytest.raises(ValueError, match=r"make 4 devices but there are 8: .* product is 8"):
+        sharding.mesh_shape(cfg.mesh, 8)
+    cfg = model_config((-1, 3, 1))
+    with pytest.raises(ValueError, match=r"mesh.data=-1 .* fix 3 devices, which do not divide"):
+        sharding.mesh_shape(cfg.mesh, 8)
+    assert sharding.mesh_shape(model_config((-1, 2, 2)).mesh, 8) == dict(data=2, fsdp=2, tensor=2)
+    cfg = model_config((1, -1, 1))
+    cfg.train.batch_size = 4  # fsdp=-1 becomes 8 on 8 devices: too many for 4 rows
+    with pytest.raises(ValueError, match=r"mesh.data \* mesh.fsdp=8 does not divide train"):
+        kvlab.config.check_mesh_shape(cfg, sharding.mesh_shape(cfg.mesh, 8))
+    with pytest.raises(ValueError, match=r"make 2 devices but there are 1"):
+        sharding.make_mesh(model_config((2, 1, 1)))
+
+
+def test_one_device_default_mesh_is_the_single_device():
+    mesh = sharding.make_mesh(model_config((-1, 1, 1)))
+    assert dict(mesh.shape) == dict(data=1, fsdp=1, tensor=1)
+    assert list(mesh.devices.flat) == jax.devices()[:1]
+
+
+def test_every_parameter_has_logical_names():
+    """Named by the layers (flax's with_logical_partitioning) or, for attention,
+    by the fallback; param trees themselves stay plain arrays."""
+    expected = {
+        "embed/embedding": ("vocab", "embed"),
+        "final_norm/scale": ("norm",),
+        "block_0/attention_norm/scale": ("norm",),
+        "block_0/mlp_norm/scale": ("norm",),
+        "block_0/attention/query/kernel": ("embed", "heads", "head_dim"),
+        "block_0/attention/key/kernel": ("embed", "kv_heads", "head_dim"),
+        "block_0/attention/value/kernel": ("embed", "kv_heads", "head_dim"),
+        "block_0/attention/out/kernel": ("heads", "head_dim", "embed"),
+        "block_0/mlp/gate/kernel": ("embed", "mlp"),
+        "block_0/mlp/up/kernel": ("embed", "mlp"),
+        "block_0/mlp/down/kernel": ("mlp", "embed"),
+        "unembed/kernel": ("embed", "vocab"),
+    }
+    assert flat_names(model_config(tie_embeddings=False).model) == expected
+
+    mla = flat_names(mla_config(q_rank=24).model)
+    assert mla["block_0/attention/key_up"] == ("latent", "heads", "head_dim")
+    assert mla["block_0/attention/value_up"] == ("latent", "heads", "head_dim")
+    assert mla["block_0/attention/query_up/kernel"] == ("latent", "heads", "head_dim")
+    assert mla["block_0/attention/kv_down/kernel"] == ("embed", "latent")
+    assert mla["block_0/attention/kv_norm/scale"] == ("norm",)
+
+    moe = model_config()
+    moe.model.moe.update(num_experts=4, num_shared_experts=1, routing="sigmoid")
+    names = flat_names(moe.model)
+    assert names["block_0/mlp/gate"] == ("experts", "embed", "mlp")
+    assert names["block_0/mlp/down"] == ("experts", "mlp", "embed")
+    assert names["block_0/mlp/router/kernel"] == ("embed", "experts")
+    assert names["block_0/mlp/router_bias"] == ("experts",)
+    assert names["block_0/mlp/shared/up/kernel"] == ("embed", "mlp")
+    for cfg in (model_config(), mla_config(q_rank=24), moe):  # a name for every dimension
+        params = jax.eval_shape(lambda c=cfg: kvlab.init_params(c.model, jax.random.key(0)))
+        for name, leaf in zip(flat_names(cfg.model).values(), jax.tree.leaves(params), strict=True):
+            assert len(name) == leaf.ndim and None not in name
+
+    params = jax.eval_shape(lambda: kvlab.init_params(model_config().model, jax.random.key(0)))
+    assert all(isinstance(leaf, jax.ShapeDtypeStruct) for leaf in jax.tree.leaves(params))
+
+
+def flat_names(model_cfg) -> dict:
+    leaves = jax.tree_util.tree_leaves_with_path(
+        param_axes(model_cfg), is_leaf=lambda x: isinstance(x, P)
+    )
+    return {"/".join(k.key for k in path): tuple(spec) for path, spec in leaves}
+
+
+def test_rules_split_what_divides_and_replicate_the_rest():
+    rules = sharding.axis_rules()
+    sizes = dict(data=2, fsdp=4, tensor=2)
+    layout = lambda names, shape: sharding.fit(  # noqa: E731
+        nn.logical_to_mesh_axes(names, rules),
+        shape,
+        sizes,
+    )
+    assert layout(("embed", "heads", "head_dim"), (64, 4, 16)) == P("fsdp", "tensor", None)
+    assert layout(("embed", "kv_heads", "head_dim"), (64, 1, 16)) == P("fsdp", None, None)  # MQA
+    assert layout(("batch", None), (8, 32)) == P(("data", "fsdp"), None)
+    assert layout(("batch", None), (2, 32)) == P("data", None)  # the longest run that divides
+    assert layout(("vocab", "embed"), (255, 6)) == P(None, None)
+    one_head = layout(("cache_batch", "cache_heads", None, None), (4, 1, 8, 8))
+    assert one_head == P("data", None, None, None)
+
+
+def test_cache_bytes_per_device_by_the_rules():
+    cfg = model_config()
+    whole = kvlab.cache_bytes(cfg.model, cfg.cache, 4, 64)
+    mesh = dict(data=2, fsdp=2, tensor=2)
+    # Rows over data, the two KV heads over tensor: a quarter each (row bytes: a half).
+    per_device = kvlab.cache_bytes(cfg.model, cfg.cache, 4, 64, per_device=True, mesh=mesh)
+    rows = kvlab.cache.accounting.ROW_BYTES * 4
+    assert per_device == (whole - rows) // 4 + rows // 2
+    mqa = model_config(num_kv_heads=1)
+    replicated = kvlab.cache_bytes(mqa.model, mqa.cache, 4, 64, per_device=True, mesh=mesh)
+    assert replicated == kvlab.cache_bytes(mqa.model, mqa.cache, 2, 64)  # its one head on each
+    with pytest.raises(ValueError, match="needs the mesh"):
+        kvlab.cache_bytes(cfg.model, cfg.cache, 4, 64, per_device=True)
+
+
+def test_train_script_takes_the_mesh_and_refuses_one_that_does_not_fit(tmp_path):
+    result = subprocess.run(
+        [
+            sys.executable,
+            "scripts/train.py",
+            f"--workdir={tmp_path}",
+            "--config.mesh.data=2",
+            "--config.wandb.mode=disabled",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "XLA_FLAGS": "", "JAX_PLATFORMS": "cpu"},
+    )
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "mesh.data=2 x mesh.fsdp=1 x mesh.tensor=1 make 2 devices but there are 1" in (
+        result.stderr
+    )
+
+
+def test_eight_host_devices_in_a_subprocess():
+    if EIGHT:
+        pytest.skip("this process has the devices: the test_on_mesh_* tests run here")
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", "on_mesh"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "XLA_FLAGS": CHILD_FLAGS, "JAX_PLATFORMS": "cpu"},
+    )
+    assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
+    assert " passed" in result.stdout and "skipped" not in result.stdout, result.stdout[-3000:]
+
+
+# ---------------------------------------------------------------------------
+# Eight devices (run by the test above)
+
+
+def mesh_of(cfg):
+    devices = jax.devices()[: int(np.prod([cfg.mesh[a] for a in ("data", "fsdp", "tensor")]))]
+    return sharding.make_mesh(cfg, devices), sharding.axis_rules(cfg.mesh)
+
+
+def placed_params(cfg, params, mesh, rules):
+    return jax.device_put(params, sharding.shardings(param_axes(cfg.model), params, mesh, rules))
+
+
+@pytest.fixture(scope="module")
+def gqa():
+    """The (2, 2, 2) mesh, the model, its params on one device and on the mesh."""
+    cfg = model_config((2, 2, 2))
+    mesh, rules = mesh_of(cfg)
+    params = kvlab.init_params(cfg.model, jax.random.key(0))
+    model = kvlab.Transformer(cfg.model)
+    return cfg, mesh, rules, model, params, placed_params(cfg, params, mesh, rules)
+
+
+PARAM_LAYOUT = {  # on (data, fsdp, tensor) = (2, 2, 2), 4 heads, 2 KV heads
+    "embed/embedding": P("tensor", "fsdp"),
+    "final_norm/scale": P(),
+    "block_0/attention_norm/scale": P(),
+    "block_0/mlp_norm/scale": P(),
+    "block_0/attention/query/kernel": P("fsdp", "tensor", None),
+    "block_0/attention/key/kernel": P("fsdp", "tensor", None),
+    "block_0/attention/value/kernel": P("fsdp", "tensor", None),
+    "block_0/attention/out/kernel": P("tensor", None, "fsdp"),
+    "block_0/mlp/gate/kernel": P("fsdp", "tensor"),
+    "block_0/mlp/up/kernel": P("fsdp", "tensor"),
+    "block_0/mlp/down/kernel": P("tensor", "fsdp"),
+}
+
+
+@on_eight
+def test_on_mesh_params_follow_the_rules_and_the_forward_is_unchanged(gqa):
+    cfg, mesh, rules, model, params, placed = gqa
+    leaves = jax.tree_util.tree_leaves_with_path(placed)
+    layout = {"/".join(k.key for k in path): leaf for path, leaf in leaves}
+    assert layout.keys() == PARAM_LAYOUT.keys()
+    for name, leaf in layout.items():
+        assert same_layout(leaf.sharding, PARAM_LAYOUT[name], leaf.ndim), (name, leaf.sharding)
+    mqa = model_config((2, 2, 2), num_kv_heads=1)  # one KV head: whole on every tensor device
+    abstract = jax.eval_shape(lambda: kvlab.init_params(mqa.model, jax.random.key(0)))
+    key = sharding.shardings(param_axes(mqa.model), abstract, mesh, rules)["block_0"]
+    assert key["attention"]["key"]["kernel"].spec == P("fsdp", None, None)
+
+    tokens = np.random.default_rng(0).integers(0, 256, (8, 8)).astype(np.int32)
+    want, _ = jax.jit(model.apply)({"params": params}, tokens)
+    rows = jax.device_put(tokens, sharding.batch_sharding(mesh, rules))
+    got, _ = jax.jit(model.apply)({"params": placed}, rows)
+    np.testing.assert_allclose(got, want, atol=TOLERANCE, rtol=0)
+
+
+# Through the steps: 16-bit rows, and quantized pools with per-row rings (the
+# quantized math, scales and zero points included). Laid out only: the rest.
+CACHES = {
+    "dense": dict(),
+    "paged_quantized": dict(kind="paged", page_size=16, k_bits=4, v_bits=4, residual=16),
+}
+LAID_OUT = {
+    "quantized": dict(k_bits=4, v_bits=8, residual=16),
+    "paged": dict(kind="paged", page_size=8),
+}
+
+
+@on_eight
+@pytest.mark.parametrize("kind", CACHES)
+def test_on_mesh_prefill_and_decode_through_the_cache_are_unchanged(gqa, kind):
+    cfg, mesh, rules, model, params, placed = gqa
+    cfg = ml_collections.ConfigDict(cfg.to_dict())  # the fixture's stays as it is
+    cfg.cache.update(CACHES[kind])
+    rng = np.random.default_rng(1)
+    prompt = rng.integers(0, 256, (4, 8)).astype(np.int32)
+    steps = rng.integers(0, 256, (3, 4)).astype(np.int32)
+
+    def run(params, cache):
+        logits, cache = kvlab.prefill(model, params, cache, prompt)
+        out = [logits]
+        for token in steps:
+            logits, cache = kvlab.decode_step(model, params, cache, token)
+            out.append(logits[:, None])
+        cache.check()
+        return np.concatenate(out, axis=1), cache
+
+    want, _ = run(params, kvlab.init_cache(cfg.model, cfg.cache, 4, 32))
+    cache = kvlab.init_cache(cfg.model, cfg.cache, 4, 32, mesh=mesh, rules=rules)
+    assert_cache_layout(cache)
+    measured = kvlab.tree_bytes(cache, per_device=True)
+    assert measured == kvlab.cache_bytes(cfg.model, cfg.cache, 4, 32, per_device=True, mesh=mesh)
+    got, cache = run(placed, cache)
+    np.testing.assert_allclose(got, want, atol=TOLERANCE, rtol=0)
+    assert_cache_layout(cache)  # the steps keep the layout
+
+
+def assert_cache_layout(cache, heads=("tensor",)):
+    """Rows over data, cached heads over tensor (when given), pools by heads only."""
+    by_rows = P("data", *heads)
+    for path, leaf in jax.tree_util.tree_leaves_with_path(cache):
+        name = jax.tree_util.keystr(path)
+        pooled = isinstance(cache, kvlab.cache.PagedCache) and ".ring" not in name
+        if "lengths" in name or "errors" in name or "block_tables" in name:
+            want = P("data")
+        else:
+            want = P(*heads) if pooled else by_rows
+        assert same_layout(leaf.sharding, want, leaf.ndim), (name, leaf.sharding)
+
+
+@on_eight
+@pytest.mark.parametrize("kind", LAID_OUT)
+def test_on_mesh_every_cache_kind_is_laid_out_by_the_rules(gqa, kind):
+    cfg, mesh, rules, *_ = gqa
+    cache_cfg = ml_collections.ConfigDict(cfg.cache.to_dict())
+    cache_cfg.update(LAID_OUT[kind])
+    cache = kvlab.init_cache(cfg.model, cache_cfg, 4, 32, mesh=mesh, rules=rules)
+    assert_cache_layout(cache)
+    measured = kvlab.tree_bytes(cache, per_device=True)
+    assert measured == kvlab.cache_bytes(cfg.model, cache_cfg, 4, 32, per_device=True, mesh=mesh)
+    assert measured < kvlab.tree_bytes(cache)
+
+
+@on_eight
+def test_on_mesh_one_cached_head_is_replicated_over_tensor(gqa):
+    """MLA (and MQA) cache one head: it sits whole on every tensor device."""
+    _, mesh, rules, *_ = gqa
+    cfg = mla_config()
+    cache = kvlab.init_cache(cfg.model, cfg.cache, 4, 32, mesh=mesh, rules=rules)
+    assert_cache_layout(cache, heads=())
+    per_device = kvlab.cache_bytes(cfg.model, cfg.cache, 4, 32, per_device=True, mesh=mesh)
+    assert per_device == kvlab.tree_bytes(cache, per_device=True)
+    assert per_device == kvlab.cache_bytes(cfg.model, cfg.cache, 2, 32)  # half the rows
+    abstract = cache_shardings(jax.eval_shape(lambda: cache), mesh, rules)
+    assert specs(abstract.lengths) == P("data")
+
+
+def batch_of(cfg, seed=0):
+    tokens = np.random.default_rng(seed).integers(0, 256, (8, 17)).astype(np.int32)
+    weights = np.ones((8, 16), np.float32)
+    return dict(inputs=tokens[:, :-1], targets=tokens[:, 1:], weights=weights)
+
+
+def one_step(cfg, host_state, batch):
+    """One training step of `host_state` on cfg's mesh: (state on the mesh, loss)."""
+    mesh, rules = mesh_of(cfg)
+    model, train_cfg = kvlab.Transformer(cfg.model), frozen(cfg.train)
+    placed = train.state_shardings(frozen(cfg.model), train_cfg, mesh, rules)
+    state = jax.device_put(host_state, placed)
+    state, metrics = train.compiled_step(model, train_cfg, mesh, rules)(state, batch)
+    return state, float(metrics["loss"])
+
+
+@pytest.fixture(scope="module")
+def start_and_one_device():
+    """A fresh train state (on the host) and one step of it on one device."""
+    cfg = model_config((1, 1, 1))
+    host = jax.device_get(train.init_state(cfg))
+    state, loss = one_step(cfg, host, batch_of(cfg))
+    return host, jax.device_get(state), loss
+
+
+def assert_close(a, b):
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=TOLERANCE, rtol=0)
+
+
+@on_eight
+@pytest.mark.parametrize("mesh", [(8, 1, 1), (2, 4, 1), (2, 2, 2)])
+def test_on_mesh_a_training_step_equals_one_device(start_and_one_device, mesh):
+    host, want, want_loss = start_and_one_device
+    cfg = model_config(mesh)
+    state, loss = one_step(cfg, host, batch_of(cfg))
+    assert abs(loss - want_loss) <= TOLERANCE
+    assert_close(jax.device_get(state), want)
+    # Parameters and both Adam moments where the rules put them.
+    query = ("block_0", "attention", "query", "kernel")
+    sizes = dict(zip(MESH, mesh, strict=True))
+    want_spec = sharding.fit(P("fsdp", "tensor", None), (32, 4, 16), sizes)
+    adam = state.opt_state[1][0]
+    for tree in (state.params, adam.mu, adam.nu):
+        leaf = tree
+        for key in query:
+            leaf = leaf[key]
+        assert same_layout(leaf.sharding, want_spec, 3)
+    assert state.step.sharding.is_fully_replicated
+
+
+MESH = ("data", "fsdp", "tensor")
+
+
+@on_eight
+def test_on_mesh_a_checkpoint_from_one_mesh_resumes_on_another(tmp_path):
+    """Saved by train() on (2, 4, 1), resumed on (1, 8, 1): the same run."""
+    corpus = write_corpus(tmp_path / "corpus", files=4, words_per_file=300)
+
+    def run_cfg(mesh):
+        cfg = model_config(mesh, corpus=corpus)
+        cfg.eval.update(batch_size=8, num_batches=1)
+        return kvlab.validate_config(cfg)
+
+    workdir = tmp_path / "run"
+    whole, history = train.train(run_cfg((2, 4, 1)), workdir, progress=False)
+    shutil.rmtree(workdir / "checkpoints" / "3")  # as if stopped after step 2
+    resumed, again = train.train(run_cfg((1, 8, 1)), workdir, progress=False)
+    losses = {line["step"]: line["train/loss"] for line in history if "train/loss" in line}
+    assert again[0]["step"] == 3
+    assert abs(again[0]["train/loss"] - losses[3]) <= TOLERANCE
+    assert_close(jax.device_get(resumed), jax.device_get(whole))
+    query = resumed.params["block_0"]["attention"]["query"]["kernel"]
+    assert same_layout(query.sharding, P("fsdp"), 3)  # restored onto the new mesh
+    _, params = train.load_params(workdir)  # and onto one device, for anything else
+    assert all(len(leaf.devices()) == 1 for leaf in jax.tree.leaves(params))
+    assert_close(params, jax.device_get(resumed.params))
