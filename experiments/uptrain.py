@@ -54,7 +54,7 @@ import kvlab
 from kvlab import cli, convert, train
 from kvlab.data import make_dataset
 from kvlab.eval import cache_bytes_per_token
-from kvlab.files import store_json, write_atomic
+from kvlab.files import write_atomic
 from kvlab.hf import config_from_hf
 from kvlab.logging import Run
 from kvlab.model import Transformer
@@ -207,29 +207,24 @@ def bytes_per_token(cfg: ml_collections.ConfigDict) -> dict:
     return {"window": sizes["cache_bytes_per_token"], "long": sizes["cache_bytes_per_token_long"]}
 
 
-def save_converted(cfg: ml_collections.ConfigDict, params, folder: str) -> None:
-    """Writes `params` as a kvlab run at step 0 in `folder` (config.json and one
-    checkpoint), which train.init_from and train.load_params read; a folder that
-    already holds a checkpoint of the same model is kept."""
-    os.makedirs(folder, exist_ok=True)
-    store_json(
-        os.path.join(folder, "config.json"),
-        json.loads(cfg.to_json()),
-        fixed=("model",),
-        owner="a converted model",
-    )
-    manager = train.checkpoint_manager(folder, cfg.train)
-    try:
-        if manager.latest_step() is None:
-            train.save(manager, train.init_state(cfg, params))
-    finally:
-        manager.close()
+def start_converted(cfg: ml_collections.ConfigDict, params, folder: str) -> None:
+    """`params` as a kvlab run at step 0 in `folder` (train.start_workdir), which
+    train.init_from reads; a folder already holding the same model is kept."""
+    if not os.path.exists(os.path.join(folder, "config.json")):
+        train.start_workdir(cfg, params, folder)
+        return
+    held = json.loads(train.load_run_config(folder).model.to_json())
+    if held != json.loads(cfg.model.to_json()):
+        raise ValueError(
+            f"{folder} holds another converted model (another source, --select or "
+            "--rope_pairs?): delete it, or pass a new --workdir"
+        )
 
 
 def uptrain(cfg: ml_collections.ConfigDict, params, batches: list, folder: str, name: str) -> list:
     """Uptrains the converted model from `params`; returns [(step, ppl), ...] from step 0."""
     converted = os.path.join(folder, "converted")
-    save_converted(cfg, params, converted)
+    start_converted(cfg, params, converted)
     # The config as the folder stores it, so that init_from's field-by-field check
     # of the model section compares what was read from the same file.
     cfg = train.load_run_config(converted)
