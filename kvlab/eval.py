@@ -27,10 +27,12 @@ from collections.abc import Mapping, Sequence
 
 import jax
 import ml_collections
+from jax.sharding import Mesh
 
+from kvlab import sharding
 from kvlab.cache import cache_bytes, init_cache, tree_bytes
 from kvlab.config import CACHED_PREFIXES, check_count, frozen, validate_cache_config
-from kvlab.model import Transformer
+from kvlab.model import Transformer, param_axes
 from kvlab.train import score, summarize, target_bytes
 
 
@@ -64,23 +66,41 @@ def cache_bytes_per_token(model_cfg: Mapping, cache_cfg: Mapping, seq_len: int) 
 
 
 def evaluate(
-    model_cfg: Mapping, cache_cfg: Mapping, params, batches: Sequence[Mapping], *, chunk: int
+    model_cfg: Mapping,
+    cache_cfg: Mapping,
+    params,
+    batches: Sequence[Mapping],
+    *,
+    chunk: int,
+    mesh: Mesh | None = None,
+    rules: tuple | None = None,
 ) -> dict:
     """Loss, perplexity, bits per byte and accuracy of `params` over `batches`
-    (dicts of inputs/targets/weights [B, T]) run through `cache_cfg`."""
+    (dicts of inputs/targets/weights [B, T]) run through `cache_cfg`.
+
+    With `mesh` (kvlab/sharding.py) the evaluation runs there: params placed by
+    their logical axes, each window's cache laid out (init_cache(mesh=)) and its
+    rows split as far as the batch divides, by `rules` (default
+    kvlab.sharding.axis_rules())."""
     validate_cache_config(cache_cfg, model_cfg)
     chunk = check_count("eval.chunk", chunk)
     if not batches:
         raise ValueError("no evaluation batches: the held-out split produced no windows")
     model = Transformer(model_cfg)
     cache_cfg = frozen(cache_cfg)
+    if mesh is not None:
+        rules = sharding.axis_rules() if rules is None else rules
+        placed = sharding.shardings(param_axes(model.config), params, mesh, rules)
+        params = jax.device_put(params, placed)
     scored = []  # per-chunk sums, fetched once at the end
     seq_len = None
     for batch in batches:
         size, seq_len = batch["inputs"].shape
-        cache = init_cache(model.config, cache_cfg, size, seq_len)
+        cache = init_cache(model.config, cache_cfg, size, seq_len, mesh=mesh, rules=rules)
         for start in range(0, seq_len, chunk):
             part = {k: batch[k][:, start : start + chunk] for k in ("inputs", "targets", "weights")}
+            if mesh is not None:
+                part = jax.device_put(part, sharding.batch_sharding(mesh, rules, size))
             cache, sums = _score_chunk(
                 model, params, cache, part["inputs"], part["targets"], part["weights"]
             )

@@ -30,9 +30,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import struct
+from jax.sharding import NamedSharding, PartitionSpec
 
+from kvlab import sharding
 from kvlab.cache.dense import Cache, check_errors
-from kvlab.cache.factory import init_cache
+from kvlab.cache.factory import cache_shardings, init_cache
 from kvlab.cache.placement import write_tokens
 from kvlab.config import check_count, frozen, validate_cache_config
 from kvlab.model import Transformer, check_inputs
@@ -153,13 +155,15 @@ def _emit(state: _LoopState, token) -> _LoopState:
     return state.replace(out=out, token=token)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4))
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4, 5, 6))
 def _generate(
     model,
     cache_cfg,
     max_len,
     sampler,
     end_token,
+    mesh,
+    rules,
     params,
     prompts,
     prompt_lengths,
@@ -169,6 +173,8 @@ def _generate(
 ):
     batch, prompt_len = prompts.shape
     cache = init_cache(model.config, cache_cfg, batch, max_len)  # built in place, never copied
+    if mesh is not None:  # laid out on the prompts' mesh (kvlab/cache/factory.py)
+        cache = jax.lax.with_sharding_constraint(cache, cache_shardings(cache, mesh, rules))
     logits, cache = model.apply({"params": params}, prompts, cache=cache, num_tokens=prompt_lengths)
     rng, key = jax.random.split(rng)
     token = sampler(logits[jnp.arange(batch), prompt_lengths - 1], key)
@@ -214,6 +220,7 @@ def generate(
     pad_token: int = 0,
     max_len: int | None = None,
     rng: jax.Array | None = None,
+    rules: tuple | None = None,
 ) -> jax.Array:
     """Samples up to `max_new_tokens` after each prompt.
 
@@ -224,7 +231,14 @@ def generate(
     output). The cache holds `max_len` tokens (default T + max_new_tokens):
     one compiled loop serves every call with the same batch size, prompt width,
     max_len and sampler.
+
+    Prompts laid out on a mesh (a NamedSharding, kvlab/sharding.py) run there:
+    the cache is laid out by `rules` (default kvlab.sharding.axis_rules()) and
+    the output comes back split by rows as the prompts are.
     """
+    placed = getattr(prompts, "sharding", None)
+    mesh = placed.mesh if isinstance(placed, NamedSharding) else None
+    rules = (sharding.axis_rules() if rules is None else rules) if mesh is not None else None
     prompts = jnp.asarray(prompts)
     if prompts.ndim != 2:
         raise ValueError(f"prompts has shape {prompts.shape}: pass int32[batch, length]")
@@ -259,6 +273,8 @@ def generate(
         max_len,
         sampler,
         end_token,
+        mesh,
+        rules,
         params,
         prompts.astype(jnp.int32),
         jnp.asarray(prompt_lengths, jnp.int32),
@@ -268,4 +284,8 @@ def generate(
     )
     check_errors(errors)  # the inputs were checked above: a flag here is a bug in the loop
     # Cut on the host: a device slice would compile once per max_new_tokens.
-    return jnp.asarray(np.asarray(out)[:, :needed])
+    out = np.asarray(out)[:, :needed]
+    if mesh is None:
+        return jnp.asarray(out)
+    rows = placed.spec[0] if len(placed.spec) else None
+    return jax.device_put(out, NamedSharding(mesh, PartitionSpec(rows, None)))

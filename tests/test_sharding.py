@@ -30,11 +30,12 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import kvlab
+import kvlab.eval
 from kvlab import sharding, train
 from kvlab.cache.factory import cache_shardings
 from kvlab.config import frozen
 from kvlab.model import param_axes
-from tests.helpers import ROOT, mla_config, run_config, write_corpus
+from tests.helpers import ROOT, count_compiles, mla_config, run_config, write_corpus
 
 EIGHT = jax.device_count() >= 8
 on_eight = pytest.mark.skipif(not EIGHT, reason="runs in test_eight_host_devices_in_a_subprocess")
@@ -375,6 +376,36 @@ def test_on_mesh_one_cached_head_is_replicated_over_tensor(gqa):
     assert per_device == kvlab.cache_bytes(cfg.model, cfg.cache, 2, 32)  # half the rows
     abstract = cache_shardings(jax.eval_shape(lambda: cache), mesh, rules)
     assert specs(abstract.lengths) == P("data")
+
+
+@on_eight
+def test_on_mesh_generate_equals_one_device_and_keeps_the_rows_split(gqa):
+    cfg, mesh, rules, model, params, placed = gqa
+    rng = np.random.default_rng(2)
+    prompts = rng.integers(0, 256, (4, 6)).astype(np.int32)
+    lengths = np.array([6, 3, 1, 5])
+    generate = lambda params, prompts: kvlab.generate(  # noqa: E731
+        model, params, prompts, cache_cfg=cfg.cache, max_new_tokens=5, prompt_lengths=lengths
+    )
+    want = generate(params, prompts)
+    rows = sharding.batch_sharding(mesh, rules)
+    got = generate(placed, jax.device_put(prompts, rows))
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    assert same_layout(got.sharding, P(("data", "fsdp"), None), 2)
+    with count_compiles() as compiles:  # other prompts of the same shape: no new program
+        generate(placed, jax.device_put(prompts[::-1].copy(), rows))
+    assert compiles[0] == 0
+
+
+@on_eight
+def test_on_mesh_evaluation_through_a_cache_equals_one_device(gqa):
+    cfg, mesh, rules, model, params, placed = gqa
+    batches = [batch_of(cfg, seed) for seed in (3, 4)]
+    want = kvlab.eval.evaluate(cfg.model, cfg.cache, params, batches, chunk=8)
+    got = kvlab.eval.evaluate(cfg.model, cfg.cache, params, batches, chunk=8, mesh=mesh)
+    assert got.keys() == want.keys()
+    for key, value in want.items():
+        assert abs(got[key] - value) <= TOLERANCE * max(1.0, abs(value)), key
 
 
 def batch_of(cfg, seed=0):
