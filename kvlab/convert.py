@@ -53,6 +53,54 @@ from kvlab.attention.rope import softmax_mscale
 from kvlab.config import check_count, validate_config
 
 SELECTIONS = ("norm", "uniform", "high", "low")
+CALIBRATION_WINDOWS = 16  # training windows that rank RoPE pairs for select='norm'
+
+
+def parse_target(target: str) -> tuple[str, dict]:
+    """('gqa', {num_kv_heads}) or ('mla', {kv_rank, rope_pairs, select}) of a target
+    'gqa:N' or 'mla:R[,rope=P][,select=S]' (scripts/convert.py's --to, a sweep
+    model entry's 'convert'); rope defaults to 1 pair, select to 'norm'."""
+    kind, _, value = target.partition(":")
+    fields = value.split(",")
+    usage = "pass gqa:N with N KV heads (e.g. gqa:1) or mla:R[,rope=P][,select=S]"
+    if kind == "gqa" and len(fields) == 1 and fields[0].isdigit() and int(fields[0]) >= 1:
+        return "gqa", {"num_kv_heads": int(fields[0])}
+    if kind != "mla" or not fields[0].isdigit():
+        raise ValueError(f"{target!r} is not a conversion: {usage}")
+    options = {"kv_rank": int(fields[0]), "rope_pairs": 1, "select": "norm"}
+    for field in fields[1:]:
+        name, _, given = field.partition("=")
+        if name == "rope" and given.isdigit():
+            options["rope_pairs"] = int(given)
+        elif name == "select" and given in SELECTIONS:
+            options["select"] = given
+        else:
+            raise ValueError(
+                f"{target!r}: {field!r} is not an option of mla: pass rope=P (RoPE pairs "
+                f"kept per KV head) or select= one of {', '.join(SELECTIONS)}"
+            )
+    return "mla", options
+
+
+def convert(
+    cfg: ml_collections.ConfigDict,
+    params: Mapping,
+    target: str,
+    calibration: int = CALIBRATION_WINDOWS,
+) -> tuple[ml_collections.ConfigDict, dict]:
+    """(config, params) converted as `target` (parse_target) says. select='norm'
+    ranks RoPE pairs over `calibration` windows of the training split of
+    `cfg.data` (the source's own text and tokenizer), drawn as training step 0."""
+    kind, options = parse_target(target)
+    if kind == "gqa":
+        return to_gqa(cfg, params, **options)
+    if options["select"] == "norm":
+        from kvlab.data import make_dataset  # only calibration reads text
+
+        data = make_dataset(cfg.data, "train", cfg.train.seq_len)
+        count = check_count("calibration", calibration)
+        options["tokens"] = data.batch(0, count, cfg.train.seed)["inputs"]
+    return to_mla(cfg, params, **options)
 
 
 def to_gqa(
@@ -261,11 +309,13 @@ def _latent_attention(attention: Mapping, kept: np.ndarray, rank: int, heads: in
     def cast(x):
         return jnp.asarray(x, dtype)
 
-    return {
+    converted = {
         "query": {"kernel": cast(new_query)},
         "kv_down": {"kernel": cast(down)},
         "key_rope": {"kernel": cast(key_rope)},
-        "key_up": cast(np.repeat(key_up, group, axis=1)),
         "value_up": cast(np.repeat(value_up, group, axis=1)),
         "out": attention["out"],
     }
+    if nope_width:  # every pair kept: no key part in the latent
+        converted["key_up"] = cast(np.repeat(key_up, group, axis=1))
+    return converted

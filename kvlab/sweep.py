@@ -13,8 +13,12 @@ checkpoint evaluated as it is, without training: its model section and weights
 come from DIR (kvlab.hf.config_from_hf), so its other axes may not name
 `model.*` or `train.init_from`. A model entry {"gguf": FILE, ...} is a llama.cpp
 GGUF file (kvlab.load_gguf, extra `real`), converted once into
-workdir/converted/<model>/ (config.json, float32 model.safetensors and its
-tokenizer.json, reused when present) and then evaluated as an hf entry. A
+workdir/converted/gguf/<file stem>/ (config.json, float32 model.safetensors and
+its tokenizer.json, reused when present) and then evaluated as an hf entry.
+Either may add {"convert": "gqa:N" | "mla:R[,rope=P][,select=S]"}: the
+checkpoint's attention converted (kvlab.convert.convert, calibrated on the
+sweep's training text) once into workdir/converted/<model>/, a kvlab run
+holding it at step 0, evaluated as it is (no uptraining). A
 cache entry applies to the models that cache the tensors it names (`k_*`/`v_*`
 for grouped-query models, `latent_*`/`rope_*` for latent attention; an entry
 naming neither applies to all). The grid's units are the applicable (model,
@@ -32,7 +36,8 @@ With one slice, run_sweep merges by itself. Files are replaced atomically
 
     workdir/sweep.json              the grid's units and the base config
     workdir/models/<model>/         one training run per model (kvlab/train.py)
-    workdir/converted/<model>/      a gguf entry as a Hugging Face folder (not trained)
+    workdir/converted/gguf/<stem>/  a gguf file as a Hugging Face folder (not trained)
+    workdir/converted/<model>/      a convert entry's model, a kvlab run at step 0
     workdir/slices/<i>-of-<n>.csv   each slice's rows
     workdir/results.csv             all rows, grid order
     workdir/pareto.png              the metric against cache bytes per token
@@ -48,6 +53,7 @@ import io
 import itertools
 import json
 import os
+import shutil
 import time
 from collections.abc import Mapping
 
@@ -61,12 +67,13 @@ from kvlab.config import (
     dtype_of,
     validate_config,
 )
+from kvlab.convert import convert, parse_target
 from kvlab.data import make_dataset
 from kvlab.eval import evaluate, full_precision
 from kvlab.files import read_json, store_json, write_atomic
 from kvlab.hf import config_from_hf, save_hf
 from kvlab.logging import Run
-from kvlab.train import initial_params, train
+from kvlab.train import initial_params, load_run_config, start_workdir, train
 
 # results.csv columns, in order. `bits` labels each cached tensor by the bits it
 # is stored in (K8V4; K32V32 for an unquantized float32 cache); k_bits etc. are
@@ -182,6 +189,28 @@ def convert_gguf(file: str, folder: str) -> str:
     return folder
 
 
+def convert_checkpoint(cfg: ml_collections.ConfigDict, target: str, folder: str) -> str:
+    """`folder` as a kvlab run holding the checkpoint `cfg` starts from
+    (train.init_from) converted as `target` says (kvlab.convert.convert), at
+    step 0; written once: a folder whose source.json names the same source,
+    target and calibration text is reused, another one replaced."""
+    source = {
+        "source": os.path.abspath(cfg.train.init_from),
+        "convert": target,
+        "calibration": {"data": json.loads(cfg.data.to_json()), "seq_len": cfg.train.seq_len},
+    }
+    marker = os.path.join(folder, "source.json")
+    if os.path.isfile(marker) and read_json(marker) == source:
+        return folder
+    parse_target(target)  # a bad target is refused before anything loads
+    if os.path.isdir(folder):
+        shutil.rmtree(folder)  # an earlier conversion, or one cut short
+    converted, params = convert(cfg, initial_params(cfg), target)
+    start_workdir(converted, params, folder)
+    write_atomic(marker, json.dumps(source) + "\n")  # last: the run is complete
+    return folder
+
+
 def expand(cfg: ml_collections.ConfigDict, grid: Mapping, workdir: str | None = None) -> list[Unit]:
     """The grid's units with their full, validated configs (before anything runs).
     gguf model entries are converted into `workdir` (required when there are any)."""
@@ -197,26 +226,47 @@ def expand(cfg: ml_collections.ConfigDict, grid: Mapping, workdir: str | None = 
         model_overrides = dict(model_overrides)
         hf = model_overrides.pop("hf", "")
         gguf = model_overrides.pop("gguf", "")
+        target = model_overrides.pop("convert", "")
+        entry = f"models[{model_name!r}]"
+        if not model_name or os.sep in model_name or model_name in (".", ".."):
+            raise ValueError(
+                f"{entry}: a model's name names its folders (models/<model>, converted/<model>): "
+                f"use one without {os.sep!r}, e.g. {model_name.replace(os.sep, '-') or 'base'!r}"
+            )
+        if (gguf or target) and workdir is None:
+            raise ValueError(
+                f"{entry} is converted (gguf or convert): expand(cfg, grid, workdir) "
+                "converts it into workdir/converted/; pass the sweep's workdir"
+            )
         if gguf:
             if hf:
-                raise ValueError(
-                    f"models[{model_name!r}] names both hf and gguf: keep one checkpoint"
-                )
-            if workdir is None:
-                raise ValueError(
-                    f"models[{model_name!r}] is a gguf file: expand(cfg, grid, workdir) "
-                    "converts it into workdir/converted/; pass the sweep's workdir"
-                )
-            hf = convert_gguf(gguf, os.path.join(workdir, "converted", model_name))
+                raise ValueError(f"{entry} names both hf and gguf: keep one checkpoint")
+            stem = os.path.splitext(os.path.basename(gguf))[0]
+            hf = convert_gguf(gguf, os.path.join(workdir, "converted", "gguf", stem))
+        if target and model_name == "gguf":
+            raise ValueError(
+                f"{entry} converts into workdir/converted/<model>, where converted/gguf holds "
+                "the gguf files: rename the model"
+            )
+        if target and not hf:
+            raise ValueError(
+                f"{entry} has convert={target!r} but no checkpoint: add hf or gguf (a trained "
+                "model is converted and uptrained by experiments/uptrain.py)"
+            )
         if hf:
             fixed = [a for a in model_overrides if a.startswith("model.") or a == "train.init_from"]
             if fixed:
                 raise ValueError(
-                    f"sweep axis {fixed[0]!r} in models[{model_name!r}] is decided by its "
+                    f"sweep axis {fixed[0]!r} in {entry} is decided by its "
                     f"checkpoint hf={hf!r}: drop it (or convert the checkpoint, scripts/convert.py)"
                 )
             model_cfg = config_from_hf(model_cfg, hf)
-        _apply(model_cfg, f"models[{model_name!r}]", model_overrides)
+        if target:
+            folder = os.path.join(workdir, "converted", model_name)
+            hf = convert_checkpoint(model_cfg, target, folder)
+            model_cfg.model = load_run_config(hf).model
+            model_cfg.train.init_from = hf
+        _apply(model_cfg, entry, model_overrides)
         validate_config(model_cfg)
         cached = set(cached_prefixes(model_cfg.model))
         for cache_name, cache_overrides in grid["caches"].items():

@@ -15,7 +15,8 @@ training run's latest checkpoint (--workdir, kvlab.train.load_params).
 - `--to mla:R[,rope=P][,select=S]` converts to latent attention with a latent
   of width R, P RoPE pairs kept per KV head (default 1) chosen by S (norm,
   uniform, high or low; default norm, ranked over --calibration windows of the
-  source's training text) (kvlab.convert.to_mla, MHA2MLA). No transformers
+  source's training text) (kvlab.convert.to_mla, MHA2MLA; kvlab.convert.convert
+  reads --to). No transformers
   family holds the result, so --out becomes a kvlab run whose step-0
   checkpoint holds it (kvlab.train.start_workdir): `scripts/eval.py --workdir
   OUT` evaluates it, `scripts/train.py --init_from OUT --workdir UP` uptrains it.
@@ -32,8 +33,7 @@ from absl import flags
 import kvlab
 from kvlab import cli
 from kvlab.config import base_config
-from kvlab.convert import SELECTIONS, to_gqa, to_mla
-from kvlab.data import make_dataset
+from kvlab.convert import CALIBRATION_WINDOWS, convert, parse_target
 from kvlab.train import load_params, start_workdir
 
 _HF = flags.DEFINE_string("hf", None, "A Hugging Face checkpoint folder to convert.")
@@ -45,7 +45,9 @@ _TO = flags.DEFINE_string(
 )
 _OUT = flags.DEFINE_string("out", None, "A new folder for the converted model.")
 _CALIBRATION = flags.DEFINE_integer(
-    "calibration", 16, "Training windows that rank RoPE pairs for mla:...,select=norm."
+    "calibration",
+    CALIBRATION_WINDOWS,
+    "Training windows that rank RoPE pairs for mla:...,select=norm.",
 )
 flags.mark_flag_as_required("to")
 flags.mark_flag_as_required("out")
@@ -57,30 +59,6 @@ TOKENIZER_FILES = (
     "special_tokens_map.json",
     "generation_config.json",
 )
-
-
-def parse_target(target: str) -> tuple[str, dict]:
-    """('gqa', {num_kv_heads}) or ('mla', {kv_rank, rope_pairs, select}) from --to."""
-    kind, _, value = target.partition(":")
-    fields = value.split(",")
-    usage = "pass gqa:N with N KV heads (e.g. gqa:1) or mla:R[,rope=P][,select=S]"
-    if kind == "gqa" and len(fields) == 1 and fields[0].isdigit() and int(fields[0]) >= 1:
-        return "gqa", {"num_kv_heads": int(fields[0])}
-    if kind != "mla" or not fields[0].isdigit():
-        raise ValueError(f"--to={target} is not a conversion: {usage}")
-    options = {"kv_rank": int(fields[0]), "rope_pairs": 1, "select": "norm"}
-    for field in fields[1:]:
-        name, _, given = field.partition("=")
-        if name == "rope" and given.isdigit():
-            options["rope_pairs"] = int(given)
-        elif name == "select" and given in SELECTIONS:
-            options["select"] = given
-        else:
-            raise ValueError(
-                f"--to={target}: {field!r} is not an option of mla: pass rope=P (RoPE pairs "
-                f"kept per KV head) or select= one of {', '.join(SELECTIONS)}"
-            )
-    return "mla", options
 
 
 def load_source():
@@ -98,34 +76,25 @@ def load_source():
     return cfg, params, cfg.data.tokenizer or None
 
 
-def calibration_tokens(cfg, count: int):
-    """int32[count, seq_len]: training windows of the source's own data."""
-    data = make_dataset(cfg.data, "train", cfg.train.seq_len)
-    return data.batch(0, count, cfg.train.seed)["inputs"]
-
-
 def main(argv):
     del argv
-    kind, options = parse_target(_TO.value)
+    kind, _ = parse_target(_TO.value)
     out = _OUT.value
     if os.path.exists(os.path.join(out, "config.json")):
         raise ValueError(f"--out={out} already holds a checkpoint (config.json): pick a new folder")
     cfg, params, tokenizer = load_source()
-    source = cli.attention_label(cfg.model)
+    converted, params = convert(cfg, params, _TO.value, calibration=_CALIBRATION.value)
     if kind == "gqa":
-        converted, params = to_gqa(cfg, params, **options)
         kvlab.save_hf(converted, params, out)
         copy_tokenizer(tokenizer, out)
     else:
-        if options["select"] == "norm":
-            options["tokens"] = calibration_tokens(cfg, _CALIBRATION.value)
-        converted, params = to_mla(cfg, params, **options)
         start_workdir(converted, params, out)
     before = kvlab.cache_bytes(cfg.model, cfg.cache, 1, cfg.train.seq_len)
     after = kvlab.cache_bytes(converted.model, converted.cache, 1, cfg.train.seq_len)
     print(
-        f"{_HF.value or _WORKDIR.value}: {source} -> {cli.attention_label(converted.model)}, "
-        f"cache {after / before:.3f} of the source's; written to {out}"
+        f"{_HF.value or _WORKDIR.value}: {cli.attention_label(cfg.model)} -> "
+        f"{cli.attention_label(converted.model)}, cache {after / before:.3f} of the source's; "
+        f"written to {out}"
     )
 
 

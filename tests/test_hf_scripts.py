@@ -194,7 +194,7 @@ def test_convert_to_latent_attention_then_uptrain_from_it(tmp_path):
         ),
         (
             ["scripts/convert.py", f"--hf={LLAMA}", "--to=mla:32,rope=two", "--out=runs/x"],
-            "--to=mla:32,rope=two: 'rope=two' is not an option of mla",
+            "'mla:32,rope=two': 'rope=two' is not an option of mla",
         ),
         (
             ["scripts/convert.py", f"--hf={LLAMA}", "--to=mla:999,select=high", "--out=runs/x"],

@@ -59,17 +59,25 @@ def test_a_gguf_model_entry_is_converted_once_and_evaluated(tmp_path):
     cfg = run_config(write_corpus(tmp_path / "corpus", files=4), steps=2)
     cfg.eval.update(batch_size=2, num_batches=1, chunk=16, split="test")
     cfg.sweep = {"name": "gguf_sweep"}
+    # Converted to latent attention at full rank (32 = 2 KV heads x 16) with all 8
+    # RoPE pairs kept: exact, so its perplexity is the source's.
+    exact = "mla:32,rope=8,select=norm"
     grid = {
-        "models": {"tiny": {"gguf": str(file)}},
+        "models": {"tiny": {"gguf": str(file)}, "latent": {"gguf": str(file), "convert": exact}},
         "caches": {"16bit": {}, "K4V4": {"cache.k_bits": 4, "cache.v_bits": 4}},
     }
     workdir = tmp_path / "sweep"
     rows = run_sweep(cfg, grid, str(workdir), progress=False)
-    assert [(r["model"], r["cache"], r["train_steps"]) for r in rows] == [
-        ("tiny", "16bit", 0),
-        ("tiny", "K4V4", 0),
+    assert [(r["model"], r["cache"], r["family"], r["train_steps"]) for r in rows] == [
+        ("tiny", "16bit", "gqa", 0),
+        ("tiny", "K4V4", "gqa", 0),
+        ("latent", "16bit", "mla", 0),  # K4V4 names tensors latent attention does not cache
     ]
-    converted = workdir / "converted" / "tiny"
+    assert rows[2]["ppl"] == pytest.approx(rows[0]["ppl"], rel=1e-5)
+    # 32 latent + 2 keys x 16 RoPE channels = the 2 x 2 x 16 of K and V: nothing saved
+    assert rows[2]["cache_bytes_per_token"] == rows[0]["cache_bytes_per_token"]
+    assert (workdir / "converted" / "latent" / "source.json").is_file()
+    converted = workdir / "converted" / "gguf" / "tiny"
     assert {"config.json", "model.safetensors", "tokenizer.json"} <= set(os.listdir(converted))
     assert not (workdir / "models").exists()  # nothing trained
     written = os.stat(converted / "model.safetensors").st_mtime_ns
@@ -79,3 +87,6 @@ def test_a_gguf_model_entry_is_converted_once_and_evaluated(tmp_path):
     assert os.stat(converted / "model.safetensors").st_mtime_ns == written
     with pytest.raises(ValueError, match="pass the sweep's workdir"):
         expand(base, grid)
+    checkpointless = {"models": {"x": {"convert": "gqa:1"}}, "caches": grid["caches"]}
+    with pytest.raises(ValueError, match=r"convert='gqa:1' but no checkpoint: add hf or gguf"):
+        expand(base, checkpointless, str(workdir))

@@ -112,6 +112,8 @@ def test_cache_entries_apply_to_the_models_that_cache_their_tensors(tmp_path):
         ({"models": {"a": {}}, "caches": {"c": {"train.steps": 8}}}, "only change cache"),
         ({"models": {"a": {}}, "caches": {"c": {"cache.k_bits": 3}}}, "cache.k_bits=3"),
         ({"models": {"a": {}}, "caches": {}, "seeds": [1]}, "'seeds'"),
+        ({"models": {"mla-1/2": {}}, "caches": {"c": {}}}, "use one without '/', e.g. 'mla-1-2'"),
+        ({"models": {"..": {}}, "caches": {"c": {}}}, r"models\['..'\]: a model's name"),
     ],
 )
 def test_unknown_or_misplaced_sweep_axes_are_refused(tmp_path, grid, match):

