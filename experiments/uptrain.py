@@ -16,7 +16,9 @@ that caches less:
 - MLA at 1/n of its cache for each n in `--mla_fractions` (MHA2MLA,
   arXiv:2502.14837; kvlab.convert.to_mla): r RoPE frequency pairs per KV head
   keep their rotation as that head's RoPE key, chosen by `--select`, and the
-  rest of K and V is factored jointly by SVD into a latent of width kv_rank.
+  rest of K and V is factored jointly by SVD into a latent of width kv_rank
+  (of the weights, or with `--factor=activations` weighted by the calibration
+  windows' attention inputs; models named mla-...-act).
   Its cache holds kv_rank + K x 2r numbers per token and layer against the
   source's 2 K head_dim, so kv_rank = 2 K head_dim / n - 2 K r. r is
   `--rope_pairs`, or (0, the default) the most whose keys fill at most half of
@@ -86,8 +88,16 @@ _ROPE_PAIRS = flags.DEFINE_integer(
 _SELECT = flags.DEFINE_enum(
     "select", "norm", ["norm", "uniform", "high", "low"], "Which RoPE pairs MLA keeps."
 )
+_FACTOR = flags.DEFINE_enum(
+    "factor",
+    "weights",
+    list(convert.FACTORS),
+    "MLA's SVD: of the weights, or weighted by the calibration windows' attention inputs.",
+)
 _CALIBRATION = flags.DEFINE_integer(
-    "calibration_sequences", 32, "Training windows --select=norm measures query/key norms on."
+    "calibration_sequences",
+    32,
+    "Training windows --select=norm and --factor=activations measure on.",
 )
 _WANDB = flags.DEFINE_bool("wandb", False, "Log the runs and the results to wandb.")
 
@@ -144,6 +154,8 @@ def conversions(cfg: ml_collections.ConfigDict) -> dict:
     for text in _MLA_FRACTIONS.value:
         n, rope_pairs = mla_fraction(text)
         name = f"mla-1of{n}" if rope_pairs is None else f"mla-1of{n}-r{rope_pairs}"
+        if _FACTOR.value == "activations":  # another model: its own folders
+            name += "-act"
         if rope_pairs is None:
             rope_pairs = _ROPE_PAIRS.value or default_rope_pairs(model, source_numbers // n)
         kv_rank = source_numbers // n - 2 * heads * rope_pairs
@@ -154,9 +166,16 @@ def conversions(cfg: ml_collections.ConfigDict) -> dict:
                 f"{rope_pairs} RoPE pairs x 2: pick a smaller n or fewer RoPE pairs"
             )
         planned[name] = (
-            f"MLA, kv_rank {kv_rank}, {rope_pairs} RoPE pair(s) per KV head ({_SELECT.value})",
+            f"MLA, kv_rank {kv_rank}, {rope_pairs} RoPE pair(s) per KV head ({_SELECT.value}, "
+            f"SVD of the {_FACTOR.value})",
             lambda c, p, kv_rank=kv_rank, rope_pairs=rope_pairs: convert.to_mla(
-                c, p, kv_rank, rope_pairs=rope_pairs, select=_SELECT.value, tokens=calibration(c)
+                c,
+                p,
+                kv_rank,
+                rope_pairs=rope_pairs,
+                select=_SELECT.value,
+                tokens=calibration(c),
+                factor=_FACTOR.value,
             ),
         )
     return planned
@@ -183,8 +202,8 @@ def mla_fraction(text: str) -> tuple[int, int | None]:
 
 
 def calibration(cfg: ml_collections.ConfigDict):
-    """Training windows int32 [B, T] for --select=norm (None for the other rules)."""
-    if _SELECT.value != "norm":
+    """Training windows int32 [B, T] for --select=norm or --factor=activations (else None)."""
+    if _SELECT.value != "norm" and _FACTOR.value != "activations":
         return None
     data = make_dataset(cfg.data, "train", cfg.train.seq_len)
     return data.batch(0, _CALIBRATION.value, cfg.train.seed)["inputs"]

@@ -11,7 +11,8 @@ starting point for uptraining (the paper uptrains with ~5% of pre-training
 compute).
 
     cfg, params = kvlab.convert.to_mla(cfg, params, kv_rank, rope_pairs=1,
-                                       select="norm", tokens=calibration)
+                                       select="norm", tokens=calibration,
+                                       factor="weights")
 
 MHA / GQA -> latent attention (MHA2MLA, arXiv:2502.14837; TransMLA,
 arXiv:2502.07864). Per source KV head, `rope_pairs` of its head_dim / 2 RoPE
@@ -22,7 +23,12 @@ key lose their rotation, and they and all values are factored jointly: the
 [D, K (H - 2r) + K H] matrix of those key and value columns is split by its
 SVD, U S V^T, into a down projection U_R S_R^(1/2) to a latent of width
 `kv_rank` and up projections S_R^(1/2) V_R^T, each query head taking its KV
-head's. The latent has no norm (`mla.latent_norm=False`): it is linear in x.
+head's (`factor='weights'`, the best rank-kv_rank approximation of the weights;
+`factor='activations'` instead minimizes the error of the keys and values
+themselves over the calibration `tokens`' attention inputs x, by the SVD of
+L^T W with E[x^T x] = L L^T, as activation-aware factorizations such as
+SVD-LLM, arXiv:2403.07378, do). The latent has no norm
+(`mla.latent_norm=False`): it is linear in x.
 Per token and layer the cache holds kv_rank + K x 2r numbers instead of 2 K H.
 
 Which pairs keep RoPE (`select`), as MHA2MLA compares them:
@@ -53,16 +59,18 @@ from kvlab.attention.rope import softmax_mscale
 from kvlab.config import check_count, validate_config
 
 SELECTIONS = ("norm", "uniform", "high", "low")
+FACTORS = ("weights", "activations")
 CALIBRATION_WINDOWS = 16  # training windows that rank RoPE pairs for select='norm'
 
 
 def parse_target(target: str) -> tuple[str, dict]:
-    """('gqa', {num_kv_heads}) or ('mla', {kv_rank, rope_pairs, select}) of a target
-    'gqa:N' or 'mla:R[,rope=P][,select=S]' (scripts/convert.py's --to, a sweep
-    model entry's 'convert'); rope defaults to 1 pair, select to 'norm'."""
+    """('gqa', {num_kv_heads}) or ('mla', {kv_rank, rope_pairs, select, factor}) of
+    a target 'gqa:N' or 'mla:R[,rope=P][,select=S][,factor=F]' (scripts/convert.py's
+    --to, a sweep model entry's 'convert'); rope defaults to 1 pair, select to
+    'norm', factor to 'weights'."""
     kind, _, value = target.partition(":")
     fields = value.split(",")
-    usage = "pass gqa:N with N KV heads (e.g. gqa:1) or mla:R[,rope=P][,select=S]"
+    usage = "pass gqa:N with N KV heads (e.g. gqa:1) or mla:R[,rope=P][,select=S][,factor=F]"
     if kind == "gqa" and len(fields) == 1 and fields[0].isdigit() and int(fields[0]) >= 1:
         return "gqa", {"num_kv_heads": int(fields[0])}
     if kind != "mla" or not fields[0].isdigit():
@@ -74,10 +82,13 @@ def parse_target(target: str) -> tuple[str, dict]:
             options["rope_pairs"] = int(given)
         elif name == "select" and given in SELECTIONS:
             options["select"] = given
+        elif name == "factor" and given in FACTORS:
+            options["factor"] = given
         else:
             raise ValueError(
                 f"{target!r}: {field!r} is not an option of mla: pass rope=P (RoPE pairs "
-                f"kept per KV head) or select= one of {', '.join(SELECTIONS)}"
+                f"kept per KV head), select= one of {', '.join(SELECTIONS)} or factor= one "
+                f"of {', '.join(FACTORS)}"
             )
     return "mla", options
 
@@ -94,7 +105,7 @@ def convert(
     kind, options = parse_target(target)
     if kind == "gqa":
         return to_gqa(cfg, params, **options)
-    if options["select"] == "norm":
+    if options["select"] == "norm" or options.get("factor") == "activations":
         from kvlab.data import make_dataset  # only calibration reads text
 
         data = make_dataset(cfg.data, "train", cfg.train.seq_len)
@@ -146,11 +157,13 @@ def to_mla(
     rope_pairs: int = 1,
     select: str = "norm",
     tokens=None,
+    factor: str = "weights",
 ) -> tuple[ml_collections.ConfigDict, dict]:
     """(config, params) of the model with latent attention (module docstring).
 
     The source uses grouped-query attention without biases, q/k norms or a
-    softmax mscale; `tokens` int32[B, T] are the calibration batch 'norm' needs.
+    softmax mscale; `tokens` int32[B, T] are the calibration batch that
+    select='norm' and factor='activations' need.
     """
     source = cfg.model
     kv_rank = check_count("kv_rank", kv_rank)
@@ -163,6 +176,19 @@ def to_mla(
         )
     if select not in SELECTIONS:
         raise ValueError(f"select={select!r} is not a choice: use one of {SELECTIONS}")
+    if factor not in FACTORS:
+        raise ValueError(f"factor={factor!r} is not a choice: use one of {FACTORS}")
+    calibrated = select == "norm" or factor == "activations"
+    if calibrated and tokens is None:
+        raise ValueError(
+            f"select={select!r} with factor={factor!r} needs calibration tokens: pass "
+            "tokens=int32[B, T] (or select 'uniform', 'high' or 'low' with factor 'weights')"
+        )
+    if tokens is not None and not calibrated:
+        raise ValueError(
+            f"tokens are for select='norm' or factor='activations'; select={select!r} with "
+            f"factor={factor!r} takes none"
+        )
     _check_source(source)
     heads, kv_heads, width = source.num_heads, source.num_kv_heads, source.head_dim
     full_rank = min(source.embed_dim, kv_heads * (2 * width - 2 * rope_pairs))
@@ -172,7 +198,8 @@ def to_mla(
             f"projections (min of model.embed_dim={source.embed_dim} and their "
             f"{kv_heads * (2 * width - 2 * rope_pairs)} columns): pass at most {full_rank}"
         )
-    kept = _kept_pairs(cfg, params, rope_pairs, select, tokens)  # [L, K, r]
+    captured = _calibration(cfg, params, tokens) if calibrated else None
+    kept = _kept_pairs(cfg, rope_pairs, select, captured)  # [L, K, r]
 
     converted = cfg.copy_and_resolve_references()
     model = converted.model
@@ -192,7 +219,9 @@ def to_mla(
     params = dict(params)
     for i in range(source.num_layers):
         block = dict(params[f"block_{i}"])
-        block["attention"] = _latent_attention(block["attention"], kept[i], kv_rank, heads)
+        # E[x^T x] of the layer's attention input, which the factorization weighs by
+        inputs = None if factor == "weights" else _second_moment(captured[f"block_{i}"])
+        block["attention"] = _latent_attention(block["attention"], kept[i], kv_rank, heads, inputs)
         params[f"block_{i}"] = block
     return converted, params
 
@@ -226,51 +255,58 @@ def _nope_channels(pairs: np.ndarray, width: int) -> np.ndarray:
     return np.setdiff1d(np.arange(width), _rope_channels(pairs, width))
 
 
-def _kept_pairs(cfg, params, count: int, select: str, tokens) -> np.ndarray:
+def _kept_pairs(cfg, count: int, select: str, captured) -> np.ndarray:
     """int[L, K, count]: the RoPE pairs each layer's KV heads keep, sorted."""
     model = cfg.model
     layers, kv_heads, half = model.num_layers, model.num_kv_heads, model.head_dim // 2
     if select != "norm":
-        if tokens is not None:
-            raise ValueError(f"tokens are for select='norm'; select={select!r} takes none")
         pairs = {
             "high": np.arange(count),
             "low": np.arange(half - count, half),
             "uniform": np.arange(count) * half // count,
         }[select]
         return np.broadcast_to(pairs, (layers, kv_heads, count))
-    if tokens is None:
-        raise ValueError(
-            "select='norm' ranks RoPE pairs by query and key norms over calibration tokens: "
-            "pass tokens=int32[B, T] (or select 'uniform', 'high' or 'low')"
-        )
-    contribution = _pair_contributions(cfg, params, tokens)  # [L, K, H/2]
+    contribution = _pair_contributions(cfg, captured)  # [L, K, H/2]
     # The `count` largest, sorted by pair index; ties go to the higher frequency.
     ranked = np.argsort(-contribution, axis=-1, kind="stable")[..., :count]
     return np.sort(ranked, axis=-1)
 
 
-def _pair_contributions(cfg, params, tokens) -> np.ndarray:
+def _calibration(cfg, params, tokens) -> Mapping:
+    """What the source computes on the calibration `tokens`, per block: its
+    attention input (`attention_norm`) and its queries and keys before RoPE."""
+    from kvlab.model import Transformer  # the model imports nothing from here
+
+    names = ("attention_norm", "query", "key")
+    _, variables = Transformer(cfg.model).apply(
+        {"params": params},
+        jnp.asarray(tokens),
+        capture_intermediates=lambda module, _: module.name in names,
+        mutable=["intermediates"],
+    )
+    return variables["intermediates"]
+
+
+def _second_moment(block: Mapping) -> np.ndarray:
+    """float64[D, D]: E[x^T x] over the calibration tokens of a block's attention input."""
+    x = np.asarray(block["attention_norm"]["__call__"][0], np.float64)
+    x = x.reshape(-1, x.shape[-1])
+    return x.T @ x / len(x)
+
+
+def _pair_contributions(cfg, captured: Mapping) -> np.ndarray:
     """float[L, K, H/2]: per layer, KV head and RoPE pair, the mean norm of the
     pair in the keys times that in the queries, summed over the group's queries.
 
     Norms are taken before RoPE (a rotation keeps a pair's norm)."""
-    from kvlab.model import Transformer  # the model imports nothing from here
-
     model = cfg.model
-    _, variables = Transformer(model).apply(
-        {"params": params},
-        jnp.asarray(tokens),
-        capture_intermediates=lambda module, _: module.name in ("query", "key"),
-        mutable=["intermediates"],
-    )
     half, kv_heads = model.head_dim // 2, model.num_kv_heads
     contributions = []
     for i in range(model.num_layers):
-        captured = variables["intermediates"][f"block_{i}"]["attention"]
+        attention = captured[f"block_{i}"]["attention"]
         norms = {}
         for name in ("query", "key"):
-            x = np.asarray(captured[name]["__call__"][0], np.float64)  # [B, T, heads, H]
+            x = np.asarray(attention[name]["__call__"][0], np.float64)  # [B, T, heads, H]
             pair_norm = np.hypot(x[..., :half], x[..., half:])  # [B, T, heads, H/2]
             norms[name] = pair_norm.mean(axis=(0, 1))  # [heads, H/2]
         query = norms["query"].reshape(kv_heads, -1, half).sum(axis=1)  # [K, H/2]
@@ -278,8 +314,30 @@ def _pair_contributions(cfg, params, tokens) -> np.ndarray:
     return np.stack(contributions)
 
 
-def _latent_attention(attention: Mapping, kept: np.ndarray, rank: int, heads: int) -> dict:
-    """A grouped-query layer's params as latent attention's (module docstring)."""
+def _factorize(matrix: np.ndarray, rank: int, inputs: np.ndarray | None) -> tuple:
+    """(down [D, R], up [R, C]) with down @ up the rank-R matrix closest to
+    `matrix` [D, C]: in Frobenius norm, or with `inputs` = E[x^T x] = L L^T in
+    the expected error of x @ matrix, E||x (matrix - down up)||^2 = ||L^T (matrix
+    - down up)||^2: the SVD of L^T matrix, mapped back through L^-T. The
+    singular values are split evenly between the two."""
+    if inputs is None:
+        u, singular, vt = np.linalg.svd(matrix, full_matrices=False)
+        root = np.sqrt(singular[:rank])
+        return u[:, :rank] * root, root[:, None] * vt[:rank]
+    # A small ridge keeps L invertible where the calibration never reached a direction.
+    ridge = 1e-6 * np.trace(inputs) / len(inputs) + np.finfo(np.float64).tiny
+    lower = np.linalg.cholesky(inputs + ridge * np.eye(len(inputs)))
+    u, singular, vt = np.linalg.svd(lower.T @ matrix, full_matrices=False)
+    root = np.sqrt(singular[:rank])
+    down = np.linalg.solve(lower.T, u[:, :rank] * root)
+    return down, root[:, None] * vt[:rank]
+
+
+def _latent_attention(
+    attention: Mapping, kept: np.ndarray, rank: int, heads: int, inputs: np.ndarray | None
+) -> dict:
+    """A grouped-query layer's params as latent attention's (module docstring);
+    `inputs` is E[x^T x] of the layer's input for factor='activations'."""
     query, key, value = (attention[name]["kernel"] for name in ("query", "key", "value"))
     dtype = query.dtype
     embed, kv_heads, width = key.shape
@@ -293,10 +351,7 @@ def _latent_attention(attention: Mapping, kept: np.ndarray, rank: int, heads: in
         + [value64.reshape(embed, -1)],
         axis=1,
     )
-    u, singular, vt = np.linalg.svd(stacked, full_matrices=False)
-    root = np.sqrt(singular[:rank])
-    down = u[:, :rank] * root  # [D, R]
-    up = root[:, None] * vt[:rank]  # [R, K (H - 2r) + K H]
+    down, up = _factorize(stacked, rank, inputs)  # [D, R], [R, K (H - 2r) + K H]
     nope_width = width - rope[0].size
     key_up = up[:, : kv_heads * nope_width].reshape(rank, kv_heads, nope_width)
     value_up = up[:, kv_heads * nope_width :].reshape(rank, kv_heads, width)

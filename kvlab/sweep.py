@@ -15,7 +15,7 @@ come from DIR (kvlab.hf.config_from_hf), so its other axes may not name
 GGUF file (kvlab.load_gguf, extra `real`), converted once into
 workdir/converted/gguf/<file stem>/ (config.json, float32 model.safetensors and
 its tokenizer.json, reused when present) and then evaluated as an hf entry.
-Either may add {"convert": "gqa:N" | "mla:R[,rope=P][,select=S]"}: the
+Either may add {"convert": "gqa:N" | "mla:R[,rope=P][,select=S][,factor=F]"}: the
 checkpoint's attention converted (kvlab.convert.convert, calibrated on the
 sweep's training text) once into workdir/converted/<model>/, a kvlab run
 holding it at step 0, evaluated as it is (no uptraining). A

@@ -12,13 +12,15 @@ training run's latest checkpoint (--workdir, kvlab.train.load_params).
   (config.json and model.safetensors, plus the source folder's tokenizer
   files), a folder that transformers loads, `scripts/train.py --hf OUT`
   uptrains and `scripts/eval.py --hf OUT` evaluates.
-- `--to mla:R[,rope=P][,select=S]` converts to latent attention with a latent
-  of width R, P RoPE pairs kept per KV head (default 1) chosen by S (norm,
-  uniform, high or low; default norm, ranked over --calibration windows of the
-  source's training text) (kvlab.convert.to_mla, MHA2MLA; kvlab.convert.convert
-  reads --to). No transformers
-  family holds the result, so --out becomes a kvlab run whose step-0
-  checkpoint holds it (kvlab.train.start_workdir): `scripts/eval.py --workdir
+- `--to mla:R[,rope=P][,select=S][,factor=F]` converts to latent attention
+  with a latent of width R, P RoPE pairs kept per KV head (default 1) chosen
+  by S (norm, uniform, high or low; default norm, ranked over --calibration
+  windows of the source's training text), K and V factored by the SVD of the
+  weights (F=weights, the default) or weighted by the calibration windows'
+  attention inputs (F=activations: less error at low rank); kvlab.convert.to_mla
+  (MHA2MLA), with --to read by kvlab.convert.convert. No transformers family
+  holds the result, so --out becomes a kvlab run whose step-0 checkpoint holds
+  it (kvlab.train.start_workdir): `scripts/eval.py --workdir
   OUT` evaluates it, `scripts/train.py --init_from OUT --workdir UP` uptrains it.
 
 Converted models are a starting point: GQA's paper uptrains with ~5% of the
@@ -41,7 +43,9 @@ _WORKDIR = flags.DEFINE_string(
     "workdir", None, "A training run to convert (its latest checkpoint)."
 )
 _TO = flags.DEFINE_string(
-    "to", None, "What to convert to: gqa:N (N KV heads; 1 = MQA) or mla:R[,rope=P][,select=S]."
+    "to",
+    None,
+    "What to convert to: gqa:N (N KV heads; 1 = MQA) or mla:R[,rope=P][,select=S][,factor=F].",
 )
 _OUT = flags.DEFINE_string("out", None, "A new folder for the converted model.")
 _CALIBRATION = flags.DEFINE_integer(

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import kvlab
-from kvlab.convert import to_gqa, to_mla
+from kvlab.convert import FACTORS, to_gqa, to_mla
 from tests.helpers import TOLERANCE, build, random_tokens, run_in_chunks, tiny_config
 
 
@@ -138,19 +138,45 @@ def test_latent_conversion_is_the_best_factorization_of_its_rank():
         + [np.asarray(attention["value"]["kernel"]).reshape(cfg.model.embed_dim, -1)],
         axis=1,
     )
-    singular = np.linalg.svd(stacked, compute_uv=False)
-    for rank in (4, 16, 32):
-        _, converted = to_mla(cfg, params, rank, rope_pairs=1, select="high")
+    tokens = random_tokens(cfg, (4, 16))
+    # The block's attention input on the calibration tokens: [B T, D]
+    _, variables = kvlab.Transformer(cfg.model).apply(
+        {"params": params},
+        tokens,
+        capture_intermediates=lambda module, _: module.name == "attention_norm",
+        mutable=["intermediates"],
+    )
+    inputs = np.asarray(variables["intermediates"]["block_0"]["attention_norm"]["__call__"][0])
+    inputs = inputs.reshape(-1, cfg.model.embed_dim).astype(np.float64)
+
+    def residual(rank, factor):
+        """W - down @ up of block 0 (keys' no-position columns, then values)."""
+        calibration = tokens if factor == "activations" else None
+        _, converted = to_mla(
+            cfg, params, rank, rope_pairs=1, select="high", tokens=calibration, factor=factor
+        )
         layer = converted["block_0"]["attention"]
-        down = np.asarray(layer["kv_down"]["kernel"])  # [D, R]
+        down = np.asarray(layer["kv_down"]["kernel"], np.float64)  # [D, R]
         # Query heads 0 and 1 read KV head 0, heads 2 and 3 KV head 1.
         up = [np.asarray(layer[name])[:, ::2].reshape(rank, -1) for name in ("key_up", "value_up")]
-        keys, values = down @ up[0], down @ up[1]
-        error = np.concatenate([keys, values], axis=1) - stacked
+        return np.concatenate([down @ up[0], down @ up[1]], axis=1) - stacked
+
+    singular = np.linalg.svd(stacked, compute_uv=False)
+    for rank in (4, 16, 32):
         # Eckart-Young: the residual is exactly the dropped singular values.
         np.testing.assert_allclose(
-            np.linalg.norm(error), np.sqrt(np.sum(singular[rank:] ** 2)), rtol=1e-4, atol=1e-5
+            np.linalg.norm(residual(rank, "weights")),
+            np.sqrt(np.sum(singular[rank:] ** 2)),
+            rtol=1e-4,
+            atol=1e-5,
         )
+    # Weighted by the calibration inputs, the error on them is the least of its rank
+    # (below the weights' SVD), and nothing is lost at full rank.
+    for rank in (4, 16):
+        on_inputs = {f: np.linalg.norm(inputs @ residual(rank, f)) for f in FACTORS}
+        assert on_inputs["activations"] < on_inputs["weights"]
+    full_rank = min(cfg.model.embed_dim, stacked.shape[1])
+    assert np.abs(residual(full_rank, "activations")).max() < 1e-5
 
 
 def test_norm_selection_keeps_the_pairs_queries_and_keys_use():
@@ -205,7 +231,9 @@ def test_fixed_pair_selections(select, rope_pairs, expected):
         (tiny_config, dict(kv_rank=0), "kv_rank=0 is below 1"),
         (tiny_config, dict(rope_pairs=9), "rope_pairs=9: a head of model.head_dim=16 has 8"),
         (tiny_config, dict(select="random"), "select='random' is not a choice"),
-        (tiny_config, dict(select="norm"), "select='norm' ranks RoPE pairs"),
+        (tiny_config, dict(select="norm"), "select='norm' with factor='weights' needs calibration"),
+        (tiny_config, dict(factor="activations"), "factor='activations' needs calibration"),
+        (tiny_config, dict(factor="svd"), "factor='svd' is not a choice"),
         (tiny_config, dict(select="high", tokens=np.zeros((1, 2), np.int32)), "tokens are for"),
     ],
 )
