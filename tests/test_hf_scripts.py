@@ -117,10 +117,16 @@ def test_convert_to_mqa_then_uptrain_from_it(tmp_path):
     reference, _ = kvlab.Transformer(expected_cfg.model).apply({"params": expected}, tokens)
     np.testing.assert_allclose(logits, reference, atol=1e-6)
     # train.py --hf OUT: one update at a vanishing learning rate keeps its weights.
-    workdir = tmp_path / "run"
+    run_cfg = train_one_vanishing_step(f"--hf={out}", tmp_path / "run", params)
+    assert run_cfg.train.init_from == str(out) and run_cfg.model.num_kv_heads == 1
+
+
+def train_one_vanishing_step(start: str, workdir, params):
+    """scripts/train.py from `start` (--hf=... or --init_from=...) for one update
+    at lr 1e-9; checks the run kept `params` and returns its config."""
     run_script(
         "scripts/train.py",
-        f"--hf={out}",
+        start,
         f"--workdir={workdir}",
         "--config.train.steps=1",
         "--config.train.lr=1e-9",
@@ -129,9 +135,9 @@ def test_convert_to_mqa_then_uptrain_from_it(tmp_path):
         *SHORT,
     )
     run_cfg, trained = load_params(str(workdir))
-    assert run_cfg.train.init_from == str(out) and run_cfg.model.num_kv_heads == 1
     same = jax.tree.map(lambda a, b: np.allclose(a, b, atol=1e-6), trained, params)
     assert jax.tree.all(same)
+    return run_cfg
 
 
 def test_convert_to_latent_attention_then_uptrain_from_it(tmp_path):
@@ -155,21 +161,8 @@ def test_convert_to_latent_attention_then_uptrain_from_it(tmp_path):
     assert cfg.model.to_dict() == expected_cfg.model.to_dict()
     assert jax.tree.all(jax.tree.map(np.array_equal, params, expected))
     # train.py --init_from OUT: the model from the conversion, one update at a vanishing rate.
-    workdir = tmp_path / "run"
-    run_script(
-        "scripts/train.py",
-        f"--init_from={out}",
-        f"--workdir={workdir}",
-        "--config.train.steps=1",
-        "--config.train.lr=1e-9",
-        "--config.train.warmup=0",
-        "--config.train.checkpoint_every=1",
-        *SHORT,
-    )
-    run_cfg, trained = load_params(str(workdir))
+    run_cfg = train_one_vanishing_step(f"--init_from={out}", tmp_path / "run", params)
     assert run_cfg.train.init_from == str(out) and run_cfg.model.mla.rope_heads == 2
-    same = jax.tree.map(lambda a, b: np.allclose(a, b, atol=1e-6), trained, params)
-    assert jax.tree.all(same)
 
 
 @pytest.mark.parametrize(
