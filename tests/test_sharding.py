@@ -227,13 +227,15 @@ def test_train_script_takes_the_mesh_and_refuses_one_that_does_not_fit(tmp_path)
 def test_eight_host_devices_in_a_subprocess():
     if EIGHT:
         pytest.skip("this process has the devices: the test_on_mesh_* tests run here")
+    # The child is a plain pytest run, not one of this run's xdist workers.
+    inherited = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}
     result = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", "on_mesh"],
         cwd=ROOT,
         capture_output=True,
         text=True,
         timeout=600,
-        env={**os.environ, "XLA_FLAGS": CHILD_FLAGS, "JAX_PLATFORMS": "cpu"},
+        env={**inherited, "XLA_FLAGS": CHILD_FLAGS, "JAX_PLATFORMS": "cpu"},
     )
     assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
     assert " passed" in result.stdout and "skipped" not in result.stdout, result.stdout[-3000:]
