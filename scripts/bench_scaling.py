@@ -136,7 +136,9 @@ def measure(cfg, num_devices: int) -> dict:
         "train_collectives": collectives(hlo),
         "decode_tokens_per_s": decode_rows * _DECODE_STEPS.value / decode_seconds,
         "cache_bytes": kvlab.cache_bytes(*cache_args),
-        "cache_bytes_per_device": kvlab.cache_bytes(*cache_args, per_device=True, mesh=mesh),
+        "cache_bytes_per_device": kvlab.cache_bytes(
+            *cache_args, per_device=True, mesh=mesh, rules=rules
+        ),
     }
 
 
