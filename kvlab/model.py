@@ -36,6 +36,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec
 from ml_collections import FrozenConfigDict
 
 from kvlab.attention.gqa import GroupedQueryAttention
@@ -45,7 +46,6 @@ from kvlab.cache.placement import Placement, place_without_cache
 from kvlab.config import cached_tensors, dtype_of, frozen, validate_model_config
 from kvlab.layers import RMSNorm, logical, logical_axes, projection
 from kvlab.moe import MLP, MoE, uses_experts
-from kvlab.sharding import fallback_axes
 
 
 class Block(nn.Module):
@@ -255,8 +255,8 @@ def param_axes(model_cfg: Mapping) -> dict:
 
     Read from the names the layers give their initialisers (kvlab.layers.logical,
     flax's nn.with_logical_partitioning) by tracing init inside
-    kvlab.layers.logical_axes(); parameters without one take
-    kvlab.sharding.fallback_axes. Nothing is allocated."""
+    kvlab.layers.logical_axes(); a parameter without them is replicated.
+    Nothing is allocated."""
     return _param_axes(frozen(model_cfg))
 
 
@@ -271,7 +271,7 @@ def _param_axes(model_cfg: FrozenConfigDict) -> dict:
     def axes(path, leaf):
         if isinstance(leaf, nn.Partitioned):
             return leaf.get_partition_spec()
-        return fallback_axes(path, len(leaf.shape))
+        return PartitionSpec()
 
     return jax.tree_util.tree_map_with_path(
         axes, boxed, is_leaf=lambda x: isinstance(x, nn.Partitioned)

@@ -25,10 +25,8 @@ feed-forward widths and training batch must divide
 (kvlab.config.check_mesh_shape names the axis before anything compiles).
 
 Parameters get their names from `kvlab.layers.logical` (flax's
-`nn.with_logical_partitioning`), read by `kvlab.model.param_axes`; parameters
-created without names (kvlab/attention, for now) take theirs from
-`ATTENTION_AXES` by the end of their path (`fallback_axes`); anything else
-unnamed is replicated.
+`nn.with_logical_partitioning`), read by `kvlab.model.param_axes`; a
+parameter created without names would be replicated.
 """
 
 from __future__ import annotations
@@ -41,27 +39,6 @@ import jax
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from kvlab.config import MESH_AXES, check_mesh_shape, mesh_axes, validate_mesh_config
-
-# Parameters kvlab/attention creates without logical names, by the end of their
-# path (module/parameter): the names they take. When an attention module names its
-# parameters through kvlab.layers (projection(..., axes=...), logical(...)), its
-# entries here go.
-ATTENTION_AXES = {
-    ("query", "kernel"): ("embed", "heads", "head_dim"),  # [D, N, H]
-    ("query", "bias"): ("heads", "head_dim"),
-    ("key", "kernel"): ("embed", "kv_heads", "head_dim"),  # [D, K, H]
-    ("key", "bias"): ("kv_heads", "head_dim"),
-    ("value", "kernel"): ("embed", "kv_heads", "head_dim"),
-    ("value", "bias"): ("kv_heads", "head_dim"),
-    ("out", "kernel"): ("heads", "head_dim", "embed"),  # [N, H or Hv, D]
-    ("query_down", "kernel"): ("embed", "latent"),  # MLA [D, q_rank]
-    ("query_up", "kernel"): ("latent", "heads", "head_dim"),  # [q_rank, N, H]
-    ("kv_down", "kernel"): ("embed", "latent"),  # [D, R]
-    ("key_rope", "kernel"): ("embed", "kv_heads", "head_dim"),  # [D, 1, Hr]: one shared head
-    ("key_up",): ("latent", "heads", "head_dim"),  # [R, N, nope]
-    ("value_up",): ("latent", "heads", "head_dim"),  # [R, N, Hv]
-}
-
 
 # ---------------------------------------------------------------------------
 # The mesh
@@ -181,23 +158,3 @@ def batch_sharding(mesh: Mesh, rules: tuple, batch_size: int | None = None) -> N
     if batch_size is not None:
         spec = fit(spec, (batch_size,), mesh)
     return NamedSharding(mesh, spec)
-
-
-# ---------------------------------------------------------------------------
-# Parameters
-
-
-def _path_names(path) -> tuple[str, ...]:
-    return tuple(str(getattr(key, "key", getattr(key, "name", key))) for key in path)
-
-
-def fallback_axes(path, ndim: int) -> PartitionSpec:
-    """The logical axes of a parameter created without names, from its tree
-    `path`: ATTENTION_AXES for attention parameters, else replicated."""
-    names = _path_names(path)
-    if "attention" in names:
-        for tail in (names[-2:], names[-1:]):
-            axes = ATTENTION_AXES.get(tail)
-            if axes is not None and len(axes) == ndim:
-                return PartitionSpec(*axes)
-    return PartitionSpec()  # no name: replicated

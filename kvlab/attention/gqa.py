@@ -28,6 +28,11 @@ from kvlab.attention.rope import apply_rope
 from kvlab.cache.placement import Placement
 from kvlab.layers import RMSNorm, projection
 
+# The projections' logical axes (kvlab/sharding.py maps them to mesh axes)
+QUERY_AXES = ("embed", "heads", "head_dim")  # [D, N, H]
+KEY_AXES = ("embed", "kv_heads", "head_dim")  # [D, K, H], keys and values
+OUT_AXES = ("heads", "head_dim", "embed")  # [N, H, D]
+
 
 class GroupedQueryAttention(nn.Module):
     config: FrozenConfigDict  # the model section
@@ -36,15 +41,16 @@ class GroupedQueryAttention(nn.Module):
     def __call__(self, x, placement: Placement, layer=None):
         cfg = self.config
         # [B, T, N, H] and [B, T, K, H]
-        q = projection(cfg, (cfg.num_heads, cfg.head_dim), "query", bias=cfg.qkv_bias)(x)
-        k = projection(cfg, (cfg.num_kv_heads, cfg.head_dim), "key", bias=cfg.qkv_bias)(x)
-        v = projection(cfg, (cfg.num_kv_heads, cfg.head_dim), "value", bias=cfg.qkv_bias)(x)
+        heads, kv_heads = (cfg.num_heads, cfg.head_dim), (cfg.num_kv_heads, cfg.head_dim)
+        q = projection(cfg, heads, "query", bias=cfg.qkv_bias, axes=QUERY_AXES)(x)
+        k = projection(cfg, kv_heads, "key", bias=cfg.qkv_bias, axes=KEY_AXES)(x)
+        v = projection(cfg, kv_heads, "value", bias=cfg.qkv_bias, axes=KEY_AXES)(x)
         if cfg.qk_norm:
             q = RMSNorm(cfg, name="query_norm")(q)
             k = RMSNorm(cfg, name="key_norm")(k)
         q = apply_rope(q, placement.positions, cfg.rope_theta, cfg.rope_scaling)
         k = apply_rope(k, placement.positions, cfg.rope_theta, cfg.rope_scaling)
-        out_projection = projection(cfg, cfg.embed_dim, "out", axis=(-2, -1))
+        out_projection = projection(cfg, cfg.embed_dim, "out", axis=(-2, -1), axes=OUT_AXES)
         # [B, K, T, H]
         fresh = (k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3))
         if layer is None:

@@ -50,11 +50,12 @@ import numpy as np
 from ml_collections import FrozenConfigDict
 
 from kvlab.attention.core import attend, ordered_after
+from kvlab.attention.gqa import KEY_AXES, OUT_AXES, QUERY_AXES
 from kvlab.attention.rope import rope_frequencies, rotate, softmax_mscale
 from kvlab.cache.placement import Placement
 from kvlab.cache.protocols import Reader
 from kvlab.config import dtype_of
-from kvlab.layers import RMSNorm, projection
+from kvlab.layers import RMSNorm, logical, projection
 
 
 def _dense(x) -> jax.Array:
@@ -109,6 +110,9 @@ def absorbed_attention(q_nope, q_rope, blocks, key_up, value_up, scale):
     return jnp.einsum("BTNR,RNH->BTNH", out, value_up.astype(dtype))
 
 
+UP_AXES = ("latent", "heads", "head_dim")  # [R, N, .]: up projections from a latent
+
+
 def rope_frequencies_of(model, index: int) -> tuple:
     """(keys' [Kr, Hr/2] or [Hr/2], queries' [N, Hr/2] or [Hr/2] inverse frequencies,
     cos/sin factor) of layer `index` of a latent attention `model` section.
@@ -136,22 +140,22 @@ class MultiHeadLatentAttention(nn.Module):
         heads = cfg.num_heads
         # [B, T, N, nope + Hr]
         if mla.q_rank:
-            c_q = projection(cfg, mla.q_rank, "query_down")(x)
+            c_q = projection(cfg, mla.q_rank, "query_down", axes=("embed", "latent"))(x)
             c_q = RMSNorm(cfg, eps=mla.norm_eps, name="query_norm")(c_q)
-            q = projection(cfg, (heads, cfg.head_dim), "query_up")(c_q)
+            q = projection(cfg, (heads, cfg.head_dim), "query_up", axes=UP_AXES)(c_q)
         else:
-            q = projection(cfg, (heads, cfg.head_dim), "query")(x)
+            q = projection(cfg, (heads, cfg.head_dim), "query", axes=QUERY_AXES)(x)
         q_nope = q[..., : mla.nope_dim]
         key_frequency, query_frequency, factor = rope_frequencies_of(cfg, self.index)
         q_rope = rotate(q[..., mla.nope_dim :], placement.positions, query_frequency, factor)
         # What the cache holds: [B, T, R] and [B, T, Kr, Hr]
-        c_kv = projection(cfg, mla.kv_rank, "kv_down")(x)
+        c_kv = projection(cfg, mla.kv_rank, "kv_down", axes=("embed", "latent"))(x)
         if mla.latent_norm:
             c_kv = RMSNorm(cfg, eps=mla.norm_eps, name="kv_norm")(c_kv)
-        k_rope = projection(cfg, (mla.rope_heads, mla.rope_dim), "key_rope")(x)
+        k_rope = projection(cfg, (mla.rope_heads, mla.rope_dim), "key_rope", axes=KEY_AXES)(x)
         k_rope = rotate(k_rope, placement.positions, key_frequency, factor)
 
-        up_init = nn.initializers.lecun_normal(in_axis=0, out_axis=(1, 2))
+        up_init = logical(nn.initializers.lecun_normal(in_axis=0, out_axis=(1, 2)), UP_AXES)
         param_dtype = dtype_of(cfg.param_dtype)
         # nope_dim is 0 when a conversion keeps every RoPE pair: no key_up then.
         key_up = None
@@ -161,7 +165,7 @@ class MultiHeadLatentAttention(nn.Module):
         value_up = self.param(
             "value_up", up_init, (mla.kv_rank, heads, mla.v_head_dim), param_dtype
         )
-        out_projection = projection(cfg, cfg.embed_dim, "out", axis=(-2, -1))
+        out_projection = projection(cfg, cfg.embed_dim, "out", axis=(-2, -1), axes=OUT_AXES)
         # 1 / sqrt(nope + Hr), the per-head query/key width, times yarn's correction squared
         mscale = softmax_mscale(cfg.rope_scaling)
         scale = cfg.head_dim**-0.5 * mscale * mscale
