@@ -266,7 +266,9 @@ def base_config(variant: str = "tiny") -> ml_collections.ConfigDict:
             data=-1,  # batch rows split, weights replicated (data parallelism)
             fsdp=1,  # batch rows and weights split, weights gathered per use (FSDP, ZeRO-3)
             tensor=1,  # heads and MLP width split (Megatron tensor parallelism)
-            distributed=False,  # several hosts (jax.distributed): not built yet
+            # several hosts (jax.distributed.initialize, kvlab/sharding.py); the
+            # JAX_COORDINATOR_ADDRESS/JAX_NUM_PROCESSES/JAX_PROCESS_ID env asks too
+            distributed=False,
         )
     )
     # Logical axis -> mesh axes, as flax's nn.logical_axis_rules takes them (MaxText's
@@ -870,13 +872,6 @@ def validate_mesh_config(cfg: ml_collections.ConfigDict) -> None:
         )
     if not isinstance(mesh["distributed"], bool):
         _fail("mesh.distributed", mesh["distributed"], "is not a bool", "set True or False")
-    if mesh["distributed"]:
-        _fail(
-            "mesh.distributed",
-            True,
-            "asks for several hosts (jax.distributed), which kvlab does not run yet",
-            "set mesh.distributed=False and use the devices of one host",
-        )
     _check_known_fields("mesh.rules", mesh["rules"], schema.rules)
     for name in schema.rules:
         mesh_axes(mesh["rules"], name)  # refuses a malformed rule

@@ -76,6 +76,7 @@ def store_json(
     fixed: Sequence[str],
     owner: str,
     normalize: Callable[[dict], dict] | None = None,
+    write: bool = True,
 ) -> bool:
     """Records `value` (a dict of sections) at `path`; returns whether the file was written.
 
@@ -84,7 +85,8 @@ def store_json(
     other sections are updated. An identical file is left untouched (its
     mtime and inode stay). `normalize` brings a stored value up to date before
     comparing (e.g. fields added to the schema since it was written); `owner`
-    says what the folder holds ("a run", "a sweep").
+    says what the folder holds ("a run", "a sweep"). With `write=False` it only
+    checks (the hosts of a multi-host run other than the first, which writes).
     """
     value = json.loads(json.dumps(value))  # tuples as lists, as the file holds them
     if os.path.exists(path):
@@ -100,5 +102,7 @@ def store_json(
                 )
         if stored == value:
             return False
+    if not write:
+        return False
     write_atomic(path, json.dumps(value, indent=2) + "\n")
     return True

@@ -11,6 +11,8 @@
 `workdir/wandb/offline-run-<time>-<id>/` for a later `wandb sync`, 'online'
 streams it to the W&B server, and 'disabled' makes every method a no-op that
 never imports wandb, prints nothing and creates no folder, so kvlab runs without it.
+On several hosts (jax.distributed) only process 0 logs: every other process's
+Run is disabled, whatever the mode (`kvlab.sharding.is_primary`).
 
 `Run(..., run_id=run.id)` resumes a run (wandb's `resume="allow"`). Online, the
 new process appends to that run on the server. Offline (wandb 0.31), each Run
@@ -99,6 +101,11 @@ class Run:
             raise ValueError(
                 f"wandb.mode={mode!r} is not supported: use one of {', '.join(WANDB_MODES)}"
             )
+        if mode != "disabled":
+            from kvlab.sharding import is_primary
+
+            if not is_primary():  # several hosts: only process 0 logs
+                mode = "disabled"
         self.mode = mode
         self.dir: str | None = None
         self._run = None

@@ -13,6 +13,8 @@ place the arrays and insert the communication. kvlab writes no collective.
     params = jax.device_put(params, shardings(specs, params, mesh, rules))
     kvlab.init_cache(..., mesh=mesh, rules=rules)  # the cache laid out (kvlab/cache/factory.py)
     batch_sharding(mesh, rules)                    # rows over data x fsdp
+    initialize_distributed(cfg.mesh)               # several hosts: first, before any device
+    process_rows(batch_sharding(mesh, rules), B)   # the rows of a batch this host reads
 
 Defaults (docs/design.md, "Scale-out"): weights' model-width side over `fsdp`;
 heads, key/value heads, MLP width and vocabulary over `tensor`; batches over
@@ -32,10 +34,12 @@ parameter created without names would be replicated.
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Mapping, Sequence
 
 import flax.linen as nn
 import jax
+import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from kvlab.config import MESH_AXES, check_mesh_shape, mesh_axes, validate_mesh_config
@@ -158,3 +162,105 @@ def batch_sharding(mesh: Mesh, rules: tuple, batch_size: int | None = None) -> N
     if batch_size is not None:
         spec = fit(spec, (batch_size,), mesh)
     return NamedSharding(mesh, spec)
+
+
+# ---------------------------------------------------------------------------
+# Several hosts
+
+# The environment that names a multi-host run explicitly, the same on every host
+# but the id: process 0's host:port, the number of processes, this one's index.
+# jax reads the first itself; without them, with mesh.distributed=True, it
+# detects the run from SLURM, Open MPI, a Cloud TPU pod or Kubernetes.
+DISTRIBUTED_ENV = ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID")
+
+
+def initialize_distributed(
+    mesh_cfg: Mapping | None = None, environ: Mapping[str, str] | None = None
+) -> bool:
+    """Joins this process to a multi-host run (`jax.distributed.initialize`) when
+    `mesh_cfg["distributed"]` is True or the environment (`environ`, default
+    os.environ) sets one of DISTRIBUTED_ENV; returns whether it is in one.
+
+    Call it before anything touches a device (jax refuses afterwards: a
+    RuntimeError says so); once joined, later calls return True. Afterwards
+    `jax.devices()` lists every host's devices, `make_mesh` spans them, and
+    on CPU the hosts' collectives go through gloo (jax's default). Raises
+    ValueError naming the variable when the environment is half set, or when
+    mesh.distributed=True finds neither the variables nor a cluster jax detects.
+    """
+    if jax.distributed.is_initialized():
+        return True
+    environ = os.environ if environ is None else environ
+    given = {name: environ[name] for name in DISTRIBUTED_ENV if environ.get(name)}
+    asked = mesh_cfg is not None and mesh_cfg["distributed"] is True
+    if not given and not asked:
+        return False
+    address, count, index = DISTRIBUTED_ENV
+    if (count in given) != (index in given):
+        have, lack = (count, index) if count in given else (index, count)
+        raise ValueError(
+            f"{have}={given[have]} is set but {lack} is not: set both on every host "
+            f"({count} the number of processes, {index} this one's index from 0), "
+            "or neither, for jax to detect them (SLURM, a TPU pod)"
+        )
+    num_processes = process_id = None
+    if count in given:
+        num_processes, process_id = _env_int(given, count, 1), _env_int(given, index, 0)
+        if process_id >= num_processes:
+            raise ValueError(
+                f"{index}={process_id} is not below {count}={num_processes}: number the "
+                f"processes 0..{num_processes - 1}"
+            )
+        if address not in given:
+            raise ValueError(
+                f"{count} and {index} are set but {address} is not: set it to process 0's "
+                "host:port (a free port) on every host"
+            )
+    # What asked for several hosts, for the errors below.
+    why = ", ".join([f"{name}={value}" for name, value in given.items()])
+    why = why or "mesh.distributed=True"
+    try:
+        jax.distributed.initialize(
+            coordinator_address=given.get(address),
+            num_processes=num_processes,
+            process_id=process_id,
+        )
+    except RuntimeError as error:  # a device was touched first
+        raise RuntimeError(
+            f"{why} asks for several hosts, but {error} Call "
+            "kvlab.sharding.initialize_distributed first (scripts/train.py does)"
+        ) from error
+    except ValueError as error:  # nothing set and no cluster detected
+        raise ValueError(
+            f"{why} asks for several hosts, but jax found none ({error}; it detects "
+            f"SLURM, Open MPI, Cloud TPU pods and Kubernetes): set {address}=host:port, "
+            f"{count} and {index} on every host, or mesh.distributed=False for one host"
+        ) from error
+    return True
+
+
+def _env_int(given: Mapping[str, str], name: str, minimum: int) -> int:
+    try:
+        value = int(given[name])
+    except ValueError:
+        value = None
+    if value is None or value < minimum:
+        raise ValueError(f"{name}={given[name]!r} is not an integer >= {minimum}: set one")
+    return value
+
+
+def is_primary() -> bool:
+    """Whether this process writes a run's files (config, metrics, wandb, results):
+    process 0 of a multi-host run, or the only process. Touches no device when
+    there is one process."""
+    return not jax.distributed.is_initialized() or jax.process_index() == 0
+
+
+def process_rows(placed: NamedSharding, batch_size: int) -> np.ndarray:
+    """The rows of a batch [batch_size, ...] laid out by `placed` that this
+    process's devices hold, ascending: what this host reads (every row when
+    there is one process)."""
+    held = set()
+    for index in placed.addressable_devices_indices_map((batch_size,)).values():
+        held.update(range(batch_size)[index[0]])
+    return np.array(sorted(held), dtype=np.int64)

@@ -51,7 +51,8 @@ import optax
 import orbax.checkpoint as ocp
 import tqdm
 from flax import struct
-from jax.sharding import Mesh
+from jax.experimental import multihost_utils
+from jax.sharding import Mesh, NamedSharding
 
 from kvlab import sharding
 from kvlab.config import complete_config, dtype_of, frozen, validate_config
@@ -112,8 +113,11 @@ def init_state(
     (`state_shardings`, by `rules`, default those of cfg.mesh)."""
     model, tx = Transformer(cfg.model), optimizer(cfg.train)
 
-    def init(key, params):
+    def init(params):
         if params is None:
+            # The key is made inside: an array made outside would sit on one
+            # device, which a mesh over several hosts cannot take as an input.
+            key = jax.random.key(cfg.train.seed)
             params = model.init(key, jnp.zeros((1, 1), jnp.int32))["params"]
         return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params))
 
@@ -121,7 +125,7 @@ def init_state(
     if mesh is not None:
         rules = sharding.axis_rules(cfg.mesh) if rules is None else rules
         placed = state_shardings(frozen(cfg.model), frozen(cfg.train), mesh, rules)
-    return jax.jit(init, out_shardings=placed)(jax.random.key(cfg.train.seed), params)
+    return jax.jit(init, out_shardings=placed)(params)
 
 
 def state_shardings(model_cfg, train_cfg, mesh: Mesh, rules: tuple) -> TrainState:
@@ -337,9 +341,16 @@ CHECKSUM_KEY = "kvlab_sha256"
 
 
 def state_checksum(state: TrainState) -> str:
-    """sha256 over every leaf of `state`: its tree path, dtype, shape and bytes."""
+    """sha256 over every leaf of `state`: its tree path, dtype, shape and bytes.
+
+    The whole arrays, whatever their layout: on several hosts every process
+    gathers them (`process_allgather`, a collective all must call), so all agree."""
+    if all(getattr(leaf, "is_fully_addressable", True) for leaf in jax.tree.leaves(state)):
+        values = jax.device_get(state)
+    else:
+        values = multihost_utils.process_allgather(state, tiled=True)
     digest = hashlib.sha256()
-    for path, leaf in jax.tree_util.tree_leaves_with_path(jax.device_get(state)):
+    for path, leaf in jax.tree_util.tree_leaves_with_path(values):
         array = np.ascontiguousarray(leaf)
         digest.update(f"{jax.tree_util.keystr(path)} {array.dtype} {array.shape}\n".encode())
         digest.update(array.tobytes())
@@ -427,7 +438,10 @@ def _move_aside(manager: ocp.CheckpointManager, step: int, folder: str) -> str:
     while os.path.exists(target):
         n += 1
         target = os.path.join(folder, f"{step}-{n}")
-    shutil.move(os.path.join(manager.directory, str(step)), target)
+    if sharding.is_primary():  # one host moves it; the others wait until it has
+        shutil.move(os.path.join(manager.directory, str(step)), target)
+    if jax.process_count() > 1:
+        multihost_utils.sync_global_devices(f"kvlab: checkpoint {step} set aside")
     return target
 
 
@@ -493,14 +507,15 @@ def load_run_config(workdir: str) -> ml_collections.ConfigDict:
     return validate_config(ml_collections.ConfigDict(read_json(path)))
 
 
-def _store_run_config(cfg: ml_collections.ConfigDict, workdir: str) -> None:
+def _store_run_config(cfg: ml_collections.ConfigDict, workdir: str, write: bool = True) -> None:
     """Records the config in workdir/config.json (rewritten only when it changed),
-    refusing to resume a different model or data."""
+    refusing to resume a different model or data; `write=False` only refuses."""
     store_json(
         os.path.join(workdir, "config.json"),
         json.loads(cfg.to_json()),
         fixed=("model", "data"),
         owner="a run",
+        write=write,
         normalize=lambda stored: json.loads(
             complete_config(ml_collections.ConfigDict(stored)).to_json()
         ),
@@ -553,12 +568,32 @@ def _wandb_run(cfg: ml_collections.ConfigDict, workdir: str, name: str, group) -
 # The loop
 
 
+def host_batch(dataset, step: int, batch_size: int, seed: int, placed: NamedSharding) -> dict:
+    """Training batch `step` (dataset.batch(step, batch_size, seed)) as arrays laid
+    out by `placed`, this process reading only the rows its devices hold
+    (`sharding.process_rows`): a pure function of (seed, step, process index), so
+    a resumed multi-host run reads what an uninterrupted one read, and the hosts
+    together the batch one host would. With one process: every row, as before."""
+    rows = sharding.process_rows(placed, batch_size)
+    local = dataset.batch(step, batch_size, seed, rows=rows)
+
+    def assemble(array: np.ndarray) -> jax.Array:
+        def piece(index):  # one device's part: slices of the global [B, ...]
+            wanted = np.searchsorted(rows, np.arange(batch_size)[index[0]])
+            return array[wanted][(slice(None), *index[1:])]
+
+        return jax.make_array_from_callback((batch_size, *array.shape[1:]), placed, piece)
+
+    return {name: assemble(array) for name, array in local.items()}
+
+
 class _Log:
     """Metrics on their way out: checked for finiteness, averaged over the steps
     since the last flush, appended to metrics.jsonl and sent to wandb."""
 
-    def __init__(self, workdir: str, run: Run, bar: tqdm.tqdm, tokens_per_step: int):
-        self.path = os.path.join(workdir, "metrics.jsonl")
+    def __init__(self, workdir: str | None, run: Run, bar: tqdm.tqdm, tokens_per_step: int):
+        # None: a host other than the primary, which keeps the history but writes nothing.
+        self.path = None if workdir is None else os.path.join(workdir, "metrics.jsonl")
         self.run, self.bar, self.tokens_per_step = run, bar, tokens_per_step
         self.history: list[dict] = []
         self.pending: list[tuple[int, dict]] = []  # (step, metrics still on the device)
@@ -566,8 +601,9 @@ class _Log:
 
     def record(self, step: int, metrics: dict) -> None:
         self.history.append({"step": step, **metrics})
-        with open(self.path, "a") as f:
-            f.write(json.dumps(self.history[-1]) + "\n")
+        if self.path is not None:
+            with open(self.path, "a") as f:
+                f.write(json.dumps(self.history[-1]) + "\n")
         self.run.log(metrics, step=step)
 
     def flush(self, step: int, manager: ocp.CheckpointManager) -> None:
@@ -617,18 +653,21 @@ def train(
     state and the metrics logged by this call (the lines added to metrics.jsonl).
     """
     validate_config(cfg)
+    sharding.initialize_distributed(cfg.mesh)  # several hosts, when asked (a no-op after the first)
     mesh, rules = sharding.make_mesh(cfg), sharding.axis_rules(cfg.mesh)
+    primary = sharding.is_primary()  # writes config, metrics and wandb; all save checkpoints
     tcfg = cfg.train
     train_data = make_dataset(cfg.data, "train", tcfg.seq_len)
     eval_batches = make_dataset(cfg.data, "validation", tcfg.seq_len).eval_batches(
         cfg.eval.batch_size, cfg.eval.num_batches
     )
     os.makedirs(workdir, exist_ok=True)
-    _store_run_config(cfg, workdir)
+    _store_run_config(cfg, workdir, write=primary)  # every host refuses another model
 
     model = Transformer(cfg.model)
     frozen_train = frozen(tcfg)
     step_fn = compiled_step(model, frozen_train, mesh, rules)
+    batch_placed = sharding.batch_sharding(mesh, rules)  # as compiled_step takes batches
     manager = checkpoint_manager(workdir, tcfg)
     try:
         # Restored onto this run's mesh, whatever mesh saved it.
@@ -642,17 +681,22 @@ def train(
         start = int(state.step)
         if start >= tcfg.steps:
             return state, []  # a finished run: nothing to do
-        _drop_replayed_metrics(workdir, start)
+        if primary:
+            _drop_replayed_metrics(workdir, start)
 
         name = name or os.path.basename(os.path.abspath(workdir))
-        run = _wandb_run(cfg, workdir, name, group)
+        run = _wandb_run(cfg, workdir, name, group)  # a no-op but on the primary host
         bar = tqdm.tqdm(
-            total=tcfg.steps, initial=start, disable=not progress, desc=name, unit="step"
+            total=tcfg.steps,
+            initial=start,
+            disable=not (progress and primary),
+            desc=name,
+            unit="step",
         )
-        log = _Log(workdir, run, bar, tokens_per_step=tcfg.batch_size * tcfg.seq_len)
+        log = _Log(workdir if primary else None, run, bar, tcfg.batch_size * tcfg.seq_len)
         with run, bar:
             for step in range(start + 1, tcfg.steps + 1):
-                batch = train_data.batch(step - 1, tcfg.batch_size, tcfg.seed)
+                batch = host_batch(train_data, step - 1, tcfg.batch_size, tcfg.seed, batch_placed)
                 state, metrics = step_fn(state, batch)
                 log.pending.append((step, metrics))
                 bar.update(1)

@@ -14,13 +14,18 @@ local Hugging Face checkpoint's weights: train.init_from=DIR, the model section
 (and a tokenizer.json) from it, every other section from --config.
 --init_from DIR (kvlab.cli.with_run) does the same from a kvlab run: a training
 workdir's latest checkpoint, or a conversion scripts/convert.py wrote.
+
+On two hosts (README, "Running on more than one device"), the same command on
+each, with JAX_COORDINATOR_ADDRESS=host0:port JAX_NUM_PROCESSES=2 and
+JAX_PROCESS_ID=0 or 1 (or --config.mesh.distributed=True under SLURM or on a
+TPU pod, which jax detects).
 """
 
 from absl import flags
 from ml_collections import config_flags
 
 import kvlab
-from kvlab import cli
+from kvlab import cli, sharding
 from kvlab.train import train
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/gqa.py:tiny", "kvlab config file.")
@@ -35,6 +40,9 @@ flags.mark_flag_as_required("workdir")
 def main(argv):
     del argv
     cfg = kvlab.validate_config(_CONFIG.value)
+    # Several hosts (mesh.distributed=True or JAX_COORDINATOR_ADDRESS, ...): joined
+    # before anything below touches a device.
+    sharding.initialize_distributed(cfg.mesh)
     if _HF.value is not None:
         cfg = cli.with_hf(cfg, _HF.value, init_from=_INIT_FROM.value)
     elif _INIT_FROM.value is not None:

@@ -3,6 +3,7 @@ real model's tokenizer (tokenizer.py, with data.tokenizer) and synthetic recall 
 
     ds = make_dataset(cfg.data, split="train", seq_len=cfg.train.seq_len)
     batch = ds.batch(step, batch_size, seed)        # the same arguments, the same arrays
+    part = ds.batch(step, batch_size, seed, rows=[0, 1])  # == batch's rows 0 and 1 (one host's)
     held_out = make_dataset(cfg.data, "validation", cfg.train.seq_len).eval_batches(16, 4)
 
 Every batch is a dict of numpy arrays:

@@ -26,7 +26,8 @@ a sequence needs 4P <= T + 1.
                             its value), else 0: each row sums to P
 
 The metric is the accuracy on the weighted targets. `batch(step, batch_size,
-seed)` draws from a generator seeded by (seed, step, split); `eval_batches`
+seed, rows=None)` draws from a generator seeded by (seed, step, split), and
+keeps `rows` of the batch when given; `eval_batches`
 from a fixed generator per split and batch index, so every call returns the
 same sequences and the splits differ.
 """
@@ -124,10 +125,15 @@ class MqarDataset:
             rng, batch_size, self.seq_len, self.num_pairs, self.vocab_size, self.power
         )
 
-    def batch(self, step: int, batch_size: int, seed: int) -> Batch:
-        """A batch of fresh sequences, a pure function of (seed, step, batch_size)."""
+    def batch(self, step: int, batch_size: int, seed: int, rows: np.ndarray | None = None) -> Batch:
+        """A batch of fresh sequences, a pure function of (seed, step, batch_size).
+
+        With `rows` (indices into the batch), only those rows of it, in that
+        order: one host's part of a multi-host batch. The generator draws whole
+        batches, so every host generates all rows and keeps its own."""
         rng = np.random.default_rng([seed, step, SPLITS.index(self.split)])
-        return self._generate(rng, batch_size)
+        batch = self._generate(rng, batch_size)
+        return batch if rows is None else {name: array[rows] for name, array in batch.items()}
 
     def eval_batches(self, batch_size: int, num_batches: int) -> list[Batch]:
         """num_batches batches of the split's fixed evaluation sequences."""

@@ -31,6 +31,9 @@ Sampling. `batch(step, batch_size, seed)` draws window starts uniformly over
 every valid start of the split (a file of length n >= T + 1 has n - T of them),
 from a generator seeded by (seed, step, split): the same arguments always give
 the same batch, so a resumed run sees the batches an uninterrupted run saw.
+`batch(..., rows=)` gives only some rows of that batch, reading only their
+windows: each host of a multi-host run reads the rows its devices hold
+(kvlab/train.py `host_batch`).
 `eval_batches(batch_size, num_batches)` takes the split's windows at stride T
 from the start of each file, in file order (consecutive windows share one byte,
 so each byte after a file's first is a target exactly once; a tail shorter
@@ -307,10 +310,15 @@ class ByteDataset:
         # [B, T + 1] corpus positions, gathered in one indexing op
         return self._gather(starts[:, None] + np.arange(self.seq_len + 1))
 
-    def batch(self, step: int, batch_size: int, seed: int) -> Batch:
-        """A batch of uniformly drawn windows, a pure function of (seed, step, batch_size)."""
+    def batch(self, step: int, batch_size: int, seed: int, rows: np.ndarray | None = None) -> Batch:
+        """A batch of uniformly drawn windows, a pure function of (seed, step, batch_size).
+
+        With `rows` (indices into the batch), only those rows of it, in that
+        order, gathering only their windows: one host's part of a multi-host batch."""
         rng = np.random.default_rng([seed, step, SPLITS.index(self.split)])
         draws = rng.integers(0, self._cumulative_starts[-1], batch_size)  # [B] over all starts
+        if rows is not None:
+            draws = draws[rows]
         files = np.searchsorted(self._cumulative_starts, draws, side="right")
         first_draw_of_file = self._cumulative_starts[files] - self._starts_per_file[files]
         return self._windows(self.files.offsets[files] + draws - first_draw_of_file)
