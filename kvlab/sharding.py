@@ -231,8 +231,9 @@ def initialize_distributed(
             "kvlab.sharding.initialize_distributed first (scripts/train.py does)"
         ) from error
     except ValueError as error:  # nothing set and no cluster detected
+        said = str(error).rstrip(".")
         raise ValueError(
-            f"{why} asks for several hosts, but jax found none ({error}; it detects "
+            f"{why} asks for several hosts, but jax found none ({said}; it detects "
             f"SLURM, Open MPI, Cloud TPU pods and Kubernetes): set {address}=host:port, "
             f"{count} and {index} on every host, or mesh.distributed=False for one host"
         ) from error
