@@ -71,7 +71,7 @@ LOGICAL_AXIS_RULES = (
     ("latent", ""),  # MLA's kv_rank and q_rank
     ("experts", ""),  # E routed experts (and the router's outputs)
     ("norm", ""),  # RMSNorm scales
-    ("cache_batch", "data"),  # cache rows (and lengths, errors, block tables)
+    ("cache_batch", "data,fsdp"),  # cache rows (and lengths, errors, block tables)
     ("cache_heads", "tensor"),  # cached heads (MQA and MLA cache one: replicated)
     ("cache_pages", ""),  # paged pools' pages (rows may use any page: replicated)
 )

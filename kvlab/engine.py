@@ -18,6 +18,15 @@ Requests are greedy (argmax); each gets what it would get alone. Two step
 shapes compile: [max_slots, prefill_chunk] and [max_slots, 1]. Every step
 attends over max_len positions per slot, so a max_len near the longest request
 makes steps cheaper than the default (all the pool holds).
+
+On a mesh (`Engine(..., mesh=kvlab.sharding.make_mesh(cfg))`, docs/design.md
+"Scale-out") the slots are the cache's rows: split over `cache_batch` (default
+data x fsdp, as far as max_slots divides), cached heads over tensor, the page
+pool replicated over data (any slot may hold any page), parameters by their
+logical axes. Each step's host-made inputs (tokens, counts, block tables,
+lengths) are placed by those rows, so the same two programs run every step and
+every request gets the tokens it gets on one device. The scheduler does not
+change: which slot a request takes does not matter, as all slots step together.
 """
 
 from __future__ import annotations
@@ -31,12 +40,14 @@ from collections.abc import Mapping
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh, PartitionSpec
 
+from kvlab import sharding
 from kvlab.cache import PagedCache, PrefixCache, init_cache
 from kvlab.cache.paged import pool_size
 from kvlab.config import check_count, frozen, validate_cache_config
 from kvlab.model import Transformer
-from kvlab.sampling import prefill
+from kvlab.sampling import place_params, prefill
 from kvlab.scheduler import Scheduler, Step, check_requests, check_token_id
 
 # max_len when cache.num_pages=0 (a pool of max_slots rows of max_len tokens).
@@ -84,6 +95,9 @@ class Engine:
         cache.num_pages=0).
       prefill_chunk: prompt tokens fed per slot and step.
       end_token: a request stops after emitting it (kept in its output).
+      mesh, rules: run on this mesh (kvlab/sharding.py), laid out by `rules`
+        (default kvlab.sharding.axis_rules()); a mesh of one device runs the
+        single-device program.
     """
 
     def __init__(
@@ -96,6 +110,8 @@ class Engine:
         max_len: int | None = None,
         prefill_chunk: int = 32,
         end_token: int | None = None,
+        mesh: Mesh | None = None,
+        rules: tuple | None = None,
     ):
         validate_cache_config(cache_cfg, model_cfg)
         if cache_cfg["kind"] != "paged":
@@ -111,7 +127,12 @@ class Engine:
             )
         self.model = Transformer(model_cfg)
         self.cache_cfg = frozen(cache_cfg)
-        self.params = params
+        self.mesh = None if mesh is None or mesh.size == 1 else mesh
+        if self.mesh is not None:
+            self.rules = sharding.axis_rules() if rules is None else rules
+        else:
+            self.rules = None
+        self.params = place_params(self.model.config, params, self.mesh, self.rules)
         self.max_slots = check_count("max_slots", max_slots)
         if max_len is None:
             max_len = cache_cfg["num_pages"] * cache_cfg["page_size"] or DEFAULT_MAX_LEN
@@ -138,7 +159,13 @@ class Engine:
         )
         pool_cfg = dict(self.cache_cfg, num_pages=self.num_pages)
         self._cache = init_cache(
-            self.model.config, pool_cfg, self.max_slots, self.max_len, own_pages=False
+            self.model.config,
+            pool_cfg,
+            self.max_slots,
+            self.max_len,
+            own_pages=False,
+            mesh=self.mesh,
+            rules=self.rules,
         )
 
     def generate(self, requests, max_new_tokens: int) -> list[list[int]]:
@@ -177,13 +204,23 @@ class Engine:
         for width in sorted({self.prefill_chunk, 1}):
             self._run(Step.idle(self.max_slots, width, self.scheduler.pages_per_slot))
 
+    def _slots(self, values: np.ndarray) -> jax.Array:
+        """A host array [max_slots, ...] on the device(s): split by slots as the
+        cache's rows are, on a mesh."""
+        if self.mesh is None:
+            return jnp.asarray(values)
+        rows = PartitionSpec("cache_batch", *(None,) * (values.ndim - 1))
+        return jax.device_put(
+            values, sharding.named_sharding(rows, values.shape, self.mesh, self.rules)
+        )
+
     def _run(self, step: Step) -> np.ndarray:
         """One jitted step over every slot: the greedy next token of each, int32[max_slots]."""
         cache = self._cache.replace(
-            block_tables=jnp.asarray(step.block_tables), lengths=jnp.asarray(step.lengths)
+            block_tables=self._slots(step.block_tables), lengths=self._slots(step.lengths)
         )
         next_tokens, self._cache = greedy_step(
-            self.model, self.params, cache, jnp.asarray(step.tokens), jnp.asarray(step.counts)
+            self.model, self.params, cache, self._slots(step.tokens), self._slots(step.counts)
         )
         self._cache.check()
         return np.asarray(next_tokens)

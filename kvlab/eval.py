@@ -32,7 +32,8 @@ from jax.sharding import Mesh
 from kvlab import sharding
 from kvlab.cache import cache_bytes, init_cache, tree_bytes
 from kvlab.config import CACHED_PREFIXES, check_count, frozen, validate_cache_config
-from kvlab.model import Transformer, param_axes
+from kvlab.model import Transformer
+from kvlab.sampling import place_params
 from kvlab.train import score, summarize, target_bytes
 
 
@@ -81,17 +82,18 @@ def evaluate(
     With `mesh` (kvlab/sharding.py) the evaluation runs there: params placed by
     their logical axes, each window's cache laid out (init_cache(mesh=)) and its
     rows split as far as the batch divides, by `rules` (default
-    kvlab.sharding.axis_rules())."""
+    kvlab.sharding.axis_rules()). A mesh of one device runs the single-device
+    program."""
     validate_cache_config(cache_cfg, model_cfg)
     chunk = check_count("eval.chunk", chunk)
     if not batches:
         raise ValueError("no evaluation batches: the held-out split produced no windows")
     model = Transformer(model_cfg)
     cache_cfg = frozen(cache_cfg)
+    mesh = None if mesh is None or mesh.size == 1 else mesh
     if mesh is not None:
         rules = sharding.axis_rules() if rules is None else rules
-        placed = sharding.shardings(param_axes(model.config), params, mesh, rules)
-        params = jax.device_put(params, placed)
+        params = place_params(model.config, params, mesh, rules)
     scored = []  # per-chunk sums, fetched once at the end
     seq_len = None
     for batch in batches:

@@ -1,6 +1,7 @@
 """What a cache choice does to a model's outputs, against a reference cache.
 
-    cache_error(model, params, tokens [B, T], cache_cfg, reference_cfg, chunk) -> dict
+    cache_error(model, params, tokens [B, T], cache_cfg, reference_cfg, chunk,
+                mesh=None, rules=None) -> dict
 
 Both caches run the same tokens through the model in chunks of `chunk` tokens
 (prefill with decode semantics), and the probe compares what comes out:
@@ -11,23 +12,32 @@ Both caches run the same tokens through the model in chunks of `chunk` tokens
   positions whose top token is unchanged, and the change in next-token loss
   (nats) on the tokens themselves.
 
+With `mesh` (kvlab/sharding.py) both runs happen there: parameters laid out by
+their logical axes, each cache by the cache rules, the tokens' rows split as
+the cache's are (as far as B divides); a mesh of one device runs the
+single-device program.
+
 Used by scripts/quant_probe.py to check how sensitive keys and values are to
 their bit-widths (KIVI, arXiv:2402.02750; KVQuant, arXiv:2401.18079).
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh, PartitionSpec
 
+from kvlab import sharding
 from kvlab.attention.gqa import GroupedQueryAttention
 from kvlab.attention.mla import MultiHeadLatentAttention
 from kvlab.cache.factory import init_cache
 from kvlab.model import Transformer
+from kvlab.sampling import place_params
 
 
 def _is_attention(module: nn.Module, method: str) -> bool:
@@ -36,23 +46,42 @@ def _is_attention(module: nn.Module, method: str) -> bool:
     )
 
 
-def run_through_cache(model: Transformer, params, tokens, cache_cfg: Mapping, chunk: int):
-    """Logits [B, T, V] and per-layer attention outputs [L, B, T, D] of tokens fed in chunks."""
-    batch, length = tokens.shape
-    cache = init_cache(model.config, cache_cfg, batch, length)
+@functools.partial(jax.jit, static_argnums=0)
+def _step(model: Transformer, params, cache, piece):
+    """Logits [B, t, V], attention outputs [L, B, t, D] and the cache after piece [B, t]."""
+    (logits, cache), state = model.apply(
+        {"params": params}, piece, cache=cache, capture_intermediates=_is_attention
+    )
+    blocks = state["intermediates"]
+    outputs = [blocks[f"block_{i}"]["attention"]["__call__"][0][0] for i in range(len(blocks))]
+    return logits, jnp.stack(outputs), cache
 
-    @jax.jit
-    def step(cache, piece):
-        (logits, cache), state = model.apply(
-            {"params": params}, piece, cache=cache, capture_intermediates=_is_attention
-        )
-        blocks = state["intermediates"]
-        outputs = [blocks[f"block_{i}"]["attention"]["__call__"][0][0] for i in range(len(blocks))]
-        return logits, jnp.stack(outputs), cache
+
+def run_through_cache(
+    model: Transformer,
+    params,
+    tokens,
+    cache_cfg: Mapping,
+    chunk: int,
+    mesh: Mesh | None = None,
+    rules: tuple | None = None,
+):
+    """Logits [B, T, V] and per-layer attention outputs [L, B, T, D] of tokens fed
+    in chunks (on `mesh` when given: params and tokens are placed here)."""
+    batch, length = tokens.shape
+    if mesh is not None and mesh.size > 1:
+        rules = sharding.axis_rules() if rules is None else rules
+        params = place_params(model.config, params, mesh, rules)
+        rows = sharding.named_sharding(PartitionSpec("cache_batch"), tokens.shape, mesh, rules)
+        tokens = jax.device_put(tokens, rows)
+    else:
+        mesh = None
+    cache = init_cache(model.config, cache_cfg, batch, length, mesh=mesh, rules=rules)
 
     logits, outputs = [], []
     for start in range(0, length, chunk):
-        piece_logits, piece_outputs, cache = step(cache, tokens[:, start : start + chunk])
+        piece = tokens[:, start : start + chunk]
+        piece_logits, piece_outputs, cache = _step(model, params, cache, piece)
         logits.append(piece_logits)
         outputs.append(piece_outputs)
     cache.check()
@@ -60,11 +89,19 @@ def run_through_cache(model: Transformer, params, tokens, cache_cfg: Mapping, ch
 
 
 def cache_error(
-    model: Transformer, params, tokens, cache_cfg: Mapping, reference_cfg: Mapping, chunk: int
+    model: Transformer,
+    params,
+    tokens,
+    cache_cfg: Mapping,
+    reference_cfg: Mapping,
+    chunk: int,
+    mesh: Mesh | None = None,
+    rules: tuple | None = None,
 ) -> dict:
     """Output error of `cache_cfg` against `reference_cfg` (module docstring)."""
-    logits, attention = run_through_cache(model, params, tokens, cache_cfg, chunk)
-    ref_logits, ref_attention = run_through_cache(model, params, tokens, reference_cfg, chunk)
+    run = lambda cfg: run_through_cache(model, params, tokens, cfg, chunk, mesh, rules)  # noqa: E731
+    logits, attention = run(cache_cfg)
+    ref_logits, ref_attention = run(reference_cfg)
     norm = lambda x: jnp.sqrt(jnp.sum(jnp.square(x), axis=(1, 2, 3)))  # noqa: E731  per layer
     attention_error = norm(attention - ref_attention) / norm(ref_attention)
     log_p, log_ref = jax.nn.log_softmax(logits), jax.nn.log_softmax(ref_logits)

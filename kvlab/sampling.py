@@ -7,6 +7,7 @@
     generate(model, params, prompts [B, T], cache_cfg=..., max_new_tokens=M,
              sampler=Greedy(), prompt_lengths=None, end_token=None)
         -> int32[B, T + M]
+    place_params(model_cfg, params, mesh, rules) -> params laid out on the mesh
 
 Both steps donate the cache they are given (its buffers are reused for the
 result; do not read the old cache afterwards) and compile once per shape:
@@ -30,14 +31,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import struct
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from kvlab import sharding
 from kvlab.cache.dense import Cache, check_errors
 from kvlab.cache.factory import cache_shardings, init_cache
 from kvlab.cache.placement import write_tokens
 from kvlab.config import check_count, frozen, validate_cache_config
-from kvlab.model import Transformer, check_inputs
+from kvlab.model import Transformer, check_inputs, param_axes
 
 # ---------------------------------------------------------------------------
 # Samplers
@@ -117,6 +118,15 @@ class TopP:
 
 # ---------------------------------------------------------------------------
 # Steps
+
+
+def place_params(model_cfg: Mapping, params, mesh: Mesh | None, rules: tuple | None = None):
+    """`params` laid out on `mesh` by their logical axes (kvlab/sharding.py; `rules`
+    default kvlab.sharding.axis_rules()); as they are without a mesh."""
+    if mesh is None:
+        return params
+    rules = sharding.axis_rules() if rules is None else rules
+    return jax.device_put(params, sharding.shardings(param_axes(model_cfg), params, mesh, rules))
 
 
 @functools.partial(jax.jit, static_argnums=0, donate_argnums=2)

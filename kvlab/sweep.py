@@ -27,8 +27,10 @@ cache) pairs in model-major order.
     run_sweep(cfg, grid, workdir, sweep_index=i, sweep_count=n)
 
 runs slice i of n (a contiguous run of units, so most slices train one or two
-models) and writes workdir/slices/<i>-of-<n>.csv, printing a line per unit
-(model 2/5, cache 3/12, units done and the time left at the pace so far);
+models) on the mesh of the config's mesh section (kvlab.sharding.make_mesh:
+training through train(), evaluation through evaluate(mesh=)) and writes
+workdir/slices/<i>-of-<n>.csv, printing a line per unit (model 2/5, cache
+3/12, units done and the time left at the pace so far);
 `merge(workdir)` joins the slices, checks each unit appears exactly once, and
 writes workdir/results.csv, workdir/pareto.png and a wandb run holding both.
 With one slice, run_sweep merges by itself. Files are replaced atomically
@@ -73,6 +75,7 @@ from kvlab.eval import evaluate, full_precision
 from kvlab.files import read_json, store_json, write_atomic
 from kvlab.hf import config_from_hf, save_hf
 from kvlab.logging import Run
+from kvlab.sharding import axis_rules, make_mesh
 from kvlab.train import initial_params, load_run_config, start_workdir, train
 
 # results.csv columns, in order. `bits` labels each cached tensor by the bits it
@@ -442,14 +445,15 @@ def run_sweep(
         params = _model_params(model_units[0], workdir, sweep.name, progress)
         data = make_dataset(first.data, first.eval.split, first.train.seq_len)
         batches = data.eval_batches(first.eval.batch_size, first.eval.num_batches)
-        chunk = first.eval.chunk
         baseline_cache = full_precision(first.cache)
-        baseline = evaluate(first.model, baseline_cache, params, batches, chunk=chunk)
+        mesh = make_mesh(first)  # a model entry may change the mesh or the heads it splits
+        on_mesh = dict(chunk=first.eval.chunk, mesh=mesh, rules=axis_rules(first.mesh))
+        baseline = evaluate(first.model, baseline_cache, params, batches, **on_mesh)
         for cache_index, unit in enumerate(model_units, start=1):
             if unit.cfg.cache.to_dict() == baseline_cache.to_dict():
                 result = baseline  # the full-precision entry: already evaluated
             else:
-                result = evaluate(unit.cfg.model, unit.cfg.cache, params, batches, chunk=chunk)
+                result = evaluate(unit.cfg.model, unit.cfg.cache, params, batches, **on_mesh)
             rows.append(_row(sweep.name, unit, result, baseline, data.metric))
             if progress:
                 elapsed = time.perf_counter() - started

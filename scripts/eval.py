@@ -6,6 +6,7 @@
         --cache.cache.k_bits=4 --json
     python scripts/eval.py --hf path/to/hf_model --cache configs/kv_kivi2.py:tiny \
         --cache.data.source=text --cache.data.path=notes.txt      # your own checkpoint
+    python scripts/eval.py --workdir runs/gqa --mesh.data=2 --mesh.tensor=4  # on 8 devices
 
 The model, data and eval sections come from the run (workdir/config.json); the
 cache section from --cache (a config file; its other sections are ignored) with
@@ -18,6 +19,11 @@ text goes through the cache in prefill chunks (kvlab/eval.py), so the numbers
 are what generation with that cache sees. Prints ppl, bits per byte, cache
 bytes per token (analytic and measured) and the change against the same cache
 at 16 bits.
+
+The evaluation runs on the mesh --mesh.* describe (the config's mesh section,
+kvlab.sharding.make_mesh; default data parallel over every device, whatever
+mesh the run trained on): weights by their logical axes, each window's rows
+and cache split over it. On one device nothing moves.
 """
 
 import json
@@ -25,7 +31,7 @@ import json
 from absl import flags
 from ml_collections import config_flags
 
-from kvlab import cli
+from kvlab import cli, sharding
 from kvlab.config import base_config, validate_cache_config
 from kvlab.data import make_dataset
 from kvlab.eval import evaluate, full_precision
@@ -47,6 +53,12 @@ _SPLIT = flags.DEFINE_enum(
 _CHUNK = flags.DEFINE_integer("chunk", None, "Tokens per prefill step (default eval.chunk).")
 _STEP = flags.DEFINE_integer("step", None, "Checkpoint step (default: the latest).")
 _JSON = flags.DEFINE_bool("json", False, "Print one JSON object instead of a table.")
+_MESH = config_flags.DEFINE_config_dict(
+    "mesh",
+    base_config().mesh,
+    "The device mesh to evaluate on (the config's mesh section): --mesh.data, --mesh.fsdp, "
+    "--mesh.tensor, --mesh.rules.<logical>.",
+)
 
 
 def load():
@@ -71,10 +83,12 @@ def main(argv):
     validate_cache_config(cache_cfg, cfg.model)
     split = _SPLIT.value or cfg.eval.split
     chunk = _CHUNK.value or cfg.eval.chunk
+    cfg.mesh = _MESH.value
+    on_mesh = dict(chunk=chunk, mesh=sharding.make_mesh(cfg), rules=sharding.axis_rules(cfg.mesh))
     data = make_dataset(cfg.data, split, cfg.train.seq_len)
     batches = data.eval_batches(cfg.eval.batch_size, cfg.eval.num_batches)
-    result = evaluate(cfg.model, cache_cfg, params, batches, chunk=chunk)
-    baseline = evaluate(cfg.model, full_precision(cache_cfg), params, batches, chunk=chunk)
+    result = evaluate(cfg.model, cache_cfg, params, batches, **on_mesh)
+    baseline = evaluate(cfg.model, full_precision(cache_cfg), params, batches, **on_mesh)
     metric = data.metric
     report = {
         "workdir": _WORKDIR.value,

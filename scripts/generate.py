@@ -14,6 +14,9 @@
     python scripts/generate.py --hf path/to/hf_model --config configs/kv_kivi2.py:tiny \
         --prompt="The KV cache"                 # a local Hugging Face checkpoint, KIVI cache
 
+    python scripts/generate.py --config configs/gqa.py:tiny \
+        --config.mesh.data=2 --config.mesh.tensor=4   # on 8 devices (kvlab.sharding.make_mesh)
+
 Tokens are bytes (vocab 256) and a row stops after a newline, unless the
 config's data.tokenizer names a real model's tokenizer.json: then prompts are
 encoded by it, the output decoded by it, and a row stops after its end token
@@ -24,7 +27,9 @@ bytes, decode tokens/s. With --workdir the model, its data section (so its
 tokenizer) and its weights come from that training run and only the cache
 section from --config. With --hf DIR (kvlab.cli.with_hf) they come from a
 Hugging Face checkpoint folder: its model, its weights and, when it holds a
-tokenizer.json, its tokenizer.
+tokenizer.json, its tokenizer. The config's mesh section (default: data
+parallel over every device) places the weights and the prompts' rows; on one
+device nothing moves.
 """
 
 import time
@@ -35,8 +40,9 @@ from absl import flags
 from ml_collections import config_flags
 
 import kvlab
-from kvlab import cli
+from kvlab import cli, sharding
 from kvlab.data import load_tokenizer
+from kvlab.sampling import place_params
 from kvlab.train import initial_params, load_params
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/gqa.py:tiny", "kvlab config file.")
@@ -83,12 +89,14 @@ def main(argv):
     cfg = kvlab.validate_config(_CONFIG.value)
     if _HF.value is not None:
         cfg = cli.with_hf(cfg, _HF.value, workdir=_WORKDIR.value)
-        params = initial_params(cfg)
     elif _WORKDIR.value:
         trained, params = load_params(_WORKDIR.value)
         cfg.model, cfg.data = trained.model, trained.data
         kvlab.validate_config(cfg)
-    else:
+    mesh, rules = sharding.make_mesh(cfg), sharding.axis_rules(cfg.mesh)  # before any compile
+    if _HF.value is not None:
+        params = initial_params(cfg)
+    elif not _WORKDIR.value:
         params = kvlab.init_params(cfg.model, jax.random.key(_SEED.value))
     model = kvlab.Transformer(cfg.model)
     if cfg.data.tokenizer:
@@ -105,6 +113,9 @@ def main(argv):
     prompts = np.zeros((len(encoded), lengths.max()), np.int32)  # right-padded
     for row, tokens in enumerate(encoded):
         prompts[row, : len(tokens)] = tokens
+    if mesh.size > 1:  # generate runs on the mesh its prompts are laid out on
+        params = place_params(cfg.model, params, mesh, rules)
+        prompts = jax.device_put(prompts, sharding.batch_sharding(mesh, rules, len(prompts)))
 
     def run():
         return kvlab.generate(
@@ -117,6 +128,7 @@ def main(argv):
             prompt_lengths=lengths,
             end_token=end,
             rng=jax.random.key(_SEED.value),
+            rules=rules,
         ).block_until_ready()
 
     run()  # compile
@@ -139,9 +151,15 @@ def main(argv):
     batch, max_len = len(encoded), prompts.shape[1] + _NEW.value
     analytic = kvlab.cache_bytes(cfg.model, cfg.cache, batch, max_len)
     measured = kvlab.tree_bytes(kvlab.init_cache(cfg.model, cfg.cache, batch, max_len))
+    on_mesh = ""
+    if mesh.size > 1:
+        held = kvlab.cache_bytes(
+            cfg.model, cfg.cache, batch, max_len, per_device=True, mesh=mesh, rules=rules
+        )
+        on_mesh = f", {held:,} per device of the mesh {dict(mesh.shape)}"
     print(
         f"cache: {cli.count(batch, 'row')} x {cli.count(max_len, 'token')} in "
-        f"{cfg.cache.dtype}: {analytic:,} bytes analytic, {measured:,} measured"
+        f"{cfg.cache.dtype}: {analytic:,} bytes analytic, {measured:,} measured{on_mesh}"
     )
     print(
         f"generated {cli.count(generated, 'token')} in {seconds * 1e3:.1f} ms "

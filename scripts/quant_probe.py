@@ -3,6 +3,7 @@
     python scripts/quant_probe.py --config configs/kv_kivi2.py:tiny
     python scripts/quant_probe.py --config configs/gqa.py:tiny --bits=16,8,4,2 --json
     python scripts/quant_probe.py --hf path/to/hf_model --config configs/kv_kivi2.py:tiny
+    python scripts/quant_probe.py --config configs/gqa.py:tiny --config.mesh.tensor=2
 
 For every pair (key bits, value bits) from --bits, the model reads a stretch of
 real text (a Python standard-library source file, as bytes) through that cache
@@ -17,6 +18,10 @@ in a trained model. Read the numbers as a property of this model, or measure
 a real one: --hf DIR (kvlab.cli.with_hf) takes the model and its weights from
 a local Hugging Face checkpoint, and the text goes through its tokenizer.json
 when the folder holds one.
+
+Both caches run on the mesh of the config's mesh section
+(kvlab.sharding.make_mesh; default data parallel over every device, the rows
+split as far as --batch_size divides); on one device nothing moves.
 """
 
 import json
@@ -28,7 +33,7 @@ from absl import flags
 from ml_collections import config_flags
 
 import kvlab
-from kvlab import cli
+from kvlab import cli, sharding
 from kvlab.config import cached_prefixes
 from kvlab.data import load_tokenizer
 from kvlab.probe import cache_error
@@ -64,6 +69,8 @@ def main(argv):
     cfg = kvlab.validate_config(_CONFIG.value)
     if _HF.value is not None:
         cfg = cli.with_hf(cfg, _HF.value)
+    mesh, rules = sharding.make_mesh(cfg), sharding.axis_rules(cfg.mesh)  # before any compile
+    if _HF.value is not None:
         params = initial_params(cfg)
     else:
         params = kvlab.init_params(cfg.model, jax.random.key(_SEED.value))
@@ -77,7 +84,9 @@ def main(argv):
         for value_bits in [int(b) for b in _BITS.value]:
             cache = cfg.cache.copy_and_resolve_references()
             cache.update({f"{key}_bits": key_bits, f"{value}_bits": value_bits})
-            error = cache_error(model, params, tokens, cache, reference, _CHUNK.value)
+            error = cache_error(
+                model, params, tokens, cache, reference, _CHUNK.value, mesh=mesh, rules=rules
+            )
             error["attention_relative_error"] = float(np.mean(error["attention_relative_error"]))
             rows.append(
                 {

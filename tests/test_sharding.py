@@ -17,6 +17,7 @@ The rest run here, on one device, without compiling anything.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -31,6 +32,8 @@ from jax.sharding import PartitionSpec as P
 
 import kvlab
 import kvlab.eval
+import kvlab.probe
+import kvlab.sweep
 from kvlab import sharding, train
 from kvlab.cache.factory import cache_shardings
 from kvlab.config import frozen
@@ -188,13 +191,21 @@ def test_cache_bytes_per_device_by_the_rules():
     cfg = model_config()
     whole = kvlab.cache_bytes(cfg.model, cfg.cache, 4, 64)
     mesh = dict(data=2, fsdp=2, tensor=2)
-    # Rows over data, the two KV heads over tensor: a quarter each (row bytes: a half).
+    # Rows over data x fsdp, the two KV heads over tensor: an eighth each (row bytes: a
+    # quarter).
     per_device = kvlab.cache_bytes(cfg.model, cfg.cache, 4, 64, per_device=True, mesh=mesh)
     rows = kvlab.cache.accounting.ROW_BYTES * 4
-    assert per_device == (whole - rows) // 4 + rows // 2
+    assert per_device == (whole - rows) // 8 + rows // 4
     mqa = model_config(num_kv_heads=1)
     replicated = kvlab.cache_bytes(mqa.model, mqa.cache, 4, 64, per_device=True, mesh=mesh)
-    assert replicated == kvlab.cache_bytes(mqa.model, mqa.cache, 2, 64)  # its one head on each
+    assert replicated == kvlab.cache_bytes(mqa.model, mqa.cache, 1, 64)  # its one head on each
+    # The rule cache_batch='data' (rows over data alone) keeps a row on both fsdp devices.
+    cfg.mesh.rules.cache_batch = "data"
+    rules = sharding.axis_rules(cfg.mesh)
+    by_data = kvlab.cache_bytes(
+        cfg.model, cfg.cache, 4, 64, per_device=True, mesh=mesh, rules=rules
+    )
+    assert by_data == (whole - rows) // 4 + rows // 2
     with pytest.raises(ValueError, match="needs the mesh"):
         kvlab.cache_bytes(cfg.model, cfg.cache, 4, 64, per_device=True)
 
@@ -336,14 +347,17 @@ def test_on_mesh_prefill_and_decode_through_the_cache_are_unchanged(gqa, kind):
     assert_cache_layout(cache)  # the steps keep the layout
 
 
+ROWS = ("data", "fsdp")  # the default rule of cache rows, cache_batch
+
+
 def assert_cache_layout(cache, heads=("tensor",)):
-    """Rows over data, cached heads over tensor (when given), pools by heads only."""
-    by_rows = P("data", *heads)
+    """Rows over data x fsdp, cached heads over tensor (when given), pools by heads only."""
+    by_rows = P(ROWS, *heads)
     for path, leaf in jax.tree_util.tree_leaves_with_path(cache):
         name = jax.tree_util.keystr(path)
         pooled = isinstance(cache, kvlab.cache.PagedCache) and ".ring" not in name
         if "lengths" in name or "errors" in name or "block_tables" in name:
-            want = P("data")
+            want = P(ROWS)
         else:
             want = P(*heads) if pooled else by_rows
         assert same_layout(leaf.sharding, want, leaf.ndim), (name, leaf.sharding)
@@ -371,9 +385,9 @@ def test_on_mesh_one_cached_head_is_replicated_over_tensor(gqa):
     assert_cache_layout(cache, heads=())
     per_device = kvlab.cache_bytes(cfg.model, cfg.cache, 4, 32, per_device=True, mesh=mesh)
     assert per_device == kvlab.tree_bytes(cache, per_device=True)
-    assert per_device == kvlab.cache_bytes(cfg.model, cfg.cache, 2, 32)  # half the rows
+    assert per_device == kvlab.cache_bytes(cfg.model, cfg.cache, 1, 32)  # a quarter of the rows
     abstract = cache_shardings(jax.eval_shape(lambda: cache), mesh, rules)
-    assert specs(abstract.lengths) == P("data")
+    assert specs(abstract.lengths) == P(ROWS)
 
 
 @on_eight
@@ -483,3 +497,152 @@ def test_on_mesh_a_checkpoint_from_one_mesh_resumes_on_another(tmp_path):
     _, params = train.load_params(workdir)  # and onto one device, for anything else
     assert all(len(leaf.devices()) == 1 for leaf in jax.tree.leaves(params))
     assert_close(params, jax.device_get(resumed.params))
+
+
+# ---------------------------------------------------------------------------
+# The Engine, the probe, the sweep and the scripts on a mesh
+
+
+ENGINE_CACHE = dict(kind="paged", page_size=8, prefix_caching=True)
+
+
+def engine_requests():
+    """Ten prompts for 8 slots: slots are reused, and the last finds the first's
+    prefix in the prefix cache."""
+    rng = np.random.default_rng(5)
+    shared = rng.integers(0, 256, 9).tolist()
+    prompts = [rng.integers(0, 256, n).tolist() for n in (3, 11, 1, 7, 5, 13, 2, 9)]
+    return [shared + [1], *prompts, shared + [2]]
+
+
+def new_engine(cfg, params, mesh=None, rules=None):
+    cache_cfg = ml_collections.ConfigDict(cfg.cache.to_dict())
+    cache_cfg.update(ENGINE_CACHE)
+    return kvlab.Engine(
+        cfg.model,
+        cache_cfg,
+        params,
+        max_slots=8,
+        max_len=24,
+        prefill_chunk=8,
+        mesh=mesh,
+        rules=rules,
+    )
+
+
+@pytest.fixture(scope="module")
+def engine_on_one_device(gqa):
+    cfg, *_, params, _ = gqa
+    return new_engine(cfg, params).generate(engine_requests(), max_new_tokens=4)
+
+
+@on_eight
+@pytest.mark.parametrize("mesh", [(8, 1, 1), (2, 1, 2)])
+def test_on_mesh_the_engine_equals_one_device(gqa, engine_on_one_device, mesh):
+    """Slots split over data (x fsdp), heads over tensor: the same tokens, and the
+    two warmed-up programs serve every step (the layout stays put)."""
+    cfg, *_, params, _ = gqa
+    cfg = model_config(mesh)
+    on_mesh, rules = mesh_of(cfg)
+    engine = new_engine(cfg, params, on_mesh, rules)
+    engine.warm_up()
+    with count_compiles() as compiles:
+        got = engine.generate(engine_requests(), max_new_tokens=4)
+    assert got == engine_on_one_device
+    assert compiles[0] == 0
+    assert engine.stats.prefill_tokens < engine.stats.prompt_tokens  # the prefix was reused
+    assert_cache_layout(engine._cache)
+    query = engine.params["block_0"]["attention"]["query"]["kernel"]
+    assert same_layout(query.sharding, P(None, "tensor", None) if mesh[2] > 1 else P(), 3)
+
+
+@on_eight
+def test_on_mesh_the_probe_equals_one_device(gqa):
+    """What kvlab.probe.cache_error compares: logits and attention outputs through
+    a quantized cache, fed in chunks."""
+    cfg, mesh, rules, model, params, _ = gqa
+    tokens = np.random.default_rng(6).integers(0, 256, (4, 16)).astype(np.int32)
+    cache_cfg = ml_collections.ConfigDict(cfg.cache.to_dict())
+    cache_cfg.update(k_bits=4, v_bits=4)
+    run = lambda **on: kvlab.probe.run_through_cache(  # noqa: E731
+        model, params, tokens, cache_cfg, 8, **on
+    )
+    for got, want in zip(run(mesh=mesh, rules=rules), run(), strict=True):
+        np.testing.assert_allclose(got, want, atol=TOLERANCE, rtol=0)
+
+
+@on_eight
+def test_on_mesh_a_sweep_evaluates_on_its_mesh(tmp_path, monkeypatch):
+    """A checkpoint entry (nothing to train) evaluated on the config's mesh equals
+    kvlab.eval.evaluate on one device."""
+    llama = str(ROOT / "tests" / "fixtures" / "hf" / "llama")
+    cfg = run_config(write_corpus(tmp_path / "corpus", files=4))
+    cfg.eval.update(batch_size=4, num_batches=1, chunk=16, split="test")
+    cfg.mesh.update(data=2, fsdp=2, tensor=2)
+    cfg.sweep = {"name": "on_mesh"}
+    grid = {"models": {"llama": {"hf": llama}}, "caches": {"16bit": {}, "K8": {"cache.k_bits": 8}}}
+    meshes = []
+    evaluate = kvlab.sweep.evaluate
+
+    def recording(*args, mesh=None, **kwargs):
+        meshes.append(dict(mesh.shape))
+        return evaluate(*args, mesh=mesh, **kwargs)
+
+    monkeypatch.setattr(kvlab.sweep, "evaluate", recording)
+    # The first of two slices: the 16-bit unit alone (one evaluation, no merge).
+    workdir = str(tmp_path / "sweep")
+    (row,) = kvlab.sweep.run_sweep(cfg, grid, workdir, sweep_count=2, progress=False)
+    assert meshes == [dict(data=2, fsdp=2, tensor=2)]
+
+    unit = kvlab.sweep.expand(kvlab.sweep.split_sweep_config(cfg)[0], grid)[0]
+    params = train.initial_params(unit.cfg)
+    data = kvlab.data.make_dataset(unit.cfg.data, "test", unit.cfg.train.seq_len)
+    want = evaluate(unit.cfg.model, unit.cfg.cache, params, data.eval_batches(4, 1), chunk=16)
+    for key in ("ppl", "bits_per_byte", "cache_bytes_per_token"):
+        assert abs(float(row[key]) - want[key]) <= TOLERANCE * max(1.0, want[key]), key
+
+
+SCRIPTS = {  # each script's way to the mesh section, and a small run of it
+    "generate.py": ["--config.mesh.data=2", "--config.mesh.tensor=4", "--max_new_tokens=2"],
+    "quant_probe.py": ["--config.mesh.data=2", "--config.mesh.tensor=4", "--bits=4", "--seq_len=8"],
+    "eval.py": ["--hf=tests/fixtures/hf/llama", "--mesh.data=2", "--mesh.tensor=4"],
+}
+
+
+def test_the_scripts_take_the_mesh_section():
+    """On one device a mesh of 8 is refused naming the axes, before anything
+    compiles: each script builds its mesh from the flags. On 8 forced devices
+    generate.py runs there (one compiled loop of the tiny model)."""
+    one = {**os.environ, "XLA_FLAGS": "", "JAX_PLATFORMS": "cpu"}
+    # Concurrently: the refusals are mostly interpreter start-up.
+    runs = {name: script(name, args, one) for name, args in SCRIPTS.items()}
+    rows = [f"--prompt={text}" for text in ("def ", "import ", "class ", "x = ")]
+    mesh = ["--config.mesh.data=4", "--config.mesh.tensor=2", "--max_new_tokens=2"]
+    on_eight = script("generate.py", mesh + rows, {**one, "XLA_FLAGS": CHILD_FLAGS})
+    for name, run in runs.items():
+        _, stderr = run.communicate(timeout=300)
+        assert run.returncode == 2, (name, stderr[-3000:])
+        assert "mesh.data=2 x mesh.fsdp=1 x mesh.tensor=4 make 8 devices but there are 1" in (
+            stderr
+        ), (name, stderr[-3000:])
+    stdout, stderr = on_eight.communicate(timeout=300)
+    assert on_eight.returncode == 0, stderr[-3000:]
+    # 4 rows over data, 2 KV heads over tensor: an eighth of the tensors on each device.
+    found = re.search(
+        r"([\d,]+) bytes analytic, .* ([\d,]+) per device of the mesh (\{.*\})", stdout
+    )
+    assert found, stdout
+    whole, per_device = (int(found[i].replace(",", "")) for i in (1, 2))
+    assert found[3] == "{'data': 4, 'fsdp': 1, 'tensor': 2}"
+    assert per_device < whole / 4
+
+
+def script(name: str, args: list[str], env: dict) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, f"scripts/{name}", *args],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
