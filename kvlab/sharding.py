@@ -18,7 +18,7 @@ place the arrays and insert the communication. kvlab writes no collective.
 
 Defaults (docs/design.md, "Scale-out"): weights' model-width side over `fsdp`;
 heads, key/value heads, MLP width and vocabulary over `tensor`; batches over
-`data` x `fsdp`; cache rows over `data`, cached heads over `tensor`. A
+`data` x `fsdp`, and so are cache rows; cached heads over `tensor`. A
 dimension whose size the mesh axes of its rule do not divide keeps the longest
 leading run of those axes that does (`fit`): the key projection of MQA's one
 head, the one cached head of MQA and MLA, a batch of 2 rows on data x fsdp =

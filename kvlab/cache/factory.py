@@ -13,7 +13,7 @@ are documented in docs/design.md ("The cache pytree").
 
 On a mesh (kvlab/sharding.py, docs/design.md "Scale-out") every per-row array
 [B, KH, ...] (dense tensors; quantized payloads, scales, zero points and
-rings) is split by rows over `cache_batch` (default: mesh axis data) and by
+rings) is split by rows over `cache_batch` (default: mesh axes data x fsdp) and by
 heads over `cache_heads` (tensor), and page pools [KH, P, L, X] by heads and
 `cache_pages` (default replicated: any row may hold any page); a payload, its
 scales and its ring are split alike. Lengths, error flags and block tables
