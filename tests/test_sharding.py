@@ -1,4 +1,5 @@
-"""Scale-out (kvlab/sharding.py): meshes, logical axes, sharded params, caches and training.
+"""Scale-out (kvlab/sharding.py): meshes, logical axes, sharded params, caches and
+training; the Engine, the probe, sweeps and the scripts on a mesh.
 
 Two kinds of tests. Those named test_on_mesh_* need 8 devices: the normal
 suite runs on one, so `test_eight_host_devices_in_a_subprocess` runs them in
