@@ -20,14 +20,17 @@
   repository clone itself, from the folder above it) instead of the package.
 
 `attention_label` and `count` word what the scripts print about a model;
+`best_time` times the benchmarks' compiled calls;
 `with_hf` is what every script's `--hf DIR` does (docs/design.md, "Your own
 checkpoint"), `with_run` what scripts/train.py's `--init_from DIR` does.
 """
 
 import os
 import sys
+import time
 from collections.abc import Callable, Mapping
 
+import jax
 import ml_collections
 from absl import app, flags, logging
 
@@ -178,3 +181,15 @@ def attention_label(model: ml_collections.ConfigDict) -> str:
 def count(number: int, noun: str) -> str:
     """'1 KV head', '2 KV heads'."""
     return f"{number} {noun}" if number == 1 else f"{number} {noun}s"
+
+
+def best_time(fn: Callable[[], object], repeats: int) -> float:
+    """Seconds of the fastest of `repeats` calls of `fn` (after one warm-up call),
+    each waited for until its arrays are ready."""
+    jax.block_until_ready(fn())
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(fn())
+        times.append(time.perf_counter() - start)
+    return min(times)

@@ -54,17 +54,6 @@ _PROBE_MIB = flags.DEFINE_integer(
 _JSON = flags.DEFINE_bool("json", False, "Print one JSON object.")
 
 
-def best_time(fn, repeats: int) -> float:
-    """Seconds of the fastest of `repeats` calls (after one warm-up call)."""
-    jax.block_until_ready(fn())
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(fn())
-        times.append(time.perf_counter() - start)
-    return min(times)
-
-
 def memory_bandwidth(mib: int, repeats: int) -> dict:
     """Bytes/s read by a large reduction and a large matrix-vector product."""
     array = jnp.ones((mib * 2**20 // 4,), jnp.float32)
@@ -72,8 +61,9 @@ def memory_bandwidth(mib: int, repeats: int) -> dict:
     vector = jnp.ones((matrix.shape[1],), jnp.float32)
     total, matvec = jax.jit(jnp.sum), jax.jit(jnp.dot)
     return {
-        f"sum_{mib}MiB": array.nbytes / best_time(lambda: total(array), repeats),
-        f"matvec_{mib // 2}MiB": matrix.nbytes / best_time(lambda: matvec(matrix, vector), repeats),
+        f"sum_{mib}MiB": array.nbytes / cli.best_time(lambda: total(array), repeats),
+        f"matvec_{mib // 2}MiB": matrix.nbytes
+        / cli.best_time(lambda: matvec(matrix, vector), repeats),
     }
 
 
@@ -121,7 +111,7 @@ def bench_length(cfg, model, params, length: int, batch: int, steps: int, repeat
     tokens = random_prompt(cfg, batch, length)
     decode_step = decode_step_time(cfg, model, params, tokens, steps, repeats)
     forward = jax.jit(lambda p, t: model.apply({"params": p}, t)[0][:, -1].argmax(-1))
-    recompute_step = best_time(lambda: forward(params, tokens), repeats)
+    recompute_step = cli.best_time(lambda: forward(params, tokens), repeats)
     return dict(
         seq_len=length,
         cached_tokens_per_s=batch / decode_step,

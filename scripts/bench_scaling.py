@@ -74,17 +74,6 @@ def collectives(hlo: str) -> dict:
     return found
 
 
-def best_time(fn, repeats: int) -> float:
-    """Seconds of the fastest of `repeats` calls (after one warm-up call)."""
-    jax.block_until_ready(fn())
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(fn())
-        times.append(time.perf_counter() - start)
-    return min(times)
-
-
 def measure(cfg, num_devices: int) -> dict:
     """Train step time, decode tokens/s and cache bytes on the first `num_devices` devices."""
     mesh = sharding.make_mesh(cfg, jax.devices()[:num_devices])
@@ -106,7 +95,7 @@ def measure(cfg, num_devices: int) -> dict:
             state[0], metrics = step(state[0], batch)
         return metrics["loss"]
 
-    train_seconds = best_time(train_steps, _REPEATS.value) / _STEPS.value
+    train_seconds = cli.best_time(train_steps, _REPEATS.value) / _STEPS.value
 
     decode_rows, prompt_len = _DECODE_BATCH.value, _PROMPT_LEN.value
     max_len = prompt_len + _DECODE_STEPS.value
