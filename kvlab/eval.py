@@ -83,7 +83,12 @@ def evaluate(
     their logical axes, each window's cache laid out (init_cache(mesh=)) and its
     rows split as far as the batch divides, by `rules` (default
     kvlab.sharding.axis_rules()). A mesh of one device runs the single-device
-    program."""
+    program.
+
+    A mesh spanning several hosts (kvlab.sharding.initialize_distributed) is fed
+    as training is: every host holds `batches` (the same on each), gives its
+    devices only the rows they hold (sharding.process_rows, rows_array), and
+    after the cross-host reduction every host returns the same result."""
     validate_cache_config(cache_cfg, model_cfg)
     chunk = check_count("eval.chunk", chunk)
     if not batches:
@@ -99,16 +104,21 @@ def evaluate(
     for batch in batches:
         size, seq_len = batch["inputs"].shape
         cache = init_cache(model.config, cache_cfg, size, seq_len, mesh=mesh, rules=rules)
+        if mesh is not None:  # this host's rows of the batch, as training reads them
+            placed = sharding.batch_sharding(mesh, rules, size)
+            rows = sharding.process_rows(placed, size)
         for start in range(0, seq_len, chunk):
             part = {k: batch[k][:, start : start + chunk] for k in ("inputs", "targets", "weights")}
             if mesh is not None:
-                part = jax.device_put(part, sharding.batch_sharding(mesh, rules, size))
+                part = {
+                    k: sharding.rows_array(v[rows], rows, size, placed) for k, v in part.items()
+                }
             cache, sums = _score_chunk(
                 model, params, cache, part["inputs"], part["targets"], part["weights"]
             )
             scored.append(sums)
         cache.check()  # after each window: a flag names the rows it was given bad values
-    scored = jax.device_get(scored)
+    scored = jax.device_get(scored)  # replicated scalars: every host holds the totals
     totals = {k: sum(float(sums[k]) for sums in scored) for k in ("nll", "correct", "weight")}
     return {
         **summarize(totals, target_bytes(batches)),

@@ -39,6 +39,7 @@ import numpy as np
 from jax.sharding import PartitionSpec
 from ml_collections import FrozenConfigDict
 
+from kvlab import sharding
 from kvlab.attention.gqa import GroupedQueryAttention
 from kvlab.attention.mla import MultiHeadLatentAttention
 from kvlab.cache.dense import BAD_COUNT, BAD_TOKEN, OVERFLOW, Cache
@@ -98,7 +99,7 @@ def check_inputs(config, tokens, cache: Cache | None, num_tokens) -> None:
             )
     if not _is_concrete(tokens):
         return
-    ids = np.asarray(tokens)
+    ids = sharding.fetch(tokens)  # every row, whichever host holds it
     bad = (ids < 0) | (ids >= config.vocab_size)
     if bad.any():
         row, col = map(int, np.argwhere(bad)[0])
@@ -108,7 +109,7 @@ def check_inputs(config, tokens, cache: Cache | None, num_tokens) -> None:
         )
     counts = np.full((batch,), length) if num_tokens is None else None
     if num_tokens is not None and _is_concrete(num_tokens):
-        counts = np.asarray(num_tokens)
+        counts = sharding.fetch(num_tokens)
         if ((counts < 0) | (counts > length)).any():
             raise ValueError(
                 f"num_tokens={counts.tolist()} must lie in 0..{length} (the tokens' length)"

@@ -73,7 +73,7 @@ def run_through_cache(
         rules = sharding.axis_rules() if rules is None else rules
         params = place_params(model.config, params, mesh, rules)
         rows = sharding.named_sharding(PartitionSpec("cache_batch"), tokens.shape, mesh, rules)
-        tokens = jax.device_put(tokens, rows)
+        tokens = sharding.put_global(tokens, rows)
     else:
         mesh = None
     cache = init_cache(model.config, cache_cfg, batch, length, mesh=mesh, rules=rules)

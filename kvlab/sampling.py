@@ -126,7 +126,9 @@ def place_params(model_cfg: Mapping, params, mesh: Mesh | None, rules: tuple | N
     if mesh is None:
         return params
     rules = sharding.axis_rules() if rules is None else rules
-    return jax.device_put(params, sharding.shardings(param_axes(model_cfg), params, mesh, rules))
+    return sharding.put_global(
+        params, sharding.shardings(param_axes(model_cfg), params, mesh, rules)
+    )
 
 
 @functools.partial(jax.jit, static_argnums=0, donate_argnums=2)
@@ -277,6 +279,11 @@ def generate(
         )
     validate_cache_config(cache_cfg, model.config)
     rng = jax.random.key(0) if rng is None else rng
+    lengths = jnp.asarray(prompt_lengths, jnp.int32)
+    if mesh is not None and jax.process_count() > 1:  # host values given to every host's devices
+        lengths, rng = sharding.put_global(
+            (prompt_lengths.astype(np.int32), rng), sharding.replicated(mesh)
+        )
     out, errors = _generate(
         model,
         frozen(cache_cfg),
@@ -287,15 +294,15 @@ def generate(
         rules,
         params,
         prompts.astype(jnp.int32),
-        jnp.asarray(prompt_lengths, jnp.int32),
+        lengths,
         jnp.int32(max_new_tokens),
         jnp.int32(pad_token),
         rng,
     )
     check_errors(errors)  # the inputs were checked above: a flag here is a bug in the loop
     # Cut on the host: a device slice would compile once per max_new_tokens.
-    out = np.asarray(out)[:, :needed]
+    out = sharding.fetch(out)[:, :needed]  # every row, from whichever host holds it
     if mesh is None:
         return jnp.asarray(out)
     rows = placed.spec[0] if len(placed.spec) else None
-    return jax.device_put(out, NamedSharding(mesh, PartitionSpec(rows, None)))
+    return sharding.put_global(out, NamedSharding(mesh, PartitionSpec(rows, None)))

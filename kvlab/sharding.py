@@ -15,6 +15,8 @@ place the arrays and insert the communication. kvlab writes no collective.
     batch_sharding(mesh, rules)                    # rows over data x fsdp
     initialize_distributed(cfg.mesh)               # several hosts: first, before any device
     process_rows(batch_sharding(mesh, rules), B)   # the rows of a batch this host reads
+    rows_array(local, rows, B, placed)             # the global batch from each host's rows
+    put_global(params, shardings), fetch(array)    # host copies onto / back from every host
 
 Defaults (docs/design.md, "Scale-out"): weights' model-width side over `fsdp`;
 heads, key/value heads, MLP width and vocabulary over `tensor`; batches over
@@ -40,6 +42,7 @@ from collections.abc import Mapping, Sequence
 import flax.linen as nn
 import jax
 import numpy as np
+from jax.experimental import multihost_utils
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from kvlab.config import MESH_AXES, check_mesh_shape, mesh_axes, validate_mesh_config
@@ -265,3 +268,48 @@ def process_rows(placed: NamedSharding, batch_size: int) -> np.ndarray:
     for index in placed.addressable_devices_indices_map((batch_size,)).values():
         held.update(range(batch_size)[index[0]])
     return np.array(sorted(held), dtype=np.int64)
+
+
+def rows_array(local: np.ndarray, rows: np.ndarray, batch_size: int, placed: NamedSharding):
+    """The global array [batch_size, ...] laid out by `placed` from `local`, this
+    process's rows of it (`rows`, ascending, as `process_rows` gives them):
+    each device gets its slice, read from the rows this host holds
+    (jax.make_array_from_callback; no host reads another's rows)."""
+
+    def piece(index):  # one device's part: slices of the global [B, ...]
+        wanted = np.searchsorted(rows, np.arange(batch_size)[index[0]])
+        return local[wanted][(slice(None), *index[1:])]
+
+    return jax.make_array_from_callback((batch_size, *local.shape[1:]), placed, piece)
+
+
+def put_global(tree, shardings_tree):
+    """`jax.device_put(tree, shardings_tree)`, also onto a mesh that spans
+    processes: there a leaf not yet laid out across them (a host's copy,
+    numpy or one device's, the same on every host) is given to this host's
+    devices piece by piece (jax.make_array_from_callback). With one process,
+    exactly device_put."""
+    if jax.process_count() == 1:
+        return jax.device_put(tree, shardings_tree)
+    if isinstance(shardings_tree, jax.sharding.Sharding):  # one for every leaf
+        shardings_tree = jax.tree.map(lambda _: shardings_tree, tree)
+
+    def put(leaf, placed):
+        if isinstance(leaf, jax.Array) and not leaf.is_fully_addressable:
+            return jax.device_put(leaf, placed)  # already global: jax reshards
+        if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):  # a key: its words
+            words = put(jax.random.key_data(leaf), placed)
+            return jax.random.wrap_key_data(words, impl=jax.random.key_impl(leaf))
+        whole = np.asarray(leaf)
+        return jax.make_array_from_callback(whole.shape, placed, lambda index: whole[index])
+
+    return jax.tree.map(put, tree, shardings_tree)
+
+
+def fetch(array) -> np.ndarray:
+    """The whole of `array` on this host, whichever processes hold its parts
+    (multihost_utils.process_allgather when some live elsewhere; every host
+    gets the same values)."""
+    if not isinstance(array, jax.Array) or array.is_fully_addressable:
+        return np.asarray(jax.device_get(array))
+    return np.asarray(multihost_utils.process_allgather(array, tiled=True))

@@ -28,7 +28,8 @@ cache) pairs in model-major order.
 
 runs slice i of n (a contiguous run of units, so most slices train one or two
 models) on the mesh of the config's mesh section (kvlab.sharding.make_mesh:
-training through train(), evaluation through evaluate(mesh=)) and writes
+training through train(), evaluation through evaluate(mesh=); on several
+hosts a mesh spanning them, process 0 alone writing) and writes
 workdir/slices/<i>-of-<n>.csv, printing a line per unit (model 2/5, cache
 3/12, units done and the time left at the pace so far);
 `merge(workdir)` joins the slices, checks each unit appears exactly once, and
@@ -75,7 +76,7 @@ from kvlab.eval import evaluate, full_precision
 from kvlab.files import read_json, store_json, write_atomic
 from kvlab.hf import config_from_hf, save_hf
 from kvlab.logging import Run
-from kvlab.sharding import axis_rules, make_mesh
+from kvlab.sharding import axis_rules, is_primary, make_mesh
 from kvlab.train import initial_params, load_run_config, start_workdir, train
 
 # results.csv columns, in order. `bits` labels each cached tensor by the bits it
@@ -408,7 +409,14 @@ def _write_plan(workdir: str, sweep_cfg: ml_collections.ConfigDict, units: list[
         return {**stored, "config": json.loads(config.to_json())}
 
     path = os.path.join(workdir, "sweep.json")
-    store_json(path, plan, fixed=("units", "config"), owner="a sweep", normalize=completed)
+    store_json(
+        path,
+        plan,
+        fixed=("units", "config"),
+        owner="a sweep",
+        normalize=completed,
+        write=is_primary(),  # the other hosts of a multi-host run only check it
+    )
 
 
 def _duration(seconds: float) -> str:
@@ -430,11 +438,17 @@ def run_sweep(
     sweep_count: int = 1,
     progress: bool = True,
 ) -> list[dict]:
-    """Runs one slice of the sweep; returns its rows (and merges when it is the only one)."""
+    """Runs one slice of the sweep; returns its rows (and merges when it is the only one).
+
+    On several hosts (kvlab.sharding.initialize_distributed) every process runs
+    the slice together, on meshes spanning them, and returns the same rows;
+    process 0 alone prints and writes sweep.json, the slice and the merge."""
     cfg, sweep = split_sweep_config(sweep_cfg)
     units = expand(cfg, grid, workdir)
     mine = slice_units(units, sweep_index, sweep_count)
-    os.makedirs(workdir, exist_ok=True)
+    primary = is_primary()
+    if primary:
+        os.makedirs(workdir, exist_ok=True)
     _write_plan(workdir, sweep_cfg, units)
 
     rows = []
@@ -455,7 +469,7 @@ def run_sweep(
             else:
                 result = evaluate(unit.cfg.model, unit.cfg.cache, params, batches, **on_mesh)
             rows.append(_row(sweep.name, unit, result, baseline, data.metric))
-            if progress:
+            if progress and primary:
                 elapsed = time.perf_counter() - started
                 left = elapsed / len(rows) * (len(mine) - len(rows))
                 print(
@@ -466,9 +480,10 @@ def run_sweep(
                     f"{len(rows)}/{len(mine)} units, eta {_duration(left)}",
                     flush=True,
                 )
-    _write_csv(os.path.join(workdir, "slices", f"{sweep_index}-of-{sweep_count}.csv"), rows)
-    if sweep_count == 1:
-        merge(workdir)
+    if primary:
+        _write_csv(os.path.join(workdir, "slices", f"{sweep_index}-of-{sweep_count}.csv"), rows)
+        if sweep_count == 1:
+            merge(workdir)
     return rows
 
 
@@ -479,7 +494,8 @@ def run_sweep(
 def merge(workdir: str) -> list[dict]:
     """Joins workdir/slices/*.csv into results.csv and pareto.png and logs them to wandb.
 
-    Every unit of the grid must appear in exactly one slice.
+    Every unit of the grid must appear in exactly one slice. On several hosts
+    each reads the slices (a shared directory) and process 0 alone writes.
     """
     path = os.path.join(workdir, "sweep.json")
     if not os.path.isfile(path):
@@ -506,6 +522,8 @@ def merge(workdir: str) -> list[dict]:
             "run the remaining --sweep_index slices before merging"
         )
     rows = [found[u][0][1] for u in units]
+    if not is_primary():
+        return rows
     _write_csv(os.path.join(workdir, "results.csv"), rows)
     plot = os.path.join(workdir, "pareto.png")
     pareto_plot(rows, plot, title=sweep.name)

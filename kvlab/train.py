@@ -576,15 +576,9 @@ def host_batch(dataset, step: int, batch_size: int, seed: int, placed: NamedShar
     together the batch one host would. With one process: every row, as before."""
     rows = sharding.process_rows(placed, batch_size)
     local = dataset.batch(step, batch_size, seed, rows=rows)
-
-    def assemble(array: np.ndarray) -> jax.Array:
-        def piece(index):  # one device's part: slices of the global [B, ...]
-            wanted = np.searchsorted(rows, np.arange(batch_size)[index[0]])
-            return array[wanted][(slice(None), *index[1:])]
-
-        return jax.make_array_from_callback((batch_size, *array.shape[1:]), placed, piece)
-
-    return {name: assemble(array) for name, array in local.items()}
+    return {
+        name: sharding.rows_array(array, rows, batch_size, placed) for name, array in local.items()
+    }
 
 
 class _Log:

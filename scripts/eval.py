@@ -23,7 +23,10 @@ at 16 bits.
 The evaluation runs on the mesh --mesh.* describe (the config's mesh section,
 kvlab.sharding.make_mesh; default data parallel over every device, whatever
 mesh the run trained on): weights by their logical axes, each window's rows
-and cache split over it. On one device nothing moves.
+and cache split over it. On one device nothing moves. On several hosts, the
+same command on each with JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES and
+JAX_PROCESS_ID (or --mesh.distributed=True where jax detects the cluster):
+the mesh spans them, each host feeds its rows, process 0 prints.
 """
 
 import json
@@ -78,6 +81,9 @@ def load():
 
 def main(argv):
     del argv
+    # Several hosts (--mesh.distributed=True or JAX_COORDINATOR_ADDRESS, ...): joined
+    # before anything below touches a device.
+    sharding.initialize_distributed(_MESH.value)
     cfg, params, source = load()
     cache_cfg = cfg.cache if _HF.value or _CACHE.value is None else _CACHE.value.cache
     validate_cache_config(cache_cfg, cfg.model)
@@ -99,6 +105,8 @@ def main(argv):
         "baseline_16bit": baseline,
         "delta_vs_16bit_pct": 100 * (result[metric] / baseline[metric] - 1),
     }
+    if not sharding.is_primary():  # every host has the same numbers; process 0 reports them
+        return
     if _JSON.value:
         print(json.dumps(report, indent=2))
         return

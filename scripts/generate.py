@@ -29,7 +29,9 @@ section from --config. With --hf DIR (kvlab.cli.with_hf) they come from a
 Hugging Face checkpoint folder: its model, its weights and, when it holds a
 tokenizer.json, its tokenizer. The config's mesh section (default: data
 parallel over every device) places the weights and the prompts' rows; on one
-device nothing moves.
+device nothing moves. On several hosts (JAX_COORDINATOR_ADDRESS,
+JAX_NUM_PROCESSES, JAX_PROCESS_ID on each, or --config.mesh.distributed=True)
+the mesh spans them and process 0 prints.
 """
 
 import time
@@ -87,6 +89,9 @@ def weights_label() -> str:
 def main(argv):
     del argv
     cfg = kvlab.validate_config(_CONFIG.value)
+    # Several hosts (mesh.distributed=True or JAX_COORDINATOR_ADDRESS, ...): joined
+    # before anything below touches a device.
+    sharding.initialize_distributed(cfg.mesh)
     if _HF.value is not None:
         cfg = cli.with_hf(cfg, _HF.value, workdir=_WORKDIR.value)
     elif _WORKDIR.value:
@@ -115,7 +120,7 @@ def main(argv):
         prompts[row, : len(tokens)] = tokens
     if mesh.size > 1:  # generate runs on the mesh its prompts are laid out on
         params = place_params(cfg.model, params, mesh, rules)
-        prompts = jax.device_put(prompts, sharding.batch_sharding(mesh, rules, len(prompts)))
+        prompts = sharding.put_global(prompts, sharding.batch_sharding(mesh, rules, len(prompts)))
 
     def run():
         return kvlab.generate(
@@ -133,8 +138,10 @@ def main(argv):
 
     run()  # compile
     start = time.perf_counter()
-    out = np.asarray(run())
+    out = sharding.fetch(run())  # every row on every host
     seconds = time.perf_counter() - start
+    if not sharding.is_primary():  # process 0 reports
+        return
 
     m = cfg.model
     print(

@@ -67,6 +67,9 @@ def text_tokens(batch: int, length: int, tokenizer: str = "") -> np.ndarray:
 def main(argv):
     del argv
     cfg = kvlab.validate_config(_CONFIG.value)
+    # Several hosts (mesh.distributed=True or JAX_COORDINATOR_ADDRESS, ...): joined
+    # before anything below touches a device.
+    sharding.initialize_distributed(cfg.mesh)
     if _HF.value is not None:
         cfg = cli.with_hf(cfg, _HF.value)
     mesh, rules = sharding.make_mesh(cfg), sharding.axis_rules(cfg.mesh)  # before any compile
@@ -96,6 +99,8 @@ def main(argv):
                 }
                 | error
             )
+    if not sharding.is_primary():  # every host has the same rows; process 0 prints
+        return
     if _JSON.value:
         print(json.dumps(dict(config=cfg.to_dict(), rows=rows), indent=2))
         return

@@ -5,6 +5,10 @@
     python scripts/sweep.py --config ... --workdir DIR --merge                         # join them
 
 Overrides reach every unit: --config.train.steps=100 --config.wandb.mode=disabled.
+On several hosts, the same command on each with JAX_COORDINATOR_ADDRESS,
+JAX_NUM_PROCESSES and JAX_PROCESS_ID (or --config.mesh.distributed=True under
+SLURM or on a TPU pod): every model trains and evaluates on a mesh spanning
+them, process 0 writes sweep.json, the slices, results.csv and pareto.png.
 Layout of DIR and the grid format: kvlab/sweep.py.
 """
 
@@ -14,9 +18,9 @@ import os
 from absl import flags
 from ml_collections import config_flags
 
-from kvlab import cli
+from kvlab import cli, sharding
 from kvlab.config import import_config_file
-from kvlab.sweep import merge, run_sweep
+from kvlab.sweep import merge, run_sweep, split_sweep_config
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", "configs/sweeps/cache_pareto.py:tiny", "Sweep config file (get_config, get_grid)."
@@ -34,14 +38,19 @@ def main(argv):
     if _MERGE.value:
         rows = merge(workdir)
     else:
+        cfg = _CONFIG.value
+        # Several hosts (mesh.distributed=True or JAX_COORDINATOR_ADDRESS, ...): joined
+        # before anything below touches a device.
+        sharding.initialize_distributed(split_sweep_config(cfg)[0].mesh)
         path = config_flags.get_config_filename(flags.FLAGS["config"]).partition(":")[0]
         module = import_config_file(path)
         if not hasattr(module, "get_grid"):
             raise ValueError(f"sweep config {path!r} has no get_grid(cfg) function: add one")
-        cfg = _CONFIG.value
         rows = run_sweep(
             cfg, module.get_grid(cfg), workdir, sweep_index=_INDEX.value, sweep_count=_COUNT.value
         )
+        if not sharding.is_primary():  # process 0 wrote and reports
+            return
         if _COUNT.value > 1:
             done = cli.count(len(rows), "row")
             print(f"slice {_INDEX.value} of {_COUNT.value}: {done}; merge with --merge")

@@ -1,4 +1,5 @@
-"""Several hosts (kvlab/sharding.py `initialize_distributed`, kvlab/train.py `host_batch`).
+"""Several hosts (kvlab/sharding.py `initialize_distributed`, kvlab/train.py `host_batch`,
+kvlab/eval.py and kvlab/sweep.py on a mesh spanning processes).
 
 The test that matters runs a real two-process job on localhost: two Python
 processes of 4 forced host CPU devices each join through `jax.distributed`
@@ -7,7 +8,11 @@ CPU default) into one (data=8) mesh, train a one-layer model three steps,
 resume from step 2 and run step 3 again; a third process runs the same on
 8 devices alone. The two must log the same losses (<= 1e-5: gloo sums in
 another order) and leave checkpoints holding the same weights; process 1
-writes no config, metrics or wandb files of its own. All three start at once
+writes no config, metrics or wandb files of its own. Each then runs a sweep
+over the trained model through two caches (evaluation on the same mesh, each
+host feeding its rows) and evaluates weights read by load_params: the rows
+equal the single process's within 1e-5 and process 1 writes no sweep file.
+All three start at once
 and compile with XLA's optimisation lowered, as tests/test_sharding.py's
 child does.
 
@@ -23,12 +28,14 @@ import subprocess
 import sys
 
 import jax
+import ml_collections
 import numpy as np
 import pytest
 
 import kvlab
 from kvlab import sharding, train
 from kvlab.data import make_dataset
+from kvlab.sweep import RESULT_COLUMNS
 from tests.helpers import ROOT, run_config, write_corpus
 
 XLA_FLAGS = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
@@ -45,16 +52,30 @@ def multihost_config(corpus: str):
     return kvlab.validate_config(cfg)
 
 
-# Each process of the job: train (train() joins the hosts the environment names),
-# drop the last checkpoint, train again from step 2, report as one JSON line.
+def sweep_config(corpus: str):
+    """(config, grid) of a sweep over the trained model (<sweep>/models/model, so
+    train() finds it finished) through a 16-bit and an 8/4-bit cache, evaluated
+    on (data=8) with 8 rows per batch, so each host scores its 4."""
+    cfg = multihost_config(corpus)
+    cfg.eval.update(batch_size=8, num_batches=1)
+    cfg.wandb.mode = "disabled"
+    cfg.sweep = ml_collections.ConfigDict(dict(name="multihost"))
+    k8v4 = {"cache.k_bits": 8, "cache.v_bits": 4, "cache.residual": 0}
+    return cfg, {"models": {"model": {}}, "caches": {"16bit": {}, "k8v4": k8v4}}
+
+
+# Each process of the job: train (train() joins the hosts the environment names)
+# the sweep's model, drop the last checkpoint, train again from step 2, run the
+# sweep over it (recording the files it writes), report as one JSON line.
 CHILD = """
 import json, os, shutil, sys
 import jax
 from jax.experimental import multihost_utils
-from kvlab import sharding, train
-from tests.test_multihost import multihost_config
+from kvlab import files, sharding, sweep, train
+from tests.test_multihost import multihost_config, sweep_config
 
-corpus, workdir = sys.argv[1:]
+corpus, sweep_dir = sys.argv[1:]
+workdir = os.path.join(sweep_dir, "models", "model")
 cfg = multihost_config(corpus)
 _, first = train.train(cfg, workdir, progress=False)
 if sharding.is_primary():
@@ -63,9 +84,25 @@ if jax.process_count() > 1:
     multihost_utils.sync_global_devices("step 3 dropped")
 state, again = train.train(cfg, workdir, progress=False)
 placed = sharding.batch_sharding(sharding.make_mesh(cfg), sharding.axis_rules(cfg.mesh))
+written = []
+def recorded(write):
+    def write_and_record(path, *args, **kwargs):
+        written.append(os.path.relpath(path, sweep_dir))
+        return write(path, *args, **kwargs)
+    return write_and_record
+sweep.write_atomic, files.write_atomic = recorded(sweep.write_atomic), recorded(files.write_atomic)
+rows = sweep.run_sweep(*sweep_config(corpus), sweep_dir, progress=False)
+# scripts/eval.py's way in: weights read onto one device of each host, then spread.
+from kvlab.data import make_dataset
+from kvlab.eval import evaluate
+batches = make_dataset(cfg.data, "validation", 16).eval_batches(8, 1)
+mesh, rules = sharding.make_mesh(cfg), sharding.axis_rules(cfg.mesh)
+loaded = evaluate(cfg.model, cfg.cache, train.load_params(workdir)[1], batches, chunk=8,
+                  mesh=mesh, rules=rules)
 report = dict(first=first, again=again, checksum=train.state_checksum(state),
               process=jax.process_index(), processes=jax.process_count(),
-              devices=jax.device_count(), rows=sharding.process_rows(placed, 8).tolist())
+              devices=jax.device_count(), rows=sharding.process_rows(placed, 8).tolist(),
+              sweep=rows, written=written, loaded=loaded)
 print("REPORT " + json.dumps(report), flush=True)
 """
 
@@ -107,12 +144,13 @@ def _losses(history: list[dict]) -> dict:
 
 def test_two_processes_train_as_one_process_of_eight_devices(tmp_path):
     corpus = write_corpus(tmp_path / "corpus")
-    one, two = tmp_path / "one_host", tmp_path / "two_hosts"
+    one_sweep, two_sweep = tmp_path / "one_host", tmp_path / "two_hosts"
+    one, two = [folder / "models" / "model" for folder in (one_sweep, two_sweep)]
     job = dict(JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{_free_port()}", JAX_NUM_PROCESSES="2")
     processes = [
-        _start(corpus, two, 4, **job, JAX_PROCESS_ID="0"),
-        _start(corpus, two, 4, **job, JAX_PROCESS_ID="1"),
-        _start(corpus, one, 8),
+        _start(corpus, two_sweep, 4, **job, JAX_PROCESS_ID="0"),
+        _start(corpus, two_sweep, 4, **job, JAX_PROCESS_ID="1"),
+        _start(corpus, one_sweep, 8),
     ]
     try:
         host0, host1, alone = [_report(process) for process in processes]
@@ -166,6 +204,23 @@ def test_two_processes_train_as_one_process_of_eight_devices(tmp_path):
             got,
             want,
         )
+
+    # The sweep over that model on (data=8): each host fed its 4 rows of every
+    # evaluation batch, both report the same rows, equal to one host's within
+    # 1e-5; process 0 alone wrote sweep.json, the slice, results.csv, pareto.png.
+    assert host0["sweep"] == host1["sweep"]
+    assert [r["cache"] for r in host0["sweep"]] == ["16bit", "k8v4"]
+    for got, want in zip(host0["sweep"], alone["sweep"], strict=True):
+        assert got.keys() == want.keys()
+        for column in RESULT_COLUMNS:
+            np.testing.assert_allclose(got[column], want[column], rtol=TOLERANCE)
+    assert host1["written"] == [] and host0["written"] == alone["written"]
+    assert host0["written"].count("results.csv") == 1
+    assert sorted(os.listdir(two_sweep)) == sorted(os.listdir(one_sweep))
+    assert os.listdir(two_sweep / "slices") == ["0-of-1.csv"]
+    # Weights read onto one device per host (scripts/eval.py) evaluate as the sweep's.
+    assert host0["loaded"] == host1["loaded"]
+    np.testing.assert_allclose(host0["loaded"]["ppl"], host0["sweep"][0]["ppl"], rtol=TOLERANCE)
 
 
 # ---------------------------------------------------------------------------

@@ -19,6 +19,7 @@ import numpy as np
 from flax import struct
 from jaxtyping import Array, Int
 
+from kvlab import sharding
 from kvlab.cache.placement import Placement, causal_mask, write_tokens
 
 # Bits of Cache.errors: what a compiled step was given that it could not run.
@@ -40,7 +41,7 @@ class CacheError(ValueError):
 
 def check_errors(errors: Int[Array, " B"]) -> None:
     """Raises CacheError naming each row whose error flags (Cache.errors) are set."""
-    errors = np.asarray(jax.device_get(errors))
+    errors = sharding.fetch(errors)  # every host: its rows may live on others
     problems = [
         f"row {row} {message}"
         for row in np.flatnonzero(errors)
