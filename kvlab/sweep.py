@@ -55,6 +55,7 @@ import glob
 import io
 import itertools
 import json
+import math
 import os
 import shutil
 import time
@@ -552,6 +553,23 @@ def pareto_front(points: list[tuple[float, float]], higher_is_better: bool = Fal
     return front
 
 
+def _minor_labels(limits):
+    """Labels for a log axis's minor ticks that stay readable: every one when the
+    axis (`limits()` at drawing time) spans a decade or less, the 2s and 5s up
+    to two decades, none beyond (the decades' own labels suffice)."""
+    import matplotlib.ticker
+
+    def label(value: float, _) -> str:
+        low, high = sorted(limits())
+        decades = math.log10(high / low) if low > 0 else math.inf
+        leading = round(value / 10 ** math.floor(math.log10(value)))
+        if decades <= 1 or (decades <= 2 and leading in (2, 5)):
+            return f"{value:g}"
+        return ""
+
+    return matplotlib.ticker.FuncFormatter(label)
+
+
 def pareto_plot(rows: list[Mapping], path: str, title: str = "") -> None:
     """The metric against cache bytes per token (log x; log y too when the metric
     spans more than a factor of 3): marker per model family, colour per
@@ -595,12 +613,12 @@ def pareto_plot(rows: list[Mapping], path: str, title: str = "") -> None:
     ax.set_xscale("log")
     plain = matplotlib.ticker.FuncFormatter(lambda value, _: f"{value:g}")
     ax.xaxis.set_major_formatter(plain)
-    ax.xaxis.set_minor_formatter(plain)
+    ax.xaxis.set_minor_formatter(_minor_labels(ax.get_xlim))
     ax.tick_params(axis="x", which="minor", labelsize=7)
     if min(y) > 0 and max(y) > 3 * min(y):  # a collapsed cache would flatten the rest
         ax.set_yscale("log")
         ax.yaxis.set_major_formatter(plain)
-        ax.yaxis.set_minor_formatter(plain)
+        ax.yaxis.set_minor_formatter(_minor_labels(ax.get_ylim))
         ax.tick_params(axis="y", which="minor", labelsize=7)
     ax.set_xlabel("cache bytes per token (all layers)")
     ax.set_ylabel(metric + (" (higher is better)" if higher_is_better else " (lower is better)"))
