@@ -34,6 +34,19 @@ ATTENTION_KINDS = ("gqa", "mla")
 MOE_ROUTINGS = ("softmax", "sigmoid")  # model.moe.routing: DeepSeek-V2, DeepSeek-V3
 ROPE_SCALINGS = ("none", "linear", "llama3", "yarn")  # model.rope_scaling.type
 CACHE_KINDS = ("dense", "paged")
+EVICT_METHODS = (
+    "none",
+    "window",
+    "sinks",
+    "h2o",
+    "snapkv",
+    "pyramidkv",
+    "adakv",
+    "knorm",
+    "random",
+)
+SCORED_METHODS = ("h2o", "snapkv", "pyramidkv", "adakv", "knorm", "random")  # keep `recent`
+OBSERVING_METHODS = ("h2o", "snapkv", "pyramidkv", "adakv")  # score by attention
 BIT_WIDTHS = (16, 8, 4, 2)
 CODE_FORMATS = ("int", "fp8")
 GROUP_AXES = ("token", "channel")
@@ -109,6 +122,9 @@ def base_config(variant: str = "tiny") -> ml_collections.ConfigDict:
             attention="gqa",  # 'gqa' (covers MHA, GQA, MQA) or 'mla' (latent, see mla below)
             qkv_bias=False,  # biases on the query, key and value projections (Qwen2); gqa only
             qk_norm=False,  # RMSNorm over each head's query and key before RoPE (Qwen3); gqa only
+            sliding_window=0,  # 0 = full causal attention; W = each query sees the last W
+            #                    positions, itself included (Mistral, Gemma); its cache is a
+            #                    ring of W slots (kvlab/cache/evict.py)
         )
     )
     # RoPE for contexts longer than the model was trained on, as Hugging Face
@@ -203,6 +219,22 @@ def base_config(variant: str = "tiny") -> ml_collections.ConfigDict:
             #              when a tensor groups along tokens)
             symmetric=False,  # int codes without a zero point (fp8 never has one)
             scale_dtype="bfloat16",  # dtype of scales and zero points
+        )
+    )
+    # Token eviction (kvlab/cache/evict.py): each layer stores `budget` tokens per
+    # KV head and drops the rest physically. 'none' is the full cache.
+    cfg.cache.evict = ml_collections.ConfigDict(
+        dict(
+            method="none",  # none|window|sinks|h2o|snapkv|pyramidkv|adakv|knorm|random
+            budget=0,  # tokens kept per KV head and layer; 0 = ceil(ratio x max_len)
+            ratio=1.0,  # with budget 0: the share of the cache's max_len kept, in (0, 1]
+            sinks=4,  # 'sinks': the first tokens, always kept (StreamingLLM)
+            recent=8,  # score-based methods: the most recent tokens, always kept
+            obs_window=8,  # snapkv, pyramidkv, adakv: last queries of a step that score
+            kernel=5,  # snapkv, pyramidkv, adakv: max-pool width over neighbouring tokens (odd)
+            pyramid_beta=20.0,  # pyramidkv: the last layer keeps 1/beta of the mean budget
+            adakv_floor=0.2,  # adakv: each head keeps at least this share of budget
+            seed=0,  # random: which tokens
         )
     )
 
@@ -399,6 +431,7 @@ def validate_model_config(model: Mapping) -> None:
         "mlp_dim",
     ):
         _check_int("model", model, name)
+    _check_int("model", model, "sliding_window", minimum=0)
     for name in ("rope_theta", "norm_eps"):
         _check_number("model", model, name)
     _check_choice("model", model, "dtype", tuple(DTYPES))
@@ -684,11 +717,84 @@ def validate_cache_config(cache: Mapping, model: Mapping | None = None) -> None:
                 f"cache.{prefix}_axis='channel' flushes tokens to quantized storage in groups",
                 "set cache.residual to a multiple of cache.group_size",
             )
+    _validate_evict(cache)
     if model is not None:
         _validate_cache_for_model(cache, model)
 
 
+def _validate_evict(cache: Mapping) -> None:
+    evict = cache["evict"]
+    section = "cache.evict"
+    _check_known_fields(section, evict, base_config().cache.evict)
+    _check_choice(section, evict, "method", EVICT_METHODS)
+    _check_int(section, evict, "budget", minimum=0)
+    _check_number(section, evict, "ratio")
+    if evict["ratio"] > 1:
+        _fail(f"{section}.ratio", evict["ratio"], "is above 1", "set a share in (0, 1]")
+    for name in ("sinks", "obs_window", "kernel"):
+        _check_int(section, evict, name)
+    for name in ("recent", "seed"):
+        _check_int(section, evict, name, minimum=0)
+    if evict["kernel"] % 2 == 0:
+        _fail(f"{section}.kernel", evict["kernel"], "is even", "set an odd width (1 = no pooling)")
+    _check_number(section, evict, "pyramid_beta")
+    if evict["pyramid_beta"] < 1:
+        _fail(f"{section}.pyramid_beta", evict["pyramid_beta"], "is below 1", "set a number >= 1")
+    _check_number(section, evict, "adakv_floor", zero_allowed=True)
+    if evict["adakv_floor"] > 1:
+        _fail(f"{section}.adakv_floor", evict["adakv_floor"], "is above 1", "set a share in [0, 1]")
+    method = evict["method"]
+    if method == "none":
+        return
+    if cache["kind"] == "paged":
+        _fail(
+            f"{section}.method",
+            method,
+            "is not implemented for cache.kind='paged' yet (eviction stores each row's kept "
+            "tokens in its own slots)",
+            "set cache.kind='dense' or cache.evict.method='none'",
+        )
+    quantized = [p for p in CACHED_PREFIXES if cache[f"{p}_bits"] != 16]
+    for prefix in quantized:
+        if cache[f"{prefix}_axis"] != "token":
+            _fail(
+                f"cache.{prefix}_axis",
+                cache[f"{prefix}_axis"],
+                f"shares scales among group_size tokens, but cache.evict.method={method!r} "
+                "drops tokens one by one",
+                f"set cache.{prefix}_axis='token' or cache.evict.method='none'",
+            )
+    if quantized and cache["residual"]:
+        _fail(
+            "cache.residual",
+            cache["residual"],
+            f"is not implemented with cache.evict.method={method!r} yet (evicted caches "
+            "quantize each token as it is stored)",
+            "set cache.residual=0 or cache.evict.method='none'",
+        )
+
+
 def _validate_cache_for_model(cache: Mapping, model: Mapping) -> None:
+    window = model["sliding_window"]
+    if window and cache["evict"]["method"] != "none":
+        _fail(
+            "cache.evict.method",
+            cache["evict"]["method"],
+            f"cannot combine with model.sliding_window={window} (the model's window already "
+            "decides what its cache keeps)",
+            "set cache.evict.method='none'",
+        )
+    if window and (
+        cache["kind"] == "paged" or any(cache[f"{p}_bits"] != 16 for p in CACHED_PREFIXES)
+    ):
+        _fail(
+            "model.sliding_window",
+            window,
+            "is implemented for dense 16-bit caches only (a ring of the last "
+            f"{window} tokens); this cache is {cache['kind']!r}"
+            + ("" if cache["kind"] == "paged" else " and quantized"),
+            "use cache.kind='dense' with 16-bit tensors",
+        )
     used = cached_prefixes(model)
     for prefix in CACHED_PREFIXES:
         if prefix not in used and cache[f"{prefix}_bits"] != 16:

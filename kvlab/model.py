@@ -43,6 +43,7 @@ from kvlab import sharding
 from kvlab.attention.gqa import GroupedQueryAttention
 from kvlab.attention.mla import MultiHeadLatentAttention
 from kvlab.cache.dense import BAD_COUNT, BAD_TOKEN, OVERFLOW, Cache
+from kvlab.cache.evict import EvictingLayer
 from kvlab.cache.placement import Placement, place_without_cache
 from kvlab.config import cached_tensors, dtype_of, frozen, validate_model_config
 from kvlab.layers import RMSNorm, logical, logical_axes, projection
@@ -143,15 +144,23 @@ def check_cache(config, cache: Cache) -> None:
             f"{config.num_layers}: {fix}"
         )
     first = cache.layers[0]
-    layout = [(x.shape, x.dtype) for x in jax.tree.leaves(first)]
+    # Evicting layers may keep different budgets (pyramidkv): their slot axis may differ.
+    slotted = lambda x: x.shape[:2] + x.shape[3:] if isinstance(first, EvictingLayer) else x.shape  # noqa: E731
+    layout = [(slotted(x), x.dtype) for x in jax.tree.leaves(first)]
+
+    def structure(layer):  # an evicting layer's policy names its layer: compare the arrays
+        if isinstance(layer, EvictingLayer):
+            return type(layer), jax.tree.structure((layer.tensors, layer.positions, layer.scores))
+        return jax.tree.structure(layer)
+
     for i, layer in enumerate(cache.layers):
         if layer.tensor_shapes() != tuple((t.heads, t.width) for t in expected):
             raise ValueError(
                 f"cache layer {i} stores (heads, width) {layer.tensor_shapes()} but the "
                 f"cached tensors are {[(t.heads, t.width) for t in expected]}: {fix}"
             )
-        same = jax.tree.structure(layer) == jax.tree.structure(first) and layout == [
-            (x.shape, x.dtype) for x in jax.tree.leaves(layer)
+        same = structure(layer) == structure(first) and layout == [
+            (slotted(x), x.dtype) for x in jax.tree.leaves(layer)
         ]
         if not same:
             raise ValueError(
@@ -202,7 +211,7 @@ class Transformer(nn.Module):
         check_inputs(cfg, tokens, cache, num_tokens)
         batch, length = tokens.shape
         if cache is None:
-            placement = place_without_cache(batch, length)
+            placement = place_without_cache(batch, length, cfg.sliding_window)
             layers = (None,) * cfg.num_layers
             invalid = jnp.any((tokens < 0) | (tokens >= cfg.vocab_size), axis=1)
             tokens = jnp.where(invalid[:, None], 0, tokens)

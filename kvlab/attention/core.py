@@ -69,7 +69,26 @@ def ordered_after(tree, dependency: Array):
 
 
 Keys = Float[Array, "B K S H"] | tuple[Float[Array, "B K S _"], ...]
-Block = tuple[Keys, Float[Array, "B K S Hv"], Bool[Array, "B T S"]]
+Block = tuple[Keys, Float[Array, "B K S Hv"], Bool[Array, "B T S"] | Bool[Array, "B K T G S"]]
+
+
+def through_layer(layer, fresh: tuple, placement, attention):
+    """Reads a cache layer, attends, writes: (attention output, new layer).
+
+    `attention(regions, observe)` attends over the layer's regions (pairs of
+    tensors and mask) and returns the output, or (output, mass) when `observe`
+    (float32[B, T]: query weights) is given. Layers that evict by attention
+    (kvlab/cache/evict.py) say which queries they observe (`layer.observe`)
+    and receive the mass each of their tokens got from them.
+    """
+    regions, pending = layer.read(fresh, placement)
+    observe = layer.observe(placement) if hasattr(layer, "observe") else None
+    out = attention(regions, observe)
+    if observe is None:
+        # Write only after the old cache has been read, so it is written in place.
+        return out, layer.write(ordered_after(pending, out), placement)
+    out, mass = out
+    return out, layer.write(ordered_after(pending, out), placement, mass)
 
 
 def _parts(x) -> tuple:
@@ -96,10 +115,16 @@ def attend(
     q: Float[Array, "B T N H"] | tuple[Float[Array, "B T N _"], ...],
     blocks: Sequence[Block],
     scale: float | None = None,
-) -> Float[Array, "B T N Hv"]:
+    observe: Float[Array, "B T"] | None = None,
+):
     """Softmax attention of every query head over its KV head's keys in all blocks.
 
-    `scale` defaults to 1 / sqrt(total query width).
+    `scale` defaults to 1 / sqrt(total query width). A block's mask is
+    [B, T or 1, S] (every head alike) or [B, K or 1, T or 1, G or 1, S] (per KV
+    head and query head of its group). With `observe` (weights of the T
+    queries) it returns (out, mass): per block float32[B, K, S], the
+    probability each key received, summed over the queries by their weights
+    and averaged over each KV head's G query heads.
     """
     queries = _parts(q)
     batch, length, num_heads, _ = queries[0].shape
@@ -132,7 +157,8 @@ def attend(
             grouped(_scores(q_part, k_part), heads)
             for q_part, k_part, heads in zip(folded, _parts(k), part_heads, strict=True)
         )
-        scores.append(jnp.where(mask[:, None, :, None, :], s * scale, MASKED))
+        mask = mask[:, None, :, None, :] if mask.ndim == 3 else mask
+        scores.append(jnp.where(mask, s * scale, MASKED))
     peak = MASKED  # [B, K, T, G, 1] after the loop; `initial` admits empty blocks
     for s in scores:
         peak = jnp.maximum(peak, s.max(axis=-1, keepdims=True, initial=MASKED))
@@ -145,4 +171,9 @@ def attend(
         weights = weights.reshape(batch, num_kv_heads, length * groups, -1)
         out = out + _weighted_sum(weights, v)  # [B, K, M, Hv]
     out = out / total.reshape(batch, num_kv_heads, length * groups, 1)
-    return rearrange(out, "B K (T G) H -> B T (K G) H", T=length).astype(queries[0].dtype)
+    out = rearrange(out, "B K (T G) H -> B T (K G) H", T=length).astype(queries[0].dtype)
+    if observe is None:
+        return out
+    weights = observe.astype(jnp.float32) / groups
+    mass = [jnp.einsum("BKTGS,BT->BKS", jnp.exp(s - peak) / total, weights) for s in scores]
+    return out, mass

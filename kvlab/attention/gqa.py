@@ -23,7 +23,7 @@ from __future__ import annotations
 import flax.linen as nn
 from ml_collections import FrozenConfigDict
 
-from kvlab.attention.core import attend, ordered_after
+from kvlab.attention.core import attend, through_layer
 from kvlab.attention.rope import apply_rope
 from kvlab.cache.placement import Placement
 from kvlab.layers import RMSNorm, projection
@@ -57,7 +57,8 @@ class GroupedQueryAttention(nn.Module):
             return out_projection(attend(q, [(*fresh, placement.fresh_mask)])), None
 
         # What the layer holds, and the new tokens as it will hold them.
-        regions, pending = layer.read(fresh, placement)
-        out = attend(q, [(keys, values, mask) for (keys, values), mask in regions])
-        # Write only after the old cache has been read, so it is written in place.
-        return out_projection(out), layer.write(ordered_after(pending, out), placement)
+        def attention(regions, observe):
+            return attend(q, [(k, v, mask) for (k, v), mask in regions], observe=observe)
+
+        out, layer = through_layer(layer, fresh, placement, attention)
+        return out_projection(out), layer

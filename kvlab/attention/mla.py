@@ -49,7 +49,7 @@ import jax.numpy as jnp
 import numpy as np
 from ml_collections import FrozenConfigDict
 
-from kvlab.attention.core import attend, ordered_after
+from kvlab.attention.core import attend, through_layer
 from kvlab.attention.gqa import KEY_AXES, OUT_AXES, QUERY_AXES
 from kvlab.attention.rope import rope_frequencies, rotate, softmax_mscale
 from kvlab.cache.placement import Placement
@@ -63,13 +63,14 @@ def _dense(x) -> jax.Array:
     return x.dequantize() if isinstance(x, Reader) else x
 
 
-def expanded_attention(q_nope, q_rope, blocks, key_up, value_up, scale):
+def expanded_attention(q_nope, q_rope, blocks, key_up, value_up, scale, observe=None):
     """Per-head K/V expanded from each block's latent, then multi-head attention.
 
     q_nope [B, T, N, nope], q_rope [B, T, N, Hr]; blocks: sequence of
     (c_kv [B, 1, S, R], k_rope [B, Kr, S, Hr], mask bool[B, T or 1, S]);
     key_up [R, N, nope] (None when nope is 0: keys are their RoPE part alone),
-    value_up [R, N, Hv] -> [B, T, N, Hv].
+    value_up [R, N, Hv] -> [B, T, N, Hv]; with `observe`, also the mass each
+    block's tokens received (kvlab.attention.core.attend), per query head.
     """
     dtype = q_rope.dtype
     heads = q_rope.shape[2]
@@ -88,10 +89,10 @@ def expanded_attention(q_nope, q_rope, blocks, key_up, value_up, scale):
         k_nope = jnp.einsum("BSR,RNH->BNSH", c_kv, key_up.astype(dtype))
         expanded.append(((k_nope, k_rope), v, mask))
     queries = (q_rope,) if key_up is None else (q_nope, q_rope)
-    return attend(queries, expanded, scale)
+    return attend(queries, expanded, scale, observe)
 
 
-def absorbed_attention(q_nope, q_rope, blocks, key_up, value_up, scale):
+def absorbed_attention(q_nope, q_rope, blocks, key_up, value_up, scale, observe=None):
     """Attention in latent space: W_UK folded into the query, W_UV applied after.
 
     Same arguments and result as `expanded_attention`. The latent is one KV
@@ -101,13 +102,15 @@ def absorbed_attention(q_nope, q_rope, blocks, key_up, value_up, scale):
     dtype = q_rope.dtype
     if key_up is None:  # no key part in the latent: scores are the RoPE part's
         latent = [((k_rope,), c_kv, mask) for c_kv, k_rope, mask in blocks]
-        out = attend((q_rope,), latent, scale)  # [B, T, N, R]
+        out = attend((q_rope,), latent, scale, observe)  # [B, T, N, R]
     else:
         # [B, T, N, R]: each head's query against the latent
         q_latent = jnp.einsum("BTNH,RNH->BTNR", q_nope, key_up.astype(dtype))
         latent = [((c_kv, k_rope), c_kv, mask) for c_kv, k_rope, mask in blocks]
-        out = attend((q_latent, q_rope), latent, scale)  # [B, T, N, R]
-    return jnp.einsum("BTNR,RNH->BTNH", out, value_up.astype(dtype))
+        out = attend((q_latent, q_rope), latent, scale, observe)  # [B, T, N, R]
+    out, mass = (out, None) if observe is None else out
+    out = jnp.einsum("BTNR,RNH->BTNH", out, value_up.astype(dtype))
+    return out if observe is None else (out, mass)
 
 
 UP_AXES = ("latent", "heads", "head_dim")  # [R, N, .]: up projections from a latent
@@ -178,9 +181,11 @@ class MultiHeadLatentAttention(nn.Module):
             )
             return out_projection(out), None
 
-        regions, pending = layer.read(fresh, placement)
-        blocks = [(c_kv, k_rope, mask) for (c_kv, k_rope), mask in regions]
-        attention = absorbed_attention if mla.absorb else expanded_attention
-        out = attention(q_nope, q_rope, blocks, key_up, value_up, scale)
-        # Write only after the old cache has been read, so it is written in place.
-        return out_projection(out), layer.write(ordered_after(pending, out), placement)
+        attend_latent = absorbed_attention if mla.absorb else expanded_attention
+
+        def attention(regions, observe):
+            blocks = [(c_kv, k_rope, mask) for (c_kv, k_rope), mask in regions]
+            return attend_latent(q_nope, q_rope, blocks, key_up, value_up, scale, observe)
+
+        out, layer = through_layer(layer, fresh, placement, attention)
+        return out_projection(out), layer

@@ -12,7 +12,9 @@ latent attention stores (kv_rank + rope_dim) numbers per token and layer instead
 packed payload (bits / 8 bytes a number), one scale (and zero point) per group
 and the full-precision ring of recent tokens, laid out as kvlab/cache/quant.py
 describes. A paged cache counts its page pools (num_pages x page_size token
-rows, shared by the rows) and each row's ring instead. Plus the bookkeeping the
+rows, shared by the rows) and each row's ring instead. An evicting cache counts its budget slots
+(kvlab/cache/evict.py), and per slot an int32 position (and h2o's float32
+score) unless it is a ring. Plus the bookkeeping the
 cache carries: one int32 length and one int32 of error flags per row
 (ROW_BYTES) and, paged, the block tables.
 """
@@ -26,12 +28,14 @@ import numpy as np
 from jax.sharding import Mesh
 
 from kvlab import sharding
-from kvlab.cache import paged
+from kvlab.cache import evict, paged
 from kvlab.cache.quant import quantized_layout, storages
 from kvlab.config import cached_tensors, dtype_of, validate_cache_config, validate_model_config
 
 ROW_BYTES = 4 + 4  # per row: an int32 length and int32 error flags
 TABLE_ENTRY_BYTES = 4  # paged: one int32 page id per row and page
+SLOT_BYTES = 4  # evicting caches (scored methods): the int32 position of each slot's token
+SCORE_BYTES = 4  # h2o: the float32 attention each slot's token has accumulated
 
 
 def cache_bytes(
@@ -70,7 +74,21 @@ def cache_bytes(
     ]
     rows_held = batch_size // split("cache_batch", batch_size)  # rows on one device
     ring = 0 if layout is None else layout.ring_len
+    plan = evict.policies(model_cfg, cache_cfg, seq_len)
     # Token rows each tensor stores: a row's S (or P settled) tokens, or a page pool.
+    if plan is not None:  # budget slots per storage head, and per slot a position (and score)
+        per_layer, tables = 0, 0
+        for policy in plan:
+            stored = [(spec, 1 if policy.pooled else t.heads, t.width) for t, spec in tensors]
+            per_layer += rows_held * sum(
+                _tensor_bytes(spec, heads, width, policy.slots, 0) for spec, heads, width in stored
+            )
+            if not policy.ring:
+                heads = evict.storage_heads(policy)
+                heads //= split("cache_heads", heads)
+                per_slot = SLOT_BYTES + (SCORE_BYTES if policy.method == "h2o" else 0)
+                per_layer += rows_held * heads * policy.slots * per_slot
+        return per_layer + ROW_BYTES * rows_held
     if cache_cfg["kind"] == "paged":
         pages = paged.pool_size(cache_cfg, batch_size, seq_len)
         pooled = pages // split("cache_pages", pages) * cache_cfg["page_size"]

@@ -30,7 +30,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec
 
 from kvlab import sharding
-from kvlab.cache import paged, quant
+from kvlab.cache import evict, paged, quant
 from kvlab.cache.dense import Cache, DenseLayer
 from kvlab.config import (
     cached_tensors,
@@ -82,6 +82,11 @@ def init_cache(
         errors=jnp.zeros((batch_size,), jnp.int32),
         tensors=tensors,
     )
+    plan = evict.policies(model_cfg, cache_cfg, max_len)
+    if plan is not None:
+        return Cache(
+            layers=tuple(_evicting_layer(p, specs, shapes, dtype, batch_size) for p in plan), **rows
+        )
     if cache_cfg["kind"] != "paged":
         if layout is None:
             new_layer = lambda: DenseLayer(  # noqa: E731
@@ -117,6 +122,19 @@ def init_cache(
     return paged.PagedCache(layers=layers, block_tables=tables, **rows)
 
 
+def _evicting_layer(policy, specs, shapes, dtype, batch_size: int) -> evict.EvictingLayer:
+    """Slots for `policy.slots` tokens per storage head (a pool: one head of K x budget)."""
+    tensors = []
+    for spec, (heads, width) in zip(specs, shapes, strict=True):
+        heads = 1 if policy.pooled else heads
+        if spec.quantized:
+            layout = quant.Layout(policy.slots, 0, 1)
+            tensors.append(quant.init_tensor(spec, layout, batch_size, heads, width))
+        else:
+            tensors.append(jnp.zeros((batch_size, heads, policy.slots, width), dtype))
+    return evict.init_layer(policy, tuple(tensors), batch_size)
+
+
 def _paged_quantized_layer(
     one_row: quant.QuantizedLayer, batch_size: int, num_pages: int, page: int
 ) -> paged.PagedQuantizedLayer:
@@ -149,6 +167,13 @@ POOL_AXES = PartitionSpec("cache_heads", "cache_pages", None, None)
 
 
 def _layer_axes(layer):
+    if isinstance(layer, evict.EvictingLayer):
+        per_slot = PartitionSpec("cache_batch", "cache_heads", None)
+        return layer.replace(
+            tensors=jax.tree.map(lambda _: ROW_AXES, layer.tensors),
+            positions=None if layer.positions is None else per_slot,
+            scores=None if layer.scores is None else per_slot,
+        )
     if isinstance(layer, (DenseLayer, quant.QuantizedLayer)):
         return jax.tree.map(lambda _: ROW_AXES, layer)
     if isinstance(layer, paged.PagedLayer):

@@ -2,7 +2,7 @@
 
     causal_mask(q_positions [B, T], kv_lengths [B], kv_size) -> bool[B, T, S]
     Placement(positions, fresh_mask, slots, lengths, num_tokens)
-    place_without_cache(batch, length) -> Placement      (the plain forward)
+    place_without_cache(batch, length, window=0) -> Placement   (the plain forward)
     write_tokens(buffer, new, slots, axis) -> buffer      (the one cache write)
 
 Each cache kind places tokens itself (`Cache.place`): positions follow the
@@ -51,10 +51,14 @@ class Placement(NamedTuple):
     pages: Int[Array, "B n"] | None = None
 
 
-def place_without_cache(batch: int, length: int) -> Placement:
-    """The plain causal forward: positions 0..T-1, nothing cached."""
+def place_without_cache(batch: int, length: int, window: int = 0) -> Placement:
+    """The plain causal forward: positions 0..T-1, nothing cached; with a
+    `window` (model.sliding_window), a query at p sees only positions > p - window."""
     steps = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length))
-    return Placement(steps, causal_mask(steps, jnp.full((batch,), length), length))
+    mask = causal_mask(steps, jnp.full((batch,), length), length)
+    if window:
+        mask = mask & (steps[:, None, :] > steps[:, :, None] - window)
+    return Placement(steps, mask)
 
 
 def write_tokens(
@@ -67,7 +71,9 @@ def write_tokens(
 
     `new` has the buffer's layout with T tokens in place of the buffer's S
     along `axis` (a [B, K, S, H] buffer with axis 2 takes [B, K, T, H]).
-    Slots outside 0..S-1 are dropped, negative ones included.
+    Slots outside 0..S-1 are dropped, negative ones included. Slots may also
+    be given per head, int32[B, E, T] with E = 1 or the buffer's heads, on
+    axis 2 (evicting caches put each head's token in its own slot).
 
     The one write into any cache buffer (page pools too: kvlab/cache/paged.py
     writes through it). `jax.lax.dynamic_update_slice` would move an
@@ -78,6 +84,11 @@ def write_tokens(
     instead of overwriting real ones.
     """
     slots = jnp.where(slots < 0, buffer.shape[axis], slots)
+    if slots.ndim == 3:  # per head: slots [B, E, T] on a [B, KH, S, ...] buffer (E = 1 or KH)
+        rows = jnp.arange(buffer.shape[0])[:, None, None]
+        heads = jnp.arange(buffer.shape[1])[None, :, None]
+        # The selected entries come out [B, KH, T, ...], as `new` is laid out.
+        return buffer.at[rows, heads, slots].set(new.astype(buffer.dtype), mode="drop")
     rows = jnp.arange(buffer.shape[0])[:, None]
     index = (rows,) + (slice(None),) * (axis - 1) + (slots,)
     # Indexed this way the selected entries come out [B, T, (axes before `axis`), ...].

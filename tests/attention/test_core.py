@@ -8,7 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import kvlab
-import kvlab.attention.gqa
+import kvlab.attention.core
 from kvlab.attention.core import attend, ordered_after
 from kvlab.cache.placement import causal_mask
 from tests.helpers import build, tiny_config
@@ -94,7 +94,7 @@ def test_ordered_after_makes_the_cache_write_in_place():
     cache = kvlab.init_cache(cfg.model, cfg.cache, 2, 64)
     token = jnp.zeros((2,), jnp.int32)
     assert cache_copies(kvlab.decode_step, model, params, cache, token) == 0
-    with mock.patch.object(kvlab.attention.gqa, "ordered_after", lambda tree, _: tree):
+    with mock.patch.object(kvlab.attention.core, "ordered_after", lambda tree, _: tree):
         jax.clear_caches()  # trace the step again, without the ordering
         assert cache_copies(kvlab.decode_step, model, params, cache, token) > 0
     jax.clear_caches()

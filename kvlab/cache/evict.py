@@ -1,0 +1,491 @@
+"""Token eviction: cache layers that keep a budget of tokens and drop the rest.
+
+A layer of an evicting cache (`cache.evict.method` other than 'none', or a
+model with `model.sliding_window`) stores `budget` slots per KV head instead of
+the row's whole length; tokens it evicts are gone, so `cache_bytes` counts
+only the slots (docs/design.md, "Evicting caches"). Keys are stored after
+RoPE, so a kept token keeps its position; `Cache.lengths` stays the number of
+tokens a row has seen (the next position), and `EvictingLayer.stored()` the
+number each head holds.
+
+Two layouts:
+
+- ring ('window', 'sinks', and `model.sliding_window`): slot of position p is
+  p for the first `sinks` tokens and sinks + (p - sinks) mod R after them
+  (R = slots - sinks), as Mistral's rolling buffer; which position a slot holds
+  follows from the row's length, so nothing else is stored. A query at p sees
+  the sinks and the positions in (p - R, p], also among a step's own tokens:
+  the cache equals a plain forward with that banded mask, whatever the chunks.
+- scored (h2o, snapkv, pyramidkv, adakv, knorm, random): each slot's position
+  is stored (`positions` int32[B, E, S], -1 = empty) and, for h2o, the
+  attention it accumulated (`scores` float32[B, E, S]). A step's tokens
+  attend over the kept tokens and each other (causally); then the stored and
+  the new tokens together compete for the S slots of each head: the `recent`
+  latest positions are always kept, the others by the method's score, and the
+  new tokens that win take the slots of the stored ones that lose. With a
+  budget of at least the sequence length nothing is evicted and the logits
+  are the full cache's. E is the number of KV heads (GQA; each head evicts on
+  its own, scored by the mean over its group's query heads) or 1 (MLA: one
+  latent per token, scored over all heads).
+
+AdaKV (arXiv:2407.11550) gives a layer's heads unequal budgets: its K heads
+share one pool of K x budget slots (E = 1), each slot tagged with its head
+(`positions` holds position * K + head), the top K x budget (head, token)
+pairs of the layer are kept, each head at least `adakv_floor` x budget. The
+pool costs exactly what K heads of `budget` slots cost; every query head
+reads the pool masked to its own KV head's slots.
+
+Scores: h2o (arXiv:2306.14048) accumulates each token's attention from every
+later query; snapkv (arXiv:2404.14469) scores by the attention of the step's
+last `obs_window` queries, max-pooled over `kernel` neighbouring positions;
+pyramidkv (arXiv:2406.02069) is snapkv with budgets shrinking linearly from the
+first layer to the last (the last keeps the mean / pyramid_beta, the mean is
+the budget); knorm (arXiv:2406.11430) keeps the keys of smallest L2 norm;
+random keeps a pseudo-random set (a hash of seed, layer, head and position).
+
+Quantized tensors (cache.<prefix>_axis='token', residual 0) are stored per
+slot as codes and per-token scales, quantized as they are stored; a step's
+tokens are seen quantized, as the quantized cache sees them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+
+import jax
+import jax.numpy as jnp
+from einops import rearrange
+from flax import struct
+from jaxtyping import Array, Float, Int
+
+from kvlab.cache.placement import Placement, write_tokens
+from kvlab.cache.quant import QuantizedTensor, dequantize_tokens, quantize_tokens
+from kvlab.config import OBSERVING_METHODS, SCORED_METHODS, dtype_of
+
+RING_METHODS = ("window", "sinks")
+KEPT = 3.0e38  # priority of a token that must stay (recent); scores stay far below
+FLOOR = 1.0e38  # adakv: a head's best `floor` tokens
+
+
+@dataclasses.dataclass(frozen=True)
+class Policy:
+    """What one evicting layer keeps (static: part of the compiled program)."""
+
+    method: str
+    slots: int  # S per storage head (a pooled layer: K x budget)
+    max_len: int  # positions a row may reach: the cache's capacity
+    kv_heads: int  # K of the attention (the head tag of a pooled layer)
+    query_heads: int  # N
+    pooled: bool = False  # adakv over K > 1 heads: one pool per layer
+    sinks: int = 0  # ring: first positions kept
+    recent: int = 0  # scored: latest positions kept
+    obs_window: int = 1
+    kernel: int = 1
+    floor: int = 0  # adakv: slots each head keeps at least
+    seed: int = 0
+    layer: int = 0
+
+    @property
+    def ring(self) -> bool:
+        return self.method in RING_METHODS
+
+    @property
+    def span(self) -> int:
+        """R: ring slots after the sinks."""
+        return self.slots - self.sinks
+
+
+def resolve_budget(model_cfg: Mapping, cache_cfg: Mapping, max_len: int) -> int:
+    """Tokens kept per KV head and layer (before pyramidkv's per-layer schedule)."""
+    if model_cfg["sliding_window"]:
+        return model_cfg["sliding_window"]
+    evict = cache_cfg["evict"]
+    return evict["budget"] or math.ceil(evict["ratio"] * max_len)
+
+
+def layer_budgets(model_cfg: Mapping, cache_cfg: Mapping, max_len: int) -> tuple[int, ...]:
+    """Tokens kept per KV head in each layer; raises ValueError for budgets that
+    cannot hold what the method always keeps."""
+    evict = cache_cfg["evict"]
+    method = "window" if model_cfg["sliding_window"] else evict["method"]
+    budget = resolve_budget(model_cfg, cache_cfg, max_len)
+    layers = model_cfg["num_layers"]
+    source = (
+        "cache.evict.budget" if evict["budget"] else f"ceil(cache.evict.ratio x max_len={max_len})"
+    )
+    if method == "sinks" and evict["sinks"] >= budget:
+        raise ValueError(
+            f"cache.evict.sinks={evict['sinks']} leaves no recent window in a budget of "
+            f"{budget} ({source}): set cache.evict.sinks below the budget or a larger budget"
+        )
+    if method not in SCORED_METHODS:
+        return (budget,) * layers
+    if evict["recent"] >= budget:
+        raise ValueError(
+            f"cache.evict.recent={evict['recent']} keeps every token of a budget of {budget} "
+            f"({source}), so nothing is scored: set cache.evict.recent below the budget, or "
+            "use cache.evict.method='window'"
+        )
+    if method != "pyramidkv" or layers == 1:
+        return (budget,) * layers
+    # PyramidKV: the scored part (budget - recent) falls linearly from 2m - m/beta in
+    # the first layer to m/beta in the last (mean m).
+    mean = budget - evict["recent"]
+    low = mean / evict["pyramid_beta"]
+    high = 2 * mean - low
+    step = (high - low) / (layers - 1)
+    return tuple(evict["recent"] + max(1, round(high - i * step)) for i in range(layers))
+
+
+def policies(model_cfg: Mapping, cache_cfg: Mapping, max_len: int) -> tuple[Policy, ...] | None:
+    """One Policy per layer, or None for a cache that keeps every token."""
+    evict = cache_cfg["evict"]
+    method = "window" if model_cfg["sliding_window"] else evict["method"]
+    if method == "none":
+        return None
+    grouped = model_cfg["attention"] != "mla"
+    kv_heads = model_cfg["num_kv_heads"] if grouped else 1
+    pooled = method == "adakv" and kv_heads > 1
+    out = []
+    for i, budget in enumerate(layer_budgets(model_cfg, cache_cfg, max_len)):
+        out.append(
+            Policy(
+                method=method,
+                slots=budget * kv_heads if pooled else budget,
+                max_len=max_len,
+                kv_heads=kv_heads,
+                query_heads=model_cfg["num_heads"],
+                pooled=pooled,
+                sinks=evict["sinks"] if method == "sinks" else 0,
+                recent=evict["recent"] if method in SCORED_METHODS else 0,
+                obs_window=evict["obs_window"],
+                kernel=evict["kernel"],
+                floor=math.floor(evict["adakv_floor"] * budget) if pooled else 0,
+                seed=evict["seed"],
+                layer=i,
+            )
+        )
+    return tuple(out)
+
+
+def storage_heads(policy: Policy) -> int:
+    """E: heads that evict on their own (1 for a pooled or latent layer)."""
+    return 1 if policy.pooled else policy.kv_heads
+
+
+# ---------------------------------------------------------------------------
+# Stored tensors: arrays in the cache dtype, or quantized per token
+
+
+def _block(tensor):
+    """What attention reads a stored tensor through."""
+    return tensor.reader() if isinstance(tensor, QuantizedTensor) else tensor
+
+
+def _pending(x: Array, tensor) -> Array:
+    """New tokens as `write` takes them: in the cache dtype."""
+    if not isinstance(tensor, QuantizedTensor):
+        return x.astype(tensor.dtype)
+    return x.astype(dtype_of(tensor.spec.dtype))
+
+
+def _as_stored(x: Array, tensor) -> Array:
+    """New tokens (from `_pending`) as attention will see them stored:
+    quantized ones as their dequantized codes."""
+    if not isinstance(tensor, QuantizedTensor) or not tensor.spec.quantized:
+        return x
+    return dequantize_tokens(*quantize_tokens(x, tensor.spec), tensor.spec)
+
+
+def _stored_values(tensor) -> Array:
+    """The stored tokens as an array [B, KH, S, W] (knorm's key norms)."""
+    if isinstance(tensor, QuantizedTensor):
+        return tensor.dequantize()
+    return tensor.astype(jnp.float32)
+
+
+def _put(tensor, new: Array, slots: Array):
+    """`new` [B, KH, T, W] written at `slots` [B, T] or per head [B, E, T]."""
+    if not isinstance(tensor, QuantizedTensor):
+        return write_tokens(tensor, new, slots, axis=2)
+    if not tensor.spec.quantized:
+        return tensor.replace(payload=write_tokens(tensor.payload, new, slots, axis=2))
+    payload, scale, zero = quantize_tokens(new, tensor.spec)
+    return tensor.replace(
+        payload=write_tokens(tensor.payload, payload, slots, axis=2),
+        scale=write_tokens(tensor.scale, scale, slots, axis=2),
+        zero=None if zero is None else write_tokens(tensor.zero, zero, slots, axis=2),
+    )
+
+
+def _heads(tensor) -> int:
+    array = tensor.payload if isinstance(tensor, QuantizedTensor) else tensor
+    return array.shape[1]
+
+
+def _width(tensor) -> int:
+    return tensor.width if isinstance(tensor, QuantizedTensor) else tensor.shape[3]
+
+
+# ---------------------------------------------------------------------------
+# The ring
+
+
+def ring_positions(lengths: Int[Array, " B"], policy: Policy) -> Int[Array, "B S"]:
+    """The position each ring slot holds for rows of `lengths` tokens; -1 = empty."""
+    slot = jnp.arange(policy.slots)
+    sinks, span = policy.sinks, policy.span
+    last = lengths[:, None] - 1
+    offset = slot - sinks  # place in the ring after the sinks
+    latest = sinks + offset + span * jnp.floor_divide(last - sinks - offset, span)
+    in_ring = last - sinks - offset >= 0
+    position = jnp.where(slot < sinks, slot, latest)
+    held = jnp.where(slot < sinks, slot < lengths[:, None], in_ring)
+    return jnp.where(held, position, -1)
+
+
+def banded(q_positions: Array, k_positions: Array, sinks: int, span: int) -> Array:
+    """Keys a query may see under a window of `span` positions after `sinks` kept ones."""
+    return (
+        (k_positions >= 0)
+        & (k_positions <= q_positions)
+        & ((k_positions < sinks) | (k_positions > q_positions - span))
+    )
+
+
+# ---------------------------------------------------------------------------
+# Scores
+
+
+def _pooled_max(score: Array, key: Array, valid: Array, head: Array, kernel: int) -> Array:
+    """Max of each candidate's score over the `kernel` nearest positions of its head.
+
+    score, key (sort key: head-major position), valid, head: [B, E, C].
+    """
+    if kernel == 1:
+        return score
+    order = jnp.argsort(jnp.where(valid, key, jnp.iinfo(jnp.int32).max), axis=-1)
+    take = lambda x: jnp.take_along_axis(x, order, axis=-1)  # noqa: E731
+    s, v, h = take(score), take(valid), take(head)
+    best = s
+    half = kernel // 2
+    for shift in range(1, half + 1):
+        for d in (shift, -shift):
+            moved = jnp.roll(s, d, axis=-1)
+            ok = jnp.roll(v, d, axis=-1) & (jnp.roll(h, d, axis=-1) == h)
+            edge = jnp.arange(s.shape[-1])
+            ok = ok & ((edge >= d) if d > 0 else (edge < s.shape[-1] + d))
+            best = jnp.where(ok & v, jnp.maximum(best, moved), best)
+    inverse = jnp.argsort(order, axis=-1)
+    return jnp.take_along_axis(best, inverse, axis=-1)
+
+
+def _hash01(x: Array) -> Array:
+    """A pseudo-random float in [0, 1) per uint32 (a murmur3 finaliser)."""
+    x = x.astype(jnp.uint32)
+    x = (x ^ (x >> 16)) * jnp.uint32(0x7FEB352D)
+    x = (x ^ (x >> 15)) * jnp.uint32(0x846CA68B)
+    x = x ^ (x >> 16)
+    return (x >> 8).astype(jnp.float32) / float(1 << 24)
+
+
+# ---------------------------------------------------------------------------
+# The layer
+
+
+@struct.dataclass
+class EvictingLayer:
+    """One layer's kept tokens (module docstring).
+
+    tensors    per cached tensor: [B, KH, S, W] in cache.dtype, or a QuantizedTensor
+               whose payload, scales and zeros have S rows (token axis); a pooled
+               layer stores [B, 1, K x budget, W]
+    positions  int32[B, E, S] position of each slot's token (pooled: position * K
+               + head), -1 = empty; None for a ring (it follows from the length)
+    scores     float32[B, E, S] h2o's accumulated attention; None otherwise
+    policy     static Policy
+    """
+
+    tensors: tuple
+    positions: Array | None
+    scores: Array | None
+    policy: Policy = struct.field(pytree_node=False)
+
+    @property
+    def capacity(self) -> int:
+        return self.policy.max_len
+
+    @property
+    def slots(self) -> int:
+        return self.policy.slots
+
+    def tensor_shapes(self) -> tuple[tuple[int, int], ...]:
+        if self.policy.pooled:  # the pool stands for K heads
+            return tuple((self.policy.kv_heads, _width(t)) for t in self.tensors)
+        return tuple((_heads(t), _width(t)) for t in self.tensors)
+
+    def stored(self, lengths: Int[Array, " B"]) -> Int[Array, "B K"]:
+        """Tokens each KV head of each row holds (K = 1 for a latent)."""
+        p = self.policy
+        if p.ring:
+            return jnp.minimum(lengths, p.slots)[:, None]
+        held = self.positions >= 0
+        if not p.pooled:
+            return held.sum(-1).astype(jnp.int32)
+        owner = self.positions % p.kv_heads
+        heads = jnp.arange(p.kv_heads)[None, :, None]
+        return (held & (owner == heads)).sum(-1).astype(jnp.int32)
+
+    def observe(self, placement: Placement) -> Float[Array, "B T"] | None:
+        """Weights of the queries whose attention scores this step's tokens."""
+        method = self.policy.method
+        if method not in OBSERVING_METHODS:
+            return None
+        steps = jnp.arange(placement.positions.shape[1])[None, :]
+        real = steps < placement.num_tokens[:, None]
+        if method != "h2o":
+            real = real & (steps >= placement.num_tokens[:, None] - self.policy.obs_window)
+        return real.astype(jnp.float32)
+
+    # -- read
+
+    def read(self, fresh: tuple, placement: Placement):
+        """The kept tokens and the step's new ones as the layer holds them, masked."""
+        p = self.policy
+        pending = tuple(_pending(x, t) for x, t in zip(fresh, self.tensors, strict=True))
+        fresh = tuple(_as_stored(x, t) for x, t in zip(pending, self.tensors, strict=True))
+        stored = tuple(_block(t) for t in self.tensors)
+        q_positions = placement.positions[:, :, None]  # [B, T, 1]
+        if p.ring:
+            held = ring_positions(placement.lengths, p)[:, None, :]  # [B, 1, S]
+            stored_mask = banded(q_positions, held, p.sinks, p.span)  # [B, T, S]
+            fresh_mask = placement.fresh_mask & banded(
+                q_positions, placement.positions[:, None, :], p.sinks, p.span
+            )
+            return [(stored, stored_mask), (fresh, fresh_mask)], pending
+        held = self.positions >= 0  # [B, E, S]
+        if not p.pooled:
+            return [(stored, held[:, :, None, None, :]), (fresh, placement.fresh_mask)], pending
+        # One pool: query head n reads the slots of KV head n // G.
+        group = jnp.arange(p.query_heads) // (p.query_heads // p.kv_heads)  # [N]
+        owner = self.positions % p.kv_heads
+        stored_mask = held[:, :, None, None, :] & (owner[:, :, None, None, :] == group[:, None])
+        pool = lambda xs: tuple(rearrange(x, "B K T W -> B 1 (K T) W") for x in xs)  # noqa: E731
+        kv = jnp.arange(p.kv_heads)
+        mine = kv[None, :] == group[:, None]  # [N, K]
+        fresh_mask = (
+            placement.fresh_mask[:, None, :, None, None, :] & mine[None, None, None, :, :, None]
+        )  # [B, 1, T, N, K, T]
+        fresh_mask = fresh_mask.reshape(*fresh_mask.shape[:4], -1)
+        return [(stored, stored_mask), (pool(fresh), fresh_mask)], pool(pending)
+
+    # -- write
+
+    def write(self, pending: tuple, placement: Placement, mass=None) -> EvictingLayer:
+        """Stores the step's tokens: in their ring slots, or in the slots of the
+        stored tokens they outscore. `mass`: attention's per-block mass
+        ([B, K', S] and [B, K', T']) when `observe` asked for it."""
+        p = self.policy
+        if p.ring:
+            return self.replace(tensors=self._ring_write(pending, placement))
+        tags, candidates = self._candidates(placement)  # [B, E, T'], [B, E, C]
+        slots = self.positions.shape[2]
+        valid = candidates >= 0
+        score = self._score(pending, placement, candidates, valid, mass)
+        position = candidates // p.kv_heads if p.pooled else candidates
+        end = (placement.lengths + placement.num_tokens)[:, None, None]
+        priority = jnp.where(valid, score, -jnp.inf)
+        if p.floor:
+            priority = jnp.where(self._floor(score, candidates, valid), FLOOR, priority)
+        if p.recent:
+            priority = jnp.where(valid & (position >= end - p.recent), KEPT, priority)
+        _, best = jax.lax.top_k(priority, slots)  # [B, E, S] candidate indices
+        b = jnp.arange(best.shape[0])[:, None, None]
+        e = jnp.arange(best.shape[1])[None, :, None]
+        keep = jnp.zeros(candidates.shape, bool).at[b, e, best].set(True) & valid
+        kept_stored, kept_new = keep[..., :slots], keep[..., slots:]
+        # New tokens that stay take the free slots (emptied or lost), lowest first.
+        free = jnp.argsort(kept_stored, axis=-1, stable=True)
+        rank = jnp.clip(jnp.cumsum(kept_new, axis=-1) - 1, 0, slots - 1)
+        dest = jnp.where(kept_new, jnp.take_along_axis(free, rank, axis=-1), slots)
+        positions = jnp.where(kept_stored, self.positions, -1)
+        positions = positions.at[b, e, dest].set(tags, mode="drop")
+        scores = self.scores
+        if scores is not None:  # h2o: the attention each kept token has received
+            scores = jnp.where(kept_stored, score[..., :slots], 0.0)
+            scores = scores.at[b, e, dest].set(score[..., slots:], mode="drop")
+        tensors = tuple(_put(t, x, dest) for t, x in zip(self.tensors, pending, strict=True))
+        return EvictingLayer(tensors, positions, scores, p)
+
+    def _ring_write(self, pending: tuple, placement: Placement) -> tuple:
+        p = self.policy
+        positions = placement.positions
+        end = (placement.lengths + placement.num_tokens)[:, None]
+        real = jnp.arange(positions.shape[1])[None, :] < placement.num_tokens[:, None]
+        # A new token another new token of the step overwrites is not written.
+        lives = real & ((positions < p.sinks) | (positions >= end - p.span))
+        slot = jnp.where(positions < p.sinks, positions, p.sinks + (positions - p.sinks) % p.span)
+        slot = jnp.where(lives, slot, p.slots)
+        return tuple(_put(t, x, slot) for t, x in zip(self.tensors, pending, strict=True))
+
+    def _candidates(self, placement: Placement):
+        """Tags of the step's tokens [B, E, T'] and of every candidate [B, E, S + T']
+        (stored slots first); -1 for empty slots and padding."""
+        p = self.policy
+        length = placement.positions.shape[1]
+        real = jnp.arange(length)[None, :] < placement.num_tokens[:, None]
+        new = jnp.where(real, placement.positions, -1)  # [B, T]
+        if p.pooled:
+            kv = jnp.arange(p.kv_heads)[None, :, None]
+            tags = jnp.where(new[:, None, :] >= 0, new[:, None, :] * p.kv_heads + kv, -1)
+            tags = tags.reshape(new.shape[0], 1, -1)  # [B, 1, K x T], head-major
+        else:
+            tags = jnp.broadcast_to(
+                new[:, None, :], (new.shape[0], self.positions.shape[1], length)
+            )
+        return tags, jnp.concatenate([self.positions, tags], axis=2)
+
+    def _score(self, pending, placement, candidates, valid, mass) -> Array:
+        """float32[B, E, C]: how much each candidate deserves to stay."""
+        p = self.policy
+        heads = candidates.shape[1]
+        if p.method in OBSERVING_METHODS:
+            # Mean over the query heads of each storage head (attention gives KV heads').
+            per_head = [m.reshape(m.shape[0], heads, -1, m.shape[-1]).mean(2) for m in mass]
+            score = jnp.concatenate(per_head, axis=2)
+            if p.method == "h2o":
+                return score.at[..., : self.scores.shape[2]].add(self.scores)
+            head = candidates % p.kv_heads if p.pooled else jnp.zeros_like(candidates)
+            position = candidates // p.kv_heads if p.pooled else candidates
+            key = head * (1 << 24) + position  # positions stay below 2**24
+            return _pooled_max(score, key, valid, head, p.kernel)
+        if p.method == "knorm":  # keys of small norm stay (the first cached tensor's)
+            stored = jnp.linalg.norm(_stored_values(self.tensors[0]), axis=-1)
+            new = _as_stored(pending[0], self.tensors[0]).astype(jnp.float32)
+            new = jnp.linalg.norm(new, axis=-1)
+            return -jnp.concatenate([stored, new], axis=2)
+        # random
+        e = jnp.arange(heads)[None, :, None]
+        salt = (p.seed * 0x9E3779B1 + p.layer * 0x85EBCA77) & 0xFFFFFFFF
+        return _hash01((candidates * heads + e).astype(jnp.uint32) ^ jnp.uint32(salt))
+
+    def _floor(self, score, candidates, valid) -> Array:
+        """adakv: each head's `floor` best candidates (bool[B, 1, C])."""
+        p = self.policy
+        owner = candidates % p.kv_heads  # [B, 1, C]
+        kv = jnp.arange(p.kv_heads)[None, :, None]
+        per_head = jnp.where(valid & (owner == kv), score, -jnp.inf)  # [B, K, C]
+        threshold = jax.lax.top_k(per_head, p.floor)[0][..., -1:]  # [B, K, 1]
+        chosen = (per_head >= threshold) & (per_head > -jnp.inf)
+        return jnp.any(chosen, axis=1, keepdims=True)
+
+
+def init_layer(policy: Policy, tensors: tuple, batch: int) -> EvictingLayer:
+    """An empty layer around `tensors` (each with policy.slots rows, zeroed)."""
+    if policy.ring:
+        return EvictingLayer(tensors, None, None, policy)
+    shape = (batch, storage_heads(policy), policy.slots)
+    scores = jnp.zeros(shape, jnp.float32) if policy.method == "h2o" else None
+    return EvictingLayer(tensors, jnp.full(shape, -1, jnp.int32), scores, policy)
