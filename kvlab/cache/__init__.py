@@ -3,6 +3,7 @@
 from kvlab.cache.accounting import cache_bytes, tree_bytes
 from kvlab.cache.allocator import OutOfPages, PageAllocator
 from kvlab.cache.dense import Cache, CacheError, DenseLayer
+from kvlab.cache.evict import EvictingLayer
 from kvlab.cache.factory import init_cache
 from kvlab.cache.paged import PagedCache, PagedLayer, PagedQuantizedLayer
 from kvlab.cache.placement import write_tokens
@@ -15,6 +16,7 @@ __all__ = [
     "CacheError",
     "CacheLayer",
     "DenseLayer",
+    "EvictingLayer",
     "OutOfPages",
     "PageAllocator",
     "PagedCache",

@@ -1,0 +1,292 @@
+"""Evicting caches (kvlab/cache/evict.py): exactness, what they keep, their bytes, refusals."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import kvlab
+from kvlab.attention.rope import apply_rope
+from kvlab.config import EVICT_METHODS
+from tests.helpers import VARIANTS, build, random_tokens, run_in_chunks
+
+METHODS = EVICT_METHODS[1:]
+CHUNKS = [4, 1, 4]  # 9 tokens
+MAX_LEN = 16
+
+
+def evicting(cfg, method, bits=16, **fields):
+    """A copy of cfg's cache section evicting by `method` (and stored in `bits`)."""
+    cache = cfg.cache.copy_and_resolve_references()
+    cache.evict.update({"method": method, "recent": 2, **fields})
+    if bits != 16:
+        for prefix in kvlab.config.cached_prefixes(cfg.model):
+            cache.update({f"{prefix}_bits": bits, f"{prefix}_axis": "token"})
+        cache.group_size = 8
+    return cache
+
+
+def run(cfg, cache_cfg, tokens, chunks=CHUNKS):
+    _, params, apply = build(cfg)
+    cache = kvlab.init_cache(cfg.model, cache_cfg, tokens.shape[0], MAX_LEN)
+    return run_in_chunks(apply, params, cache, tokens, chunks)
+
+
+@pytest.mark.parametrize(
+    "name, bits, methods",
+    [
+        ("gqa", 16, METHODS),
+        # attention-scored, a latent's pool, norms of quantized keys
+        ("mla_absorbed", 4, ("h2o", "adakv", "knorm")),
+    ],
+)
+def test_a_budget_that_holds_the_sequence_gives_the_full_cache_logits(name, bits, methods):
+    """Budget >= length: nothing is evicted, the logits are the full cache's (the
+    same cache without eviction, quantized alike)."""
+    cfg = VARIANTS[name]()
+    tokens = random_tokens(cfg, (2, 9))
+    full, _ = run(cfg, evicting(cfg, "none", bits), tokens)
+    for method in methods:
+        # pyramidkv's last layer keeps recent + mean / beta: give it a mean that holds 9
+        budget = 9 * 20 if method == "pyramidkv" else MAX_LEN
+        out, cache = run(cfg, evicting(cfg, method, bits, budget=budget), tokens)
+        # More slots (pyramidkv) or one pool (adakv): the same sums in another order.
+        tolerance = 3e-6 if method in ("adakv", "pyramidkv") else 0.0
+        np.testing.assert_allclose(out, full, atol=tolerance, rtol=0, err_msg=method)
+        for layer in cache.layers:
+            heads = layer.stored(cache.lengths)
+            np.testing.assert_array_equal(heads, np.full(heads.shape, 9), err_msg=method)
+
+
+@pytest.mark.parametrize("name", ["gqa", "mla_expanded"])
+def test_a_window_equals_a_plain_forward_with_a_banded_mask(name):
+    """model.sliding_window in the plain forward, its ring cache and the 'window'
+    policy on the same weights agree, whatever the chunks; the band matters."""
+    cfg = VARIANTS[name]()
+    tokens = random_tokens(cfg, (2, 9))
+    _, params, apply = build(cfg)
+    causal, _ = apply({"params": params}, tokens)
+    windowed = cfg.copy_and_resolve_references()
+    windowed.model.sliding_window = 3
+    _, same_params, band_apply = build(windowed)
+    banded, _ = band_apply({"params": same_params}, tokens)
+    assert np.abs(np.asarray(banded) - np.asarray(causal))[:, 3:].min() > 0  # it sees less
+    np.testing.assert_allclose(banded[:, :3], causal[:, :3], atol=5e-6, rtol=0)
+    for chunks in ([9], CHUNKS, [2, 5, 2]) if name == "gqa" else (CHUNKS,):
+        ring, cache = run(windowed, windowed.cache, tokens, chunks)
+        np.testing.assert_allclose(ring, banded, atol=5e-6, rtol=0)
+        policy, _ = run(cfg, evicting(cfg, "window", budget=3), tokens, chunks)
+        np.testing.assert_allclose(policy, banded, atol=5e-6, rtol=0)
+    assert (
+        kvlab.tree_bytes(cache.layers) * MAX_LEN
+        == kvlab.tree_bytes(kvlab.init_cache(cfg.model, cfg.cache, 2, MAX_LEN).layers) * 3
+    )
+
+
+def test_sinks_keep_the_first_tokens_and_a_recent_window():
+    """StreamingLLM with 2 sinks in 5 slots: after 9 tokens the ring holds 0, 1 and
+    6..8, and the logits do not depend on the chunks (each query sees the sinks
+    and its last 3 positions, as the window test checks for the band)."""
+    cfg = VARIANTS["mha"]()
+    tokens = random_tokens(cfg, (1, 9))
+    cache_cfg = evicting(cfg, "sinks", budget=5, sinks=2)
+    out, cache = run(cfg, cache_cfg, tokens)
+    held = kvlab.cache.evict.ring_positions(cache.lengths, cache.layers[0].policy)
+    assert sorted(np.asarray(held)[0].tolist()) == [0, 1, 6, 7, 8]
+    chunked, _ = run(cfg, cache_cfg, tokens, [1] * 9)
+    np.testing.assert_allclose(chunked, out, atol=5e-6, rtol=0)
+    window, _ = run(cfg, evicting(cfg, "window", budget=5), tokens)
+    assert np.abs(window - out)[:, 6:].min() > 0  # the sinks are seen
+
+
+def layer0_attention(cfg, params, tokens):
+    """Layer 0's attention probabilities from the plain forward: float64 [B, N, T, T]."""
+    model = kvlab.Transformer(cfg.model)
+    _, state = model.apply(
+        {"params": params}, tokens, capture_intermediates=True, mutable=["intermediates"]
+    )
+    found = state["intermediates"]["block_0"]["attention"]
+    q, k = found["query"]["__call__"][0], found["key"]["__call__"][0]
+    positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
+    q = apply_rope(q, positions, cfg.model.rope_theta, cfg.model.rope_scaling)
+    k = apply_rope(k, positions, cfg.model.rope_theta, cfg.model.rope_scaling)
+    groups = cfg.model.num_heads // cfg.model.num_kv_heads
+    k = np.repeat(np.asarray(k, np.float64), groups, axis=2)
+    scores = np.einsum("btnh,bsnh->bnts", np.asarray(q, np.float64), k) / np.sqrt(q.shape[-1])
+    length = tokens.shape[1]
+    scores = np.where(np.tril(np.ones((length, length), bool)), scores, -np.inf)
+    probs = np.exp(scores - scores.max(-1, keepdims=True))
+    return probs / probs.sum(-1, keepdims=True)
+
+
+def test_h2o_scores_are_the_column_sums_of_the_attention_matrix():
+    """With nothing evicted, h2o's accumulated score of each token is the attention it
+    got from every query, averaged over its KV head's query heads, whatever the chunks."""
+    cfg = VARIANTS["gqa"]()
+    tokens = random_tokens(cfg, (2, 9))
+    _, params, _ = build(cfg)
+    probs = layer0_attention(cfg, params, tokens)  # [B, N, T, T]
+    groups = cfg.model.num_heads // cfg.model.num_kv_heads
+    per_kv_head = probs.reshape(2, cfg.model.num_kv_heads, groups, 9, 9).mean(2)
+    expected = per_kv_head.sum(axis=2)  # [B, K, T]: each key's column sum
+    for chunks in ([9], CHUNKS):
+        _, cache = run(cfg, evicting(cfg, "h2o", budget=MAX_LEN), tokens, chunks)
+        layer = cache.layers[0]
+        np.testing.assert_array_equal(
+            layer.positions[:, :, :9], np.broadcast_to(np.arange(9), (2, 2, 9))
+        )
+        np.testing.assert_allclose(layer.scores[:, :, :9], expected, atol=2e-6, rtol=0)
+
+
+@pytest.mark.parametrize("method", ["h2o", "snapkv", "pyramidkv", "adakv", "knorm", "random"])
+def test_scored_eviction_keeps_the_budget_the_recent_tokens_and_the_best(method):
+    cfg = VARIANTS["gqa"]()
+    tokens = random_tokens(cfg, (2, 9))
+    out, cache = run(cfg, evicting(cfg, method, budget=4), tokens)
+    assert np.isfinite(out).all()
+    kv_heads = cfg.model.num_kv_heads
+    for layer in cache.layers:
+        budget = layer.policy.slots // (kv_heads if layer.policy.pooled else 1)
+        stored = np.asarray(layer.stored(cache.lengths))
+        positions = np.asarray(layer.positions)
+        if layer.policy.pooled:  # unequal heads, one pool: the layer's total is K x budget
+            np.testing.assert_array_equal(stored.sum(1), kv_heads * budget)
+            heads = [positions[b, 0] % kv_heads for b in range(2)]
+            kept = [
+                [
+                    sorted(positions[b, 0][(heads[b] == h) & (positions[b, 0] >= 0)] // kv_heads)
+                    for h in range(kv_heads)
+                ]
+                for b in range(2)
+            ]
+            assert all(len(k) >= layer.policy.floor for row in kept for k in row)
+        else:
+            np.testing.assert_array_equal(stored, budget)
+            kept = [[sorted(positions[b, h]) for h in range(kv_heads)] for b in range(2)]
+        for row in kept:
+            for head in row:
+                assert len(set(head)) == len(head) and all(0 <= p < 9 for p in head)
+                assert {7, 8} <= set(head)  # evict.recent=2
+
+
+def test_snapkv_after_one_prefill_keeps_the_top_pooled_tokens():
+    """One prefill step: SnapKV keeps the recent tokens and, of the others, those
+    whose attention from the last obs_window queries, max-pooled over kernel
+    neighbours, is largest (per KV head, mean over its query heads)."""
+    cfg = VARIANTS["gqa"]()
+    tokens = random_tokens(cfg, (2, 12), seed=3)
+    _, params, _ = build(cfg)
+    probs = layer0_attention(cfg, params, tokens)  # [B, N, T, T]
+    groups = cfg.model.num_heads // cfg.model.num_kv_heads
+    mass = probs[:, :, -4:].sum(2).reshape(2, cfg.model.num_kv_heads, groups, 12).mean(2)
+    padded = np.pad(mass, ((0, 0), (0, 0), (1, 1)), constant_values=-np.inf)
+    pooled = np.maximum(np.maximum(padded[..., :-2], padded[..., 1:-1]), padded[..., 2:])
+    _, cache = run(cfg, evicting(cfg, "snapkv", budget=6, obs_window=4, kernel=3), tokens, [12])
+    kept = np.sort(np.asarray(cache.layers[0].positions), axis=-1)
+    for b in range(2):
+        for h in range(cfg.model.num_kv_heads):
+            best = np.argsort(-pooled[b, h, :10], kind="stable")[:4]
+            np.testing.assert_array_equal(kept[b, h], np.sort([*best, 10, 11]))
+
+
+def test_bytes_are_the_kept_slots():
+    """AdaKV's pool stores what uniform SnapKV stores at the same total budget; a
+    GQA model with 4 query heads per KV head keeping 50% stores 1/4 of the MHA
+    model's layers at 50%; a ring stores no positions."""
+    gqa, mha = VARIANTS["mha"](), VARIANTS["mha"]()
+    for cfg, heads in ((gqa, 2), (mha, 8)):
+        cfg.model.update(num_heads=8, num_kv_heads=heads)
+
+    def layers(cfg, method, **fields):
+        cache = kvlab.init_cache(cfg.model, evicting(cfg, method, **fields), 3, 64)
+        return kvlab.tree_bytes(cache.layers)
+
+    assert layers(mha, "adakv", ratio=0.5) == layers(mha, "snapkv", ratio=0.5)
+    assert 4 * layers(gqa, "snapkv", ratio=0.5) == layers(mha, "snapkv", ratio=0.5)
+    full = layers(mha, "none")
+    assert 2 * layers(mha, "window", ratio=0.5) == full
+    # scored: + an int32 position per slot and KV head (h2o: + its float32 score)
+    per_slot = 3 * mha.model.num_layers * 8 * 32
+    assert layers(mha, "snapkv", ratio=0.5) == full // 2 + 4 * per_slot
+    assert layers(mha, "h2o", ratio=0.5) == full // 2 + 8 * per_slot
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    name=st.sampled_from(list(VARIANTS)),
+    method=st.sampled_from(METHODS),
+    bits=st.sampled_from([16, 8, 4, 2]),
+    ratio=st.sampled_from([0.125, 0.25, 0.5, 0.75, 1.0]),
+    batch=st.integers(1, 3),
+    max_len=st.integers(24, 80),
+)
+def test_cache_bytes_equal_tree_bytes_for_every_policy(name, method, bits, ratio, batch, max_len):
+    cfg = VARIANTS[name]()
+    cache_cfg = evicting(cfg, method, bits, ratio=ratio, sinks=1)
+    build_cache = lambda: kvlab.init_cache(cfg.model, cache_cfg, batch, max_len)  # noqa: E731
+    measured = kvlab.tree_bytes(jax.eval_shape(build_cache))
+    assert kvlab.cache_bytes(cfg.model, cache_cfg, batch, max_len) == measured
+
+
+def test_a_row_given_an_invalid_token_under_jit_keeps_its_kept_tokens():
+    cfg = VARIANTS["gqa"]()
+    tokens = random_tokens(cfg, (2, 9))
+    _, cache = run(cfg, evicting(cfg, "h2o", budget=4), tokens)
+    _, params, apply = build(cfg)
+    bad = np.array(random_tokens(cfg, (2, 3), seed=1))
+    bad[1, 1] = cfg.model.vocab_size
+    logits, after = apply({"params": params}, jnp.asarray(bad), cache=cache)
+    assert np.isnan(logits[1]).all() and np.isfinite(logits[0]).all()
+    for old, new in zip(cache.layers, after.layers, strict=True):
+        np.testing.assert_array_equal(old.positions[1], new.positions[1])
+        np.testing.assert_array_equal(old.scores[1], new.scores[1])
+        np.testing.assert_array_equal(old.tensors[0][1], new.tensors[0][1])
+    with pytest.raises(kvlab.cache.CacheError, match="row 1"):
+        after.check()
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"evict.method": "lru"}, "cache.evict.method='lru' is not supported"),
+        ({"evict.ratio": 0.0}, "cache.evict.ratio=0.0"),
+        ({"evict.ratio": 1.5}, "cache.evict.ratio=1.5 is above 1"),
+        ({"evict.budget": -1}, "cache.evict.budget=-1"),
+        ({"evict.kernel": 4}, "cache.evict.kernel=4 is even"),
+        ({"evict.adakv_floor": 2.0}, "cache.evict.adakv_floor=2.0"),
+        (
+            {"evict.method": "h2o", "kind": "paged"},
+            "cache.evict.method='h2o' is not implemented for cache.kind='paged'",
+        ),
+        ({"evict.method": "h2o", "k_bits": 4}, "cache.k_axis='channel'"),
+        ({"evict.method": "h2o", "v_bits": 4, "residual": 16}, "cache.residual=16"),
+    ],
+)
+def test_bad_eviction_fields_are_refused_naming_the_field(change, message):
+    cfg = VARIANTS["gqa"]()
+    for field, value in change.items():
+        section, _, name = field.rpartition(".")
+        (cfg.cache[section] if section else cfg.cache)[name] = value
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        kvlab.init_cache(cfg.model, cfg.cache, 1, 32)
+
+
+def test_budgets_that_cannot_hold_what_is_always_kept_are_refused():
+    cfg = VARIANTS["gqa"]()
+    with pytest.raises(
+        ValueError, match=r"cache.evict.recent=8 keeps every token of a budget of 4"
+    ):
+        kvlab.init_cache(cfg.model, evicting(cfg, "h2o", budget=4, recent=8), 1, 32)
+    with pytest.raises(ValueError, match=r"cache.evict.sinks=4 leaves no recent window"):
+        kvlab.init_cache(cfg.model, evicting(cfg, "sinks", ratio=0.125, sinks=4), 1, 32)
+    windowed = VARIANTS["gqa"]()
+    windowed.model.sliding_window = 8
+    with pytest.raises(ValueError, match="cannot combine with model.sliding_window=8"):
+        kvlab.init_cache(windowed.model, evicting(windowed, "h2o"), 1, 32)
+    windowed.cache.kind = "paged"
+    with pytest.raises(ValueError, match="model.sliding_window=8 is implemented for dense"):
+        kvlab.init_cache(windowed.model, windowed.cache, 1, 32)
