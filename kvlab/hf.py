@@ -19,10 +19,16 @@ Families (config.json's model_type) and what they become:
                      and DeepSeekMoE (model.moe.*, kvlab/moe.py; V2 softmax routing,
                      V3 sigmoid routing with its score-correction bias)
 
+Mistral's sliding_window W becomes model.sliding_window (null: 0, full causal
+attention); both let the query at position p see keys p - W + 1 .. p. kvlab
+has one window for all layers, so a Qwen2/Qwen3 window loads only when every
+layer slides (use_sliding_window with max_window_layers 0, or layer_types all
+'sliding_attention'); a window on some layers is refused.
+
 Nothing is dropped silently. Every config.json field that changes what the
 model computes is mapped to a kvlab field or checked to hold the value kvlab
-computes (hidden_act 'silu', no sliding window, no o_proj bias, ...); every
-tensor kvlab needs must be there with the shape config.json implies; a tensor
+computes (hidden_act 'silu', no o_proj bias, one window for all layers, ...);
+every tensor kvlab needs must be there with the shape config.json implies; a tensor
 left over is refused. Errors name the field or tensor, its value and what is
 supported.
 
@@ -61,8 +67,10 @@ latent norms use eps 1e-6 whatever rms_norm_eps says (model.mla.norm_eps).
 
 Export picks the family from the model: latent attention -> deepseek_v3 with
 sigmoid routing, else deepseek_v2; qk_norm -> qwen3; qkv_bias -> qwen2; else
-llama. Import then export then import gives bit-identical parameters: the
-layouts are transposes, reshapes and permutations, nothing is rounded.
+mistral with a sliding window, llama without (a window on latent attention is
+refused: DeepSeek has none). Import then export then import gives bit-identical
+parameters: the layouts are transposes, reshapes and permutations, nothing is
+rounded.
 """
 
 from __future__ import annotations
@@ -358,33 +366,59 @@ def _grouped_fields(hf: _HFConfig, model: ml_collections.ConfigDict) -> None:
         )
     if family == "llama":
         hf.expect("mlp_bias", (False,), False, "puts biases on the MLP; kvlab's MLP has none")
-    no_window = "kvlab has no sliding-window attention yet, so it would attend past the window"
-    if family == "mistral" and "sliding_window" in hf:
-        hf.refuse(
-            "sliding_window",
-            hf.get("sliding_window"),
-            f"limits attention to a window: {no_window}",
-            "only Mistral checkpoints with sliding_window null load",
-        )
+    if family == "mistral":
+        # Mistral slides every layer: None is full causal attention.
+        model.sliding_window = _window(hf, "sliding_window")
     if family in ("qwen2", "qwen3"):
-        layer_types = hf.get("layer_types")
-        if layer_types is not None and set(layer_types) != {"full_attention"}:
+        model.sliding_window = _qwen_window(hf, model.num_layers)
+
+
+def _window(hf: _HFConfig, key: str) -> int:
+    """model.sliding_window for config.json's `key`: W -> W, absent or null -> 0.
+
+    transformers' window W lets the query at position p see keys at positions
+    p - W + 1 .. p (key visible iff p - k < W), as kvlab's model.sliding_window."""
+    return hf.count(key) if key in hf else 0
+
+
+def _qwen_window(hf: _HFConfig, num_layers: int) -> int:
+    """model.sliding_window for Qwen2/Qwen3, whose windows are per layer.
+
+    As transformers 5 reads the config: the window is sliding_window when
+    use_sliding_window is true, else there is none; layer i slides when
+    layer_types[i] is 'sliding_attention' or, without layer_types, when there is a
+    window and i >= max_window_layers. kvlab has one window for every layer, so
+    only checkpoints whose layers all slide, or none, load."""
+    window = _window(hf, "sliding_window") if hf.get("use_sliding_window", False) else 0
+    layer_types = hf.get("layer_types")
+    if layer_types is None:
+        key, value = "max_window_layers", hf.count("max_window_layers", 28, minimum=0)
+        sliding = [bool(window) and i >= value for i in range(num_layers)]
+    else:
+        key, value = "layer_types", layer_types
+        kinds = ["full_attention", "sliding_attention"]
+        if not isinstance(value, list) or len(value) != num_layers or not set(value) <= {*kinds}:
+            hf.refuse(key, value, "is not a layer kind per layer", f"give {num_layers} of {kinds}")
+        sliding = [kind == "sliding_attention" for kind in value]
+        if any(sliding) and not window:
             hf.refuse(
-                "layer_types",
-                layer_types,
-                f"has sliding-attention layers: {no_window}",
-                "only 'full_attention' layers load",
+                key,
+                value,
+                "has sliding-attention layers but config.json gives them no window "
+                f"(use_sliding_window={hf.get('use_sliding_window', False)!r}, "
+                f"sliding_window={hf.get('sliding_window')!r})",
+                "set use_sliding_window true and sliding_window, or only 'full_attention' layers",
             )
-        windowed = hf.get("sliding_window") is not None and hf.get("max_window_layers", 28) < (
-            model.num_layers
+    if any(sliding) and not all(sliding):
+        hf.refuse(
+            key,
+            value,
+            f"slides {sum(sliding)} of the {num_layers} layers (sliding_window={window}) and "
+            "lets the others attend to every position",
+            "kvlab has one model.sliding_window for every layer: only checkpoints whose layers "
+            "all slide, or none, load",
         )
-        if layer_types is None and hf.get("use_sliding_window", False) and windowed:
-            hf.refuse(
-                "use_sliding_window",
-                True,
-                f"makes layers from max_window_layers on slide: {no_window}",
-                "only use_sliding_window false loads",
-            )
+    return window if all(sliding) else 0
 
 
 def _latent_fields(hf: _HFConfig, model: ml_collections.ConfigDict) -> None:
@@ -863,6 +897,12 @@ def _export_family(model) -> str:
     """The transformers family that computes what `model` computes, or ValueError."""
     moe = model.moe
     if model.attention == "mla":
+        if model.sliding_window:
+            raise ValueError(
+                f"model.sliding_window={model.sliding_window} with model.attention='mla' cannot "
+                "be exported: transformers' DeepSeek attention has no sliding window; set "
+                "model.sliding_window=0"
+            )
         mla = model.mla
         converted = {
             "latent_norm": (mla.latent_norm, True),
@@ -908,7 +948,10 @@ def _export_family(model) -> str:
             "model.qkv_bias=True with model.qk_norm=True cannot be exported: no transformers "
             "family kvlab writes has both (qwen2 has the biases, qwen3 the norms); drop one"
         )
-    return "qwen3" if model.qk_norm else "qwen2" if model.qkv_bias else "llama"
+    if model.qk_norm or model.qkv_bias:
+        return "qwen3" if model.qk_norm else "qwen2"
+    # Mistral is Llama with a window over every layer (Llama has none).
+    return "mistral" if model.sliding_window else "llama"
 
 
 def _hf_rope(model) -> tuple[dict, int]:
@@ -964,8 +1007,15 @@ def _hf_config(model, family: str) -> dict:
         config["head_dim"] = model.head_dim
         config["attention_bias"] = False  # qwen2's q/k/v biases are fixed by its family
         config["mlp_bias"] = False
+        window = model.sliding_window or None
+        if family == "mistral":
+            config["sliding_window"] = window
         if family in ("qwen2", "qwen3"):
-            config.update(use_sliding_window=False, sliding_window=None)
+            config.update(use_sliding_window=window is not None, sliding_window=window)
+            if window:  # every layer slides
+                config.update(
+                    max_window_layers=0, layer_types=["sliding_attention"] * model.num_layers
+                )
         return config
     mla, moe = model.mla, model.moe
     config.update(

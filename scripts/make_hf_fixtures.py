@@ -6,9 +6,10 @@
 Each fixture is a tiny random model of one family, saved by transformers' own
 `save_pretrained(safe_serialization=True)` in float32 (config.json,
 model.safetensors, or shards and model.safetensors.index.json), with
-`reference.npz` beside it: a fixed token batch `tokens` int32[B, T], the
-model's `logits` float32[B, T, V] on it, and `generated` int32[B, T + 8], its
-greedy continuation by `generate`. tests/test_hf.py checks kvlab.load_hf
+`reference.npz` beside it: a fixed token batch `tokens` int32[B, T] (T = 12,
+or 24 for the sliding-window fixture: six windows), the model's
+`logits` float32[B, T, V] on it, and `generated` int32[B, T + 8], its greedy
+continuation by `generate`. tests/test_hf.py checks kvlab.load_hf
 against these without torch. Seeds are fixed, so reruns write the same models
 (up to torch's random-number stream across versions).
 
@@ -18,6 +19,11 @@ linear maps and embeddings with std 1/sqrt(fan-in), norm scales near 1,
 biases near 0.1. The script prints the smallest gap between the two best
 logits along the greedy path: kvlab's greedy tokens can only be compared where
 it is well above float32 rounding.
+
+A fixture with a sliding window proves something only if transformers applies
+it: the script recomputes its logits with the window removed (same weights)
+and in both attention implementations, eager and sdpa, and stops unless the
+window changes every position from the window on and nothing before it.
 
 This script deliberately does not import kvlab: it runs in an environment
 with torch and transformers, which kvlab itself does not need.
@@ -37,6 +43,8 @@ import transformers
 
 VOCAB = 256  # kvlab's byte vocabulary: a loaded config validates with the default data section
 BATCH, LENGTH, NEW_TOKENS = 2, 12, 8
+# Fixtures whose token batch is longer than LENGTH: many positions past the window.
+LENGTHS = {"mistral_window": 24}
 
 # name -> (config class, config fields, save_pretrained keywords)
 FIXTURES = {
@@ -163,6 +171,21 @@ FIXTURES["deepseek_v3"] = (
     ),
     {},
 )
+# Mistral with a sliding window of 4 (each query sees its last 4 positions),
+# GQA 4/2, untied. Added last: a fixture's seed is its place in this dict.
+FIXTURES["mistral_window"] = (
+    transformers.MistralConfig,
+    dict(
+        hidden_size=64,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        sliding_window=4,
+        tie_word_embeddings=False,
+    ),
+    {},
+)
 
 
 def redraw_weights(model: torch.nn.Module, generator: torch.Generator) -> None:
@@ -181,7 +204,36 @@ def redraw_weights(model: torch.nn.Module, generator: torch.Generator) -> None:
                 buffer.copy_(0.1 * torch.randn(buffer.shape, generator=generator))
 
 
-def write_fixture(folder: str, config_class, fields: dict, save_options: dict, seed: int) -> None:
+def check_window(model: torch.nn.Module, tokens: torch.Tensor, logits: torch.Tensor) -> None:
+    """Stops unless transformers applies model's sliding window W in eager and sdpa
+    attention: without the window (same weights) positions < W keep their logits
+    and every position >= W changes."""
+    window = model.config.sliding_window
+    for implementation in ("eager", "sdpa"):
+        for sliding_window in (window, None):
+            config = model.config.__class__.from_dict(
+                dict(model.config.to_dict(), sliding_window=sliding_window)
+            )
+            other = transformers.AutoModelForCausalLM.from_config(
+                config, dtype=torch.float32, attn_implementation=implementation
+            ).eval()
+            other.load_state_dict(model.state_dict())
+            with torch.no_grad():
+                change = (other(tokens).logits.float() - logits).abs().amax(-1)  # [B, T]
+            if sliding_window is not None:
+                assert float(change.max()) < 1e-5, (implementation, float(change.max()))
+                continue
+            before, after = float(change[:, :window].max()), float(change[:, window:].min())
+            assert before < 1e-5 and after > 1e-2, (implementation, before, after)
+            print(
+                f"  {implementation}: removing window {window} moves logits at positions "
+                f">= {window} by >= {after:.2g}, before it by {before:.2g}"
+            )
+
+
+def write_fixture(
+    folder: str, config_class, fields: dict, save_options: dict, seed: int, length: int
+) -> None:
     generator = torch.Generator().manual_seed(seed)
     config = config_class(vocab_size=VOCAB, **fields)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
@@ -190,9 +242,11 @@ def write_fixture(folder: str, config_class, fields: dict, save_options: dict, s
         shutil.rmtree(folder)
     model.save_pretrained(folder, safe_serialization=True, **save_options)
 
-    tokens = torch.randint(0, VOCAB, (BATCH, LENGTH), generator=generator)
+    tokens = torch.randint(0, VOCAB, (BATCH, length), generator=generator)
     with torch.no_grad():
         logits = model(tokens).logits.float()
+        if getattr(model.config, "sliding_window", None) is not None:
+            check_window(model, tokens, logits)
         generated = model.generate(
             tokens,
             attention_mask=torch.ones_like(tokens),
@@ -201,7 +255,9 @@ def write_fixture(folder: str, config_class, fields: dict, save_options: dict, s
             do_sample=False,
             pad_token_id=0,
         )
-        path = model(generated).logits[:, LENGTH - 1 : -1].float()
+        path = model(generated).logits[:, length - 1 : -1].float()
+    # generate's cache computes what one forward over its output computes
+    assert torch.equal(path.argmax(-1), generated[:, length:]), folder
     best_two = torch.topk(path, 2, dim=-1).values
     gap = float((best_two[..., 0] - best_two[..., 1]).min())
     np.savez_compressed(
@@ -224,7 +280,9 @@ def main() -> None:
     for seed, (name, (config_class, fields, save_options)) in enumerate(FIXTURES.items()):
         if args.only and name not in args.only:
             continue
-        write_fixture(os.path.join(args.out, name), config_class, fields, save_options, seed)
+        folder = os.path.join(args.out, name)
+        length = LENGTHS.get(name, LENGTH)
+        write_fixture(folder, config_class, fields, save_options, seed, length)
 
 
 if __name__ == "__main__":

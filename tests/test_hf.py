@@ -18,12 +18,13 @@ from flax import traverse_util
 
 import kvlab
 from kvlab.convert import to_mla
-from tests.helpers import TOLERANCE
+from tests.helpers import TOLERANCE, run_in_chunks
 
 FIXTURES = pathlib.Path(__file__).parent / "fixtures" / "hf"
 GROUPED = ["llama", "qwen2", "qwen3", "mistral"]
+WINDOWED = ["mistral_window"]  # sliding window 4 over 24 tokens
 LATENT = ["deepseek_v2_q_lora", "deepseek_v2", "deepseek_v3"]
-ALL = GROUPED + LATENT
+ALL = GROUPED + WINDOWED + LATENT
 
 
 def reference(name):
@@ -76,7 +77,8 @@ THROUGH_CACHE = [(name, None) for name in GROUPED] + [
 ]
 # Greedy generation (absorbed MLA in its loop): a GQA family with and without
 # norms and biases, and both DeepSeek routings.
-GREEDY = ["llama", "qwen2", "qwen3", "deepseek_v2_q_lora", "deepseek_v3"]
+# mistral_window generates through its ring of 4 slots.
+GREEDY = ["llama", "qwen2", "qwen3", "mistral_window", "deepseek_v2_q_lora", "deepseek_v3"]
 
 
 @pytest.mark.parametrize("name, absorb", THROUGH_CACHE)
@@ -95,6 +97,26 @@ def test_cache_token_by_token_matches_transformers(name, absorb, loaded):
         steps.append(np.asarray(logits))
     cache.check()
     np.testing.assert_allclose(np.stack(steps, 1), ref["logits"], atol=TOLERANCE, rtol=0)
+
+
+@pytest.mark.parametrize("chunks", [[5, 1, 7, 11], [1] * 24])
+def test_sliding_window_cache_in_chunks_matches_transformers(chunks, loaded):
+    """Mistral's window through the default cache, a dense ring of 4 slots per
+    layer: any chunks give transformers' logits. The window matters: without it
+    the logits move from position 4 on (the script checked transformers alike)."""
+    cfg, params = loaded("mistral_window")
+    ref = reference("mistral_window")
+    tokens, window = ref["tokens"], cfg.model.sliding_window
+    model = kvlab.Transformer(cfg.model)
+    cache = kvlab.init_cache(cfg.model, cfg.cache, tokens.shape[0], max_len=tokens.shape[1])
+    logits, cache = run_in_chunks(jax.jit(model.apply), params, cache, tokens, chunks)
+    cache.check()
+    np.testing.assert_allclose(logits, ref["logits"], atol=1e-5, rtol=0)
+    full = cfg.model.copy_and_resolve_references()
+    full.sliding_window = 0
+    unwindowed, _ = jax.jit(kvlab.Transformer(full).apply)({"params": params}, tokens)
+    moved = np.abs(np.asarray(unwindowed) - ref["logits"]).max(-1)  # [B, T]
+    assert moved[:, :window].max() < 1e-5 and moved[:, window:].min() > 1e-2
 
 
 @pytest.mark.parametrize("name", GREEDY)
@@ -140,6 +162,8 @@ def test_config_fields_are_mapped(loaded):
     assert deepseek.moe.first_dense_layers == 1 and deepseek.moe.routing == "softmax"
     assert (deepseek.rope_scaling.type, deepseek.rope_scaling.mscale_all_dim) == ("yarn", 0.707)
     assert loaded("deepseek_v2")[0].model.mla.q_rank == 0
+    assert loaded("mistral_window")[0].model.sliding_window == 4
+    assert loaded("mistral")[0].model.sliding_window == 0  # sliding_window null
     v3 = loaded("deepseek_v3")[0].model.moe
     assert (v3.routing, v3.num_groups, v3.groups_per_token, v3.normalize_weights) == (
         "sigmoid",
@@ -218,6 +242,7 @@ COMMON_FIELDS = [
 ]
 EXPORTED_FIELDS = {
     "llama": ["num_key_value_heads", "head_dim", "attention_bias", "mlp_bias"],
+    "mistral_window": ["architectures", "num_key_value_heads", "head_dim", "sliding_window"],
     "deepseek_v3": [
         "kv_lora_rank",
         "q_lora_rank",
@@ -268,6 +293,36 @@ def test_export_refuses_what_transformers_cannot_compute(loaded, tmp_path):
     converted, converted_params = to_mla(cfg, params, 8, rope_pairs=1, select="high")
     with pytest.raises(ValueError, match=r"model.mla.latent_norm=False cannot be exported"):
         kvlab.save_hf(converted, converted_params, tmp_path / "converted")
+    cfg, params = loaded("deepseek_v3")
+    windowed = cfg.copy_and_resolve_references()
+    windowed.model.sliding_window = 4
+    with pytest.raises(
+        ValueError, match=r"model.sliding_window=4 with model.attention='mla' cannot be exported"
+    ):
+        kvlab.save_hf(windowed, params, tmp_path / "windowed")
+
+
+@pytest.mark.parametrize(
+    "changes, family",
+    [
+        (dict(qkv_bias=True), "qwen2"),
+        (dict(qk_norm=True), "qwen3"),
+    ],
+)
+def test_export_gives_qwen_a_window_on_every_layer(changes, family, loaded, tmp_path):
+    """A windowed model with Qwen's biases or norms: every layer slides, and it imports
+    back to the same model section (transformers' own logits: tests/test_hf_live.py)."""
+    cfg, params = loaded("mistral_window")
+    windowed = cfg.copy_and_resolve_references()
+    windowed.model.update(changes)
+    params = kvlab.init_params(windowed.model, jax.random.key(0))
+    kvlab.save_hf(windowed, params, tmp_path)
+    written = json.loads((tmp_path / "config.json").read_text())
+    assert written["model_type"] == family
+    assert (written["use_sliding_window"], written["sliding_window"]) == (True, 4)
+    assert written["max_window_layers"] == 0
+    assert written["layer_types"] == ["sliding_attention"] * 2
+    assert kvlab.load_hf(tmp_path)[0].model.to_dict() == windowed.model.to_dict()
 
 
 def test_export_refuses_params_of_another_model(loaded, tmp_path):
@@ -316,15 +371,30 @@ CONFIG_REFUSALS = {
         r"model_type='gpt2' is not a family kvlab reads: kvlab reads llama, mistral, qwen2, "
         r"qwen3, deepseek_v2, deepseek_v3",
     ),
-    "mistral sliding window": (
-        "mistral",
-        {"sliding_window": 4096},
-        r"sliding_window=4096 .*kvlab has no sliding-window attention yet",
-    ),
-    "qwen sliding layers": (
+    "empty window": ("mistral_window", {"sliding_window": 0}, r"sliding_window=0 is not a count"),
+    "qwen sliding layers without a window": (
         "qwen2",
         {"layer_types": ["full_attention", "sliding_attention"]},
-        r"layer_types=.*sliding-attention layers",
+        r"layer_types=.*has sliding-attention layers but config.json gives them no window",
+    ),
+    "qwen some layers sliding": (
+        "qwen2",
+        {
+            "use_sliding_window": True,
+            "sliding_window": 4,
+            "layer_types": ["full_attention", "sliding_attention"],
+        },
+        r"layer_types=.*slides 1 of the 2 layers \(sliding_window=4\).*one model.sliding_window",
+    ),
+    "qwen layers from max_window_layers sliding": (
+        "qwen3",
+        {
+            "use_sliding_window": True,
+            "sliding_window": 4,
+            "max_window_layers": 1,
+            "layer_types": None,
+        },
+        r"max_window_layers=1 slides 1 of the 2 layers",
     ),
     "dynamic rope": (
         "llama",
@@ -372,6 +442,29 @@ CONFIG_REFUSALS = {
         r"attention_factor=2.0 differs from the 1.13",
     ),
 }
+
+
+@pytest.mark.parametrize(
+    "changes, window",
+    [
+        ({"use_sliding_window": True, "sliding_window": 4, "max_window_layers": 0}, 4),
+        (
+            {
+                "use_sliding_window": True,
+                "sliding_window": 8,
+                "layer_types": ["sliding_attention"] * 2,
+            },
+            8,
+        ),
+        ({"use_sliding_window": False, "sliding_window": 4, "max_window_layers": 0}, 0),
+        ({"use_sliding_window": True, "sliding_window": 4, "max_window_layers": 2}, 0),
+    ],
+)
+def test_qwen_window_loads_when_every_layer_slides(changes, window, tmp_path):
+    """As transformers reads Qwen2's config: a window only with use_sliding_window, on
+    the layers layer_types names or, without layer_types, from max_window_layers on."""
+    folder = copy_fixture("qwen2", tmp_path, {"layer_types": None, **changes})
+    assert kvlab.load_hf(folder)[0].model.sliding_window == window
 
 
 @pytest.mark.parametrize("case", sorted(CONFIG_REFUSALS))
