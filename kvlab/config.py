@@ -743,16 +743,19 @@ def _validate_evict(cache: Mapping) -> None:
     _check_number(section, evict, "adakv_floor", zero_allowed=True)
     if evict["adakv_floor"] > 1:
         _fail(f"{section}.adakv_floor", evict["adakv_floor"], "is above 1", "set a share in [0, 1]")
-    method = evict["method"]
-    if method == "none":
-        return
-    if cache["kind"] == "paged":
+    if evict["method"] != "none":
+        _check_evicting_storage(cache, f"cache.evict.method={evict['method']!r}")
+
+
+def _check_evicting_storage(cache: Mapping, what: str) -> None:
+    """Refuses cache fields an evicting cache (kvlab/cache/evict.py) cannot honour."""
+    if cache["prefix_caching"]:
         _fail(
-            f"{section}.method",
-            method,
-            "is not implemented for cache.kind='paged' yet (eviction stores each row's kept "
-            "tokens in its own slots)",
-            "set cache.kind='dense' or cache.evict.method='none'",
+            "cache.prefix_caching",
+            True,
+            f"is not implemented with {what} yet (a request's kept tokens are not a "
+            "prefix of its pages)",
+            "set cache.prefix_caching=False",
         )
     quantized = [p for p in CACHED_PREFIXES if cache[f"{p}_bits"] != 16]
     for prefix in quantized:
@@ -760,17 +763,16 @@ def _validate_evict(cache: Mapping) -> None:
             _fail(
                 f"cache.{prefix}_axis",
                 cache[f"{prefix}_axis"],
-                f"shares scales among group_size tokens, but cache.evict.method={method!r} "
-                "drops tokens one by one",
-                f"set cache.{prefix}_axis='token' or cache.evict.method='none'",
+                f"shares scales among group_size tokens, but {what} drops tokens one by one",
+                f"set cache.{prefix}_axis='token'",
             )
     if quantized and cache["residual"]:
         _fail(
             "cache.residual",
             cache["residual"],
-            f"is not implemented with cache.evict.method={method!r} yet (evicted caches "
-            "quantize each token as it is stored)",
-            "set cache.residual=0 or cache.evict.method='none'",
+            f"is not implemented with {what} yet (an evicting cache quantizes each token "
+            "as it is stored)",
+            "set cache.residual=0",
         )
 
 
@@ -784,17 +786,8 @@ def _validate_cache_for_model(cache: Mapping, model: Mapping) -> None:
             "decides what its cache keeps)",
             "set cache.evict.method='none'",
         )
-    if window and (
-        cache["kind"] == "paged" or any(cache[f"{p}_bits"] != 16 for p in CACHED_PREFIXES)
-    ):
-        _fail(
-            "model.sliding_window",
-            window,
-            "is implemented for dense 16-bit caches only (a ring of the last "
-            f"{window} tokens); this cache is {cache['kind']!r}"
-            + ("" if cache["kind"] == "paged" else " and quantized"),
-            "use cache.kind='dense' with 16-bit tensors",
-        )
+    if window:
+        _check_evicting_storage(cache, f"model.sliding_window={window}")
     used = cached_prefixes(model)
     for prefix in CACHED_PREFIXES:
         if prefix not in used and cache[f"{prefix}_bits"] != 16:

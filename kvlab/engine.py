@@ -43,7 +43,7 @@ import numpy as np
 from jax.sharding import Mesh, PartitionSpec
 
 from kvlab import sharding
-from kvlab.cache import PagedCache, PrefixCache, init_cache
+from kvlab.cache import PagedCache, PrefixCache, evict, init_cache
 from kvlab.cache.paged import pool_size
 from kvlab.config import check_count, frozen, validate_cache_config
 from kvlab.model import Transformer
@@ -69,6 +69,13 @@ class EngineStats:
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self))
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def clear_rows(cache: PagedCache, starting) -> PagedCache:
+    """The cache with the kept tokens of rows `starting` (bool[B]) forgotten
+    (evicting caches: their positions and scores), for the requests starting there."""
+    return cache.replace(layers=tuple(evict.reset_rows(layer, starting) for layer in cache.layers))
 
 
 @functools.partial(jax.jit, static_argnums=0, donate_argnums=2)
@@ -141,13 +148,16 @@ class Engine:
         if end_token is not None:
             end_token = check_token_id("end_token", end_token, self.model.config.vocab_size)
         self.end_token = end_token
-        self.num_pages = pool_size(cache_cfg, self.max_slots, self.max_len)
+        # An evicting cache (cache.evict, model.sliding_window) stores at most this per row.
+        self.row_slots = evict.row_slots(model_cfg, cache_cfg, self.max_len)
+        self.evicting = evict.policies(model_cfg, cache_cfg, self.max_len) is not None
+        self.num_pages = pool_size(cache_cfg, self.max_slots, self.row_slots)
         self.stats = EngineStats()
         self._reset()
 
     def _reset(self) -> None:
         """An empty pool, prefix cache and scheduler."""
-        salt = json.dumps({"model": self.model.config.to_dict(), "cache": dict(self.cache_cfg)})
+        salt = json.dumps({"model": self.model.config.to_dict(), "cache": self.cache_cfg.to_dict()})
         self.pages = PrefixCache(self.num_pages, self.cache_cfg["page_size"], salt=salt)
         self.scheduler = Scheduler(
             self.pages,
@@ -156,6 +166,7 @@ class Engine:
             prefill_chunk=self.prefill_chunk,
             prefix_caching=self.cache_cfg["prefix_caching"],
             end_token=self.end_token,
+            row_slots=self.row_slots if self.evicting else None,
         )
         pool_cfg = dict(self.cache_cfg, num_pages=self.num_pages)
         self._cache = init_cache(
@@ -202,7 +213,10 @@ class Engine:
         """Compiles both step shapes on steps in which no slot feeds a token, so
         the cache and the prefix cache stay as they are (call before timing)."""
         for width in sorted({self.prefill_chunk, 1}):
-            self._run(Step.idle(self.max_slots, width, self.scheduler.pages_per_slot))
+            step = Step.idle(self.max_slots, width, self.scheduler.pages_per_slot)
+            if self.evicting:  # compiles clear_rows too (clearing no row)
+                step = dataclasses.replace(step, starting=np.ones((self.max_slots,), bool))
+            self._run(step)
 
     def _slots(self, values: np.ndarray) -> jax.Array:
         """A host array [max_slots, ...] on the device(s): split by slots as the
@@ -216,6 +230,8 @@ class Engine:
 
     def _run(self, step: Step) -> np.ndarray:
         """One jitted step over every slot: the greedy next token of each, int32[max_slots]."""
+        if self.evicting and step.starting.any():
+            self._cache = clear_rows(self._cache, self._slots(step.starting))
         cache = self._cache.replace(
             block_tables=self._slots(step.block_tables), lengths=self._slots(step.lengths)
         )

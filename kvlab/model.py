@@ -43,11 +43,13 @@ from kvlab import sharding
 from kvlab.attention.gqa import GroupedQueryAttention
 from kvlab.attention.mla import MultiHeadLatentAttention
 from kvlab.cache.dense import BAD_COUNT, BAD_TOKEN, OVERFLOW, Cache
-from kvlab.cache.evict import EvictingLayer
+from kvlab.cache.evict import EvictingLayer, PagedEvictingLayer
 from kvlab.cache.placement import Placement, place_without_cache
 from kvlab.config import cached_tensors, dtype_of, frozen, validate_model_config
 from kvlab.layers import RMSNorm, logical, logical_axes, projection
 from kvlab.moe import MLP, MoE, uses_experts
+
+EVICTING = (EvictingLayer, PagedEvictingLayer)  # layers whose budgets may differ by layer
 
 
 class Block(nn.Module):
@@ -145,12 +147,13 @@ def check_cache(config, cache: Cache) -> None:
         )
     first = cache.layers[0]
     # Evicting layers may keep different budgets (pyramidkv): their slot axis may differ.
-    slotted = lambda x: x.shape[:2] + x.shape[3:] if isinstance(first, EvictingLayer) else x.shape  # noqa: E731
+    slotted = lambda x: x.shape[:2] + x.shape[3:] if isinstance(first, EVICTING) else x.shape  # noqa: E731
     layout = [(slotted(x), x.dtype) for x in jax.tree.leaves(first)]
 
     def structure(layer):  # an evicting layer's policy names its layer: compare the arrays
-        if isinstance(layer, EvictingLayer):
-            return type(layer), jax.tree.structure((layer.tensors, layer.positions, layer.scores))
+        if isinstance(layer, EVICTING):
+            arrays = layer.pools if isinstance(layer, PagedEvictingLayer) else layer.tensors
+            return type(layer), jax.tree.structure((arrays, layer.positions, layer.scores))
         return jax.tree.structure(layer)
 
     for i, layer in enumerate(cache.layers):

@@ -184,6 +184,7 @@ class Step:
     counts: np.ndarray  # int32[B]     tokens fed per slot (0: idle)
     lengths: np.ndarray  # int32[B]     tokens each slot's cache holds before the step
     block_tables: np.ndarray  # int32[B, n]  each slot's pages, -1 past them
+    starting: np.ndarray  # bool[B]  slots a request (re)starts in: clear what they kept
 
     @classmethod
     def idle(cls, max_slots: int, width: int, pages_per_slot: int) -> Step:
@@ -193,6 +194,7 @@ class Step:
             counts=np.zeros((max_slots,), np.int32),
             lengths=np.zeros((max_slots,), np.int32),
             block_tables=np.full((max_slots, pages_per_slot), -1, np.int32),
+            starting=np.zeros((max_slots,), bool),
         )
 
 
@@ -206,6 +208,11 @@ class Scheduler:
       prefill_chunk: prompt tokens a slot feeds per step.
       prefix_caching: reuse and register cached full pages.
       end_token: a request finishes after emitting it (kept in its output).
+      row_slots: the most tokens a slot's cache stores (an evicting cache's
+        budget, kvlab/cache/evict.py); default max_len. A request then holds
+        pages for min(its tokens, row_slots), and a preempted request replays
+        its generated tokens one per step, as it first fed them, so it keeps
+        the tokens it kept before.
     """
 
     def __init__(
@@ -217,6 +224,7 @@ class Scheduler:
         prefill_chunk: int,
         prefix_caching: bool = False,
         end_token: int | None = None,
+        row_slots: int | None = None,
     ):
         self.pages = pages
         self.page_size = pages.page_size
@@ -225,11 +233,16 @@ class Scheduler:
         self.prefill_chunk = check_count("prefill_chunk", prefill_chunk)
         self.prefix_caching = bool(prefix_caching)
         self.end_token = None if end_token is None else check_token_id("end_token", end_token)
-        self.pages_per_slot = pages_for(self.max_len, self.page_size)
+        self.evicting = row_slots is not None
+        self.row_slots = self.max_len if row_slots is None else check_count("row_slots", row_slots)
+        self.pages_per_slot = pages_for(self.row_slots, self.page_size)
         if self.pages_per_slot > pages.num_pages:
+            held = (
+                f"max_len={self.max_len}" if row_slots is None else f"{self.row_slots} kept tokens"
+            )
             raise ValueError(
                 f"cache.num_pages={pages.num_pages} is too few for one sequence of "
-                f"max_len={self.max_len} ({self.pages_per_slot} pages of cache.page_size="
+                f"{held} ({self.pages_per_slot} pages of cache.page_size="
                 f"{self.page_size}): raise cache.num_pages or lower max_len"
             )
         self.waiting: deque[Request] = deque()  # in order of `add`, preempted ones in front
@@ -273,7 +286,7 @@ class Scheduler:
             raise RuntimeError(
                 "plan() was called twice: pass the last step's next tokens to advance() first"
             )
-        self._admit()
+        admitted = self._admit()
         for request in sorted(self.running.values(), key=lambda r: r.admitted):
             if request.slot >= 0:  # not preempted by an older request's pages
                 self._give_pages(request, self._feed(request, self.prefill_chunk))
@@ -288,6 +301,7 @@ class Scheduler:
             step.counts[slot] = len(take)
             step.lengths[slot] = request.cached
             step.block_tables[slot, : len(request.pages)] = request.pages
+            step.starting[slot] = request in admitted
         self._planned = step
         return step
 
@@ -321,26 +335,35 @@ class Scheduler:
         return emitted
 
     # ------------------------------------------------------------------
-    def _admit(self) -> None:
-        """Slots and pages for waiting requests, oldest first, until one does not fit."""
+    def _admit(self) -> list[Request]:
+        """Slots and pages for waiting requests, oldest first, until one does not fit;
+        returns the requests admitted."""
+        admitted = []
         while self.waiting and len(self.running) < self.max_slots:
             request = self.waiting[0]
             context = request.tokens  # the prompt and, after preemption, what it generated
             matched = self.pages.match(context) if self.prefix_caching else []
+            needed = pages_for(min(len(context), self.row_slots), self.page_size)
             try:
-                fresh = self.pages.allocate(pages_for(len(context), self.page_size) - len(matched))
+                fresh = self.pages.allocate(needed - len(matched))
             except OutOfPages:
                 self.pages.release(matched)
-                return
+                return admitted
             self.waiting.popleft()
             request.slot = min(set(range(self.max_slots)) - set(self.running))
             request.pages, request.cached = matched + fresh, len(matched) * self.page_size
             request.admitted = self._admissions
             self._admissions += 1
             self.running[request.slot] = request
+            admitted.append(request)
+        return admitted
 
     def _feed(self, request: Request, width: int) -> int:
-        """Tokens the request feeds in a step of `width`."""
+        """Tokens the request feeds in a step of `width` (an evicting cache's
+        generated tokens one at a time, as they were first fed)."""
+        if self.evicting:  # the prompt in chunks, then what it generated token by token
+            prompt_left = request.prompt_len - request.cached
+            width = min(width, prompt_left) if prompt_left > 0 else 1
         return min(width, len(request.tokens) - request.cached)
 
     def _width(self) -> int:
@@ -352,7 +375,7 @@ class Scheduler:
     def _give_pages(self, request: Request, feed: int) -> None:
         """Pages for the request's next `feed` tokens, preempting the youngest
         running request (maybe this one) while the pool has none."""
-        end = request.cached + feed
+        end = min(request.cached + feed, self.row_slots)
         while request.slot >= 0 and pages_for(end, self.page_size) > len(request.pages):
             try:
                 request.pages += self.pages.allocate(1)

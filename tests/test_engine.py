@@ -54,6 +54,29 @@ def test_twice_the_demand_of_the_pages_finishes_every_request_as_alone(prefix_ca
         assert computed >= engine.stats.prompt_tokens
 
 
+def test_snapkv_at_half_the_context_gives_every_request_what_it_gets_alone():
+    """Evicting in a shared pool: each slot keeps 12 of up to 24 tokens (3 pages
+    of 4, not 6), the pool of 7 pages preempts, and every request gets the output
+    it gets alone in the engine with the same policy (its generated tokens are
+    replayed one by one after a preemption)."""
+    cfg = engine_config(False, num_pages=7, num_kv_heads=2)
+    cfg.cache.page_size = 4
+    cfg.cache.evict.update(method="snapkv", ratio=0.5, recent=2, obs_window=4)
+    _, params, _ = build(cfg)
+    engine = kvlab.Engine(cfg.model, cfg.cache, params, max_slots=3, max_len=24, prefill_chunk=8)
+    assert engine.scheduler.pages_per_slot == 3
+    rng = np.random.default_rng(2)
+    prompts = [rng.integers(0, 256, int(n)).tolist() for n in rng.integers(3, 18, 7)]
+    outputs = engine.generate(prompts, max_new_tokens=NEW)
+    alone = kvlab.Engine(cfg.model, cfg.cache, params, max_slots=1, max_len=24, prefill_chunk=8)
+    assert outputs == [alone.generate([p], max_new_tokens=NEW)[0] for p in prompts]
+    assert engine.stats.preemptions > 0
+    assert engine.pages.num_free == 7
+    full = cfg.copy_and_resolve_references()
+    full.cache.evict.method = "none"
+    assert outputs != [solo(full, p) for p in prompts]  # eviction changed some outputs
+
+
 def quantized_gqa():
     cfg = tiny_config(num_kv_heads=2)
     cfg.cache.update(k_bits=4, v_bits=8, k_axis="channel", group_size=8)

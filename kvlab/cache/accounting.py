@@ -78,17 +78,25 @@ def cache_bytes(
     # Token rows each tensor stores: a row's S (or P settled) tokens, or a page pool.
     if plan is not None:  # budget slots per storage head, and per slot a position (and score)
         per_layer, tables = 0, 0
+        if cache_cfg["kind"] == "paged":  # the slots live in pages
+            row_slots = max(p.slots for p in plan)
+            pages = paged.pool_size(cache_cfg, batch_size, row_slots)
+            pooled = pages // split("cache_pages", pages) * cache_cfg["page_size"]
+            tables = rows_held * paged.pages_per_row(cache_cfg, row_slots) * TABLE_ENTRY_BYTES
         for policy in plan:
             stored = [(spec, 1 if policy.pooled else t.heads, t.width) for t, spec in tensors]
-            per_layer += rows_held * sum(
-                _tensor_bytes(spec, heads, width, policy.slots, 0) for spec, heads, width in stored
-            )
+            if cache_cfg["kind"] == "paged":
+                per_layer += sum(_tensor_bytes(s, h, w, pooled, 0) for s, h, w in stored)
+            else:
+                per_layer += rows_held * sum(
+                    _tensor_bytes(s, h, w, policy.slots, 0) for s, h, w in stored
+                )
             if not policy.ring:
                 heads = evict.storage_heads(policy)
                 heads //= split("cache_heads", heads)
                 per_slot = SLOT_BYTES + (SCORE_BYTES if policy.method == "h2o" else 0)
                 per_layer += rows_held * heads * policy.slots * per_slot
-        return per_layer + ROW_BYTES * rows_held
+        return per_layer + tables + ROW_BYTES * rows_held
     if cache_cfg["kind"] == "paged":
         pages = paged.pool_size(cache_cfg, batch_size, seq_len)
         pooled = pages // split("cache_pages", pages) * cache_cfg["page_size"]

@@ -60,6 +60,7 @@ from einops import rearrange
 from flax import struct
 from jaxtyping import Array, Float, Int
 
+from kvlab.cache.paged import gather_pages, write_pages
 from kvlab.cache.placement import Placement, write_tokens
 from kvlab.cache.quant import QuantizedTensor, dequantize_tokens, quantize_tokens
 from kvlab.config import OBSERVING_METHODS, SCORED_METHODS, dtype_of
@@ -295,6 +296,30 @@ def _hash01(x: Array) -> Array:
 # The layer
 
 
+def stored_tokens(positions: Array | None, policy: Policy, lengths: Array) -> Array:
+    """int32[B, K]: tokens each KV head of each row holds (K = 1 for a latent)."""
+    if policy.ring:
+        return jnp.minimum(lengths, policy.slots)[:, None]
+    held = positions >= 0
+    if not policy.pooled:
+        return held.sum(-1).astype(jnp.int32)
+    owner = positions % policy.kv_heads
+    heads = jnp.arange(policy.kv_heads)[None, :, None]
+    return (held & (owner == heads)).sum(-1).astype(jnp.int32)
+
+
+def observed_queries(policy: Policy, placement: Placement) -> Array | None:
+    """float32[B, T]: the queries whose attention scores a step's tokens (h2o: all
+    real ones; snapkv, pyramidkv, adakv: the last obs_window), or None."""
+    if policy.method not in OBSERVING_METHODS:
+        return None
+    steps = jnp.arange(placement.positions.shape[1])[None, :]
+    real = steps < placement.num_tokens[:, None]
+    if policy.method != "h2o":
+        real = real & (steps >= placement.num_tokens[:, None] - policy.obs_window)
+    return real.astype(jnp.float32)
+
+
 @struct.dataclass
 class EvictingLayer:
     """One layer's kept tokens (module docstring).
@@ -328,26 +353,11 @@ class EvictingLayer:
 
     def stored(self, lengths: Int[Array, " B"]) -> Int[Array, "B K"]:
         """Tokens each KV head of each row holds (K = 1 for a latent)."""
-        p = self.policy
-        if p.ring:
-            return jnp.minimum(lengths, p.slots)[:, None]
-        held = self.positions >= 0
-        if not p.pooled:
-            return held.sum(-1).astype(jnp.int32)
-        owner = self.positions % p.kv_heads
-        heads = jnp.arange(p.kv_heads)[None, :, None]
-        return (held & (owner == heads)).sum(-1).astype(jnp.int32)
+        return stored_tokens(self.positions, self.policy, lengths)
 
     def observe(self, placement: Placement) -> Float[Array, "B T"] | None:
         """Weights of the queries whose attention scores this step's tokens."""
-        method = self.policy.method
-        if method not in OBSERVING_METHODS:
-            return None
-        steps = jnp.arange(placement.positions.shape[1])[None, :]
-        real = steps < placement.num_tokens[:, None]
-        if method != "h2o":
-            real = real & (steps >= placement.num_tokens[:, None] - self.policy.obs_window)
-        return real.astype(jnp.float32)
+        return observed_queries(self.policy, placement)
 
     # -- read
 
@@ -387,9 +397,16 @@ class EvictingLayer:
         """Stores the step's tokens: in their ring slots, or in the slots of the
         stored tokens they outscore. `mass`: attention's per-block mass
         ([B, K', S] and [B, K', T']) when `observe` asked for it."""
+        slots, positions, scores = self.destinations(pending, placement, mass)
+        tensors = tuple(_put(t, x, slots) for t, x in zip(self.tensors, pending, strict=True))
+        return EvictingLayer(tensors, positions, scores, self.policy)
+
+    def destinations(self, pending: tuple, placement: Placement, mass=None):
+        """Where the step's tokens go: (slots [B, T] for a ring, else per storage
+        head [B, E, T'], S where a token is not stored; the new positions and scores)."""
         p = self.policy
         if p.ring:
-            return self.replace(tensors=self._ring_write(pending, placement))
+            return self._ring_slots(placement), None, None
         tags, candidates = self._candidates(placement)  # [B, E, T'], [B, E, C]
         slots = self.positions.shape[2]
         valid = candidates >= 0
@@ -416,10 +433,9 @@ class EvictingLayer:
         if scores is not None:  # h2o: the attention each kept token has received
             scores = jnp.where(kept_stored, score[..., :slots], 0.0)
             scores = scores.at[b, e, dest].set(score[..., slots:], mode="drop")
-        tensors = tuple(_put(t, x, dest) for t, x in zip(self.tensors, pending, strict=True))
-        return EvictingLayer(tensors, positions, scores, p)
+        return dest, positions, scores
 
-    def _ring_write(self, pending: tuple, placement: Placement) -> tuple:
+    def _ring_slots(self, placement: Placement) -> Array:
         p = self.policy
         positions = placement.positions
         end = (placement.lengths + placement.num_tokens)[:, None]
@@ -427,8 +443,7 @@ class EvictingLayer:
         # A new token another new token of the step overwrites is not written.
         lives = real & ((positions < p.sinks) | (positions >= end - p.span))
         slot = jnp.where(positions < p.sinks, positions, p.sinks + (positions - p.sinks) % p.span)
-        slot = jnp.where(lives, slot, p.slots)
-        return tuple(_put(t, x, slot) for t, x in zip(self.tensors, pending, strict=True))
+        return jnp.where(lives, slot, p.slots)
 
     def _candidates(self, placement: Placement):
         """Tags of the step's tokens [B, E, T'] and of every candidate [B, E, S + T']
@@ -482,10 +497,115 @@ class EvictingLayer:
         return jnp.any(chosen, axis=1, keepdims=True)
 
 
-def init_layer(policy: Policy, tensors: tuple, batch: int) -> EvictingLayer:
-    """An empty layer around `tensors` (each with policy.slots rows, zeroed)."""
+_POOLED = ("payload", "scale", "zero")  # the QuantizedTensor arrays that page
+
+
+def _gather(pool, pages: Array, length: int):
+    """A pool's dense view [B, KH, length, X] (a quantized tensor's arrays alike)."""
+    if not isinstance(pool, QuantizedTensor):
+        return gather_pages(pool, pages, length)
+    views = {
+        name: None
+        if getattr(pool, name) is None
+        else gather_pages(getattr(pool, name), pages, length)
+        for name in _POOLED
+    }
+    return pool.replace(**views)
+
+
+def _put_pages(pool, new: Array, slots: Array, pages: Array, size: int):
+    """`new` [B, KH, T, W] written at the rows' slots, in their pages."""
+    if not isinstance(pool, QuantizedTensor):
+        return write_pages(pool, new, slots, pages, size)
+    if not pool.spec.quantized:
+        return pool.replace(payload=write_pages(pool.payload, new, slots, pages, size))
+    payload, scale, zero = quantize_tokens(new, pool.spec)
+    return pool.replace(
+        payload=write_pages(pool.payload, payload, slots, pages, size),
+        scale=write_pages(pool.scale, scale, slots, pages, size),
+        zero=None if zero is None else write_pages(pool.zero, zero, slots, pages, size),
+    )
+
+
+@struct.dataclass
+class PagedEvictingLayer:
+    """An evicting layer whose slots live in page pools (slot s of row b: entry
+    s mod L of page block_tables[b, s div L]); positions and scores stay per row.
+
+    pools      per cached tensor: [KH, P, L, W] in cache.dtype, or a QuantizedTensor
+               whose payload, scale and zero are such pools (ring None)
+    positions, scores, policy: as EvictingLayer's
+    """
+
+    pools: tuple
+    positions: Array | None
+    scores: Array | None
+    policy: Policy = struct.field(pytree_node=False)
+
+    @property
+    def capacity(self) -> int:
+        return self.policy.max_len
+
+    def view(self, pages: Array) -> EvictingLayer:
+        """The rows' slots gathered from their pages, as a dense evicting layer."""
+        tensors = tuple(_gather(pool, pages, self.policy.slots) for pool in self.pools)
+        return EvictingLayer(tensors, self.positions, self.scores, self.policy)
+
+    def tensor_shapes(self) -> tuple[tuple[int, int], ...]:
+        pool_heads = lambda t: (t.payload if isinstance(t, QuantizedTensor) else t).shape[0]  # noqa: E731
+        heads = lambda t: self.policy.kv_heads if self.policy.pooled else pool_heads(t)  # noqa: E731
+        return tuple((heads(t), _width(t)) for t in self.pools)
+
+    def stored(self, lengths: Int[Array, " B"]) -> Int[Array, "B K"]:
+        return stored_tokens(self.positions, self.policy, lengths)
+
+    def observe(self, placement: Placement) -> Float[Array, "B T"] | None:
+        return observed_queries(self.policy, placement)
+
+    def read(self, fresh: tuple, placement: Placement):
+        return self.view(placement.pages).read(fresh, placement)
+
+    def write(self, pending: tuple, placement: Placement, mass=None) -> PagedEvictingLayer:
+        view = self.view(placement.pages)  # knorm reads the stored keys
+        slots, positions, scores = view.destinations(pending, placement, mass)
+        pools = tuple(
+            _put_pages(pool, x, slots, placement.pages, self.policy.slots)
+            for pool, x in zip(self.pools, pending, strict=True)
+        )
+        return PagedEvictingLayer(pools, positions, scores, self.policy)
+
+
+def _metadata(policy: Policy, batch: int):
     if policy.ring:
-        return EvictingLayer(tensors, None, None, policy)
+        return None, None
     shape = (batch, storage_heads(policy), policy.slots)
     scores = jnp.zeros(shape, jnp.float32) if policy.method == "h2o" else None
-    return EvictingLayer(tensors, jnp.full(shape, -1, jnp.int32), scores, policy)
+    return jnp.full(shape, -1, jnp.int32), scores
+
+
+def init_layer(policy: Policy, tensors: tuple, batch: int) -> EvictingLayer:
+    """An empty layer around `tensors` (each with policy.slots rows, zeroed)."""
+    return EvictingLayer(tensors, *_metadata(policy, batch), policy)
+
+
+def init_paged_layer(policy: Policy, pools: tuple, batch: int) -> PagedEvictingLayer:
+    """An empty paged layer around zeroed `pools`."""
+    return PagedEvictingLayer(pools, *_metadata(policy, batch), policy)
+
+
+def reset_rows(layer, starting: Array):
+    """The layer with rows `starting` (bool[B]) emptied of kept tokens: their
+    positions -1, their scores 0 (a new request takes the row)."""
+    if layer.positions is None:
+        return layer
+    positions = jnp.where(starting[:, None, None], -1, layer.positions)
+    scores = layer.scores
+    if scores is not None:
+        scores = jnp.where(starting[:, None, None], 0.0, scores)
+    return layer.replace(positions=positions, scores=scores)
+
+
+def row_slots(model_cfg: Mapping, cache_cfg: Mapping, max_len: int) -> int:
+    """The most slots a row of an evicting cache stores in any layer (max_len if none)."""
+    plan = policies(model_cfg, cache_cfg, max_len)
+    return max_len if plan is None else max(p.slots for p in plan)

@@ -83,6 +83,10 @@ def init_cache(
         tensors=tensors,
     )
     plan = evict.policies(model_cfg, cache_cfg, max_len)
+    if plan is not None and cache_cfg["kind"] == "paged":
+        return _paged_evicting_cache(
+            plan, specs, shapes, dtype, cache_cfg, batch_size, own_pages, rows
+        )
     if plan is not None:
         return Cache(
             layers=tuple(_evicting_layer(p, specs, shapes, dtype, batch_size) for p in plan), **rows
@@ -99,13 +103,7 @@ def init_cache(
     page = cache_cfg["page_size"]
     n = paged.pages_per_row(cache_cfg, max_len)
     num_pages = paged.pool_size(cache_cfg, batch_size, max_len)
-    if own_pages and num_pages < batch_size * n:
-        raise ValueError(
-            f"cache.num_pages={num_pages} is too few: {batch_size} rows of max_len={max_len} "
-            f"need {n} pages of cache.page_size={page} each, {batch_size * n} in all; set "
-            f"cache.num_pages >= {batch_size * n} (or 0), or share a smaller pool through "
-            "kvlab.Engine"
-        )
+    _check_pool(cache_cfg, num_pages, batch_size, n, own_pages, f"max_len={max_len}")
     if layout is None:
         new_layer = lambda: paged.PagedLayer(  # noqa: E731
             tuple(jnp.zeros((h, num_pages, page, w), dtype) for h, w in shapes), max_len
@@ -114,12 +112,8 @@ def init_cache(
         new_layer = lambda: _paged_quantized_layer(  # noqa: E731
             quant.init_layer(specs, layout, 1, shapes), batch_size, num_pages, page
         )
-    if own_pages:
-        tables = jnp.arange(batch_size * n, dtype=jnp.int32).reshape(batch_size, n)
-    else:
-        tables = jnp.full((batch_size, n), -1, jnp.int32)
     layers = tuple(new_layer() for _ in range(model_cfg["num_layers"]))
-    return paged.PagedCache(layers=layers, block_tables=tables, **rows)
+    return paged.PagedCache(layers=layers, block_tables=_tables(batch_size, n, own_pages), **rows)
 
 
 def _evicting_layer(policy, specs, shapes, dtype, batch_size: int) -> evict.EvictingLayer:
@@ -133,6 +127,50 @@ def _evicting_layer(policy, specs, shapes, dtype, batch_size: int) -> evict.Evic
         else:
             tensors.append(jnp.zeros((batch_size, heads, policy.slots, width), dtype))
     return evict.init_layer(policy, tuple(tensors), batch_size)
+
+
+def _paged_evicting_cache(plan, specs, shapes, dtype, cache_cfg, batch_size, own_pages, rows):
+    """Pools of pages holding each row's slots (as many as the widest layer's), and block tables."""
+    page = cache_cfg["page_size"]
+    slots = max(p.slots for p in plan)
+    n = paged.pages_per_row(cache_cfg, slots)
+    num_pages = paged.pool_size(cache_cfg, batch_size, slots)
+    _check_pool(cache_cfg, num_pages, batch_size, n, own_pages, f"{slots} kept tokens")
+    layers = []
+    for policy in plan:
+        pools = []
+        for spec, (heads, width) in zip(specs, shapes, strict=True):
+            heads = 1 if policy.pooled else heads
+            if spec.quantized:
+                one_row = quant.init_tensor(spec, quant.Layout(page, 0, 1), 1, heads, width)
+                arrays = {
+                    name: None if array is None else _pool(array, num_pages, page)
+                    for name in ("payload", "scale", "zero")
+                    for array in [getattr(one_row, name)]
+                }
+                pools.append(one_row.replace(**arrays))
+            else:
+                pools.append(jnp.zeros((heads, num_pages, page, width), dtype))
+        layers.append(evict.init_paged_layer(policy, tuple(pools), batch_size))
+    tables = _tables(batch_size, n, own_pages)
+    return paged.PagedCache(layers=tuple(layers), block_tables=tables, **rows)
+
+
+def _check_pool(cache_cfg, num_pages: int, batch_size: int, n: int, own_pages: bool, what: str):
+    if own_pages and num_pages < batch_size * n:
+        raise ValueError(
+            f"cache.num_pages={num_pages} is too few: {batch_size} rows of {what} "
+            f"need {n} pages of cache.page_size={cache_cfg['page_size']} each, {batch_size * n} "
+            f"in all; set cache.num_pages >= {batch_size * n} (or 0), or share a smaller pool "
+            "through kvlab.Engine"
+        )
+
+
+def _tables(batch_size: int, n: int, own_pages: bool) -> jnp.ndarray:
+    """Block tables: row b owns pages b*n .. b*n + n-1, or none (-1) yet."""
+    if own_pages:
+        return jnp.arange(batch_size * n, dtype=jnp.int32).reshape(batch_size, n)
+    return jnp.full((batch_size, n), -1, jnp.int32)
 
 
 def _paged_quantized_layer(
@@ -167,10 +205,12 @@ POOL_AXES = PartitionSpec("cache_heads", "cache_pages", None, None)
 
 
 def _layer_axes(layer):
-    if isinstance(layer, evict.EvictingLayer):
+    if isinstance(layer, (evict.EvictingLayer, evict.PagedEvictingLayer)):
         per_slot = PartitionSpec("cache_batch", "cache_heads", None)
+        paged_layer = isinstance(layer, evict.PagedEvictingLayer)
+        stored, axes = ("pools", POOL_AXES) if paged_layer else ("tensors", ROW_AXES)
         return layer.replace(
-            tensors=jax.tree.map(lambda _: ROW_AXES, layer.tensors),
+            **{stored: jax.tree.map(lambda _: axes, getattr(layer, stored))},
             positions=None if layer.positions is None else per_slot,
             scores=None if layer.scores is None else per_slot,
         )

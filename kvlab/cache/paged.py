@@ -47,7 +47,8 @@ def write_pages(
     pages: Int[Array, "B n"],
     size: int | None = None,
 ):
-    """Writes new [B, KH, T, X] at the rows' slots [B, T] of a pool [KH, P, Lp, X].
+    """Writes new [B, KH, T, X] at the rows' slots [B, T] (or per head [B, E, T],
+    E = 1 or KH) of a pool [KH, P, Lp, X].
 
     Slot s of row b is entry s % Lp of page pages[b, s // Lp]. Slots outside
     0..size-1 (a row's entries, default all its block table reaches) or on a
@@ -56,14 +57,19 @@ def write_pages(
     """
     heads, num_pages, per_page = pool.shape[:3]
     n = pages.shape[1]
-    held = jnp.take_along_axis(pages, jnp.clip(slots // per_page, 0, n - 1), axis=1)
+    table = pages if slots.ndim == 2 else pages[:, None, :]  # per-head slots [B, E, T]
+    held = jnp.take_along_axis(table, jnp.clip(slots // per_page, 0, n - 1), axis=-1)
     size = n * per_page if size is None else min(size, n * per_page)
     kept = (slots >= 0) & (slots < size) & (held >= 0)
-    entries = jnp.where(kept, held * per_page + slots % per_page, -1)  # [B, T]; -1: dropped
+    entries = jnp.where(kept, held * per_page + slots % per_page, -1)  # -1: dropped
     # The pool as one row of P * Lp entries, written at the B * T entries.
     flat = pool.reshape(1, heads, num_pages * per_page, *pool.shape[3:])
     values = jnp.moveaxis(new, 1, 0).reshape(1, heads, -1, *new.shape[3:])  # [1, KH, B*T, X]
-    written = write_tokens(flat, values, entries.reshape(1, -1), axis=2)
+    if slots.ndim == 3:  # [1, E, B*T]: each head's own entries
+        entries = jnp.moveaxis(entries, 1, 0).reshape(1, entries.shape[1], -1)
+    else:
+        entries = entries.reshape(1, -1)
+    written = write_tokens(flat, values, entries, axis=2)
     return written.reshape(pool.shape)
 
 

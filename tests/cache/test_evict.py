@@ -103,6 +103,29 @@ def test_sinks_keep_the_first_tokens_and_a_recent_window():
     assert np.abs(window - out)[:, 6:].min() > 0  # the sinks are seen
 
 
+@pytest.mark.parametrize("bits, methods", [(16, ("sinks", "h2o", "adakv", "knorm")), (4, ("h2o",))])
+def test_a_paged_evicting_cache_equals_the_dense_one(bits, methods):
+    """Slots in pages (block tables in another order, pages of 2 slots) keep and
+    give exactly what the dense evicting cache does; its bytes are counted."""
+    cfg = VARIANTS["gqa"]()
+    tokens = random_tokens(cfg, (2, 9))
+    _, params, apply = build(cfg)
+    for method in methods:
+        cache_cfg = evicting(cfg, method, bits, budget=5, sinks=1)
+        dense, dense_cache = run(cfg, cache_cfg, tokens)
+        cache_cfg.update(kind="paged", page_size=2)
+        paged = kvlab.init_cache(cfg.model, cache_cfg, 2, MAX_LEN)
+        assert kvlab.cache_bytes(cfg.model, cache_cfg, 2, MAX_LEN) == kvlab.tree_bytes(paged)
+        # pages for the kept slots (adakv: one pool of K x 5), not MAX_LEN / 2 = 8
+        assert paged.block_tables.shape == (2, 5 if method == "adakv" else 3)
+        paged = paged.replace(block_tables=paged.block_tables[::-1, ::-1])
+        out, paged = run_in_chunks(apply, params, paged, tokens, CHUNKS)
+        np.testing.assert_array_equal(out, dense, err_msg=method)
+        for a, b in zip(dense_cache.layers, paged.layers, strict=True):
+            if a.positions is not None:
+                np.testing.assert_array_equal(a.positions, b.positions)
+
+
 def layer0_attention(cfg, params, tokens):
     """Layer 0's attention probabilities from the plain forward: float64 [B, N, T, T]."""
     model = kvlab.Transformer(cfg.model)
@@ -259,8 +282,8 @@ def test_a_row_given_an_invalid_token_under_jit_keeps_its_kept_tokens():
         ({"evict.kernel": 4}, "cache.evict.kernel=4 is even"),
         ({"evict.adakv_floor": 2.0}, "cache.evict.adakv_floor=2.0"),
         (
-            {"evict.method": "h2o", "kind": "paged"},
-            "cache.evict.method='h2o' is not implemented for cache.kind='paged'",
+            {"evict.method": "h2o", "kind": "paged", "prefix_caching": True},
+            "cache.prefix_caching=True is not implemented with cache.evict.method='h2o'",
         ),
         ({"evict.method": "h2o", "k_bits": 4}, "cache.k_axis='channel'"),
         ({"evict.method": "h2o", "v_bits": 4, "residual": 16}, "cache.residual=16"),
@@ -287,6 +310,6 @@ def test_budgets_that_cannot_hold_what_is_always_kept_are_refused():
     windowed.model.sliding_window = 8
     with pytest.raises(ValueError, match="cannot combine with model.sliding_window=8"):
         kvlab.init_cache(windowed.model, evicting(windowed, "h2o"), 1, 32)
-    windowed.cache.kind = "paged"
-    with pytest.raises(ValueError, match="model.sliding_window=8 is implemented for dense"):
+    windowed.cache.update(k_bits=4)  # per-channel key scales (KIVI) span dropped tokens
+    with pytest.raises(ValueError, match="but model.sliding_window=8 drops tokens one by one"):
         kvlab.init_cache(windowed.model, windowed.cache, 1, 32)
