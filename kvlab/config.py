@@ -743,20 +743,24 @@ def _validate_evict(cache: Mapping) -> None:
     _check_number(section, evict, "adakv_floor", zero_allowed=True)
     if evict["adakv_floor"] > 1:
         _fail(f"{section}.adakv_floor", evict["adakv_floor"], "is above 1", "set a share in [0, 1]")
-    if evict["method"] != "none":
-        _check_evicting_storage(cache, f"cache.evict.method={evict['method']!r}")
+    method = evict["method"]
+    if method != "none":
+        _check_evicting_storage(cache, f"cache.evict.method={method!r}")
+    if method in ("h2o", "adakv") and cache["prefix_caching"]:
+        why = {
+            "h2o": "the attention a cached prefix's tokens accumulated is not in its pages",
+            "adakv": "its heads share one pool, so a prefix's tokens are not in slot order",
+        }[method]
+        _fail(
+            "cache.prefix_caching",
+            True,
+            f"cannot combine with cache.evict.method={method!r}: {why}",
+            "set cache.prefix_caching=False or another cache.evict.method",
+        )
 
 
 def _check_evicting_storage(cache: Mapping, what: str) -> None:
     """Refuses cache fields an evicting cache (kvlab/cache/evict.py) cannot honour."""
-    if cache["prefix_caching"]:
-        _fail(
-            "cache.prefix_caching",
-            True,
-            f"is not implemented with {what} yet (a request's kept tokens are not a "
-            "prefix of its pages)",
-            "set cache.prefix_caching=False",
-        )
     quantized = [p for p in CACHED_PREFIXES if cache[f"{p}_bits"] != 16]
     for prefix in quantized:
         if cache[f"{prefix}_axis"] != "token":

@@ -72,10 +72,13 @@ class EngineStats:
 
 
 @functools.partial(jax.jit, donate_argnums=0)
-def clear_rows(cache: PagedCache, starting) -> PagedCache:
-    """The cache with the kept tokens of rows `starting` (bool[B]) forgotten
-    (evicting caches: their positions and scores), for the requests starting there."""
-    return cache.replace(layers=tuple(evict.reset_rows(layer, starting) for layer in cache.layers))
+def start_rows(cache: PagedCache, starting, lengths, copies) -> PagedCache:
+    """An evicting cache made ready for a step: the pages in copies[:, 0] copied
+    into copies[:, 1] (-1 rows: none), and rows `starting` (bool[B]) holding
+    only their first lengths[b] tokens (matched prefix pages) in slot order."""
+    layers = [evict.copy_pages(layer, copies[:, 0], copies[:, 1]) for layer in cache.layers]
+    layers = [evict.reset_rows(layer, starting, lengths) for layer in layers]
+    return cache.replace(layers=tuple(layers))
 
 
 @functools.partial(jax.jit, static_argnums=0, donate_argnums=2)
@@ -149,8 +152,10 @@ class Engine:
             end_token = check_token_id("end_token", end_token, self.model.config.vocab_size)
         self.end_token = end_token
         # An evicting cache (cache.evict, model.sliding_window) stores at most this per row.
-        self.row_slots = evict.row_slots(model_cfg, cache_cfg, self.max_len)
-        self.evicting = evict.policies(model_cfg, cache_cfg, self.max_len) is not None
+        plan = evict.policies(model_cfg, cache_cfg, self.max_len)
+        self.evicting = plan is not None
+        self.row_slots = self.max_len if plan is None else max(p.slots for p in plan)
+        self.evicts_after = self.max_len if plan is None else min(p.slots for p in plan)
         self.num_pages = pool_size(cache_cfg, self.max_slots, self.row_slots)
         self.stats = EngineStats()
         self._reset()
@@ -167,6 +172,7 @@ class Engine:
             prefix_caching=self.cache_cfg["prefix_caching"],
             end_token=self.end_token,
             row_slots=self.row_slots if self.evicting else None,
+            evicts_after=self.evicts_after if self.evicting else None,
         )
         pool_cfg = dict(self.cache_cfg, num_pages=self.num_pages)
         self._cache = init_cache(
@@ -214,7 +220,7 @@ class Engine:
         the cache and the prefix cache stay as they are (call before timing)."""
         for width in sorted({self.prefill_chunk, 1}):
             step = Step.idle(self.max_slots, width, self.scheduler.pages_per_slot)
-            if self.evicting:  # compiles clear_rows too (clearing no row)
+            if self.evicting:  # compiles start_rows too (clearing idle rows)
                 step = dataclasses.replace(step, starting=np.ones((self.max_slots,), bool))
             self._run(step)
 
@@ -230,8 +236,13 @@ class Engine:
 
     def _run(self, step: Step) -> np.ndarray:
         """One jitted step over every slot: the greedy next token of each, int32[max_slots]."""
-        if self.evicting and step.starting.any():
-            self._cache = clear_rows(self._cache, self._slots(step.starting))
+        if self.evicting and (step.starting.any() or (step.copies >= 0).any()):
+            self._cache = start_rows(
+                self._cache,
+                self._slots(step.starting),
+                self._slots(step.lengths),
+                jnp.asarray(step.copies),
+            )
         cache = self._cache.replace(
             block_tables=self._slots(step.block_tables), lengths=self._slots(step.lengths)
         )

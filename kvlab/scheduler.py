@@ -185,6 +185,9 @@ class Step:
     lengths: np.ndarray  # int32[B]     tokens each slot's cache holds before the step
     block_tables: np.ndarray  # int32[B, n]  each slot's pages, -1 past them
     starting: np.ndarray  # bool[B]  slots a request (re)starts in: clear what they kept
+    copies: (
+        np.ndarray
+    )  # int32[B * n, 2]  (page, its private copy) to copy before the step; -1 rows unused
 
     @classmethod
     def idle(cls, max_slots: int, width: int, pages_per_slot: int) -> Step:
@@ -195,6 +198,7 @@ class Step:
             lengths=np.zeros((max_slots,), np.int32),
             block_tables=np.full((max_slots, pages_per_slot), -1, np.int32),
             starting=np.zeros((max_slots,), bool),
+            copies=np.full((max_slots * pages_per_slot, 2), -1, np.int32),
         )
 
 
@@ -213,6 +217,12 @@ class Scheduler:
         pages for min(its tokens, row_slots), and a preempted request replays
         its generated tokens one per step, as it first fed them, so it keeps
         the tokens it kept before.
+      evicts_after: tokens a slot holds before its cache first overwrites a
+        slot (the smallest layer budget; default row_slots). With prefix
+        caching, a request registers its pages only while it holds no more,
+        and before a step that may overwrite slots it trades every cached or
+        shared page for a private copy (Step.copies): cached pages are never
+        written, and the prefix chain keeps holding what it names.
     """
 
     def __init__(
@@ -225,6 +235,7 @@ class Scheduler:
         prefix_caching: bool = False,
         end_token: int | None = None,
         row_slots: int | None = None,
+        evicts_after: int | None = None,
     ):
         self.pages = pages
         self.page_size = pages.page_size
@@ -235,6 +246,7 @@ class Scheduler:
         self.end_token = None if end_token is None else check_token_id("end_token", end_token)
         self.evicting = row_slots is not None
         self.row_slots = self.max_len if row_slots is None else check_count("row_slots", row_slots)
+        self.evicts_after = self.row_slots if evicts_after is None else evicts_after
         self.pages_per_slot = pages_for(self.row_slots, self.page_size)
         if self.pages_per_slot > pages.num_pages:
             held = (
@@ -287,21 +299,27 @@ class Scheduler:
                 "plan() was called twice: pass the last step's next tokens to advance() first"
             )
         admitted = self._admit()
+        copies = []
         for request in sorted(self.running.values(), key=lambda r: r.admitted):
             if request.slot >= 0:  # not preempted by an older request's pages
-                self._give_pages(request, self._feed(request, self.prefill_chunk))
+                feed = self._feed(request, self.prefill_chunk)
+                self._give_pages(request, feed)
+                copies += self._copy_before_overwriting(request, feed)
         if not self.running:
             if self.waiting:  # a lone request always fits (check_fits): the invariants broke
                 raise RuntimeError(f"{len(self.waiting)} requests wait but none can run")
             return None
         step = Step.idle(self.max_slots, self._width(), self.pages_per_slot)
         for slot, request in self.running.items():
-            take = request.tokens[request.cached : request.cached + step.tokens.shape[1]]
+            feed = self._feed(request, step.tokens.shape[1])
+            take = request.tokens[request.cached : request.cached + feed]
             step.tokens[slot, : len(take)] = take
             step.counts[slot] = len(take)
             step.lengths[slot] = request.cached
             step.block_tables[slot, : len(request.pages)] = request.pages
             step.starting[slot] = request in admitted
+        if copies:
+            step.copies[: len(copies)] = copies
         self._planned = step
         return step
 
@@ -361,9 +379,13 @@ class Scheduler:
     def _feed(self, request: Request, width: int) -> int:
         """Tokens the request feeds in a step of `width` (an evicting cache's
         generated tokens one at a time, as they were first fed)."""
-        if self.evicting:  # the prompt in chunks, then what it generated token by token
+        if self.evicting:
+            # The prompt in chunks that start at multiples of the width (also after a
+            # matched prefix), then what it generated token by token: which tokens an
+            # evicting cache keeps depends on how they were fed.
             prompt_left = request.prompt_len - request.cached
-            width = min(width, prompt_left) if prompt_left > 0 else 1
+            aligned = width - request.cached % width
+            width = min(width, prompt_left, aligned) if prompt_left > 0 else 1
         return min(width, len(request.tokens) - request.cached)
 
     def _width(self) -> int:
@@ -381,6 +403,28 @@ class Scheduler:
                 request.pages += self.pages.allocate(1)
             except OutOfPages:
                 self._preempt(max(self.running.values(), key=lambda r: r.admitted))
+
+    def _copy_before_overwriting(self, request: Request, feed: int) -> list[tuple[int, int]]:
+        """An evicting request about to overwrite slots trades its cached and shared
+        pages for private copies; returns the (page, copy) pairs to copy on device."""
+        if not (self.evicting and self.prefix_caching):
+            return []
+        if request.cached + feed <= self.evicts_after:
+            return []
+        copies = []
+        for i, page in enumerate(request.pages):
+            if request.slot < 0:
+                break  # preempted while making room: its copies are moot
+            if not (self.pages.is_cached(page) or self.pages.is_shared(page)):
+                continue
+            while request.slot >= 0:
+                try:
+                    request.pages[i] = self.pages.copy_on_write(page)
+                    copies.append((page, request.pages[i]))
+                    break
+                except OutOfPages:
+                    self._preempt(max(self.running.values(), key=lambda r: r.admitted))
+        return copies if request.slot >= 0 else []
 
     def _preempt(self, request: Request) -> None:
         """Releases the request's pages and queues it first, to be recomputed."""
@@ -401,6 +445,7 @@ class Scheduler:
         request.slot, request.pages, request.finished = -1, [], True
 
     def _register(self, request: Request, length: int) -> None:
-        """Makes the request's full pages up to `length` tokens matchable."""
-        if self.prefix_caching:
+        """Makes the request's full pages up to `length` tokens matchable (an
+        evicting request's only while it has overwritten no slot)."""
+        if self.prefix_caching and request.cached <= self.evicts_after:
             self.pages.register(request.tokens[:length], request.pages)

@@ -77,6 +77,28 @@ def test_snapkv_at_half_the_context_gives_every_request_what_it_gets_alone():
     assert outputs != [solo(full, p) for p in prompts]  # eviction changed some outputs
 
 
+@pytest.mark.parametrize("method", ["snapkv", "sinks"])
+def test_eviction_with_prefix_caching_never_writes_a_cached_page(method):
+    """Requests sharing a 20-token system prompt keep 24 tokens each: those whose
+    prompt fits register their pages, later ones match them, and a request about
+    to overwrite slots first copies its cached pages. Outputs equal prefix caching
+    off, and a second round, served from the cached pages, gives them again."""
+    outputs, computed = {}, {}
+    for on in (False, True):
+        cfg = engine_config(on, num_pages=40, num_kv_heads=2)
+        cfg.cache.page_size = 4
+        cfg.cache.evict.update(method=method, budget=24, recent=2, obs_window=4)
+        _, params, _ = build(cfg)
+        engine = kvlab.Engine(
+            cfg.model, cfg.cache, params, max_slots=3, max_len=48, prefill_chunk=8
+        )
+        outputs[on] = engine.generate(requests(seed=1, count=6), max_new_tokens=10)
+        assert engine.generate(requests(seed=1, count=6), max_new_tokens=10) == outputs[on]
+        computed[on] = engine.stats.prefill_tokens
+    assert outputs[True] == outputs[False]
+    assert computed[True] < computed[False]
+
+
 def quantized_gqa():
     cfg = tiny_config(num_kv_heads=2)
     cfg.cache.update(k_bits=4, v_bits=8, k_axis="channel", group_size=8)

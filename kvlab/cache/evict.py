@@ -593,19 +593,28 @@ def init_paged_layer(policy: Policy, pools: tuple, batch: int) -> PagedEvictingL
     return PagedEvictingLayer(pools, *_metadata(policy, batch), policy)
 
 
-def reset_rows(layer, starting: Array):
-    """The layer with rows `starting` (bool[B]) emptied of kept tokens: their
-    positions -1, their scores 0 (a new request takes the row)."""
-    if layer.positions is None:
+def reset_rows(layer, starting: Array, lengths: Array):
+    """The layer with rows `starting` (bool[B]) holding their first lengths[b]
+    tokens in slot order (a request starting there on matched prefix pages) and
+    nothing else: positions slot or -1, scores 0. Other layers pass through."""
+    if getattr(layer, "positions", None) is None:
         return layer
-    positions = jnp.where(starting[:, None, None], -1, layer.positions)
+    slot = jnp.arange(layer.positions.shape[2])
+    fresh = jnp.where(slot[None, :] < lengths[:, None], slot[None, :], -1)[:, None, :]
+    positions = jnp.where(starting[:, None, None], fresh, layer.positions)
     scores = layer.scores
     if scores is not None:
         scores = jnp.where(starting[:, None, None], 0.0, scores)
     return layer.replace(positions=positions, scores=scores)
 
 
-def row_slots(model_cfg: Mapping, cache_cfg: Mapping, max_len: int) -> int:
-    """The most slots a row of an evicting cache stores in any layer (max_len if none)."""
-    plan = policies(model_cfg, cache_cfg, max_len)
-    return max_len if plan is None else max(p.slots for p in plan)
+def copy_pages(layer, sources: Array, targets: Array):
+    """A paged evicting layer with pages `sources` copied into `targets`
+    (int32[C]; -1 targets copy nothing). Other layers pass through."""
+    if not isinstance(layer, PagedEvictingLayer):
+        return layer
+    num_pages = jax.tree.leaves(layer.pools)[0].shape[1]
+    targets = jnp.where(targets < 0, num_pages, targets)  # dropped
+    sources = jnp.clip(sources, 0, num_pages - 1)
+    copy = lambda pool: pool.at[:, targets].set(pool[:, sources], mode="drop")  # noqa: E731
+    return layer.replace(pools=jax.tree.map(copy, layer.pools))

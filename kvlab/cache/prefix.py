@@ -5,7 +5,7 @@
       .allocate(n) -> list[int]         fresh pages, evicting unused cached ones if need be
       .register(tokens, pages)          make a written sequence's full pages matchable
       .retain(page), .release(pages)    share a page (fork) / let go of pages
-      .is_shared(page), .copy_on_write(page) -> int
+      .is_shared(page), .is_cached(page), .copy_on_write(page) -> int
       .refcount(page), .num_free, .num_cached, .stats
     PrefixCache.page_hash(parent, tokens, salt) -> bytes   (32-byte sha256)
 
@@ -97,6 +97,11 @@ class PrefixCache:
         """How many references requests hold on `page` (the cache's own is not counted)."""
         page = page_id(page, self.num_pages)
         return self._pages.refcount(page) - (page in self._hash_of)
+
+    def is_cached(self, page: int) -> bool:
+        """Whether `page` is registered (matchable): writing to it would change what
+        a later match reads, so copy it first (copy_on_write)."""
+        return page_id(page, self.num_pages) in self._hash_of
 
     def is_shared(self, page: int) -> bool:
         """Whether more than one reference is held: copy the page before writing to it."""

@@ -283,7 +283,7 @@ def test_a_row_given_an_invalid_token_under_jit_keeps_its_kept_tokens():
         ({"evict.adakv_floor": 2.0}, "cache.evict.adakv_floor=2.0"),
         (
             {"evict.method": "h2o", "kind": "paged", "prefix_caching": True},
-            "cache.prefix_caching=True is not implemented with cache.evict.method='h2o'",
+            "cache.prefix_caching=True cannot combine with cache.evict.method='h2o'",
         ),
         ({"evict.method": "h2o", "k_bits": 4}, "cache.k_axis='channel'"),
         ({"evict.method": "h2o", "v_bits": 4, "residual": 16}, "cache.residual=16"),
