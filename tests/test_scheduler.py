@@ -8,7 +8,7 @@ from collections import Counter
 
 import numpy as np
 import pytest
-from hypothesis import settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
@@ -363,3 +363,74 @@ class SchedulerMachine(RuleBasedStateMachine):
 
 TestSchedulerMachine = SchedulerMachine.TestCase
 TestSchedulerMachine.settings = settings(max_examples=150, stateful_step_count=30, deadline=None)
+
+
+class RingPool(TokenPool):
+    """An evicting device in tokens: each slot keeps its last `window` tokens in a
+    ring (slot = position mod window) and answers from them alone."""
+
+    def __init__(self, scheduler: Scheduler, window: int):
+        super().__init__(scheduler)
+        self.window = window
+
+    def run(self, step) -> np.ndarray:
+        for source, target in step.copies[step.copies[:, 0] >= 0]:
+            self.pool[target] = self.pool[source]
+        size, window = self.pages.page_size, self.window
+        next_tokens = np.full(self.scheduler.max_slots, UNUSED)
+        for slot, (count, length) in enumerate(zip(step.counts, step.lengths, strict=True)):
+            table = step.block_tables[slot]
+            for j in range(count):
+                ring = (length + j) % window
+                page = table[ring // size]
+                assert page >= 0, "a fed token has no page"
+                assert self.pages.refcount(page) == 1, "a step writes a page another request holds"
+                assert not self.pages.is_cached(page), "a step writes a cached page"
+                self.pool[page, ring % size] = step.tokens[slot, j]
+            if count:
+                end = length + count
+                kept = range(max(0, end - window), end)
+                context = [self.pool[table[p % window // size], p % size] for p in kept]
+                assert context == self.scheduler.running[slot].tokens[kept.start : end]
+                next_tokens[slot] = next_token(context)
+        return next_tokens
+
+
+def windowed_solo(prompt, max_new_tokens, window):
+    tokens = list(prompt)
+    while len(tokens) - len(prompt) < max_new_tokens:
+        tokens.append(next_token(tokens[-window:]))
+    return tokens[len(prompt) :]
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    lengths=st.lists(st.integers(1, 20), min_size=1, max_size=6),
+    num_pages=st.integers(3, 12),
+    prefix_caching=st.booleans(),
+    seed=st.integers(0, 1000),
+)
+def test_an_evicting_slot_holds_its_window_and_never_writes_a_cached_page(
+    lengths, num_pages, prefix_caching, seed
+):
+    """row_slots=8 of max_len 32 (2 pages of 4 per slot): prompts sharing a start
+    get exactly their windowed solo outputs; cached pages are copied, never
+    written; every page comes back."""
+    rng = np.random.default_rng(seed)
+    shared = rng.integers(0, VOCAB, 6).tolist()
+    prompts = [shared[: n // 2] + rng.integers(0, VOCAB, n - n // 2).tolist() for n in lengths]
+    scheduler = Scheduler(
+        PrefixCache(num_pages, 4, salt="test"),
+        max_slots=3,
+        max_len=32,
+        prefill_chunk=4,
+        prefix_caching=prefix_caching,
+        row_slots=8,
+    )
+    assert scheduler.pages_per_slot == 2
+    device = RingPool(scheduler, window=8)
+    for _round in range(2):  # the second round meets the first one's cached pages
+        added = [scheduler.add(p, 6) for p in prompts]
+        device.drain()
+        assert [r.output for r in added] == [windowed_solo(p, 6, 8) for p in prompts]
+    assert scheduler.pages.num_free == num_pages
