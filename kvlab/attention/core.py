@@ -82,7 +82,7 @@ def through_layer(layer, fresh: tuple, placement, attention):
     and receive the mass each of their tokens got from them.
     """
     regions, pending = layer.read(fresh, placement)
-    observe = layer.observe(placement) if hasattr(layer, "observe") else None
+    observe = layer.observe(placement)
     out = attention(regions, observe)
     if observe is None:
         # Write only after the old cache has been read, so it is written in place.

@@ -72,7 +72,11 @@ class DenseLayer:
         written = jnp.arange(self.capacity) < placement.lengths[:, None]  # [B, S]
         return [(self.tensors, written[:, None, :]), (fresh, placement.fresh_mask)], fresh
 
-    def write(self, fresh: tuple, placement: Placement) -> DenseLayer:
+    def observe(self, placement: Placement) -> None:
+        """Keeps every token: no query's attention is needed."""
+        return None
+
+    def write(self, fresh: tuple, placement: Placement, mass=None) -> DenseLayer:
         """Stores the new tokens at `placement.slots` (see write_tokens)."""
         return DenseLayer(
             tuple(

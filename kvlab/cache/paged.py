@@ -87,7 +87,11 @@ class PagedLayer:
     def tensor_shapes(self) -> tuple[tuple[int, int], ...]:
         return tuple((p.shape[0], p.shape[3]) for p in self.pools)
 
-    def write(self, fresh: tuple, placement: Placement) -> PagedLayer:
+    def observe(self, placement: Placement) -> None:
+        """Keeps every token: no query's attention is needed."""
+        return None
+
+    def write(self, fresh: tuple, placement: Placement, mass=None) -> PagedLayer:
         pools = tuple(
             write_pages(p, x, placement.slots, placement.pages, self.capacity)
             for p, x in zip(self.pools, fresh, strict=True)
@@ -134,7 +138,11 @@ class PagedQuantizedLayer:
     def tensor_shapes(self) -> tuple[tuple[int, int], ...]:
         return tuple((t.payload.shape[0], t.width) for t in self.tensors)
 
-    def write(self, flush: quant.Flush, placement: Placement) -> PagedQuantizedLayer:
+    def observe(self, placement: Placement) -> None:
+        """Keeps every token: no query's attention is needed."""
+        return None
+
+    def write(self, flush: quant.Flush, placement: Placement, mass=None) -> PagedQuantizedLayer:
         """Writes the flushed groups into their pages and the rest into the rings."""
         put = functools.partial(write_pages, pages=placement.pages)
         tensors = quant.write_flush(self.tensors, self.layout, flush, placement, put)

@@ -8,11 +8,13 @@ attend over, attends, and hands back what to store:
     out = attend(q, [(keys, values, mask) for (keys, values), mask in blocks])
     layer = layer.write(ordered_after(pending, out), placement)
 
-Every storage kind (dense, quantized, paged, paged quantized) is a
-`CacheLayer`. A block's keys or values are arrays, or a `Reader` of stored
-data that computes attention's two products without a dequantized copy
-(kvlab/cache/quant.py). docs/design.md, "The read/write contract", says why
-the write comes after the read.
+(`kvlab.attention.core.through_layer` runs them, also asking the layer which
+queries' attention it observes and handing it their mass.) Every storage kind
+(dense, quantized, paged, paged quantized, evicting) is a `CacheLayer`. A
+block's keys or values are arrays, or a `Reader` of stored data that computes
+attention's two products without a dequantized copy (kvlab/cache/quant.py).
+docs/design.md, "The read/write contract", says why the write comes after the
+read.
 """
 
 from __future__ import annotations
@@ -74,5 +76,10 @@ class CacheLayer(Protocol):
         each query may see.
         """
 
-    def write(self, pending: Any, placement: Placement) -> CacheLayer:
-        """The storage with the step's tokens written (`pending` from `read`)."""
+    def observe(self, placement: Placement) -> Float[Array, "B T"] | None:
+        """Weights of the queries whose attention the layer wants to see (an
+        evicting layer scoring by attention, kvlab/cache/evict.py), or None."""
+
+    def write(self, pending: Any, placement: Placement, mass=None) -> CacheLayer:
+        """The storage with the step's tokens written (`pending` from `read`;
+        `mass`, when `observe` asked: attend's per-block attention mass)."""

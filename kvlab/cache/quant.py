@@ -466,7 +466,11 @@ class QuantizedLayer:
     def tensor_shapes(self) -> tuple[tuple[int, int], ...]:
         return tuple((t.payload.shape[1], t.width) for t in self.tensors)
 
-    def write(self, flush: Flush, placement: Placement) -> QuantizedLayer:
+    def observe(self, placement: Placement) -> None:
+        """Keeps every token: no query's attention is needed."""
+        return None
+
+    def write(self, flush: Flush, placement: Placement, mass=None) -> QuantizedLayer:
         """Stores the settled groups in the payloads and the rest of the new tokens in the ring."""
         put = functools.partial(write_tokens, axis=2)
         tensors = write_flush(self.tensors, self.layout, flush, placement, put)
