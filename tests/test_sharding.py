@@ -312,6 +312,11 @@ def test_on_mesh_params_follow_the_rules_and_the_forward_is_unchanged(gqa):
 CACHES = {
     "dense": dict(),
     "paged_quantized": dict(kind="paged", page_size=16, k_bits=4, v_bits=4, residual=16),
+    # 6 of 11 tokens kept per KV head, positions and scores per row
+    "evicting": dict(evict=dict(method="h2o", budget=6, recent=2)),
+    "paged_evicting": dict(
+        kind="paged", page_size=4, evict=dict(method="snapkv", budget=6, recent=2)
+    ),
 }
 LAID_OUT = {
     "quantized": dict(k_bits=4, v_bits=8, residual=16),
@@ -356,7 +361,8 @@ def assert_cache_layout(cache, heads=("tensor",)):
     by_rows = P(ROWS, *heads)
     for path, leaf in jax.tree_util.tree_leaves_with_path(cache):
         name = jax.tree_util.keystr(path)
-        pooled = isinstance(cache, kvlab.cache.PagedCache) and ".ring" not in name
+        per_row = any(part in name for part in (".ring", ".positions", ".scores"))
+        pooled = isinstance(cache, kvlab.cache.PagedCache) and not per_row
         if "lengths" in name or "errors" in name or "block_tables" in name:
             want = P(ROWS)
         else:
