@@ -15,7 +15,11 @@ through a PrefixCache. `generate` loops:
     scheduler.advance(next_tokens)
 
 Requests are greedy (argmax); each gets what it would get alone. Two step
-shapes compile: [max_slots, prefill_chunk] and [max_slots, 1]. Every step
+shapes compile: [max_slots, prefill_chunk] and [max_slots, 1]. With an
+evicting cache (cache.evict, model.sliding_window; kvlab/cache/evict.py) a
+slot holds pages for its budget only, and a third program (`start_rows`)
+clears the kept tokens of slots a request starts in and copies cached pages
+a request is about to overwrite (docs/design.md, "Evicting caches"). Every step
 attends over max_len positions per slot, so a max_len near the longest request
 makes steps cheaper than the default (all the pool holds).
 
