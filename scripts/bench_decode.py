@@ -17,6 +17,9 @@ script reports the step time's fraction of that bound.
 the absorbed path against the expanded one at --mla_lengths, same weights.
 (d) With --bits=16,8,4,2: decode tokens/s with every cached tensor stored at
 each width (the config's axes, groups and residual), against the first.
+(e) With --evict=snapkv:0.5,window:0.25: decode tokens/s with each eviction
+policy keeping that share of the context (cache.evict, kvlab/cache/evict.py),
+against the config's own cache.
 """
 
 import functools
@@ -46,6 +49,9 @@ _MLA_LENGTHS = flags.DEFINE_list(
 _MLA_STEPS = flags.DEFINE_integer("mla_steps", 8, "Decode steps timed per length and path.")
 _BITS = flags.DEFINE_list(
     "bits", [], "Also time decode with every cached tensor at these bit-widths (e.g. 16,8,4,2)."
+)
+_EVICT = flags.DEFINE_list(
+    "evict", [], "Also time decode through these eviction policies, method:ratio (e.g. snapkv:0.5)."
 )
 _PREFILL_CHUNK = flags.DEFINE_integer("prefill_chunk", 512, "Prompt tokens per prefill call.")
 _PROBE_MIB = flags.DEFINE_integer(
@@ -147,34 +153,55 @@ def bench_mla_paths(cfg, params, lengths, batch: int, steps: int, repeats: int) 
     return rows
 
 
-def bench_bit_widths(cfg, model, params, lengths, bit_widths, batch, steps, repeats) -> list[dict]:
-    """(d) Decode tokens/s with every cached tensor stored at each bit-width."""
-    prefixes = cached_prefixes(cfg.model)
+def bench_caches(cfg, model, params, lengths, caches, key, batch, steps, repeats) -> list[dict]:
+    """Decode tokens/s through each of `caches` ({name: cache fields changed}) at
+    each length, against the first; each row names its cache under `key`."""
     rows = []
-    for bits in bit_widths:
+    for name, fields in caches.items():
         variant = cfg.copy_and_resolve_references()
-        variant.cache.update({f"{prefix}_bits": bits for prefix in prefixes})
+        variant.cache.update(fields)
         kvlab.validate_config(variant)
         for length in lengths:
             tokens = random_prompt(cfg, batch, length)
             seconds = decode_step_time(variant, model, params, tokens, steps, repeats)
             rows.append(
-                dict(
-                    bits=bits,
-                    seq_len=length,
-                    tokens_per_s=batch / seconds,
-                    cache_bytes=kvlab.cache_bytes(
+                {
+                    key: name,
+                    "seq_len": length,
+                    "tokens_per_s": batch / seconds,
+                    "cache_bytes": kvlab.cache_bytes(
                         variant.model, variant.cache, batch, length + steps
                     ),
-                )
+                }
             )
+    first = next(iter(caches))
     for row in rows:
-        base = next(
-            r for r in rows if r["bits"] == bit_widths[0] and r["seq_len"] == row["seq_len"]
-        )
+        base = next(r for r in rows if r[key] == first and r["seq_len"] == row["seq_len"])
         row["speed_vs_first"] = row["tokens_per_s"] / base["tokens_per_s"]
         row["bytes_vs_first"] = row["cache_bytes"] / base["cache_bytes"]
     return rows
+
+
+def bench_bit_widths(cfg, model, params, lengths, bit_widths, batch, steps, repeats) -> list[dict]:
+    """(d) Decode tokens/s with every cached tensor stored at each bit-width."""
+    prefixes = cached_prefixes(cfg.model)
+    caches = {bits: {f"{prefix}_bits": bits for prefix in prefixes} for bits in bit_widths}
+    return bench_caches(cfg, model, params, lengths, caches, "bits", batch, steps, repeats)
+
+
+def bench_evictions(cfg, model, params, lengths, policies, batch, steps, repeats) -> list[dict]:
+    """(e) Decode tokens/s through eviction policies ('method:ratio'), against the full cache."""
+    caches = {"full": {}}
+    for policy in policies:
+        method, _, ratio = policy.partition(":")
+        try:
+            share = float(ratio or "nan")
+        except ValueError:
+            share = float("nan")
+        if share != share:
+            raise ValueError(f"--evict={policy!r}: give method:ratio, e.g. snapkv:0.5")
+        caches[policy] = {"evict": {"method": method, "ratio": share}}
+    return bench_caches(cfg, model, params, lengths, caches, "evict", batch, steps, repeats)
 
 
 def main(argv):
@@ -220,6 +247,17 @@ def main(argv):
             _STEPS.value,
             _REPEATS.value,
         )
+    if _EVICT.value:
+        result["evictions"] = bench_evictions(
+            cfg,
+            model,
+            params,
+            [int(n) for n in _LENGTHS.value],
+            _EVICT.value,
+            _BATCH.value,
+            _STEPS.value,
+            _REPEATS.value,
+        )
     if _JSON.value:
         print(json.dumps(result, indent=2))
         return
@@ -248,6 +286,17 @@ def main(argv):
             print(
                 f"{r['bits']:>5} {r['seq_len']:>8} {r['tokens_per_s']:>10.1f} "
                 f"{r['speed_vs_first']:>9.2f} {r['cache_bytes']:>12,} {r['bytes_vs_first']:>9.2f}"
+            )
+    if "evictions" in result:
+        print("decode by eviction policy:")
+        print(
+            f"{'policy':>12} {'seq_len':>8} {'tok/s':>10} {'vs full':>8} {'cache bytes':>12} "
+            f"{'vs full':>8}"
+        )
+        for r in result["evictions"]:
+            print(
+                f"{r['evict']:>12} {r['seq_len']:>8} {r['tokens_per_s']:>10.1f} "
+                f"{r['speed_vs_first']:>8.2f} {r['cache_bytes']:>12,} {r['bytes_vs_first']:>8.2f}"
             )
     if "mla_paths" in result:
         print("latent attention decode, tokens/s:")

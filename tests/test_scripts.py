@@ -141,6 +141,7 @@ def test_bench_decode_reports_speedup_roofline_and_latent_paths():
         "--repeats=1",
         "--probe_mib=16",
         "--bits=16,4",
+        "--evict=window:0.5",
         "--json",
     )
     report = json.loads(result.stdout)
@@ -177,6 +178,15 @@ def test_bench_decode_reports_speedup_roofline_and_latent_paths():
         assert row["bytes_vs_first"] == pytest.approx(row["cache_bytes"] / first["cache_bytes"])
         assert row["speed_vs_first"] == pytest.approx(row["tokens_per_s"] / first["tokens_per_s"])
     assert widths[4, 64]["bytes_vs_first"] < 0.5
+    evictions = {(row["evict"], row["seq_len"]): row for row in report["evictions"]}
+    assert set(evictions) == {("full", 32), ("full", 64), ("window:0.5", 32), ("window:0.5", 64)}
+    for (policy, length), row in evictions.items():
+        cache = cfg.cache.copy_and_resolve_references()
+        if policy != "full":
+            cache.evict.update(method="window", ratio=0.5)
+        assert row["cache_bytes"] == kvlab.cache_bytes(cfg.model, cache, 1, length + 2)
+    # a ring of half the slots: half the latent bytes, plus the fixed per-row ints
+    assert evictions["window:0.5", 64]["bytes_vs_first"] == pytest.approx(0.5, abs=0.01)
 
 
 def test_quant_probe_compares_every_key_and_value_width():
