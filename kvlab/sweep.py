@@ -98,6 +98,9 @@ COLUMNS = (
     "v_axis",
     "group_size",
     "residual",
+    "evict_method",
+    "evict_ratio",
+    "evict_budget",
     "num_kv_heads",
     "kv_rank",
     "metric",
@@ -345,6 +348,9 @@ def _row(sweep_name: str, unit: Unit, result: Mapping, baseline: Mapping, metric
         "cache_dtype": cfg.cache.dtype,
         "group_size": cfg.cache.group_size,
         "residual": cfg.cache.residual,
+        "evict_method": cfg.cache.evict.method,
+        "evict_ratio": cfg.cache.evict.ratio,
+        "evict_budget": cfg.cache.evict.budget,
         "num_kv_heads": cfg.model.num_kv_heads,
         "kv_rank": cfg.model.mla.kv_rank if cfg.model.attention == "mla" else None,
         "metric": metric,
@@ -356,7 +362,9 @@ def _row(sweep_name: str, unit: Unit, result: Mapping, baseline: Mapping, metric
     for prefix in ("k", "v"):
         row[f"{prefix}_axis"] = cfg.cache[f"{prefix}_axis"] if prefix in cached else None
     row.update({key: result[key] for key in RESULT_COLUMNS})
-    row["delta_vs_16bit_pct"] = 100 * (result[metric] / baseline[metric] - 1)
+    # None when the baseline scores 0 (an MQAR model that recalls nothing)
+    change = result[metric] / baseline[metric] - 1 if baseline[metric] else None
+    row["delta_vs_16bit_pct"] = None if change is None else 100 * change
     return row
 
 
@@ -384,6 +392,14 @@ def _number(text: str):
         except ValueError:
             pass
     return text
+
+
+def full_cache(cache_cfg: Mapping) -> ml_collections.ConfigDict:
+    """The baseline every entry of a model is compared with: the same cache with
+    every tensor at 16 bits and every token kept (a copy; `cache_cfg` is unchanged)."""
+    baseline = full_precision(ml_collections.ConfigDict(cache_cfg.to_dict()))
+    baseline.evict.method = "none"
+    return baseline
 
 
 def _model_params(unit: Unit, workdir: str, group: str, progress: bool):
@@ -460,7 +476,7 @@ def run_sweep(
         params = _model_params(model_units[0], workdir, sweep.name, progress)
         data = make_dataset(first.data, first.eval.split, first.train.seq_len)
         batches = data.eval_batches(first.eval.batch_size, first.eval.num_batches)
-        baseline_cache = full_precision(first.cache)
+        baseline_cache = full_cache(first.cache)
         mesh = make_mesh(first)  # a model entry may change the mesh or the heads it splits
         on_mesh = dict(chunk=first.eval.chunk, mesh=mesh, rules=axis_rules(first.mesh))
         baseline = evaluate(first.model, baseline_cache, params, batches, **on_mesh)

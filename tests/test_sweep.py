@@ -18,6 +18,7 @@ from kvlab.sweep import (
     Unit,
     bits_label,
     expand,
+    full_cache,
     merge,
     pareto_front,
     run_sweep,
@@ -101,6 +102,25 @@ def test_cache_entries_apply_to_the_models_that_cache_their_tensors(tmp_path):
     ]
     assert units[1].cfg.cache.v_bits == 4 and units[1].cfg.model.num_kv_heads == 1
     assert units[3].cfg.cache.latent_bits == 4 and units[3].cfg.model.attention == "mla"
+
+
+def test_cache_entries_reach_nested_fields_and_the_baseline_keeps_every_token(tmp_path):
+    cfg, _ = split_sweep_config(sweep_config(tmp_path))
+    snapkv = {"cache.evict.method": "snapkv", "cache.evict.ratio": 0.5}
+    quantized = {"cache.k_bits": 8, "cache.v_bits": 8, "cache.k_axis": "token"}
+    grid = {
+        "models": {"mqa": {"model.num_kv_heads": 1}},
+        "caches": {"snapkv50+K8V8": {**snapkv, **quantized}},
+    }
+    (unit,) = expand(cfg, grid)
+    evicted = unit.cfg.cache
+    assert (evicted.evict.method, evicted.evict.ratio, evicted.k_bits) == ("snapkv", 0.5, 8)
+    baseline = full_cache(evicted)  # what delta_vs_16bit_pct compares with
+    assert (baseline.evict.method, baseline.k_bits, baseline.v_bits) == ("none", 16, 16)
+    assert (evicted.evict.method, evicted.k_bits) == ("snapkv", 8)  # a copy
+    assert COLUMNS.index("evict_method") < COLUMNS.index("evict_ratio")
+    with pytest.raises(ValueError, match="'cache.evict.metod' in caches"):
+        expand(cfg, {"models": {"a": {}}, "caches": {"c": {"cache.evict.metod": "h2o"}}})
 
 
 @pytest.mark.parametrize(
