@@ -14,7 +14,9 @@ and the full-precision ring of recent tokens, laid out as kvlab/cache/quant.py
 describes. A paged cache counts its page pools (num_pages x page_size token
 rows, shared by the rows) and each row's ring instead. An evicting cache counts its budget slots
 (kvlab/cache/evict.py), and per slot an int32 position (and h2o's float32
-score) unless it is a ring. Plus the bookkeeping the
+score) unless it is a ring; one whose quantized tokens settle in groups (a
+residual, per-channel scales) counts slots of g tokens, its ring and (h2o) a
+float32 score per ring slot. Plus the bookkeeping the
 cache carries: one int32 length and one int32 of error flags per row
 (ROW_BYTES) and, paged, the block tables.
 """
@@ -87,6 +89,15 @@ def cache_bytes(
             stored = [(spec, 1 if policy.pooled else t.heads, t.width) for t, spec in tensors]
             if cache_cfg["kind"] == "paged":
                 per_layer += sum(_tensor_bytes(s, h, w, pooled, 0) for s, h, w in stored)
+            elif policy.settles:  # slots x g payload rows, and a ring per KV head
+                rows, ring = policy.slots * policy.granularity, policy.layout.ring_len
+                per_layer += rows_held * sum(
+                    _tensor_bytes(s, h, w, rows, 0) + _tensor_bytes(s, t.heads, w, 0, ring)
+                    for (s, h, w), (t, _) in zip(stored, tensors, strict=True)
+                )
+                if policy.method == "h2o":  # the float32 score of each ring slot's token
+                    kv_heads = policy.kv_heads // split("cache_heads", policy.kv_heads)
+                    per_layer += rows_held * kv_heads * ring * SCORE_BYTES
             else:
                 per_layer += rows_held * sum(
                     _tensor_bytes(s, h, w, policy.slots, 0) for s, h, w in stored

@@ -45,7 +45,14 @@ random keeps a pseudo-random set (a hash of seed, layer, head and position).
 
 Quantized tensors (cache.<prefix>_axis='token', residual 0) are stored per
 slot as codes and per-token scales, quantized as they are stored; a step's
-tokens are seen quantized, as the quantized cache sees them.
+tokens are seen quantized, as the quantized cache sees them. With a residual
+window or per-channel scales (KIVI, arXiv:2402.02750) a scored layer keeps the
+quantized layout (quant.Layout, g tokens per group): the unsettled tokens wait
+in a full-precision ring [B, K, W, Wd] (slot = position mod W) and are never
+evicted; tokens settle a group at a time when QuantizedLayer would flush them,
+are quantized then, and compete as whole groups for S = max(1, (budget -
+residual) // g) group slots per storage head (positions: each group's first
+position). Reads are QuantizedLayer.read's with the payload masked per head.
 """
 
 from __future__ import annotations
@@ -62,7 +69,15 @@ from jaxtyping import Array, Float, Int
 
 from kvlab.cache.paged import gather_pages, write_pages
 from kvlab.cache.placement import Placement, write_tokens
-from kvlab.cache.quant import QuantizedTensor, dequantize_tokens, quantize_tokens
+from kvlab.cache.quant import (
+    Layout,
+    QuantizedLayer,
+    QuantizedTensor,
+    dequantize_tokens,
+    quantize_tokens,
+    quantized_layout,
+    write_ring,
+)
 from kvlab.config import OBSERVING_METHODS, SCORED_METHODS, dtype_of
 
 RING_METHODS = ("window", "sinks")
@@ -75,7 +90,7 @@ class Policy:
     """What one evicting layer keeps (static: part of the compiled program)."""
 
     method: str
-    slots: int  # S per storage head (a pooled layer: K x budget)
+    slots: int  # S per storage head (a pooled layer: K x budget); settling: groups of g tokens
     max_len: int  # positions a row may reach: the cache's capacity
     kv_heads: int  # K of the attention (the head tag of a pooled layer)
     query_heads: int  # N
@@ -87,10 +102,22 @@ class Policy:
     floor: int = 0  # adakv: slots each head keeps at least
     seed: int = 0
     layer: int = 0
+    residual: int = 0  # quantized: latest tokens kept unsettled, in full precision
+    granularity: int = 1  # g: tokens that settle, and are kept or evicted, together
 
     @property
     def ring(self) -> bool:
         return self.method in RING_METHODS
+
+    @property
+    def settles(self) -> bool:
+        """Tokens wait in a full-precision ring and settle in groups (quant.Layout)."""
+        return self.residual > 0 or self.granularity > 1
+
+    @property
+    def layout(self) -> Layout:
+        """The quantized layout whose settled(n) rule says when tokens leave the ring."""
+        return Layout(self.max_len, self.residual, self.granularity)
 
     @property
     def span(self) -> int:
@@ -149,12 +176,18 @@ def policies(model_cfg: Mapping, cache_cfg: Mapping, max_len: int) -> tuple[Poli
     grouped = model_cfg["attention"] != "mla"
     kv_heads = model_cfg["num_kv_heads"] if grouped else 1
     pooled = method == "adakv" and kv_heads > 1
+    # Quantized with a residual window or per-channel scales (KIVI): tokens settle in
+    # groups of g and only settled groups compete, for (budget - residual) // g slots.
+    layout = quantized_layout(model_cfg, cache_cfg, max_len)
+    residual, g = (0, 1) if layout is None else (layout.residual, layout.granularity)
+    settles = method in SCORED_METHODS and (residual > 0 or g > 1)
     out = []
     for i, budget in enumerate(layer_budgets(model_cfg, cache_cfg, max_len)):
+        units = max(1, (budget - residual) // g) if settles else budget
         out.append(
             Policy(
                 method=method,
-                slots=budget * kv_heads if pooled else budget,
+                slots=units * kv_heads if pooled else units,
                 max_len=max_len,
                 kv_heads=kv_heads,
                 query_heads=model_cfg["num_heads"],
@@ -163,9 +196,11 @@ def policies(model_cfg: Mapping, cache_cfg: Mapping, max_len: int) -> tuple[Poli
                 recent=evict["recent"] if method in SCORED_METHODS else 0,
                 obs_window=evict["obs_window"],
                 kernel=evict["kernel"],
-                floor=math.floor(evict["adakv_floor"] * budget) if pooled else 0,
+                floor=math.floor(evict["adakv_floor"] * units) if pooled else 0,
                 seed=evict["seed"],
                 layer=i,
+                residual=residual if settles else 0,
+                granularity=g if settles else 1,
             )
         )
     return tuple(out)
@@ -301,6 +336,12 @@ def stored_tokens(positions: Array | None, policy: Policy, lengths: Array) -> Ar
     if policy.ring:
         return jnp.minimum(lengths, policy.slots)[:, None]
     held = positions >= 0
+    if policy.settles:  # kept groups of g tokens, and the ring's unsettled tokens
+        unsettled = (lengths - policy.layout.settled(lengths))[:, None]
+        count = stored_tokens(
+            positions, dataclasses.replace(policy, residual=0, granularity=1), lengths
+        )
+        return (count * policy.granularity + unsettled).astype(jnp.int32)
     if not policy.pooled:
         return held.sum(-1).astype(jnp.int32)
     owner = positions % policy.kv_heads
@@ -324,19 +365,26 @@ def observed_queries(policy: Policy, placement: Placement) -> Array | None:
 class EvictingLayer:
     """One layer's kept tokens (module docstring).
 
-    tensors    per cached tensor: [B, KH, S, W] in cache.dtype, or a QuantizedTensor
-               whose payload, scales and zeros have S rows (token axis); a pooled
-               layer stores [B, 1, K x budget, W]
-    positions  int32[B, E, S] position of each slot's token (pooled: position * K
-               + head), -1 = empty; None for a ring (it follows from the length)
-    scores     float32[B, E, S] h2o's accumulated attention; None otherwise
-    policy     static Policy
+    tensors      per cached tensor: [B, KH, S, W] in cache.dtype, or a QuantizedTensor
+                 whose payload, scales and zeros have S rows (token axis); a pooled
+                 layer stores [B, 1, K x budget, W]. A settling policy (residual or
+                 per-channel scales): QuantizedTensors of S x g payload rows (slot j:
+                 rows j*g .. j*g + g-1, and scale row j on the channel axis) and a
+                 full-precision ring [B, K, W, Wd] (slot = position mod W)
+    positions    int32[B, E, S] position of each slot's token (pooled: position * K
+                 + head; settling: the first position of the slot's group), -1 =
+                 empty; None for a ring
+    scores       float32[B, E, S] h2o's accumulated attention; None otherwise
+    policy       static Policy
+    ring_scores  float32[B, K, W] settling h2o: the attention each ring slot's token
+                 has accumulated while unsettled; None otherwise
     """
 
     tensors: tuple
     positions: Array | None
     scores: Array | None
     policy: Policy = struct.field(pytree_node=False)
+    ring_scores: Array | None = None
 
     @property
     def capacity(self) -> int:
@@ -364,6 +412,8 @@ class EvictingLayer:
     def read(self, fresh: tuple, placement: Placement):
         """The kept tokens and the step's new ones as the layer holds them, masked."""
         p = self.policy
+        if p.settles:
+            return self._read_settling(fresh, placement)
         pending = tuple(_pending(x, t) for x, t in zip(fresh, self.tensors, strict=True))
         fresh = tuple(_as_stored(x, t) for x, t in zip(pending, self.tensors, strict=True))
         stored = tuple(_block(t) for t in self.tensors)
@@ -379,24 +429,52 @@ class EvictingLayer:
         if not p.pooled:
             return [(stored, held[:, :, None, None, :]), (fresh, placement.fresh_mask)], pending
         # One pool: query head n reads the slots of KV head n // G.
+        blocks = [(stored, self._pool_mask(held, 1)), self._pooled(fresh, placement.fresh_mask)]
+        return blocks, self._pool_tensors(pending)
+
+    def _read_settling(self, fresh: tuple, placement: Placement):
+        """QuantizedLayer.read's blocks (payload, ring, fresh, settling groups, each
+        masked by the settled(p + 1) rule) with the payload holding each head's kept
+        groups; `pending` is the step's quant.Flush."""
+        p = self.policy
+        blocks, flush = QuantizedLayer(self.tensors, p.layout).read(fresh, placement)
+        readers = blocks[0][0]
+        held = self.positions >= 0  # [B, E, S]
+        if not p.pooled:
+            rows = jnp.repeat(held, p.granularity, axis=-1)  # [B, E, S x g]
+            return [(readers, rows[:, :, None, None, :]), *blocks[1:]], flush
+        pooled = [self._pooled(values, mask) for values, mask in blocks[1:]]
+        return [(readers, self._pool_mask(held, p.granularity)), *pooled], flush
+
+    def _pool_mask(self, held: Array, rows: int) -> Array:
+        """A pool's mask [B, 1, 1, N, S x rows]: query head n reads KV head n // G's slots."""
+        p = self.policy
         group = jnp.arange(p.query_heads) // (p.query_heads // p.kv_heads)  # [N]
-        owner = self.positions % p.kv_heads
-        stored_mask = held[:, :, None, None, :] & (owner[:, :, None, None, :] == group[:, None])
-        pool = lambda xs: tuple(rearrange(x, "B K T W -> B 1 (K T) W") for x in xs)  # noqa: E731
-        kv = jnp.arange(p.kv_heads)
-        mine = kv[None, :] == group[:, None]  # [N, K]
-        fresh_mask = (
-            placement.fresh_mask[:, None, :, None, None, :] & mine[None, None, None, :, :, None]
-        )  # [B, 1, T, N, K, T]
-        fresh_mask = fresh_mask.reshape(*fresh_mask.shape[:4], -1)
-        return [(stored, stored_mask), (pool(fresh), fresh_mask)], pool(pending)
+        owner = jnp.repeat(self.positions % p.kv_heads, rows, axis=-1)
+        held = jnp.repeat(held, rows, axis=-1)
+        return held[:, :, None, None, :] & (owner[:, :, None, None, :] == group[:, None])
+
+    def _pool_tensors(self, xs: tuple) -> tuple:
+        """Per-head arrays [B, K, X, .] as one pooled head [B, 1, K x X, .]."""
+        return tuple(None if x is None else rearrange(x, "B K X W -> B 1 (K X) W") for x in xs)
+
+    def _pooled(self, values: tuple, mask: Array):
+        """A per-head block (values [B, K, X, W], mask [B, T, X]) as one pooled head
+        read by each query head where its KV head's tokens are: mask [B, 1, T, N, K x X]."""
+        p = self.policy
+        group = jnp.arange(p.query_heads) // (p.query_heads // p.kv_heads)  # [N]
+        mine = jnp.arange(p.kv_heads)[None, :] == group[:, None]  # [N, K]
+        pooled = mask[:, None, :, None, None, :] & mine[None, None, None, :, :, None]
+        return self._pool_tensors(values), pooled.reshape(*pooled.shape[:4], -1)
 
     # -- write
 
-    def write(self, pending: tuple, placement: Placement, mass=None) -> EvictingLayer:
+    def write(self, pending, placement: Placement, mass=None) -> EvictingLayer:
         """Stores the step's tokens: in their ring slots, or in the slots of the
         stored tokens they outscore. `mass`: attention's per-block mass
         ([B, K', S] and [B, K', T']) when `observe` asked for it."""
+        if self.policy.settles:
+            return self._write_settling(pending, placement, mass)
         slots, positions, scores = self.destinations(pending, placement, mass)
         tensors = tuple(_put(t, x, slots) for t, x in zip(self.tensors, pending, strict=True))
         return EvictingLayer(tensors, positions, scores, self.policy)
@@ -408,16 +486,27 @@ class EvictingLayer:
         if p.ring:
             return self._ring_slots(placement), None, None
         tags, candidates = self._candidates(placement)  # [B, E, T'], [B, E, C]
-        slots = self.positions.shape[2]
         valid = candidates >= 0
         score = self._score(pending, placement, candidates, valid, mass)
-        position = candidates // p.kv_heads if p.pooled else candidates
         end = (placement.lengths + placement.num_tokens)[:, None, None]
+        return self._keep(tags, candidates, score, end)
+
+    def _keep(self, tags: Array, candidates: Array, score: Array, end: Array, span: int = 1):
+        """The competition for the S slots of each head: candidates [B, E, C] (stored
+        slots first, then the new `tags` [B, E, C - S]) of `span` positions each.
+        Returns the new candidates' slots [B, E, C - S] (S: not stored), the
+        positions and (h2o) the scores the slots then hold."""
+        p = self.policy
+        slots = self.positions.shape[2]
+        valid = candidates >= 0
+        position = candidates // p.kv_heads if p.pooled else candidates
         priority = jnp.where(valid, score, -jnp.inf)
         if p.floor:
             priority = jnp.where(self._floor(score, candidates, valid), FLOOR, priority)
         if p.recent:
-            priority = jnp.where(valid & (position >= end - p.recent), KEPT, priority)
+            # a candidate holding any of the `recent` latest positions stays
+            recent = position + (span - 1) >= end - p.recent
+            priority = jnp.where(valid & recent, KEPT, priority)
         _, best = jax.lax.top_k(priority, slots)  # [B, E, S] candidate indices
         b = jnp.arange(best.shape[0])[:, None, None]
         e = jnp.arange(best.shape[1])[None, :, None]
@@ -448,17 +537,21 @@ class EvictingLayer:
     def _candidates(self, placement: Placement):
         """Tags of the step's tokens [B, E, T'] and of every candidate [B, E, S + T']
         (stored slots first); -1 for empty slots and padding."""
-        p = self.policy
         length = placement.positions.shape[1]
         real = jnp.arange(length)[None, :] < placement.num_tokens[:, None]
-        new = jnp.where(real, placement.positions, -1)  # [B, T]
+        return self._tagged(jnp.where(real, placement.positions, -1))  # [B, T]
+
+    def _tagged(self, new: Array):
+        """New positions [B, T] (-1: none) as tags per storage head [B, E, T'] and
+        every candidate's [B, E, S + T'] (pooled: position * K + head, head-major)."""
+        p = self.policy
         if p.pooled:
             kv = jnp.arange(p.kv_heads)[None, :, None]
             tags = jnp.where(new[:, None, :] >= 0, new[:, None, :] * p.kv_heads + kv, -1)
             tags = tags.reshape(new.shape[0], 1, -1)  # [B, 1, K x T], head-major
         else:
             tags = jnp.broadcast_to(
-                new[:, None, :], (new.shape[0], self.positions.shape[1], length)
+                new[:, None, :], (new.shape[0], self.positions.shape[1], new.shape[1])
             )
         return tags, jnp.concatenate([self.positions, tags], axis=2)
 
@@ -472,16 +565,26 @@ class EvictingLayer:
             score = jnp.concatenate(per_head, axis=2)
             if p.method == "h2o":
                 return score.at[..., : self.scores.shape[2]].add(self.scores)
-            head = candidates % p.kv_heads if p.pooled else jnp.zeros_like(candidates)
-            position = candidates // p.kv_heads if p.pooled else candidates
-            key = head * (1 << 24) + position  # positions stay below 2**24
-            return _pooled_max(score, key, valid, head, p.kernel)
+            return self._snap(score, candidates, valid)
         if p.method == "knorm":  # keys of small norm stay (the first cached tensor's)
             stored = jnp.linalg.norm(_stored_values(self.tensors[0]), axis=-1)
             new = _as_stored(pending[0], self.tensors[0]).astype(jnp.float32)
             new = jnp.linalg.norm(new, axis=-1)
             return -jnp.concatenate([stored, new], axis=2)
-        # random
+        return self._random(candidates)
+
+    def _snap(self, score: Array, candidates: Array, valid: Array) -> Array:
+        """snapkv's max-pool of `score` over `kernel` neighbouring positions of a head."""
+        p = self.policy
+        head = candidates % p.kv_heads if p.pooled else jnp.zeros_like(candidates)
+        position = candidates // p.kv_heads if p.pooled else candidates
+        key = head * (1 << 24) + position  # positions stay below 2**24
+        return _pooled_max(score, key, valid, head, p.kernel)
+
+    def _random(self, candidates: Array) -> Array:
+        """random: a hash of seed, layer, head and (first) position."""
+        p = self.policy
+        heads = candidates.shape[1]
         e = jnp.arange(heads)[None, :, None]
         salt = (p.seed * 0x9E3779B1 + p.layer * 0x85EBCA77) & 0xFFFFFFFF
         return _hash01((candidates * heads + e).astype(jnp.uint32) ^ jnp.uint32(salt))
@@ -495,6 +598,119 @@ class EvictingLayer:
         threshold = jax.lax.top_k(per_head, p.floor)[0][..., -1:]  # [B, K, 1]
         chosen = (per_head >= threshold) & (per_head > -jnp.inf)
         return jnp.any(chosen, axis=1, keepdims=True)
+
+    # -- settling: tokens wait in the ring and compete as whole settled groups
+
+    def _write_settling(self, flush, placement: Placement, mass=None) -> EvictingLayer:
+        """The step's settling groups compete with the kept ones for the S group
+        slots of each head (quantized as QuantizedLayer stores them); the tokens
+        still unsettled go to the ring."""
+        p = self.policy
+        g, layout = p.granularity, p.layout
+        first = flush.positions[:, ::g]  # [B, F] each settling group's first position, -1 none
+        tags, candidates = self._tagged(first)  # [B, E, F'], [B, E, S + F']
+        valid = candidates >= 0
+        settling_mass, ring_scores = None, None
+        if mass is not None:
+            settling_mass, ring_scores = self._unsettled_mass(flush, placement, mass)
+        score = self._group_score(flush, candidates, valid, mass, settling_mass)
+        end = (placement.lengths + placement.num_tokens)[:, None, None]
+        dest, positions, scores = self._keep(tags, candidates, score, end, span=g)
+        # Slot j of a head holds rows j*g .. j*g + g-1 (S x g: dropped).
+        rows = (dest[..., None] * g + jnp.arange(g)).reshape(*dest.shape[:2], -1)
+        pool = self._pool_tensors if p.pooled else (lambda xs: xs)
+        tensors = []
+        for tensor, new, payload, scale, zero in zip(
+            self.tensors, flush.fresh, flush.payloads, flush.scales, flush.zeros, strict=True
+        ):
+            payload, scale, zero = pool((payload, scale, zero))
+            written = tensor.replace(
+                payload=write_tokens(tensor.payload, payload, rows, axis=2),
+                ring=write_ring(tensor.ring, new, layout, placement),
+            )
+            if tensor.spec.quantized:  # channel axis: one scale row per slot
+                scale_slots = rows if tensor.spec.axis == "token" else dest
+                written = written.replace(
+                    scale=write_tokens(tensor.scale, scale, scale_slots, axis=2),
+                    zero=None
+                    if zero is None
+                    else write_tokens(tensor.zero, zero, scale_slots, axis=2),
+                )
+            tensors.append(written)
+        return EvictingLayer(tuple(tensors), positions, scores, p, ring_scores)
+
+    def _per_kv_head(self, m: Array) -> Array:
+        """A per-head block's mass [B, K', X] (pooled: [B, 1, K x X]) as [B, K, X]."""
+        p = self.policy
+        if p.pooled:
+            return m.reshape(m.shape[0], p.kv_heads, -1)
+        return m.reshape(m.shape[0], p.kv_heads, -1, m.shape[-1]).mean(2)
+
+    def _unsettled_mass(self, flush, placement: Placement, mass):
+        """(float32[B, K, F x g] the attention each settling token received, h2o:
+        over its whole stay in the ring; h2o's ring scores after the step or None).
+
+        A token's mass this step comes from up to three blocks (the ring, the
+        fresh tokens, the settling groups: which one a query reads it through
+        depends on the query's position); they are added by position, over the
+        window [settled(length), settled(length) + W + T) of unsettled tokens."""
+        p = self.policy
+        layout = p.layout
+        width = layout.ring_len
+        lengths = placement.lengths
+        before = layout.settled(lengths)[:, None]  # [B, 1]
+        end = (lengths + placement.num_tokens)[:, None]
+        window = width + placement.positions.shape[1]
+        ring_mass, fresh_mass, settling_mass = (self._per_kv_head(m) for m in mass[1:])
+        slots = jnp.arange(width)
+        held = lengths[:, None] - 1 - (lengths[:, None] - 1 - slots) % width  # [B, W]
+        if self.ring_scores is not None:
+            ring_mass = ring_mass + self.ring_scores
+        real = jnp.arange(placement.positions.shape[1])[None, :] < placement.num_tokens[:, None]
+        offset = lambda position, ok: jnp.where(ok, position - before, window)  # noqa: E731
+        settling = offset(flush.positions, flush.positions >= 0)  # [B, F x g]
+        total = jnp.zeros((*ring_mass.shape[:2], window), jnp.float32)  # [B, K, W + T]
+        for where, value in (
+            (offset(held, held >= before), ring_mass),
+            (offset(placement.positions, real), fresh_mass),
+            (settling, settling_mass),
+        ):
+            total = jax.vmap(lambda t, i, v: t.at[:, i].add(v, mode="drop"))(total, where, value)
+        read = lambda i: jnp.take_along_axis(total, jnp.minimum(i, window - 1)[:, None], axis=-1)  # noqa: E731
+        tokens = jnp.where(settling[:, None] < window, read(settling), 0.0)
+        ring_scores = None
+        if self.ring_scores is not None:
+            now = end - 1 - (end - 1 - slots) % width  # the position each slot holds after
+            stays = now >= layout.settled(end)
+            ring_scores = jnp.where(stays[:, None], read(offset(now, stays)), 0.0)
+        return tokens, ring_scores
+
+    def _group_score(self, flush, candidates, valid, mass, settling_mass) -> Array:
+        """float32[B, E, C]: how much each kept and settling group deserves to stay."""
+        p = self.policy
+        g = p.granularity
+        batch, heads = candidates.shape[:2]
+        groups = lambda x: x.reshape(*x.shape[:2], -1, g)  # noqa: E731  [.., X g] -> [.., X, g]
+        per_storage = lambda x: x.reshape(batch, heads, -1)  # noqa: E731  [B, K, F]: head-major
+        if p.method in OBSERVING_METHODS:
+            m = mass[0]
+            stored = groups(m.reshape(batch, heads, -1, m.shape[-1]).mean(2)).sum(-1)
+            if p.method == "h2o":
+                stored = stored + self.scores
+            new = per_storage(groups(settling_mass).sum(-1))
+            score = jnp.concatenate([stored, new], axis=2)
+            return score if p.method == "h2o" else self._snap(score, candidates, valid)
+        if p.method == "knorm":  # mean key norm of the group, as stored (quantized)
+            key = self.tensors[0]
+            stored = groups(jnp.linalg.norm(_stored_values(key), axis=-1)).mean(-1)
+            settled = flush.payloads[0].astype(jnp.float32)
+            if key.spec.quantized:
+                settled = dequantize_tokens(
+                    flush.payloads[0], flush.scales[0], flush.zeros[0], key.spec
+                )
+            new = per_storage(groups(jnp.linalg.norm(settled, axis=-1)).mean(-1))
+            return -jnp.concatenate([stored, new], axis=2)
+        return self._random(candidates)
 
 
 _POOLED = ("payload", "scale", "zero")  # the QuantizedTensor arrays that page
@@ -584,8 +800,12 @@ def _metadata(policy: Policy, batch: int):
 
 
 def init_layer(policy: Policy, tensors: tuple, batch: int) -> EvictingLayer:
-    """An empty layer around `tensors` (each with policy.slots rows, zeroed)."""
-    return EvictingLayer(tensors, *_metadata(policy, batch), policy)
+    """An empty layer around `tensors` (each with policy.slots rows, zeroed; settling:
+    QuantizedTensors of slots x g rows and a ring of policy.layout.ring_len)."""
+    ring_scores = None
+    if policy.settles and policy.method == "h2o":
+        ring_scores = jnp.zeros((batch, policy.kv_heads, policy.layout.ring_len), jnp.float32)
+    return EvictingLayer(tensors, *_metadata(policy, batch), policy, ring_scores)
 
 
 def init_paged_layer(policy: Policy, pools: tuple, batch: int) -> PagedEvictingLayer:
@@ -605,7 +825,11 @@ def reset_rows(layer, starting: Array, lengths: Array):
     scores = layer.scores
     if scores is not None:
         scores = jnp.where(starting[:, None, None], 0.0, scores)
-    return layer.replace(positions=positions, scores=scores)
+    layer = layer.replace(positions=positions, scores=scores)
+    if getattr(layer, "ring_scores", None) is not None:
+        ring_scores = jnp.where(starting[:, None, None], 0.0, layer.ring_scores)
+        layer = layer.replace(ring_scores=ring_scores)
+    return layer
 
 
 def copy_pages(layer, sources: Array, targets: Array):

@@ -117,9 +117,18 @@ def init_cache(
 
 
 def _evicting_layer(policy, specs, shapes, dtype, batch_size: int) -> evict.EvictingLayer:
-    """Slots for `policy.slots` tokens per storage head (a pool: one head of K x budget)."""
+    """Slots for `policy.slots` tokens per storage head (a pool: one head of K x budget);
+    a settling policy: slots groups of g rows per storage head and a ring per KV head."""
     tensors = []
     for spec, (heads, width) in zip(specs, shapes, strict=True):
+        if policy.settles:
+            rows = policy.slots * policy.granularity
+            tensor = quant.empty_tensor(
+                spec, batch_size, 1 if policy.pooled else heads, width, rows, 0
+            )
+            ring = jnp.zeros((batch_size, heads, policy.layout.ring_len, width), dtype)
+            tensors.append(tensor.replace(ring=ring))
+            continue
         heads = 1 if policy.pooled else heads
         if spec.quantized:
             layout = quant.Layout(policy.slots, 0, 1)
@@ -213,6 +222,7 @@ def _layer_axes(layer):
             **{stored: jax.tree.map(lambda _: axes, getattr(layer, stored))},
             positions=None if layer.positions is None else per_slot,
             scores=None if layer.scores is None else per_slot,
+            **({} if getattr(layer, "ring_scores", None) is None else {"ring_scores": per_slot}),
         )
     if isinstance(layer, (DenseLayer, quant.QuantizedLayer)):
         return jax.tree.map(lambda _: ROW_AXES, layer)

@@ -342,7 +342,15 @@ class PayloadReader:
 def init_tensor(
     spec: Storage, layout: Layout, batch: int, heads: int, width: int
 ) -> QuantizedTensor:
-    p, w = layout.payload_len, layout.ring_len
+    return empty_tensor(spec, batch, heads, width, layout.payload_len, layout.ring_len)
+
+
+def empty_tensor(
+    spec: Storage, batch: int, heads: int, width: int, rows: int, ring: int
+) -> QuantizedTensor:
+    """A zero tensor of `rows` payload rows (a multiple of group_size on the channel
+    axis) and `ring` ring slots, KH = `heads`."""
+    p, w = rows, ring
     dtype = dtype_of(spec.dtype)
     ring = jnp.zeros((batch, heads, w, width), dtype) if w else None
     if not spec.quantized:
@@ -486,7 +494,6 @@ def write_flush(tensors: tuple, layout: Layout, flush: Flush, placement: Placeme
     ring is per row in every layout.
     """
     g = layout.granularity
-    after = layout.settled(placement.lengths + placement.num_tokens)
     written = []
     for tensor, new, payload, scale, zero in zip(
         tensors, flush.fresh, flush.payloads, flush.scales, flush.zeros, strict=True
@@ -500,14 +507,19 @@ def write_flush(tensors: tuple, layout: Layout, flush: Flush, placement: Placeme
             scale = put(tensor.scale, scale, scale_slots)
             if zero is not None:
                 zero = put(tensor.zero, zero, scale_slots)
-        ring = tensor.ring
-        if ring is not None:
-            positions = placement.positions
-            stays = (positions >= after[:, None]) & (placement.slots < layout.capacity)
-            ring_slots = jnp.where(stays, positions % layout.ring_len, layout.ring_len)
-            ring = write_tokens(ring, new, ring_slots, axis=2)
+        ring = None if tensor.ring is None else write_ring(tensor.ring, new, layout, placement)
         written.append(QuantizedTensor(rows, scale, zero, ring, tensor.spec))
     return tuple(written)
+
+
+def write_ring(ring: Array, new: Array, layout: Layout, placement: Placement) -> Array:
+    """The ring [B, KH, W, Wd] with the step's tokens `new` [B, KH, T, Wd] that stay
+    unsettled written at slot position mod W."""
+    after = layout.settled(placement.lengths + placement.num_tokens)
+    positions = placement.positions
+    stays = (positions >= after[:, None]) & (placement.slots < layout.capacity)
+    ring_slots = jnp.where(stays, positions % layout.ring_len, layout.ring_len)
+    return write_tokens(ring, new, ring_slots, axis=2)
 
 
 def init_layer(specs: tuple[Storage, ...], layout: Layout, batch: int, shapes) -> QuantizedLayer:

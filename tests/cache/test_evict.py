@@ -30,10 +30,24 @@ def evicting(cfg, method, bits=16, **fields):
     return cache
 
 
-def run(cfg, cache_cfg, tokens, chunks=CHUNKS):
+def run(cfg, cache_cfg, tokens, chunks=CHUNKS, max_len=MAX_LEN):
     _, params, apply = build(cfg)
-    cache = kvlab.init_cache(cfg.model, cache_cfg, tokens.shape[0], MAX_LEN)
+    cache = kvlab.init_cache(cfg.model, cache_cfg, tokens.shape[0], max_len)
     return run_in_chunks(apply, params, cache, tokens, chunks)
+
+
+def kivi(cfg, method, residual, **fields):
+    """cfg's cache stored as KIVI stores it (the first cached tensor, keys or latents,
+    with per-channel scales shared by groups of 8 tokens; the second per token; 4
+    bits), `residual` tokens in full precision, evicting by `method`."""
+    cache = evicting(cfg, method, **fields)
+    first, second = kvlab.config.cached_prefixes(cfg.model)
+    cache.update({f"{first}_bits": 4, f"{first}_axis": "channel", f"{second}_bits": 4})
+    cache.update({f"{second}_axis": "token", "group_size": 8, "residual": residual})
+    return cache
+
+
+KIVI_LEN, KIVI_CHUNKS = 32, [7] * 4  # 28 tokens, one compiled step shape
 
 
 @pytest.mark.parametrize(
@@ -124,6 +138,70 @@ def test_a_paged_evicting_cache_equals_the_dense_one(bits, methods):
         for a, b in zip(dense_cache.layers, paged.layers, strict=True):
             if a.positions is not None:
                 np.testing.assert_array_equal(a.positions, b.positions)
+
+
+@pytest.mark.parametrize(
+    "name, residual, methods",
+    [("gqa", 8, ("h2o", "knorm")), ("mla_absorbed", 0, ("h2o", "snapkv"))],
+)
+def test_kivi_eviction_with_a_budget_that_holds_the_sequence_gives_the_quantized_logits(
+    name, residual, methods
+):
+    """Per-channel key scales and a residual ring: tokens settle in groups exactly when
+    the quantized cache flushes them, so with nothing evicted the logits are the
+    quantized cache's; h2o's scores (kept groups and ring slots) hold every query's
+    attention once, the mass of a settling token being summed over the blocks it
+    was read through."""
+    cfg = VARIANTS[name]()
+    tokens = random_tokens(cfg, (2, 28))
+    full, _ = run(cfg, kivi(cfg, "none", residual), tokens, KIVI_CHUNKS, KIVI_LEN)
+    for method in methods:
+        cache_cfg = kivi(cfg, method, residual, budget=KIVI_LEN)
+        out, cache = run(cfg, cache_cfg, tokens, KIVI_CHUNKS, KIVI_LEN)
+        np.testing.assert_array_equal(out, full, err_msg=method)
+        for layer in cache.layers:
+            heads = layer.stored(cache.lengths)
+            np.testing.assert_array_equal(heads, np.full(heads.shape, 28), err_msg=method)
+            if method == "h2o":  # each of the 28 queries gives each KV head a mass of 1
+                total = layer.scores.sum(-1) + layer.ring_scores.sum(-1)
+                np.testing.assert_allclose(total, np.full(total.shape, 28.0), rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "method, residual, recent", [("h2o", 8, 2), ("snapkv", 0, 10), ("adakv", 0, 10)]
+)
+def test_kivi_eviction_keeps_whole_groups_the_ring_and_the_recent_groups(method, residual, recent):
+    """A budget of 16: each head keeps (16 - residual) // 8 settled groups of 8 tokens
+    (AdaKV: the layer's K x that, unequally) and the unsettled ring; a group holding
+    one of the `recent` latest positions stays; the bytes are counted."""
+    cfg = VARIANTS["gqa"]()
+    tokens = random_tokens(cfg, (2, 28))
+    cache_cfg = kivi(cfg, method, residual, budget=16, recent=recent)
+    out, cache = run(cfg, cache_cfg, tokens, KIVI_CHUNKS, KIVI_LEN)
+    assert np.isfinite(out).all()
+    assert kvlab.cache_bytes(cfg.model, cache_cfg, 2, KIVI_LEN) == kvlab.tree_bytes(cache)
+    kv_heads, groups = cfg.model.num_kv_heads, (16 - residual) // 8
+    settled = (28 - residual) // 8 * 8
+    must_stay = {first for first in range(0, settled, 8) if first + 7 >= 28 - recent}
+    for layer in cache.layers:
+        positions = np.asarray(layer.positions)
+        if layer.policy.pooled:  # tags: first position x K + head
+            kept = [
+                [positions[b, 0][positions[b, 0] % kv_heads == h] for h in range(kv_heads)]
+                for b in range(2)
+            ]
+            assert (positions >= 0).sum() == 2 * kv_heads * groups
+            kept = [[p[p >= 0] // kv_heads for p in row] for row in kept]
+        else:
+            assert (positions >= 0).all() and positions.shape == (2, kv_heads, groups)
+            kept = [[positions[b, h] for h in range(kv_heads)] for b in range(2)]
+        stored = np.asarray(layer.stored(cache.lengths))
+        for b, row in enumerate(kept):
+            for h, firsts in enumerate(row):
+                assert len(set(firsts)) == len(firsts)
+                assert all(f % 8 == 0 and 0 <= f < settled for f in firsts)
+                assert must_stay <= set(firsts.tolist())
+                assert stored[b, h] == 8 * len(firsts) + 28 - settled
 
 
 def layer0_attention(cfg, params, tokens):
@@ -243,13 +321,20 @@ def test_bytes_are_the_kept_slots():
     name=st.sampled_from(list(VARIANTS)),
     method=st.sampled_from(METHODS),
     bits=st.sampled_from([16, 8, 4, 2]),
+    axis=st.sampled_from(["token", "channel"]),
+    residual=st.sampled_from([0, 8]),
     ratio=st.sampled_from([0.125, 0.25, 0.5, 0.75, 1.0]),
     batch=st.integers(1, 3),
     max_len=st.integers(24, 80),
 )
-def test_cache_bytes_equal_tree_bytes_for_every_policy(name, method, bits, ratio, batch, max_len):
+def test_cache_bytes_equal_tree_bytes_for_every_policy(
+    name, method, bits, axis, residual, ratio, batch, max_len
+):
     cfg = VARIANTS[name]()
     cache_cfg = evicting(cfg, method, bits, ratio=ratio, sinks=1)
+    if method not in ("window", "sinks"):  # a scored cache keeps the quantized layout (KIVI)
+        first = kvlab.config.cached_prefixes(cfg.model)[0]
+        cache_cfg.update({f"{first}_axis": axis, "residual": residual})
     build_cache = lambda: kvlab.init_cache(cfg.model, cache_cfg, batch, max_len)  # noqa: E731
     measured = kvlab.tree_bytes(jax.eval_shape(build_cache))
     assert kvlab.cache_bytes(cfg.model, cache_cfg, batch, max_len) == measured
@@ -285,8 +370,13 @@ def test_a_row_given_an_invalid_token_under_jit_keeps_its_kept_tokens():
             {"evict.method": "h2o", "kind": "paged", "prefix_caching": True},
             "cache.prefix_caching=True cannot combine with cache.evict.method='h2o'",
         ),
-        ({"evict.method": "h2o", "k_bits": 4}, "cache.k_axis='channel'"),
-        ({"evict.method": "h2o", "v_bits": 4, "residual": 16}, "cache.residual=16"),
+        ({"evict.method": "window", "k_bits": 4}, "cache.k_axis='channel'"),
+        ({"evict.method": "sinks", "v_bits": 4, "residual": 16}, "cache.residual=16"),
+        ({"evict.method": "h2o", "k_bits": 4, "kind": "paged"}, "cache.kind='paged' cannot"),
+        (
+            {"evict.method": "h2o", "v_bits": 4, "residual": 8, "kind": "paged"},
+            "cache.kind='paged'",
+        ),
     ],
 )
 def test_bad_eviction_fields_are_refused_naming_the_field(change, message):
