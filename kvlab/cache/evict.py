@@ -314,8 +314,10 @@ def _pooled_max(score: Array, key: Array, valid: Array, head: Array, kernel: int
             edge = jnp.arange(s.shape[-1])
             ok = ok & ((edge >= d) if d > 0 else (edge < s.shape[-1] + d))
             best = jnp.where(ok & v, jnp.maximum(best, moved), best)
-    inverse = jnp.argsort(order, axis=-1)
-    return jnp.take_along_axis(best, inverse, axis=-1)
+    # Back to candidate order: a scatter through the permutation (no second sort).
+    b = jnp.arange(order.shape[0])[:, None, None]
+    e = jnp.arange(order.shape[1])[None, :, None]
+    return jnp.zeros_like(best).at[b, e, order].set(best)
 
 
 def _hash01(x: Array) -> Array:
@@ -507,15 +509,24 @@ class EvictingLayer:
             # a candidate holding any of the `recent` latest positions stays
             recent = position + (span - 1) >= end - p.recent
             priority = jnp.where(valid & recent, KEPT, priority)
-        _, best = jax.lax.top_k(priority, slots)  # [B, E, S] candidate indices
-        b = jnp.arange(best.shape[0])[:, None, None]
-        e = jnp.arange(best.shape[1])[None, :, None]
-        keep = jnp.zeros(candidates.shape, bool).at[b, e, best].set(True) & valid
+        # The S best stay: the (count - S) lowest go, at most one per new candidate,
+        # so a top-k of T' (not S) finds them; among equals the later candidate goes.
+        width = candidates.shape[2] - slots  # T'
+        drop = jnp.maximum(valid.sum(-1, keepdims=True) - slots, 0)  # [B, E, 1]
+        lowest = jnp.where(valid, -priority, -jnp.inf)[..., ::-1]
+        _, worst = jax.lax.top_k(lowest, width)
+        worst = candidates.shape[2] - 1 - worst  # [B, E, T'], lowest priority first
+        b = jnp.arange(worst.shape[0])[:, None, None]
+        e = jnp.arange(worst.shape[1])[None, :, None]
+        dropped = jnp.zeros(candidates.shape, bool).at[b, e, worst].set(jnp.arange(width) < drop)
+        keep = valid & ~dropped
         kept_stored, kept_new = keep[..., :slots], keep[..., slots:]
-        # New tokens that stay take the free slots (emptied or lost), lowest first.
-        free = jnp.argsort(kept_stored, axis=-1, stable=True)
-        rank = jnp.clip(jnp.cumsum(kept_new, axis=-1) - 1, 0, slots - 1)
-        dest = jnp.where(kept_new, jnp.take_along_axis(free, rank, axis=-1), slots)
+        # New tokens that stay take the free slots (emptied or lost), lowest first:
+        # the r-th kept new token, the slot where the free count reaches r.
+        free = jnp.cumsum(~kept_stored, axis=-1)  # [B, E, S]
+        rank = jnp.cumsum(kept_new, axis=-1)  # [B, E, T'], from 1
+        find = jax.vmap(jax.vmap(lambda f, r: jnp.searchsorted(f, r, side="left")))
+        dest = jnp.where(kept_new, find(free, rank), slots)
         positions = jnp.where(kept_stored, self.positions, -1)
         positions = positions.at[b, e, dest].set(tags, mode="drop")
         scores = self.scores
