@@ -81,6 +81,7 @@ from kvlab.cache.quant import (
 from kvlab.config import OBSERVING_METHODS, SCORED_METHODS, dtype_of
 
 RING_METHODS = ("window", "sinks")
+MAX_SCORED_LEN = 2**24 - 2**16  # positions (and a step's tokens) stay below 2**24: sort keys
 KEPT = 3.0e38  # priority of a token that must stay (recent); scores stay far below
 FLOOR = 1.0e38  # adakv: a head's best `floor` tokens
 
@@ -173,6 +174,11 @@ def policies(model_cfg: Mapping, cache_cfg: Mapping, max_len: int) -> tuple[Poli
     method = "window" if model_cfg["sliding_window"] else evict["method"]
     if method == "none":
         return None
+    if method in SCORED_METHODS and max_len > MAX_SCORED_LEN:
+        raise ValueError(
+            f"max_len={max_len} is too long for cache.evict.method={method!r}: scored slots "
+            f"key positions below 2**24 with their head; use max_len <= {MAX_SCORED_LEN}"
+        )
     grouped = model_cfg["attention"] != "mla"
     kv_heads = model_cfg["num_kv_heads"] if grouped else 1
     pooled = method == "adakv" and kv_heads > 1

@@ -392,6 +392,8 @@ def test_bad_eviction_fields_are_refused_naming_the_field(change, message):
 
 def test_budgets_that_cannot_hold_what_is_always_kept_are_refused():
     cfg = VARIANTS["gqa"]()
+    with pytest.raises(ValueError, match=r"max_len=16777216 is too long for cache.evict"):
+        kvlab.cache_bytes(cfg.model, evicting(cfg, "snapkv", budget=64), 1, 2**24)
     with pytest.raises(
         ValueError, match=r"cache.evict.recent=8 keeps every token of a budget of 4"
     ):
