@@ -34,7 +34,6 @@ the grid already evaluated (workdir/slices/; delete them to evaluate again);
 `--replot` only redraws the plots and summary from its results.csv.
 """
 
-import csv
 import io
 import math
 import os
@@ -50,7 +49,7 @@ from kvlab import cli
 from kvlab.config import import_config_file
 from kvlab.files import read_json, write_atomic
 from kvlab.logging import Run
-from kvlab.sweep import merge, run_sweep
+from kvlab.sweep import merge, read_csv, run_sweep
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", "configs/sweeps/eviction.py:tiny", "The sweep config (get_config, get_grid)."
@@ -126,19 +125,7 @@ def read_results(path: str) -> list[dict]:
     """The rows of a sweep's results.csv, numbers as numbers and empty cells as None."""
     if not os.path.isfile(path):
         raise ValueError(f"--replot reads {path}, which is not there: run the sweep first")
-
-    def cell(text: str):
-        if text == "":
-            return None
-        for kind in (int, float):
-            try:
-                return kind(text)
-            except ValueError:
-                pass
-        return text
-
-    with open(path, newline="") as f:
-        return [{k: cell(v) for k, v in row.items()} for row in csv.DictReader(f)]
+    return read_csv(path)
 
 
 def sweep(cfg, grid: Mapping, workdir: str, count: int) -> list[dict]:

@@ -377,7 +377,8 @@ def _write_csv(path: str, rows: list[dict]) -> None:
     write_atomic(path, text.getvalue())
 
 
-def _read_csv(path: str) -> list[dict]:
+def read_csv(path: str) -> list[dict]:
+    """The rows of a slice's or the merged results' CSV, numbers as numbers."""
     with open(path, newline="") as f:
         return [{k: _number(v) for k, v in row.items()} for row in csv.DictReader(f)]
 
@@ -522,7 +523,7 @@ def merge(workdir: str) -> list[dict]:
     cfg, sweep = split_sweep_config(sweep_cfg)
     found: dict[tuple, list] = {}
     for slice_path in sorted(glob.glob(os.path.join(workdir, "slices", "*.csv"))):
-        for row in _read_csv(slice_path):
+        for row in read_csv(slice_path):
             found.setdefault((row["model"], row["cache"]), []).append((slice_path, row))
     twice = {unit: [p for p, _ in hits] for unit, hits in found.items() if len(hits) > 1}
     if twice:
