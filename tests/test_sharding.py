@@ -312,11 +312,8 @@ def test_on_mesh_params_follow_the_rules_and_the_forward_is_unchanged(gqa):
 CACHES = {
     "dense": dict(),
     "paged_quantized": dict(kind="paged", page_size=16, k_bits=4, v_bits=4, residual=16),
-    # 6 of 11 tokens kept per KV head, positions and scores per row
-    "evicting": dict(evict=dict(method="h2o", budget=6, recent=2)),
-    "paged_evicting": dict(
-        kind="paged", page_size=4, evict=dict(method="snapkv", budget=6, recent=2)
-    ),
+    # 6 of 11 tokens kept per KV head in pages (h2o), positions and scores per row
+    "paged_evicting": dict(kind="paged", page_size=4, evict=dict(method="h2o", budget=6, recent=2)),
 }
 LAID_OUT = {
     "quantized": dict(k_bits=4, v_bits=8, residual=16),

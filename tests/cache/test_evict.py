@@ -55,9 +55,8 @@ KIVI_LEN, KIVI_CHUNKS = 32, [7] * 4  # 28 tokens, one compiled step shape
     [
         # nothing is evicted, so the score functions never decide: one method per
         # path (ring, attention mass, stored scores, pool, per-layer budgets)
+        # (quantized and latent caches: the KIVI test below)
         ("gqa", 16, ("window", "snapkv", "h2o", "adakv", "pyramidkv")),
-        # attention-scored and norms of quantized latents
-        ("mla_absorbed", 4, ("h2o", "knorm")),
     ],
 )
 def test_a_budget_that_holds_the_sequence_gives_the_full_cache_logits(name, bits, methods):
@@ -78,7 +77,7 @@ def test_a_budget_that_holds_the_sequence_gives_the_full_cache_logits(name, bits
             np.testing.assert_array_equal(heads, np.full(heads.shape, 9), err_msg=method)
 
 
-@pytest.mark.parametrize("name", ["gqa", "mla_expanded"])
+@pytest.mark.parametrize("name", ["gqa"])
 def test_a_window_equals_a_plain_forward_with_a_banded_mask(name):
     """model.sliding_window in the plain forward, its ring cache and the 'window'
     policy on the same weights agree, whatever the chunks; the band matters."""
