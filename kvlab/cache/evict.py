@@ -8,7 +8,7 @@ RoPE, so a kept token keeps its position; `Cache.lengths` stays the number of
 tokens a row has seen (the next position), and `EvictingLayer.stored()` the
 number each head holds.
 
-Two layouts:
+Layouts (AdaKV's pool and the quantized groups below are scored ones):
 
 - ring ('window', 'sinks', and `model.sliding_window`): slot of position p is
   p for the first `sinks` tokens and sinks + (p - sinks) mod R after them
