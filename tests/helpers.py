@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 import pathlib
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -169,3 +172,18 @@ def run_config(corpus, source: str = "text", **train_overrides):
     cfg.eval.update(batch_size=4, num_batches=2, chunk=8)
     cfg.wandb.mode = "disabled"
     return kvlab.validate_config(cfg)
+
+
+def run_experiment(script: str, flags: list[str]) -> subprocess.CompletedProcess:
+    """Runs experiments/<script> at tiny sizes; fails the test with its stderr's end."""
+    result = subprocess.run(
+        [sys.executable, f"experiments/{script}", *flags],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        # Compiling, not running, is what takes the time at these sizes.
+        env={**os.environ, "XLA_FLAGS": "--xla_backend_optimization_level=0"},
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result

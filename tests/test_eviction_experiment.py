@@ -2,13 +2,10 @@
 policy, ratio and family, and a two-model slice of it runs end to end."""
 
 import csv
-import os
-import subprocess
-import sys
 
 from kvlab.config import EVICT_METHODS, import_config_file
 from kvlab.sweep import expand, split_sweep_config
-from tests.helpers import ROOT
+from tests.helpers import ROOT, run_experiment
 
 CONFIG = f"{ROOT}/configs/sweeps/eviction.py"
 
@@ -52,16 +49,7 @@ def test_a_slice_of_the_experiment_runs_end_to_end(tmp_path):
         "--config.eval.batch_size=2",
         "--config.eval.num_batches=1",
     ]
-    result = subprocess.run(
-        [sys.executable, "experiments/eviction.py", *flags],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        # Compiling, not running, is what takes the time at these sizes.
-        env={**os.environ, "XLA_FLAGS": "--xla_backend_optimization_level=0"},
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
+    run_experiment("eviction.py", flags)
     with open(results / "results.csv") as f:
         rows = list(csv.DictReader(f))
     assert [(r["model"], r["cache"], r["metric"]) for r in rows] == [

@@ -2,16 +2,13 @@
 
 import json
 import math
-import os
-import subprocess
-import sys
 
 import jax
 import numpy as np
 
 import kvlab
 from kvlab.logging import read_offline_run
-from tests.helpers import ROOT
+from tests.helpers import run_experiment
 
 STEPS, EVAL_EVERY = 2, 1
 # name -> fraction of the source's cache
@@ -64,16 +61,7 @@ def test_uptrain_experiment(tmp_path):
         "--config.eval.num_batches=1",
         "--config.wandb.mode=offline",
     ]
-    result = subprocess.run(
-        [sys.executable, "experiments/uptrain.py", *flags],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        # Compiling, not running, is what takes the time at these sizes.
-        env={**os.environ, "XLA_FLAGS": "--xla_backend_optimization_level=0"},
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
+    run_experiment("uptrain.py", flags)
     report = json.loads((out / "results.json").read_text())
     models = {m["name"]: m for m in report["models"]}
     assert list(models) == list(MODELS)
