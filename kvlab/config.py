@@ -54,6 +54,8 @@ CACHED_PREFIXES = ("k", "v", "latent", "rope")  # cache.<prefix>_bits, _format, 
 DATA_SOURCES = ("stdlib", "text", "mqar")
 WANDB_MODES = ("offline", "online", "disabled")
 EVAL_SPLITS = ("validation", "test")
+# eval.tasks: long-context recall over text (the first four) and MQAR (kvlab/data/tasks.py).
+EVAL_TASKS = ("needle", "multikey", "multivalue", "vartrack", "mqar")
 # Token ids of the byte sources (data.source 'stdlib' and 'text'): one per byte value.
 BYTE_VOCAB_SIZE = 256
 # train.seed feeds a 32-bit PRNG seed (jax.random.key): larger seeds would wrap around.
@@ -276,14 +278,29 @@ def base_config(variant: str = "tiny") -> ml_collections.ConfigDict:
         )
     )
 
-    # Held-out evaluation: windows of train.seq_len tokens from data split
-    # `split`, run through the cache in prefill chunks of `chunk` tokens.
+    # Held-out evaluation: windows of eval.seq_len tokens (0: train.seq_len) from
+    # data split `split`, run through the cache in prefill chunks of `chunk` tokens;
+    # and the long-context tasks (kvlab/data/tasks.py) scored by scripts/eval_tasks.py.
     cfg.eval = ml_collections.ConfigDict(
         dict(
             split="validation",  # 'validation' or 'test'
             batch_size=16 if on_cpu else 32,
             num_batches=4 if on_cpu else 16,
             chunk=32 if on_cpu else 128,  # tokens per prefill step through the cache
+            seq_len=0,  # evaluation window T; 0 = train.seq_len (longer: see model.rope_scaling)
+            tasks=(),  # any of 'needle', 'multikey', 'multivalue', 'vartrack', 'mqar'
+            task_lengths=(),  # context lengths the tasks run at; () = eval.seq_len alone
+            depths=(0.0, 0.25, 0.5, 0.75, 1.0),  # needle: 0 = the start, 1 = before the question
+        )
+    )
+    # The tasks' sizes: every value is value_digits digits, scored on its tokens.
+    cfg.eval.task_params = ml_collections.ConfigDict(
+        dict(
+            value_digits=5,  # digits of each pass key or variable value
+            num_keys=4,  # multikey: pass keys under distinct words, one asked
+            num_values=4,  # multivalue: pass keys under one word, all asked
+            num_chains=2,  # vartrack: chains of assignments, the first asked
+            num_hops=4,  # vartrack: variables per chain (X1 = value, X2 = X1, ...)
         )
     )
 
@@ -511,6 +528,40 @@ def _validate_rope_scaling(scaling: Mapping) -> None:
             "kept and interpolated frequencies runs backwards",
             "set beta_fast > beta_slow (YaRN: 32.0 and 1.0)",
         )
+
+
+def parse_rope_scaling(spec: str, original_max_len: int) -> ml_collections.ConfigDict:
+    """A model.rope_scaling section from "type=yarn,factor=4" (a script's --rope_scaling).
+
+    Fields not given take base_config()'s defaults; 'llama3' and 'yarn' without
+    original_max_len take `original_max_len` (the context the model trained on,
+    train.seq_len). "none" (or "") is plain RoPE. Validated as the model section is.
+    """
+    scaling = ml_collections.ConfigDict(base_config().model.rope_scaling.to_dict())
+    given = {}
+    for item in filter(None, (part.strip() for part in spec.split(","))):
+        name, equals, text = (part.strip() for part in item.partition("="))
+        if not equals and not given and name in ROPE_SCALINGS:
+            name, text = "type", name  # "yarn" alone
+        elif not equals or name not in scaling:
+            _fail(
+                "model.rope_scaling",
+                spec,
+                f"holds {item!r}, not field=value of a model.rope_scaling field",
+                f"write e.g. type=yarn,factor=4 with fields from {', '.join(scaling)}",
+            )
+        if name == "type":
+            given[name] = text
+        else:
+            try:
+                given[name] = int(text) if name == "original_max_len" else float(text)
+            except ValueError:
+                _fail(f"model.rope_scaling.{name}", text, "is not a number", "give a number")
+    scaling.update(given)
+    if scaling.type in ("llama3", "yarn") and "original_max_len" not in given:
+        scaling.original_max_len = original_max_len
+    _validate_rope_scaling(scaling)
+    return scaling
 
 
 def _validate_moe(model: Mapping) -> None:
@@ -955,15 +1006,120 @@ def validate_config(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict
             f"set model.vocab_size >= {BYTE_VOCAB_SIZE}",
         )
 
-    _check_known_fields("eval", cfg.eval, schema.eval)
-    _check_choice("eval", cfg.eval, "split", EVAL_SPLITS)
-    for name in ("batch_size", "num_batches", "chunk"):
-        _check_int("eval", cfg.eval, name)
+    validate_eval_config(cfg)
 
     _check_known_fields("wandb", cfg.wandb, schema.wandb)
     _check_choice("wandb", cfg.wandb, "mode", WANDB_MODES)
     validate_mesh_config(cfg)
     return cfg
+
+
+def eval_seq_len(cfg: Mapping) -> int:
+    """The evaluation window of a validated config: eval.seq_len, or train.seq_len when 0."""
+    return cfg["eval"]["seq_len"] or cfg["train"]["seq_len"]
+
+
+def validate_eval_config(cfg: ml_collections.ConfigDict) -> None:
+    """Raises ValueError naming the first bad field of the `eval` section: sizes, the
+    window, and tasks that fit their lengths and the model and data sections. Turns
+    the tuple fields given as lists (config.json) into tuples."""
+    schema = base_config().eval
+    ev = cfg.eval
+    _check_known_fields("eval", ev, schema)
+    _check_known_fields("eval.task_params", ev.task_params, schema.task_params)
+    _check_choice("eval", ev, "split", EVAL_SPLITS)
+    for name in ("batch_size", "num_batches", "chunk"):
+        _check_int("eval", ev, name)
+    _check_int("eval", ev, "seq_len", minimum=0)
+    for name in schema.task_params:
+        _check_int("eval.task_params", ev.task_params, name)
+    for name in ("tasks", "task_lengths", "depths"):
+        if not isinstance(ev[name], (tuple, list)):
+            _fail(f"eval.{name}", ev[name], "is not a tuple", f"give a tuple, e.g. {schema[name]}")
+    for task in ev.tasks:
+        if not isinstance(task, str) or task not in EVAL_TASKS:
+            listed = ", ".join(map(repr, EVAL_TASKS))
+            _fail("eval.tasks", tuple(ev.tasks), f"holds {task!r}, not a task", f"use {listed}")
+    if len(set(ev.tasks)) != len(ev.tasks):
+        _fail("eval.tasks", tuple(ev.tasks), "names a task twice", "name each task once")
+    for length in ev.task_lengths:
+        if isinstance(length, bool) or not isinstance(length, int) or length < 1:
+            _fail(
+                "eval.task_lengths",
+                tuple(ev.task_lengths),
+                f"holds {length!r}",
+                "give integer lengths >= 1, e.g. (256, 512, 1024)",
+            )
+    for depth in ev.depths:
+        number = not isinstance(depth, bool) and isinstance(depth, (int, float))
+        if not number or not 0 <= depth <= 1:  # NaN fails too
+            _fail(
+                "eval.depths",
+                tuple(ev.depths),
+                f"holds {depth!r}, not a number in [0, 1]",
+                "give depths from 0 (the start) to 1 (the end), e.g. (0.0, 0.5, 1.0)",
+            )
+    if not ev.depths and "needle" in ev.tasks:
+        _fail("eval.depths", (), "is empty but eval.tasks holds 'needle'", "give depths in [0, 1]")
+    # One form for equal configs (config.json gives lists where Python gave tuples).
+    for name in ("tasks", "task_lengths", "depths"):
+        if not isinstance(ev[name], tuple):
+            value = tuple(ev[name])
+            with ev.unlocked():
+                del ev[name]
+                ev[name] = value
+    window = eval_seq_len(cfg)
+    if cfg.data.source == "mqar" and 4 * cfg.data.mqar.num_pairs > window + 1:
+        _fail(
+            "eval.seq_len",
+            ev.seq_len,
+            f"gives windows of {window} tokens, but data.mqar.num_pairs={cfg.data.mqar.num_pairs} "
+            f"needs {4 * cfg.data.mqar.num_pairs - 1}",
+            f"set eval.seq_len >= {4 * cfg.data.mqar.num_pairs - 1} (or 0: train.seq_len)",
+        )
+    _validate_tasks(cfg)
+
+
+def _validate_tasks(cfg: ml_collections.ConfigDict) -> None:
+    """eval.tasks' lengths hold their samples, and the model reads their token ids."""
+    ev = cfg.eval
+    if not ev.tasks:
+        return
+    from kvlab.data.tasks import longest_sample_bytes  # kvlab.data imports this module
+
+    if ev.task_lengths:
+        field, value, lengths = "eval.task_lengths", tuple(ev.task_lengths), ev.task_lengths
+    else:  # the tasks run at the evaluation window
+        field, value, lengths = "eval.seq_len", ev.seq_len, (eval_seq_len(cfg),)
+    for task in ev.tasks:
+        if task == "mqar":
+            needed = 4 * cfg.data.mqar.num_pairs - 1
+            if cfg.data.mqar.vocab_size > cfg.model.vocab_size:
+                _fail(
+                    "data.mqar.vocab_size",
+                    cfg.data.mqar.vocab_size,
+                    f"exceeds model.vocab_size={cfg.model.vocab_size} (eval.tasks holds 'mqar')",
+                    f"set data.mqar.vocab_size <= {cfg.model.vocab_size}",
+                )
+        else:
+            needed = longest_sample_bytes(task, ev.task_params) - 1
+            if cfg.data.source == "mqar" and cfg.model.vocab_size < BYTE_VOCAB_SIZE:
+                _fail(
+                    "eval.tasks",
+                    tuple(ev.tasks),
+                    f"holds {task!r}, which reads stdlib bytes, but model.vocab_size="
+                    f"{cfg.model.vocab_size} is below {BYTE_VOCAB_SIZE}",
+                    "keep only 'mqar' in eval.tasks for this model",
+                )
+        short = [length for length in lengths if length < needed]
+        if short:
+            _fail(
+                field,
+                value,
+                f"gives {task!r} {short[0]} tokens, but its samples need up to {needed} "
+                "(statements, question and answer)",
+                f"give lengths >= {needed} in eval.task_lengths, or shrink eval.task_params",
+            )
 
 
 def validate_mesh_config(cfg: ml_collections.ConfigDict) -> None:

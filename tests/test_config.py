@@ -1,10 +1,11 @@
 import math
+import re
 
 import ml_collections
 import pytest
 
 import kvlab
-from kvlab.config import VARIANTS, complete_config
+from kvlab.config import VARIANTS, complete_config, eval_seq_len, parse_rope_scaling
 from tests.helpers import ROOT
 
 GQA_KV_HEADS = {"tiny": 2, "small": 2, "base": 4}
@@ -88,6 +89,16 @@ BAD_CONFIGS = [
     ("model", "vocab_size", 100, "below the 256 byte values data.source='stdlib'"),
     ("data", "source", "web", "'stdlib'"),
     ("wandb", "mode", "cloud", "'offline'"),
+    ("eval", "seq_len", -1, "below 0"),
+    ("eval", "seq_len", 1.5, "not an integer"),
+    ("eval", "tasks", "needle", "not a tuple"),
+    ("eval", "tasks", ("needle", "haystack"), "holds 'haystack', not a task"),
+    ("eval", "tasks", ("needle", "needle"), "names a task twice"),
+    ("eval", "task_lengths", (256, 0), "holds 0"),
+    ("eval", "task_lengths", (256.0,), "holds 256.0"),
+    ("eval", "depths", (0.0, 1.5), "holds 1.5, not a number in [0, 1]"),
+    ("eval", "depths", (math.nan,), "holds nan"),
+    ("eval", "depths", (True,), "holds True"),
 ]
 
 
@@ -252,3 +263,63 @@ def test_bad_config_is_refused_by_the_model_and_cache_before_compiling():
 def test_bad_config_spec(spec, words):
     with pytest.raises(ValueError, match=words):
         kvlab.load_config(f"{ROOT}/{spec}")
+
+
+def test_the_evaluation_window_and_its_tasks_are_checked_against_each_other():
+    cfg = kvlab.validate_config(kvlab.base_config("tiny"))
+    assert cfg.eval.seq_len == 0 and eval_seq_len(cfg) == cfg.train.seq_len == 128
+    cfg.eval.seq_len = 512
+    assert eval_seq_len(kvlab.validate_config(cfg)) == 512
+    cfg.eval.seq_len = 0
+    cfg.eval.tasks = ("needle", "multikey")  # multikey's 4 pass keys do not fit 128 bytes
+    with pytest.raises(ValueError, match=r"^eval.seq_len=0 gives 'multikey' 128 tokens.*up to 2"):
+        kvlab.validate_config(cfg)
+    cfg.eval.task_lengths = (64, 512)
+    with pytest.raises(ValueError, match=r"^eval.task_lengths=\(64, 512\) gives 'needle' 64"):
+        kvlab.validate_config(cfg)
+    cfg.eval.task_lengths = (512, 1024)
+    kvlab.validate_config(cfg)
+    cfg.eval.tasks = ("mqar",)
+    cfg.data.mqar.vocab_size = 512  # above the model's 256 ids
+    with pytest.raises(ValueError, match=r"^data.mqar.vocab_size=512 exceeds model.vocab_size"):
+        kvlab.validate_config(cfg)
+    # A model trained on MQAR ids below 256 cannot read the text tasks' bytes.
+    mqar = kvlab.base_config("tiny")
+    mqar.data.source = "mqar"
+    mqar.data.mqar.vocab_size = mqar.model.vocab_size = 64
+    mqar.eval.tasks, mqar.eval.task_lengths = ("mqar", "needle"), (512,)
+    with pytest.raises(ValueError, match=r"^eval.tasks=\('mqar', 'needle'\) holds 'needle'"):
+        kvlab.validate_config(mqar)
+    mqar.eval.tasks = ("mqar",)
+    mqar.eval.seq_len = 16  # 8 pairs need 31 tokens
+    with pytest.raises(ValueError, match=r"^eval.seq_len=16 gives windows of 16 .* >= 31"):
+        kvlab.validate_config(mqar)
+
+
+def test_eval_lists_from_config_json_become_tuples():
+    fields = kvlab.base_config("tiny").to_dict()
+    fields["eval"].update(tasks=["needle"], task_lengths=[256, 512], depths=[0, 1])
+    cfg = kvlab.validate_config(ml_collections.ConfigDict(fields))
+    assert (cfg.eval.tasks, cfg.eval.task_lengths, cfg.eval.depths) == (
+        ("needle",),
+        (256, 512),
+        (0, 1),
+    )
+
+
+def test_rope_scaling_from_a_flag():
+    yarn = parse_rope_scaling("type=yarn,factor=4", original_max_len=128)
+    assert (yarn.type, yarn.factor, yarn.original_max_len, yarn.beta_fast) == ("yarn", 4, 128, 32)
+    assert parse_rope_scaling("llama3, factor=8, original_max_len=64", 128).original_max_len == 64
+    assert parse_rope_scaling("linear,factor=2", 128).original_max_len == 0
+    plain = kvlab.base_config().model.rope_scaling.to_dict()
+    assert parse_rope_scaling("none", 128).to_dict() == plain
+    for spec, words in [
+        ("type=yarn,factor=0", "model.rope_scaling.factor=0.0 is not a finite number > 0"),
+        ("factor=2", "does nothing with model.rope_scaling.type='none'"),
+        ("type=ntk", "model.rope_scaling.type='ntk' is not supported"),
+        ("type=yarn,alpha=2", "holds 'alpha=2', not field=value"),
+        ("type=yarn,factor=x", "model.rope_scaling.factor='x' is not a number"),
+    ]:
+        with pytest.raises(ValueError, match=re.escape(words)):
+            parse_rope_scaling(spec, 128)

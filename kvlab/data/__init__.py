@@ -1,5 +1,7 @@
 """Datasets that need no download: byte corpora (text.py), the same corpora through a
-real model's tokenizer (tokenizer.py, with data.tokenizer) and synthetic recall (mqar.py).
+real model's tokenizer (tokenizer.py, with data.tokenizer), synthetic recall (mqar.py)
+and long-context recall tasks over that text (tasks.py: needle in a haystack, RULER's
+multi-key, multi-value and variable tracking; eval.tasks).
 
     ds = make_dataset(cfg.data, split="train", seq_len=cfg.train.seq_len)
     batch = ds.batch(step, batch_size, seed)        # the same arguments, the same arrays
@@ -15,6 +17,9 @@ Every batch is a dict of numpy arrays:
 and, with data.tokenizer only, `target_bytes` int32[B, T]: the UTF-8 bytes of
 text each target token adds (bits per byte; kvlab/train.py `summarize`).
 
+    task = make_task("needle", cfg, "validation", seq_len=1024, depth=0.5)  # eval.tasks
+    task.eval_batches(4, 2)   # weights 1 on the asked value's tokens only
+
 A dataset also has `metric` ('ppl' for text, 'accuracy' for MQAR), `vocab_size`,
 `seq_len` (T) and `describe()`, a small JSON-able dict of facts about it.
 """
@@ -25,6 +30,7 @@ from collections.abc import Mapping
 
 from kvlab.config import check_count
 from kvlab.data.mqar import MqarDataset, mqar_batch
+from kvlab.data.tasks import TASKS, TaskDataset, evaluate_tasks, make_task
 from kvlab.data.text import SPLITS, Batch, ByteDataset, load_corpus
 from kvlab.data.tokenizer import TokenDataset, Tokenizer, load_tokenizer
 
@@ -59,13 +65,17 @@ def make_dataset(
 __all__ = [
     "SOURCES",
     "SPLITS",
+    "TASKS",
     "Batch",
     "ByteDataset",
     "MqarDataset",
+    "TaskDataset",
     "TokenDataset",
     "Tokenizer",
+    "evaluate_tasks",
     "load_corpus",
     "load_tokenizer",
     "make_dataset",
+    "make_task",
     "mqar_batch",
 ]
