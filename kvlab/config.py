@@ -1085,8 +1085,15 @@ def _validate_tasks(cfg: ml_collections.ConfigDict) -> None:
     ev = cfg.eval
     if not ev.tasks:
         return
-    from kvlab.data.tasks import longest_sample_bytes  # kvlab.data imports this module
+    from kvlab.data.tasks import WORDS, longest_sample_bytes  # kvlab.data imports this module
 
+    if "multikey" in ev.tasks and ev.task_params.num_keys > len(WORDS):
+        _fail(
+            "eval.task_params.num_keys",
+            ev.task_params.num_keys,
+            f"exceeds the {len(WORDS)} distinct words multikey draws its keys from",
+            f"set eval.task_params.num_keys <= {len(WORDS)}",
+        )
     if ev.task_lengths:
         field, value, lengths = "eval.task_lengths", tuple(ev.task_lengths), ev.task_lengths
     else:  # the tasks run at the evaluation window

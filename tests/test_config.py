@@ -279,6 +279,11 @@ def test_the_evaluation_window_and_its_tasks_are_checked_against_each_other():
         kvlab.validate_config(cfg)
     cfg.eval.task_lengths = (512, 1024)
     kvlab.validate_config(cfg)
+    cfg.eval.task_params.num_keys = 49  # more than the words keys are drawn from
+    cfg.eval.task_lengths = (4096,)
+    with pytest.raises(ValueError, match=r"^eval.task_params.num_keys=49 exceeds the 48"):
+        kvlab.validate_config(cfg)
+    cfg.eval.task_params.num_keys = 4
     cfg.eval.tasks = ("mqar",)
     cfg.data.mqar.vocab_size = 512  # above the model's 256 ids
     with pytest.raises(ValueError, match=r"^data.mqar.vocab_size=512 exceeds model.vocab_size"):

@@ -296,6 +296,11 @@ class TaskDataset:
         self.seq_len = check_count("eval.task_lengths", seq_len)
         if depth is not None and not 0.0 <= depth <= 1.0:
             raise ValueError(f"eval.depths holds {depth!r}, outside [0, 1]: give depths in [0, 1]")
+        if task == "multikey" and params["num_keys"] > len(WORDS):
+            raise ValueError(
+                f"eval.task_params.num_keys={params['num_keys']} exceeds the {len(WORDS)} "
+                f"words multikey draws from: set eval.task_params.num_keys <= {len(WORDS)}"
+            )
         needed = longest_sample_bytes(task, params)
         if needed > seq_len + 1:
             raise ValueError(
