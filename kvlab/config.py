@@ -813,28 +813,11 @@ def _validate_evict(cache: Mapping) -> None:
 def _check_evicting_storage(cache: Mapping, what: str) -> None:
     """Refuses cache fields an evicting cache (kvlab/cache/evict.py) cannot honour.
 
-    Scored methods keep the quantized layout (a residual ring, tokens settling in
-    groups that are kept or evicted whole); a window (window, sinks,
-    model.sliding_window) drops tokens one by one, and paged slots hold single tokens.
+    Over quantized tokens that settle in groups (a residual window or per-channel
+    scales) an evicting layer keeps the quantized layout: the unsettled ring and
+    whole groups, in per-row slots; page pools hold single tokens only.
     """
     quantized = [p for p in CACHED_PREFIXES if cache[f"{p}_bits"] != 16]
-    ring = cache["evict"]["method"] in ("none", "window", "sinks")  # none: a sliding_window
-    for prefix in quantized:
-        if cache[f"{prefix}_axis"] != "token" and ring:
-            _fail(
-                f"cache.{prefix}_axis",
-                cache[f"{prefix}_axis"],
-                f"shares scales among group_size tokens, but {what} drops tokens one by one",
-                f"set cache.{prefix}_axis='token', or evict by a scored cache.evict.method",
-            )
-    if quantized and cache["residual"] and ring:
-        _fail(
-            "cache.residual",
-            cache["residual"],
-            f"is not implemented with {what} (its window drops tokens one by one, "
-            "quantizing each as it is stored)",
-            "set cache.residual=0, or evict by a scored cache.evict.method",
-        )
     by_channel = any(cache[f"{p}_axis"] != "token" for p in quantized)
     settles = by_channel or (bool(quantized) and cache["residual"] > 0)
     if settles and cache["kind"] == "paged":

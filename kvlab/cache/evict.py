@@ -10,7 +10,8 @@ number each head holds.
 
 Layouts (AdaKV's pool and the quantized groups below are scored ones):
 
-- ring ('window', 'sinks', and `model.sliding_window`): slot of position p is
+- ring ('window', 'sinks', and `model.sliding_window` over tokens stored one
+  by one): slot of position p is
   p for the first `sinks` tokens and sinks + (p - sinks) mod R after them
   (R = slots - sinks), as Mistral's rolling buffer; which position a slot holds
   follows from the row's length, so nothing else is stored. A query at p sees
@@ -53,6 +54,9 @@ evicted; tokens settle a group at a time when QuantizedLayer would flush them,
 are quantized then, and compete as whole groups for S = max(1, (budget -
 residual) // g) group slots per storage head (positions: each group's first
 position). Reads are QuantizedLayer.read's with the payload masked per head.
+A window (window, sinks, model.sliding_window) over such storage stores
+positions too: its band masks every block, and the sinks' groups and the newest
+ones that cover every query's band stay (window_groups).
 """
 
 from __future__ import annotations
@@ -105,10 +109,18 @@ class Policy:
     layer: int = 0
     residual: int = 0  # quantized: latest tokens kept unsettled, in full precision
     granularity: int = 1  # g: tokens that settle, and are kept or evicted, together
+    span: int = 0  # window methods: R, the latest positions a query sees after the sinks
+
+    @property
+    def windowed(self) -> bool:
+        """A query sees the sinks and its last `span` positions (window, sinks)."""
+        return self.method in RING_METHODS
 
     @property
     def ring(self) -> bool:
-        return self.method in RING_METHODS
+        """Slots in a ring whose positions follow from the length (a window over
+        tokens stored one by one; over settling groups the newest groups stay)."""
+        return self.windowed and not self.settles
 
     @property
     def settles(self) -> bool:
@@ -119,11 +131,6 @@ class Policy:
     def layout(self) -> Layout:
         """The quantized layout whose settled(n) rule says when tokens leave the ring."""
         return Layout(self.max_len, self.residual, self.granularity)
-
-    @property
-    def span(self) -> int:
-        """R: ring slots after the sinks."""
-        return self.slots - self.sinks
 
 
 def resolve_budget(model_cfg: Mapping, cache_cfg: Mapping, max_len: int) -> int:
@@ -186,10 +193,16 @@ def policies(model_cfg: Mapping, cache_cfg: Mapping, max_len: int) -> tuple[Poli
     # groups of g and only settled groups compete, for (budget - residual) // g slots.
     layout = quantized_layout(model_cfg, cache_cfg, max_len)
     residual, g = (0, 1) if layout is None else (layout.residual, layout.granularity)
-    settles = method in SCORED_METHODS and (residual > 0 or g > 1)
+    settles = residual > 0 or g > 1
+    sinks = evict["sinks"] if method == "sinks" else 0
     out = []
     for i, budget in enumerate(layer_budgets(model_cfg, cache_cfg, max_len)):
-        units = max(1, (budget - residual) // g) if settles else budget
+        if not settles:
+            units = budget
+        elif method in RING_METHODS:
+            units = window_groups(layout, sinks, budget - sinks)
+        else:
+            units = max(1, (budget - residual) // g)
         out.append(
             Policy(
                 method=method,
@@ -198,7 +211,7 @@ def policies(model_cfg: Mapping, cache_cfg: Mapping, max_len: int) -> tuple[Poli
                 kv_heads=kv_heads,
                 query_heads=model_cfg["num_heads"],
                 pooled=pooled,
-                sinks=evict["sinks"] if method == "sinks" else 0,
+                sinks=sinks,
                 recent=evict["recent"] if method in SCORED_METHODS else 0,
                 obs_window=evict["obs_window"],
                 kernel=evict["kernel"],
@@ -207,9 +220,25 @@ def policies(model_cfg: Mapping, cache_cfg: Mapping, max_len: int) -> tuple[Poli
                 layer=i,
                 residual=residual if settles else 0,
                 granularity=g if settles else 1,
+                span=budget - sinks if method in RING_METHODS else 0,
             )
         )
     return tuple(out)
+
+
+def window_groups(layout: Layout, sinks: int, span: int) -> int:
+    """Group slots a window over settling groups needs: the groups holding the
+    first `sinks` positions, and enough of the newest settled ones that every
+    query sees its last `span` positions (the rest of them are unsettled)."""
+    g = layout.granularity
+    sink_groups = -(-sinks // g)
+    needed = 1
+    # Queries at position n (the first of a step at length n) reach back to
+    # n - span + 1; which groups are settled repeats with period g past the start.
+    for n in range(min(layout.capacity, sinks + span + layout.residual + 3 * g) + 1):
+        reach = max(0, n - span + 1) // g
+        needed = max(needed, layout.settled(n) // g - max(reach, sink_groups))
+    return sink_groups + needed
 
 
 def storage_heads(policy: Policy) -> int:
@@ -343,18 +372,14 @@ def stored_tokens(positions: Array | None, policy: Policy, lengths: Array) -> Ar
     """int32[B, K]: tokens each KV head of each row holds (K = 1 for a latent)."""
     if policy.ring:
         return jnp.minimum(lengths, policy.slots)[:, None]
-    held = positions >= 0
+    held = positions >= 0  # [B, E, S]
+    if policy.pooled:  # [B, 1, S] -> per KV head [B, K]
+        heads = jnp.arange(policy.kv_heads)[None, :, None]
+        held = held & (positions % policy.kv_heads == heads)
+    count = held.sum(-1)
     if policy.settles:  # kept groups of g tokens, and the ring's unsettled tokens
-        unsettled = (lengths - policy.layout.settled(lengths))[:, None]
-        count = stored_tokens(
-            positions, dataclasses.replace(policy, residual=0, granularity=1), lengths
-        )
-        return (count * policy.granularity + unsettled).astype(jnp.int32)
-    if not policy.pooled:
-        return held.sum(-1).astype(jnp.int32)
-    owner = positions % policy.kv_heads
-    heads = jnp.arange(policy.kv_heads)[None, :, None]
-    return (held & (owner == heads)).sum(-1).astype(jnp.int32)
+        count = count * policy.granularity + (lengths - policy.layout.settled(lengths))[:, None]
+    return count.astype(jnp.int32)
 
 
 def observed_queries(policy: Policy, placement: Placement) -> Array | None:
@@ -445,12 +470,20 @@ class EvictingLayer:
         masked by the settled(p + 1) rule) with the payload holding each head's kept
         groups; `pending` is the step's quant.Flush."""
         p = self.policy
-        blocks, flush = QuantizedLayer(self.tensors, p.layout).read(fresh, placement)
+        band = None
+        if p.windowed:
+            band = lambda q, k: banded(q, k, p.sinks, p.span)  # noqa: E731
+        blocks, flush = QuantizedLayer(self.tensors, p.layout).read(fresh, placement, band)
         readers = blocks[0][0]
         held = self.positions >= 0  # [B, E, S]
         if not p.pooled:
-            rows = jnp.repeat(held, p.granularity, axis=-1)  # [B, E, S x g]
-            return [(readers, rows[:, :, None, None, :]), *blocks[1:]], flush
+            rows = jnp.repeat(held, p.granularity, axis=-1)[:, :, None, None, :]  # [B, E, 1, 1, Sg]
+            if band is not None:  # row i of a slot holds its group's first position + i
+                first = jnp.repeat(self.positions, p.granularity, axis=-1)
+                offset = jnp.tile(jnp.arange(p.granularity), p.slots)
+                q = placement.positions[:, None, :, None, None]  # [B, 1, T, 1, 1]
+                rows = rows & band(q, (first + offset)[:, :, None, None, :])
+            return [(readers, rows), *blocks[1:]], flush
         pooled = [self._pooled(values, mask) for values, mask in blocks[1:]]
         return [(readers, self._pool_mask(held, p.granularity)), *pooled], flush
 
@@ -705,6 +738,8 @@ class EvictingLayer:
     def _group_score(self, flush, candidates, valid, mass, settling_mass) -> Array:
         """float32[B, E, C]: how much each kept and settling group deserves to stay."""
         p = self.policy
+        if p.windowed:  # the sinks' groups and the newest ones stay
+            return jnp.where(candidates < p.sinks, KEPT, candidates.astype(jnp.float32))
         g = p.granularity
         batch, heads = candidates.shape[:2]
         groups = lambda x: x.reshape(*x.shape[:2], -1, g)  # noqa: E731  [.., X g] -> [.., X, g]

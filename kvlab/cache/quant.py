@@ -426,10 +426,12 @@ class QuantizedLayer:
         positions = jnp.where(valid, positions, -1)  # -1: nothing settles there (dropped)
         return Flush(positions, fresh, tuple(payloads), tuple(scales), tuple(zeros))
 
-    def read(self, fresh: tuple, placement: Placement):
+    def read(self, fresh: tuple, placement: Placement, visible=None):
         """Blocks to attend over and what `write` will store (see DenseLayer.read).
 
-        fresh: the step's new tokens per tensor, [B, KH, T, Wd].
+        fresh: the step's new tokens per tensor, [B, KH, T, Wd]. `visible(query
+        positions [B, T, 1], key positions [B, 1, X])`, when given, is a further
+        bool rule ANDed into every block's mask (an evicting window's band).
         """
         layout, lengths = self.layout, placement.lengths
         fresh = tuple(
@@ -441,11 +443,13 @@ class QuantizedLayer:
         # Per query at position p: tokens below settled(p + 1) are seen quantized.
         seen_settled = layout.settled(placement.positions + 1)[:, :, None]  # [B, T, 1]
 
-        payload_positions = jnp.arange(layout.payload_len)
+        q_positions = placement.positions[:, :, None]  # [B, T, 1]
+        rule = (lambda keys: visible(q_positions, keys)) if visible else (lambda keys: True)  # noqa: E731
+        payload_positions = jnp.arange(layout.payload_len)[None, None, :]
         blocks = [
             (
                 tuple(t.reader() for t in self.tensors),
-                (payload_positions < before[:, None])[:, None, :],  # [B, 1, P]
+                (payload_positions < before[:, None, None]) & rule(payload_positions),
             )
         ]
         if layout.ring_len:
@@ -456,11 +460,14 @@ class QuantizedLayer:
             blocks.append(
                 (
                     tuple(t.ring for t in self.tensors),
-                    live[:, None, :] & (ring_positions[:, None, :] >= seen_settled),
+                    live[:, None, :]
+                    & (ring_positions[:, None, :] >= seen_settled)
+                    & rule(ring_positions[:, None, :]),
                 )
             )
         fresh_positions = placement.positions[:, None, :]  # [B, 1, T]
-        blocks.append((fresh, placement.fresh_mask & (fresh_positions >= seen_settled)))
+        fresh_mask = placement.fresh_mask & (fresh_positions >= seen_settled)
+        blocks.append((fresh, fresh_mask & rule(fresh_positions)))
         settled_values = tuple(
             dequantize_tokens(p, s, z, t.spec) if t.spec.quantized else p
             for t, p, s, z in zip(
@@ -468,7 +475,7 @@ class QuantizedLayer:
             )
         )
         flushed = flush.positions[:, None, :]  # [B, 1, F*g]; -1 where nothing settles
-        blocks.append((settled_values, (flushed >= 0) & (flushed < seen_settled)))
+        blocks.append((settled_values, (flushed >= 0) & (flushed < seen_settled) & rule(flushed)))
         return blocks, flush
 
     def tensor_shapes(self) -> tuple[tuple[int, int], ...]:

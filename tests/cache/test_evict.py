@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -143,7 +145,7 @@ def test_a_paged_evicting_cache_equals_the_dense_one(bits, methods):
 
 @pytest.mark.parametrize(
     "name, residual, methods",
-    [("gqa", 8, ("h2o", "knorm")), ("mla_absorbed", 0, ("h2o", "snapkv"))],
+    [("gqa", 8, ("h2o", "knorm", "window")), ("mla_absorbed", 0, ("h2o", "snapkv", "sinks"))],
 )
 def test_kivi_eviction_with_a_budget_that_holds_the_sequence_gives_the_quantized_logits(
     name, residual, methods
@@ -166,6 +168,54 @@ def test_kivi_eviction_with_a_budget_that_holds_the_sequence_gives_the_quantized
             if method == "h2o":  # each of the 28 queries gives each KV head a mass of 1
                 total = layer.scores.sum(-1) + layer.ring_scores.sum(-1)
                 np.testing.assert_allclose(total, np.full(total.shape, 28.0), rtol=1e-5)
+
+
+def _without_eviction(cfg, cache_cfg, batch, max_len):
+    """cache_cfg's evicting cache with group slots for every token: the same
+    policy (and band), nothing evicted."""
+    cache = kvlab.init_cache(cfg.model, cache_cfg, batch, max_len)
+    specs = kvlab.cache.quant.storages(cfg.model, cache_cfg)
+    shapes = [(t.heads, t.width) for t in kvlab.config.cached_tensors(cfg.model)]
+    dtype = kvlab.config.dtype_of(cache_cfg.dtype)
+    layers = []
+    for layer in cache.layers:
+        policy = dataclasses.replace(layer.policy, slots=max_len // layer.policy.granularity)
+        layers.append(kvlab.cache.factory._evicting_layer(policy, specs, shapes, dtype, batch))
+    return cache.replace(layers=tuple(layers))
+
+
+@pytest.mark.parametrize(
+    "name, residual, fields, kept",
+    [
+        ("gqa", 8, dict(method="window", budget=12), [8]),
+        ("mla_absorbed", 0, dict(method="sinks", budget=6, sinks=2), [0, 16]),
+    ],
+)
+def test_a_window_over_settling_groups_keeps_what_its_band_reads(name, residual, fields, kept):
+    """window / sinks over KIVI storage: each query sees the sinks and its last
+    `span` positions, quantized as the quantized cache stores them; the layer keeps
+    the sinks' groups and just enough of the newest settled ones (the rest of the
+    band is unsettled), so evicting the older groups changes nothing: the logits
+    equal the same band over every group. A model's sliding_window is the same
+    cache."""
+    cfg = VARIANTS[name]()
+    tokens = random_tokens(cfg, (2, 28))
+    _, params, apply = build(cfg)
+    cache_cfg = kivi(cfg, **fields, residual=residual)
+    chunks = [5, 9, 3, 11]  # steps that start anywhere in a group
+    everything = _without_eviction(cfg, cache_cfg, 2, KIVI_LEN)
+    reference, _ = run_in_chunks(apply, params, everything, tokens, chunks)
+    out, cache = run(cfg, cache_cfg, tokens, chunks, KIVI_LEN)
+    # The reference reads the groups evicted here only if the band lets it.
+    np.testing.assert_allclose(out, reference, atol=3e-6, rtol=0)  # slots: another order
+    for layer in cache.layers:
+        assert np.asarray(layer.positions).tolist() == [[kept] * layer.positions.shape[1]] * 2
+    if fields["method"] == "window":
+        windowed = cfg.copy_and_resolve_references()
+        windowed.model.sliding_window = fields["budget"]
+        model_cache = kivi(windowed, "none", residual)
+        policies = kvlab.cache.evict.policies  # the same layers, so the same program
+        assert policies(windowed.model, model_cache, 32) == policies(cfg.model, cache_cfg, 32)
 
 
 @pytest.mark.parametrize(
@@ -333,9 +383,8 @@ def test_cache_bytes_equal_tree_bytes_for_every_policy(
 ):
     cfg = VARIANTS[name]()
     cache_cfg = evicting(cfg, method, bits, ratio=ratio, sinks=1)
-    if method not in ("window", "sinks"):  # a scored cache keeps the quantized layout (KIVI)
-        first = kvlab.config.cached_prefixes(cfg.model)[0]
-        cache_cfg.update({f"{first}_axis": axis, "residual": residual})
+    first = kvlab.config.cached_prefixes(cfg.model)[0]
+    cache_cfg.update({f"{first}_axis": axis, "residual": residual})  # KIVI's layout
     build_cache = lambda: kvlab.init_cache(cfg.model, cache_cfg, batch, max_len)  # noqa: E731
     measured = kvlab.tree_bytes(jax.eval_shape(build_cache))
     assert kvlab.cache_bytes(cfg.model, cache_cfg, batch, max_len) == measured
@@ -371,9 +420,7 @@ def test_a_row_given_an_invalid_token_under_jit_keeps_its_kept_tokens():
             {"evict.method": "h2o", "kind": "paged", "prefix_caching": True},
             "cache.prefix_caching=True cannot combine with cache.evict.method='h2o'",
         ),
-        ({"evict.method": "window", "k_bits": 4}, "cache.k_axis='channel'"),
-        ({"evict.method": "sinks", "v_bits": 4, "residual": 16}, "cache.residual=16"),
-        ({"evict.method": "h2o", "k_bits": 4, "kind": "paged"}, "cache.kind='paged' cannot"),
+        ({"evict.method": "window", "k_bits": 4, "kind": "paged"}, "cache.kind='paged' cannot"),
         (
             {"evict.method": "h2o", "v_bits": 4, "residual": 8, "kind": "paged"},
             "cache.kind='paged'",
@@ -403,6 +450,6 @@ def test_budgets_that_cannot_hold_what_is_always_kept_are_refused():
     windowed.model.sliding_window = 8
     with pytest.raises(ValueError, match="cannot combine with model.sliding_window=8"):
         kvlab.init_cache(windowed.model, evicting(windowed, "h2o"), 1, 32)
-    windowed.cache.update(k_bits=4)  # per-channel key scales (KIVI) span dropped tokens
-    with pytest.raises(ValueError, match="but model.sliding_window=8 drops tokens one by one"):
+    windowed.cache.update(k_bits=4, kind="paged")  # per-channel key scales (KIVI) in pages
+    with pytest.raises(ValueError, match="'paged' cannot combine with model.sliding_window=8"):
         kvlab.init_cache(windowed.model, windowed.cache, 1, 32)
