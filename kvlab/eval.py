@@ -1,6 +1,11 @@
-"""Perplexity and recall through a cache: what generation with that cache sees.
+"""Perplexity and recall through a cache: what generation with that cache sees,
+and how far its next-token distributions move from a reference cache's.
 
     result = kvlab.eval.evaluate(model_cfg, cache_cfg, params, batches, chunk=32)
+    result = kvlab.eval.evaluate(..., reference=full_cache(cache_cfg))   # + KL to the full cache
+    reference = kvlab.eval.evaluate_reference(model_cfg, full_cache(c), params, batches, chunk=32)
+    result = kvlab.eval.evaluate(model_cfg, cache_cfg, params, batches, chunk=32,
+                                 reference=reference)                     # its logits reused
 
 Each held-out window of T tokens goes through a fresh cache of capacity T in
 prefill chunks of `chunk` tokens: every chunk attends to the tokens already in
@@ -18,15 +23,39 @@ targets (how many were scored) and the cache's bytes per token: analytic
 (`cache_bytes` of one sequence of T tokens over T), measured (`tree_bytes`
 of that cache over T) and long (what each further token adds to a long cache,
 without the fixed full-precision window).
+
+With a reference (the same model's full cache, `full_cache`: every tensor at
+16 bits, every token kept) the result adds, over the scored (weighted) targets:
+kl_mean, the weighted mean of KL(P_reference || P_cache) of the next-token
+distributions (nats), kl_p99, its 99th percentile over the tokens of nonzero
+weight, top1_agreement, the weighted share of tokens whose argmax is the
+reference's, and delta_ppl = ppl - the reference's ppl. Both caches' logits go
+through one float32 log-softmax (stacked), so identical logits give exactly
+kl 0, agreement 1 and delta 0, and the reference scores exactly that against
+itself.
+
+The reference costs one evaluation per model, not one per cache:
+`evaluate_reference` runs it once and keeps its logits per window and chunk on
+the devices, laid out as its rows were (float32[B, C, V]; 8 MiB for the tiny
+sweeps' 4 windows of 16 x 128 bytes), and every `evaluate(reference=...)`
+scores its own logits against them. Where the logits of all windows would
+exceed KEEP_REFERENCE_BYTES (large vocabularies, long windows) it keeps none,
+and each evaluation runs the reference cache in lockstep with its own (twice
+the forward passes, no memory). A reference remembers the model, batches,
+chunk and mesh it ran with and refuses another.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import hashlib
 from collections.abc import Mapping, Sequence
 
 import jax
+import jax.numpy as jnp
 import ml_collections
+import numpy as np
 from jax.sharding import Mesh
 
 from kvlab import sharding
@@ -36,11 +65,52 @@ from kvlab.model import Transformer
 from kvlab.sampling import place_params
 from kvlab.train import score, summarize, target_bytes
 
+# Above this many bytes of reference logits (all windows, float32) a reference
+# keeps none and runs in lockstep with each cache it scores.
+KEEP_REFERENCE_BYTES = 1 << 30
+
 
 @functools.partial(jax.jit, static_argnums=0, donate_argnums=2)
 def _score_chunk(model: Transformer, params, cache, inputs, targets, weights):
     logits, cache = model.apply({"params": params}, inputs, cache=cache)
     return cache, score(logits, targets, weights)
+
+
+@functools.partial(jax.jit, static_argnums=0, donate_argnums=2)
+def _forward(model: Transformer, params, cache, inputs):
+    """(logits float32[B, C, V], cache) of one chunk: the one program a cache
+    config runs, whether it is the reference or the cache compared with it."""
+    logits, cache = model.apply({"params": params}, inputs, cache=cache)
+    return logits, cache
+
+
+@jax.jit
+def compare_logits(logits, reference, targets, weights) -> tuple[dict, jax.Array]:
+    """(sums, per-token KL float32[B, C]) of a cache's `logits` against the
+    `reference` cache's (both [B, C, V]) at `targets` int32[B, C] with
+    `weights` float32[B, C].
+
+    sums, weighted: nll, correct and weight as train.score counts them (from
+    the log-softmax below), reference_nll, kl (KL(P_reference || P_cache) in
+    nats) and agree (argmax equal). Identical logits give kl exactly 0 and agree
+    equal to weight."""
+    # [2, B, C, V]: one log-softmax for both, so equal rows give equal log-probs
+    logp = jax.nn.log_softmax(jnp.stack([reference, logits]).astype(jnp.float32), axis=-1)
+    nll = -jnp.take_along_axis(logp, targets[None, :, :, None], axis=-1)[..., 0]  # [2, B, C]
+    nll = jnp.sum(nll * weights, axis=(1, 2))  # [2]
+    top1 = jnp.argmax(logp, axis=-1)  # [2, B, C]
+    # sum_v p (log p - log q): every term is exactly 0 where the rows are equal
+    kl = jnp.sum(jnp.exp(logp[0]) * (logp[0] - logp[1]), axis=-1)  # [B, C]
+    kl = jnp.maximum(kl, 0.0)  # rounding may take a near-equal pair just below 0
+    sums = {
+        "nll": nll[1],
+        "reference_nll": nll[0],
+        "correct": jnp.sum((top1[1] == targets) * weights),
+        "weight": jnp.sum(weights),
+        "kl": jnp.sum(kl * weights),
+        "agree": jnp.sum((top1[0] == top1[1]) * weights),
+    }
+    return sums, kl
 
 
 def cache_bytes_per_token(model_cfg: Mapping, cache_cfg: Mapping, seq_len: int) -> dict:
@@ -66,6 +136,203 @@ def cache_bytes_per_token(model_cfg: Mapping, cache_cfg: Mapping, seq_len: int) 
     }
 
 
+@dataclasses.dataclass(frozen=True, eq=False)
+class Reference:
+    """A cache evaluated once to score others against (`evaluate_reference`).
+
+    model_cfg, cache_cfg: the frozen sections it ran; chunk, mesh, rules: how
+    (mesh None: one device); batches: a digest of the batches' shapes and
+    values; result: its own evaluate() result (kl_mean 0, kl_p99 0,
+    top1_agreement 1, delta_ppl 0); logits: per window, per chunk, its logits
+    float32[B, C, V] on the devices, or None: too many to keep
+    (KEEP_REFERENCE_BYTES), so each evaluation runs the reference cache in
+    lockstep with its own.
+    """
+
+    model_cfg: ml_collections.FrozenConfigDict
+    cache_cfg: ml_collections.FrozenConfigDict
+    chunk: int
+    mesh: Mesh | None
+    rules: tuple | None
+    batches: str
+    result: dict
+    logits: list | None
+
+
+def _digest(batches: Sequence[Mapping]) -> str:
+    """sha1 of the batches' inputs, targets and weights (shapes and values)."""
+    digest = hashlib.sha1()
+    for batch in batches:
+        for key in ("inputs", "targets", "weights"):
+            value = np.ascontiguousarray(batch[key])
+            digest.update(f"{key}{value.shape}{value.dtype}".encode())
+            digest.update(value.tobytes())
+    return digest.hexdigest()
+
+
+def _validated_reference(cache_cfg: Mapping, model_cfg: Mapping) -> None:
+    try:
+        validate_cache_config(cache_cfg, model_cfg)
+    except ValueError as error:
+        raise ValueError(
+            f"the reference cache (reference=) is invalid for this model: {error}; pass "
+            "the model's full cache, kvlab.eval.full_cache(cache_cfg)"
+        ) from None
+
+
+def _check_reference(reference: Reference, model: Transformer, batches, chunk, mesh, rules):
+    """Raises ValueError when `reference` ran another model, batches, chunk or mesh."""
+    fix = "build it with evaluate_reference on the same model, params, batches, chunk and mesh"
+    if reference.model_cfg != model.config:
+        theirs, ours = reference.model_cfg.to_dict(), model.config.to_dict()
+        field = next(k for k in sorted(set(theirs) | set(ours)) if theirs.get(k) != ours.get(k))
+        raise ValueError(
+            f"reference= ran another model: model.{field}={theirs.get(field)!r} there, "
+            f"{ours.get(field)!r} here; {fix}"
+        )
+    ran = {"chunk": (reference.chunk, chunk), "mesh": (reference.mesh, mesh)}
+    ran["mesh rules"] = (reference.rules, rules)
+    ran["batches (tokens or weights)"] = (reference.batches, _digest(batches))
+    for name, (theirs, ours) in ran.items():
+        if theirs != ours:
+            shown = "" if name.startswith("batches") else f": {theirs!r} there, {ours!r} here"
+            raise ValueError(f"reference= ran with other {name}{shown}; {fix}")
+
+
+def _placed(model: Transformer, params, mesh: Mesh | None, rules: tuple | None):
+    """(mesh, rules, params placed on the mesh); (None, None, params) for one device."""
+    if mesh is None or mesh.size == 1:
+        return None, None, params  # rules mean nothing without a mesh
+    rules = sharding.axis_rules() if rules is None else rules
+    return mesh, rules, place_params(model.config, params, mesh, rules)
+
+
+def _run(model, cache_cfg, params, batches, chunk, mesh, rules, *, compare, reference, keep):
+    """Every window through `cache_cfg`; returns (per-chunk sums, per-window
+    per-token KL [B, T] or None, per-window kept logits or None, seq_len).
+
+    compare False: score() alone (no reference). Else each chunk's logits are
+    compared with the reference's: `reference` None (the cache is its own
+    reference), a Reference holding logits, or one without (run in lockstep).
+    keep: return this cache's logits per window and chunk, on the devices."""
+    scored, tokens, kept = [], [], []
+    lockstep = reference is not None and reference.logits is None
+    seq_len = None
+    for window, batch in enumerate(batches):
+        size, seq_len = batch["inputs"].shape
+        cache = init_cache(model.config, cache_cfg, size, seq_len, mesh=mesh, rules=rules)
+        if lockstep:
+            ref_cache = init_cache(
+                model.config, reference.cache_cfg, size, seq_len, mesh=mesh, rules=rules
+            )
+        if mesh is not None:  # this host's rows of the batch, as training reads them
+            placed = sharding.batch_sharding(mesh, rules, size)
+            rows = sharding.process_rows(placed, size)
+        window_kl, window_logits = [], []
+        for index, start in enumerate(range(0, seq_len, chunk)):
+            part = {k: batch[k][:, start : start + chunk] for k in ("inputs", "targets", "weights")}
+            if mesh is not None:
+                part = {
+                    k: sharding.rows_array(v[rows], rows, size, placed) for k, v in part.items()
+                }
+            inputs, targets, weights = part["inputs"], part["targets"], part["weights"]
+            if not compare:
+                cache, sums = _score_chunk(model, params, cache, inputs, targets, weights)
+                scored.append(sums)
+                continue
+            logits, cache = _forward(model, params, cache, inputs)
+            if reference is None:
+                against = logits
+            elif lockstep:
+                against, ref_cache = _forward(model, params, ref_cache, inputs)
+            else:
+                against = reference.logits[window][index]
+            sums, kl = compare_logits(logits, against, targets, weights)
+            scored.append(sums)
+            window_kl.append(kl)
+            if keep:
+                window_logits.append(logits)
+        cache.check()  # after each window: a flag names the rows it was given bad values
+        if lockstep:
+            ref_cache.check()
+        tokens.append(window_kl)
+        kept.append(window_logits)
+    return scored, tokens if compare else None, kept if keep else None, seq_len
+
+
+def _results(model, cache_cfg, batches, scored, tokens, seq_len) -> dict:
+    """The result dict from per-chunk sums (replicated scalars: every host holds
+    the totals) and, when compared, the per-token KL of every window."""
+    scored = jax.device_get(scored)
+    compared = ("kl", "agree", "reference_nll") if tokens is not None else ()
+    keys = ("nll", "correct", "weight", *compared)
+    totals = {k: sum(float(sums[k]) for sums in scored) for k in keys}
+    result = {
+        **summarize(totals, target_bytes(batches)),
+        **cache_bytes_per_token(model.config, cache_cfg, seq_len),
+    }
+    if tokens is None:
+        return result
+    # Per-token KL of the tokens that count: [B, T] per window, the rows of every host.
+    values = []
+    for batch, window in zip(batches, tokens, strict=True):
+        kl = np.concatenate([sharding.fetch(part) for part in window], axis=1)
+        values.append(kl[np.asarray(batch["weights"]) > 0])
+    values = np.concatenate(values)
+    weight = max(totals["weight"], 1.0)
+    reference_ppl = float(np.exp(totals["reference_nll"] / weight))
+    result.update(
+        kl_mean=totals["kl"] / weight,
+        kl_p99=float(np.percentile(values, 99)) if values.size else 0.0,
+        top1_agreement=totals["agree"] / weight,
+        delta_ppl=result["ppl"] - reference_ppl,
+    )
+    return result
+
+
+def _prepared(model_cfg, cache_cfg, batches, chunk):
+    validate_cache_config(cache_cfg, model_cfg)
+    chunk = check_count("eval.chunk", chunk)
+    if not batches:
+        raise ValueError("no evaluation batches: the held-out split produced no windows")
+    return Transformer(model_cfg), frozen(cache_cfg), chunk
+
+
+def evaluate_reference(
+    model_cfg: Mapping,
+    cache_cfg: Mapping,
+    params,
+    batches: Sequence[Mapping],
+    *,
+    chunk: int,
+    mesh: Mesh | None = None,
+    rules: tuple | None = None,
+) -> Reference:
+    """`cache_cfg` (normally `full_cache(...)` of the caches to compare) evaluated
+    once as evaluate() does, scored against itself (result: kl 0, agreement 1,
+    delta_ppl 0), its logits kept for `evaluate(..., reference=)` unless all
+    windows' would pass KEEP_REFERENCE_BYTES."""
+    _validated_reference(cache_cfg, model_cfg)
+    model, cache_cfg, chunk = _prepared(model_cfg, cache_cfg, batches, chunk)
+    mesh, rules, placed_params = _placed(model, params, mesh, rules)
+    logit_bytes = sum(np.size(b["inputs"]) for b in batches) * model.config.vocab_size * 4
+    keep = logit_bytes <= KEEP_REFERENCE_BYTES
+    scored, tokens, kept, seq_len = _run(
+        model, cache_cfg, placed_params, batches, chunk, mesh, rules,
+        compare=True, reference=None, keep=keep,
+    )  # fmt: skip
+    return Reference(
+        model_cfg=model.config,
+        cache_cfg=cache_cfg,
+        chunk=chunk,
+        mesh=mesh,
+        rules=rules,
+        batches=_digest(batches),
+        result=_results(model, cache_cfg, batches, scored, tokens, seq_len),
+        logits=kept,
+    )
+
+
 def evaluate(
     model_cfg: Mapping,
     cache_cfg: Mapping,
@@ -75,9 +342,15 @@ def evaluate(
     chunk: int,
     mesh: Mesh | None = None,
     rules: tuple | None = None,
+    reference: Mapping | Reference | None = None,
 ) -> dict:
     """Loss, perplexity, bits per byte and accuracy of `params` over `batches`
     (dicts of inputs/targets/weights [B, T]) run through `cache_cfg`.
+
+    With `reference` (a cache config, evaluated first, or a Reference from
+    evaluate_reference over the same model, params, batches, chunk and mesh)
+    the result adds kl_mean, kl_p99, top1_agreement and delta_ppl against it
+    (module docstring).
 
     With `mesh` (kvlab/sharding.py) the evaluation runs there: params placed by
     their logical axes, each window's cache laid out (init_cache(mesh=)) and its
@@ -88,42 +361,21 @@ def evaluate(
     A mesh spanning several hosts (kvlab.sharding.initialize_distributed) is fed
     as training is: every host holds `batches` (the same on each), gives its
     devices only the rows they hold (sharding.process_rows, rows_array), and
-    after the cross-host reduction every host returns the same result."""
-    validate_cache_config(cache_cfg, model_cfg)
-    chunk = check_count("eval.chunk", chunk)
-    if not batches:
-        raise ValueError("no evaluation batches: the held-out split produced no windows")
-    model = Transformer(model_cfg)
-    cache_cfg = frozen(cache_cfg)
-    mesh = None if mesh is None or mesh.size == 1 else mesh
-    if mesh is not None:
-        rules = sharding.axis_rules() if rules is None else rules
-        params = place_params(model.config, params, mesh, rules)
-    scored = []  # per-chunk sums, fetched once at the end
-    seq_len = None
-    for batch in batches:
-        size, seq_len = batch["inputs"].shape
-        cache = init_cache(model.config, cache_cfg, size, seq_len, mesh=mesh, rules=rules)
-        if mesh is not None:  # this host's rows of the batch, as training reads them
-            placed = sharding.batch_sharding(mesh, rules, size)
-            rows = sharding.process_rows(placed, size)
-        for start in range(0, seq_len, chunk):
-            part = {k: batch[k][:, start : start + chunk] for k in ("inputs", "targets", "weights")}
-            if mesh is not None:
-                part = {
-                    k: sharding.rows_array(v[rows], rows, size, placed) for k, v in part.items()
-                }
-            cache, sums = _score_chunk(
-                model, params, cache, part["inputs"], part["targets"], part["weights"]
-            )
-            scored.append(sums)
-        cache.check()  # after each window: a flag names the rows it was given bad values
-    scored = jax.device_get(scored)  # replicated scalars: every host holds the totals
-    totals = {k: sum(float(sums[k]) for sums in scored) for k in ("nll", "correct", "weight")}
-    return {
-        **summarize(totals, target_bytes(batches)),
-        **cache_bytes_per_token(model.config, cache_cfg, seq_len),
-    }
+    after the cross-host reduction (and a gather of the per-token KL) every host
+    returns the same result."""
+    if reference is not None and not isinstance(reference, Reference):
+        reference = evaluate_reference(
+            model_cfg, reference, params, batches, chunk=chunk, mesh=mesh, rules=rules
+        )
+    model, cache_cfg, chunk = _prepared(model_cfg, cache_cfg, batches, chunk)
+    mesh, rules, params = _placed(model, params, mesh, rules)
+    if reference is not None:
+        _check_reference(reference, model, batches, chunk, mesh, rules)
+    scored, tokens, _, seq_len = _run(
+        model, cache_cfg, params, batches, chunk, mesh, rules,
+        compare=reference is not None, reference=reference, keep=False,
+    )  # fmt: skip
+    return _results(model, cache_cfg, batches, scored, tokens, seq_len)
 
 
 def full_precision(cache_cfg: Mapping) -> ml_collections.ConfigDict:
@@ -131,4 +383,12 @@ def full_precision(cache_cfg: Mapping) -> ml_collections.ConfigDict:
     baseline = ml_collections.ConfigDict(cache_cfg)
     for prefix in CACHED_PREFIXES:
         baseline[f"{prefix}_bits"] = 16
+    return baseline
+
+
+def full_cache(cache_cfg: Mapping) -> ml_collections.ConfigDict:
+    """The reference every cache of a model is compared with: the same cache with
+    every tensor at 16 bits and every token kept (a copy; `cache_cfg` is unchanged)."""
+    baseline = full_precision(ml_collections.ConfigDict(cache_cfg.to_dict()))
+    baseline.evict.method = "none"
     return baseline

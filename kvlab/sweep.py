@@ -24,6 +24,13 @@ for grouped-query models, `latent_*`/`rope_*` for latent attention; an entry
 naming neither applies to all). The grid's units are the applicable (model,
 cache) pairs in model-major order.
 
+Each model's full cache (kvlab.eval.full_cache: 16 bits, every token kept) is
+evaluated once, its logits kept (kvlab.eval.evaluate_reference), and every
+cache of the model is scored against them as well as on the text: a row
+carries kl_mean and kl_p99 (KL of the full cache's next-token distribution to
+this cache's), top1_agreement and delta_ppl beside ppl and
+delta_vs_16bit_pct; the full cache's own row reads exactly 0, 0, 1, 0.
+
     run_sweep(cfg, grid, workdir, sweep_index=i, sweep_count=n)
 
 runs slice i of n (a contiguous run of units, so most slices train one or two
@@ -73,7 +80,7 @@ from kvlab.config import (
 )
 from kvlab.convert import convert, parse_target
 from kvlab.data import make_dataset
-from kvlab.eval import evaluate, full_precision
+from kvlab.eval import evaluate, evaluate_reference, full_cache, full_precision
 from kvlab.files import read_json, store_json, write_atomic
 from kvlab.hf import config_from_hf, save_hf
 from kvlab.logging import Run
@@ -108,6 +115,10 @@ COLUMNS = (
     "bits_per_byte",
     "accuracy",
     "delta_vs_16bit_pct",
+    "kl_mean",
+    "kl_p99",
+    "top1_agreement",
+    "delta_ppl",
     "cache_bytes_per_token",
     "cache_bytes_per_token_measured",
     "cache_bytes_per_token_long",
@@ -115,11 +126,17 @@ COLUMNS = (
     "train_steps",
 )
 
-# The columns `kvlab.eval.evaluate` reports.
+# The columns `kvlab.eval.evaluate` reports; the sweep scores every cache
+# against its model's full cache (kvlab.eval.full_cache), which scores exactly
+# kl 0, agreement 1 and delta_ppl 0.
 RESULT_COLUMNS = (
     "ppl",
     "bits_per_byte",
     "accuracy",
+    "kl_mean",
+    "kl_p99",
+    "top1_agreement",
+    "delta_ppl",
     "cache_bytes_per_token",
     "cache_bytes_per_token_measured",
     "cache_bytes_per_token_long",
@@ -378,9 +395,11 @@ def _write_csv(path: str, rows: list[dict]) -> None:
 
 
 def read_csv(path: str) -> list[dict]:
-    """The rows of a slice's or the merged results' CSV, numbers as numbers."""
+    """The rows of a slice's or the merged results' CSV, numbers as numbers; a
+    column it lacks (a file written before the column joined COLUMNS) is None."""
     with open(path, newline="") as f:
-        return [{k: _number(v) for k, v in row.items()} for row in csv.DictReader(f)]
+        rows = list(csv.DictReader(f))
+    return [{**dict.fromkeys(COLUMNS), **{k: _number(v) for k, v in r.items()}} for r in rows]
 
 
 def _number(text: str):
@@ -393,14 +412,6 @@ def _number(text: str):
         except ValueError:
             pass
     return text
-
-
-def full_cache(cache_cfg: Mapping) -> ml_collections.ConfigDict:
-    """The baseline every entry of a model is compared with: the same cache with
-    every tensor at 16 bits and every token kept (a copy; `cache_cfg` is unchanged)."""
-    baseline = full_precision(ml_collections.ConfigDict(cache_cfg.to_dict()))
-    baseline.evict.method = "none"
-    return baseline
 
 
 def _model_params(unit: Unit, workdir: str, group: str, progress: bool):
@@ -480,12 +491,16 @@ def run_sweep(
         baseline_cache = full_cache(first.cache)
         mesh = make_mesh(first)  # a model entry may change the mesh or the heads it splits
         on_mesh = dict(chunk=first.eval.chunk, mesh=mesh, rules=axis_rules(first.mesh))
-        baseline = evaluate(first.model, baseline_cache, params, batches, **on_mesh)
+        # once per model: its logits are what every cache's KL is measured against
+        reference = evaluate_reference(first.model, baseline_cache, params, batches, **on_mesh)
+        baseline = reference.result
         for cache_index, unit in enumerate(model_units, start=1):
             if unit.cfg.cache.to_dict() == baseline_cache.to_dict():
                 result = baseline  # the full-precision entry: already evaluated
             else:
-                result = evaluate(unit.cfg.model, unit.cfg.cache, params, batches, **on_mesh)
+                result = evaluate(
+                    unit.cfg.model, unit.cfg.cache, params, batches, **on_mesh, reference=reference
+                )
             rows.append(_row(sweep.name, unit, result, baseline, data.metric))
             if progress and primary:
                 elapsed = time.perf_counter() - started
@@ -494,6 +509,7 @@ def run_sweep(
                     f"model {model_index}/{len(by_model)} ({model_name}), cache "
                     f"{cache_index}/{len(model_units)} ({unit.cache}): "
                     f"{data.metric}={result[data.metric]:.4f} "
+                    f"kl={result['kl_mean']:.4f} "
                     f"bytes/token={result['cache_bytes_per_token']:.1f}; "
                     f"{len(rows)}/{len(mine)} units, eta {_duration(left)}",
                     flush=True,

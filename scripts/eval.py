@@ -7,6 +7,7 @@
     python scripts/eval.py --hf path/to/hf_model --cache configs/kv_kivi2.py:tiny \
         --cache.data.source=text --cache.data.path=notes.txt      # your own checkpoint
     python scripts/eval.py --workdir runs/gqa --mesh.data=2 --mesh.tensor=4  # on 8 devices
+    python scripts/eval.py --workdir runs/gqa --cache configs/kv_k8v4.py:tiny --distribution
 
 The model, data and eval sections come from the run (workdir/config.json); the
 cache section from --cache (a config file; its other sections are ignored) with
@@ -18,7 +19,10 @@ kvlab.base_config()'s). Every window of held-out
 text goes through the cache in prefill chunks (kvlab/eval.py), so the numbers
 are what generation with that cache sees. Prints ppl, bits per byte, cache
 bytes per token (analytic and measured) and the change against the same cache
-at 16 bits.
+at 16 bits. --distribution also scores the cache against the model's full
+cache (kvlab.eval.full_cache: 16 bits, every token kept), token by token: the
+KL divergence of the next-token distributions (mean and 99th percentile, nats),
+top-1 agreement and the change in perplexity (kvlab/eval.py).
 
 The evaluation runs on the mesh --mesh.* describe (the config's mesh section,
 kvlab.sharding.make_mesh; default data parallel over every device, whatever
@@ -37,7 +41,7 @@ from ml_collections import config_flags
 from kvlab import cli, sharding
 from kvlab.config import base_config, validate_cache_config
 from kvlab.data import make_dataset
-from kvlab.eval import evaluate, full_precision
+from kvlab.eval import evaluate, evaluate_reference, full_cache, full_precision
 from kvlab.train import initial_params, load_params
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "A training run's directory (scripts/train.py).")
@@ -56,6 +60,12 @@ _SPLIT = flags.DEFINE_enum(
 _CHUNK = flags.DEFINE_integer("chunk", None, "Tokens per prefill step (default eval.chunk).")
 _STEP = flags.DEFINE_integer("step", None, "Checkpoint step (default: the latest).")
 _JSON = flags.DEFINE_bool("json", False, "Print one JSON object instead of a table.")
+_DISTRIBUTION = flags.DEFINE_bool(
+    "distribution",
+    False,
+    "Also score the cache against the model's full cache (16 bits, every token kept): KL of "
+    "the next-token distributions (mean, 99th percentile), top-1 agreement, change in ppl.",
+)
 _MESH = config_flags.DEFINE_config_dict(
     "mesh",
     base_config().mesh,
@@ -93,8 +103,15 @@ def main(argv):
     on_mesh = dict(chunk=chunk, mesh=sharding.make_mesh(cfg), rules=sharding.axis_rules(cfg.mesh))
     data = make_dataset(cfg.data, split, cfg.train.seq_len)
     batches = data.eval_batches(cfg.eval.batch_size, cfg.eval.num_batches)
-    result = evaluate(cfg.model, cache_cfg, params, batches, **on_mesh)
-    baseline = evaluate(cfg.model, full_precision(cache_cfg), params, batches, **on_mesh)
+    baseline_cache = full_precision(cache_cfg)
+    reference = None
+    if _DISTRIBUTION.value:  # its logits kept, so the cache's run compares as it goes
+        reference = evaluate_reference(cfg.model, full_cache(cache_cfg), params, batches, **on_mesh)
+    result = evaluate(cfg.model, cache_cfg, params, batches, **on_mesh, reference=reference)
+    if reference is not None and reference.cache_cfg.to_dict() == baseline_cache.to_dict():
+        baseline = reference.result  # nothing evicted: the full cache is the 16-bit one
+    else:
+        baseline = evaluate(cfg.model, baseline_cache, params, batches, **on_mesh)
     metric = data.metric
     report = {
         "workdir": _WORKDIR.value,
@@ -105,6 +122,8 @@ def main(argv):
         "baseline_16bit": baseline,
         "delta_vs_16bit_pct": 100 * (result[metric] / baseline[metric] - 1),
     }
+    if reference is not None:
+        report["full_cache"] = reference.result
     if not sharding.is_primary():  # every host has the same numbers; process 0 reports them
         return
     if _JSON.value:
@@ -116,6 +135,12 @@ def main(argv):
         print(f"{key:>18} {result[key]:>12.4f} {baseline[key]:>12.4f}")
     print(f"{'measured bytes/tok':>18} {result['cache_bytes_per_token_measured']:>12.4f}")
     print(f"{metric} change against 16 bits: {report['delta_vs_16bit_pct']:+.3f}%")
+    if reference is not None:
+        print(
+            f"against the full cache: KL mean {result['kl_mean']:.5f} nats, "
+            f"p99 {result['kl_p99']:.5f}; top-1 agreement {100 * result['top1_agreement']:.2f}%; "
+            f"ppl {result['delta_ppl']:+.4f}"
+        )
 
 
 if __name__ == "__main__":

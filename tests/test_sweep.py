@@ -27,6 +27,7 @@ from kvlab.sweep import (
 )
 from tests.helpers import ROOT, run_config, write_corpus
 
+DISTANCE = ("kl_mean", "kl_p99", "top1_agreement", "delta_ppl")  # to the full cache
 GRID = {
     "models": {
         "mqa": {"model.num_kv_heads": 1},
@@ -194,6 +195,13 @@ def test_sliced_sweep_merges_into_table_plot_and_wandb(tmp_path, capsys):
         assert float(row["delta_vs_16bit_pct"]) == pytest.approx(
             100 * (float(row["ppl"]) / baseline[row["model"]] - 1), abs=1e-6
         )
+        # Against the model's full cache: exactly nothing for the 16-bit entry itself.
+        kl_mean, kl_p99, agreement, delta = (float(row[c]) for c in DISTANCE)
+        if row["cache"] == "16bit":
+            assert (kl_mean, kl_p99, agreement, delta) == (0.0, 0.0, 1.0, 0.0)
+        else:
+            assert kl_p99 >= kl_mean > 0 and 0 < agreement <= 1
+            assert delta == pytest.approx(float(row["ppl"]) - baseline[row["model"]], abs=1e-9)
     # Labelled by the bits stored: the unquantized float32 cache is 32-bit.
     assert [r["bits"] for r in table] == ["K32V32", "K8V4", "L32R32", "L4R32"]
     assert table[3]["k_bits"] == "" and table[3]["latent_bits"] == "4"
@@ -217,6 +225,18 @@ def test_sliced_sweep_merges_into_table_plot_and_wandb(tmp_path, capsys):
     logged = sweep_run["tables"]["results"]
     assert logged["columns"] == list(COLUMNS)
     assert [row[1:4:2] for row in logged["data"]] == [[r["model"], r["cache"]] for r in table]
+
+    # A slice written before the distance columns existed merges, their cells empty.
+    with open(workdir / "slices" / "1-of-2.csv") as f:
+        older = [{k: v for k, v in r.items() if k not in DISTANCE} for r in csv.DictReader(f)]
+    with open(workdir / "slices" / "1-of-2.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=[c for c in COLUMNS if c not in DISTANCE])
+        writer.writeheader()
+        writer.writerows(older)
+    merged = merge(str(workdir))
+    assert [r["kl_mean"] is None for r in merged] == [False, False, True, True]
+    with open(workdir / "results.csv") as f:
+        assert [r["kl_p99"] == "" for r in csv.DictReader(f)] == [False, False, True, True]
 
     # A slice of another slicing of the grid makes units appear twice.
     shutil.copy(workdir / "slices" / "0-of-2.csv", workdir / "slices" / "0-of-3.csv")
