@@ -795,8 +795,6 @@ def _validate_evict(cache: Mapping) -> None:
     if evict["adakv_floor"] > 1:
         _fail(f"{section}.adakv_floor", evict["adakv_floor"], "is above 1", "set a share in [0, 1]")
     method = evict["method"]
-    if method != "none":
-        _check_evicting_storage(cache, f"cache.evict.method={method!r}")
     if method in ("h2o", "adakv") and cache["prefix_caching"]:
         why = {
             "h2o": "the attention a cached prefix's tokens accumulated is not in its pages",
@@ -810,26 +808,6 @@ def _validate_evict(cache: Mapping) -> None:
         )
 
 
-def _check_evicting_storage(cache: Mapping, what: str) -> None:
-    """Refuses cache fields an evicting cache (kvlab/cache/evict.py) cannot honour.
-
-    Over quantized tokens that settle in groups (a residual window or per-channel
-    scales) an evicting layer keeps the quantized layout: the unsettled ring and
-    whole groups, in per-row slots; page pools hold single tokens only.
-    """
-    quantized = [p for p in CACHED_PREFIXES if cache[f"{p}_bits"] != 16]
-    by_channel = any(cache[f"{p}_axis"] != "token" for p in quantized)
-    settles = by_channel or (bool(quantized) and cache["residual"] > 0)
-    if settles and cache["kind"] == "paged":
-        _fail(
-            "cache.kind",
-            cache["kind"],
-            f"cannot combine with {what} over quantized tokens that settle in groups "
-            f"(cache.residual={cache['residual']} or a cache.<prefix>_axis='channel') yet",
-            "set cache.kind='dense', or cache.residual=0 and every cache.<prefix>_axis='token'",
-        )
-
-
 def _validate_cache_for_model(cache: Mapping, model: Mapping) -> None:
     window = model["sliding_window"]
     if window and cache["evict"]["method"] != "none":
@@ -840,8 +818,6 @@ def _validate_cache_for_model(cache: Mapping, model: Mapping) -> None:
             "decides what its cache keeps)",
             "set cache.evict.method='none'",
         )
-    if window:
-        _check_evicting_storage(cache, f"model.sliding_window={window}")
     used = cached_prefixes(model)
     for prefix in CACHED_PREFIXES:
         if prefix not in used and cache[f"{prefix}_bits"] != 16:

@@ -158,8 +158,8 @@ class Engine:
         # An evicting cache (cache.evict, model.sliding_window) stores at most this per row.
         plan = evict.policies(model_cfg, cache_cfg, self.max_len)
         self.evicting = plan is not None
-        self.row_slots = self.max_len if plan is None else max(p.slots for p in plan)
-        self.evicts_after = self.max_len if plan is None else min(p.slots for p in plan)
+        self.row_slots = self.max_len if plan is None else max(p.rows for p in plan)
+        self.evicts_after = self.max_len if plan is None else min(p.rows for p in plan)
         self.num_pages = pool_size(cache_cfg, self.max_slots, self.row_slots)
         self.stats = EngineStats()
         self._reset()

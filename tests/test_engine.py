@@ -9,6 +9,7 @@ import kvlab
 from tests.helpers import build, count_compiles, mla_config, tiny_config
 
 NEW = 6
+KIVI = dict(k_bits=4, k_axis="channel", v_bits=4, v_axis="token", group_size=4)
 
 
 def engine_config(prefix_caching: bool, num_pages: int, **model):
@@ -75,16 +76,17 @@ def test_snapkv_at_half_the_context_gives_every_request_what_it_gets_alone():
     assert max(len(p) for p in prompts) + NEW > 12  # some requests evicted
 
 
-@pytest.mark.parametrize("method", ["snapkv", "sinks"])
-def test_eviction_with_prefix_caching_never_writes_a_cached_page(method):
+@pytest.mark.parametrize("method, storage", [("snapkv", {}), ("sinks", KIVI)])
+def test_eviction_with_prefix_caching_never_writes_a_cached_page(method, storage):
     """Requests sharing a 20-token system prompt keep 24 tokens each: those whose
     prompt fits register their pages, later ones match them, and a request about
     to overwrite slots first copies its cached pages. Outputs equal prefix caching
-    off, and a second round, served from the cached pages, gives them again."""
+    off, and a second round, served from the cached pages, gives them again.
+    Over KIVI's storage the pages hold whole groups of 4 settled tokens."""
     outputs, computed = {}, {}
     for on in (False, True):
         cfg = engine_config(on, num_pages=40, num_kv_heads=2)
-        cfg.cache.page_size = 4
+        cfg.cache.update(page_size=4, **storage)
         cfg.cache.evict.update(method=method, budget=24, recent=2, obs_window=4)
         _, params, _ = build(cfg)
         engine = kvlab.Engine(

@@ -588,12 +588,16 @@ def test_on_mesh_a_sweep_evaluates_on_its_mesh(tmp_path, monkeypatch):
     meshes = []
     evaluate = kvlab.sweep.evaluate
 
-    def recording(*args, mesh=None, **kwargs):
-        meshes.append(dict(mesh.shape))
-        return evaluate(*args, mesh=mesh, **kwargs)
+    def recorded(function):
+        def recording(*args, mesh=None, **kwargs):
+            meshes.append(dict(mesh.shape))
+            return function(*args, mesh=mesh, **kwargs)
 
-    monkeypatch.setattr(kvlab.sweep, "evaluate", recording)
-    # The first of two slices: the 16-bit unit alone (one evaluation, no merge).
+        return recording
+
+    monkeypatch.setattr(kvlab.sweep, "evaluate", recorded(evaluate))
+    monkeypatch.setattr(kvlab.sweep, "evaluate_reference", recorded(kvlab.sweep.evaluate_reference))
+    # The first of two slices: the 16-bit unit alone (the reference, no merge).
     workdir = str(tmp_path / "sweep")
     (row,) = kvlab.sweep.run_sweep(cfg, grid, workdir, sweep_count=2, progress=False)
     assert meshes == [dict(data=2, fsdp=2, tensor=2)]

@@ -81,7 +81,7 @@ def cache_bytes(
     if plan is not None:  # budget slots per storage head, and per slot a position (and score)
         per_layer, tables = 0, 0
         if cache_cfg["kind"] == "paged":  # the slots live in pages
-            row_slots = max(p.slots for p in plan)
+            row_slots = max(p.rows for p in plan)
             pages = paged.pool_size(cache_cfg, batch_size, row_slots)
             pooled = pages // split("cache_pages", pages) * cache_cfg["page_size"]
             tables = rows_held * paged.pages_per_row(cache_cfg, row_slots) * TABLE_ENTRY_BYTES
@@ -89,19 +89,18 @@ def cache_bytes(
             stored = [(spec, 1 if policy.pooled else t.heads, t.width) for t, spec in tensors]
             if cache_cfg["kind"] == "paged":
                 per_layer += sum(_tensor_bytes(s, h, w, pooled, 0) for s, h, w in stored)
-            elif policy.settles:  # slots x g payload rows, and a ring per KV head
-                rows, ring = policy.slots * policy.granularity, policy.layout.ring_len
+            else:  # slots (settling: of g payload rows each) per storage head
                 per_layer += rows_held * sum(
-                    _tensor_bytes(s, h, w, rows, 0) + _tensor_bytes(s, t.heads, w, 0, ring)
-                    for (s, h, w), (t, _) in zip(stored, tensors, strict=True)
+                    _tensor_bytes(s, h, w, policy.rows, 0) for s, h, w in stored
                 )
-                if policy.method == "h2o":  # the float32 score of each ring slot's token
+            if policy.settles:  # a ring per row and KV head (h2o: + a float32 score per slot)
+                ring = policy.layout.ring_len
+                per_layer += rows_held * sum(
+                    _tensor_bytes(s, t.heads, t.width, 0, ring) for t, s in tensors
+                )
+                if policy.method == "h2o":
                     kv_heads = policy.kv_heads // split("cache_heads", policy.kv_heads)
                     per_layer += rows_held * kv_heads * ring * SCORE_BYTES
-            else:
-                per_layer += rows_held * sum(
-                    _tensor_bytes(s, h, w, policy.slots, 0) for s, h, w in stored
-                )
             if not policy.ring:
                 heads = evict.storage_heads(policy)
                 heads //= split("cache_heads", heads)

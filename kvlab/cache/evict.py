@@ -128,6 +128,11 @@ class Policy:
         return self.residual > 0 or self.granularity > 1
 
     @property
+    def rows(self) -> int:
+        """Token rows a row stores per storage head: its slots (settling: g each)."""
+        return self.slots * self.granularity
+
+    @property
     def layout(self) -> Layout:
         """The quantized layout whose settled(n) rule says when tokens leave the ring."""
         return Layout(self.max_len, self.residual, self.granularity)
@@ -651,11 +656,17 @@ class EvictingLayer:
 
     # -- settling: tokens wait in the ring and compete as whole settled groups
 
-    def _write_settling(self, flush, placement: Placement, mass=None) -> EvictingLayer:
+    def _write_settling(
+        self, flush, placement: Placement, mass=None, tensors=None, put=None
+    ) -> EvictingLayer:
         """The step's settling groups compete with the kept ones for the S group
         slots of each head (quantized as QuantizedLayer stores them); the tokens
-        still unsettled go to the ring."""
+        still unsettled go to the ring. The groups are written into `tensors`
+        (default the layer's own) by `put(array, new, slots)` (default
+        write_tokens; page pools: write_pages)."""
         p = self.policy
+        tensors = self.tensors if tensors is None else tensors
+        put = put or (lambda array, new, slots: write_tokens(array, new, slots, axis=2))
         g, layout = p.granularity, p.layout
         first = flush.positions[:, ::g]  # [B, F] each settling group's first position, -1 none
         tags, candidates = self._tagged(first)  # [B, E, F'], [B, E, S + F']
@@ -669,25 +680,23 @@ class EvictingLayer:
         # Slot j of a head holds rows j*g .. j*g + g-1 (S x g: dropped).
         rows = (dest[..., None] * g + jnp.arange(g)).reshape(*dest.shape[:2], -1)
         pool = self._pool_tensors if p.pooled else (lambda xs: xs)
-        tensors = []
+        written = []
         for tensor, new, payload, scale, zero in zip(
-            self.tensors, flush.fresh, flush.payloads, flush.scales, flush.zeros, strict=True
+            tensors, flush.fresh, flush.payloads, flush.scales, flush.zeros, strict=True
         ):
             payload, scale, zero = pool((payload, scale, zero))
-            written = tensor.replace(
-                payload=write_tokens(tensor.payload, payload, rows, axis=2),
+            stored = tensor.replace(
+                payload=put(tensor.payload, payload, rows),
                 ring=write_ring(tensor.ring, new, layout, placement),
             )
             if tensor.spec.quantized:  # channel axis: one scale row per slot
                 scale_slots = rows if tensor.spec.axis == "token" else dest
-                written = written.replace(
-                    scale=write_tokens(tensor.scale, scale, scale_slots, axis=2),
-                    zero=None
-                    if zero is None
-                    else write_tokens(tensor.zero, zero, scale_slots, axis=2),
+                stored = stored.replace(
+                    scale=put(tensor.scale, scale, scale_slots),
+                    zero=None if zero is None else put(tensor.zero, zero, scale_slots),
                 )
-            tensors.append(written)
-        return EvictingLayer(tuple(tensors), positions, scores, p, ring_scores)
+            written.append(stored)
+        return EvictingLayer(tuple(written), positions, scores, p, ring_scores)
 
     def _per_kv_head(self, m: Array) -> Array:
         """A per-head block's mass [B, K', X] (pooled: [B, 1, K x X]) as [B, K, X]."""
@@ -768,14 +777,21 @@ class EvictingLayer:
 _POOLED = ("payload", "scale", "zero")  # the QuantizedTensor arrays that page
 
 
-def _gather(pool, pages: Array, length: int):
-    """A pool's dense view [B, KH, length, X] (a quantized tensor's arrays alike)."""
+def _entries(array: Array, rows: int, page: int) -> int:
+    """Entries of a row's `rows` token rows in a pool array holding array.shape[2]
+    per page of `page` rows (per-channel scales: one per group of tokens)."""
+    return rows * array.shape[2] // page
+
+
+def _gather(pool, pages: Array, rows: int, page: int):
+    """A pool's dense view [B, KH, rows, X] (a quantized tensor's arrays alike; its
+    ring stays per row)."""
     if not isinstance(pool, QuantizedTensor):
-        return gather_pages(pool, pages, length)
+        return gather_pages(pool, pages, rows)
     views = {
         name: None
         if getattr(pool, name) is None
-        else gather_pages(getattr(pool, name), pages, length)
+        else gather_pages(getattr(pool, name), pages, _entries(getattr(pool, name), rows, page))
         for name in _POOLED
     }
     return pool.replace(**views)
@@ -797,27 +813,35 @@ def _put_pages(pool, new: Array, slots: Array, pages: Array, size: int):
 
 @struct.dataclass
 class PagedEvictingLayer:
-    """An evicting layer whose slots live in page pools (slot s of row b: entry
-    s mod L of page block_tables[b, s div L]); positions and scores stay per row.
+    """An evicting layer whose slots live in page pools (row r of a row's slots:
+    entry r mod L of page block_tables[b, r div L]); positions and scores stay
+    per row.
 
-    pools      per cached tensor: [KH, P, L, W] in cache.dtype, or a QuantizedTensor
-               whose payload, scale and zero are such pools (ring None)
-    positions, scores, policy: as EvictingLayer's
+    pools        per cached tensor: [KH, P, L, W] in cache.dtype, or a QuantizedTensor
+                 whose payload, scale and zero are such pools (per-channel scales:
+                 L / g entries per page); a settling policy's ring stays per row
+    positions, scores, policy, ring_scores: as EvictingLayer's
     """
 
     pools: tuple
     positions: Array | None
     scores: Array | None
     policy: Policy = struct.field(pytree_node=False)
+    ring_scores: Array | None = None
 
     @property
     def capacity(self) -> int:
         return self.policy.max_len
 
+    @property
+    def _page(self) -> int:
+        return jax.tree.leaves(self.pools)[0].shape[2]  # payloads come first
+
     def view(self, pages: Array) -> EvictingLayer:
         """The rows' slots gathered from their pages, as a dense evicting layer."""
-        tensors = tuple(_gather(pool, pages, self.policy.slots) for pool in self.pools)
-        return EvictingLayer(tensors, self.positions, self.scores, self.policy)
+        p = self.policy
+        tensors = tuple(_gather(pool, pages, p.rows, self._page) for pool in self.pools)
+        return EvictingLayer(tensors, self.positions, self.scores, p, self.ring_scores)
 
     def tensor_shapes(self) -> tuple[tuple[int, int], ...]:
         pool_heads = lambda t: (t.payload if isinstance(t, QuantizedTensor) else t).shape[0]  # noqa: E731
@@ -834,13 +858,24 @@ class PagedEvictingLayer:
         return self.view(placement.pages).read(fresh, placement)
 
     def write(self, pending: tuple, placement: Placement, mass=None) -> PagedEvictingLayer:
-        view = self.view(placement.pages)  # knorm reads the stored keys
+        p, pages = self.policy, placement.pages
+        view = self.view(pages)  # knorm reads the stored keys
+        if p.settles:
+
+            def put(array, new, slots):
+                size = _entries(array, p.rows, self._page)
+                return write_pages(array, new, slots, pages, size)
+
+            layer = view._write_settling(pending, placement, mass, self.pools, put)
+            return PagedEvictingLayer(
+                layer.tensors, layer.positions, layer.scores, p, layer.ring_scores
+            )
         slots, positions, scores = view.destinations(pending, placement, mass)
         pools = tuple(
-            _put_pages(pool, x, slots, placement.pages, self.policy.slots)
+            _put_pages(pool, x, slots, pages, p.slots)
             for pool, x in zip(self.pools, pending, strict=True)
         )
-        return PagedEvictingLayer(pools, positions, scores, self.policy)
+        return PagedEvictingLayer(pools, positions, scores, p)
 
 
 def _metadata(policy: Policy, batch: int):
@@ -851,28 +886,32 @@ def _metadata(policy: Policy, batch: int):
     return jnp.full(shape, -1, jnp.int32), scores
 
 
+def _ring_scores(policy: Policy, batch: int) -> Array | None:
+    if not (policy.settles and policy.method == "h2o"):
+        return None
+    return jnp.zeros((batch, policy.kv_heads, policy.layout.ring_len), jnp.float32)
+
+
 def init_layer(policy: Policy, tensors: tuple, batch: int) -> EvictingLayer:
     """An empty layer around `tensors` (each with policy.slots rows, zeroed; settling:
     QuantizedTensors of slots x g rows and a ring of policy.layout.ring_len)."""
-    ring_scores = None
-    if policy.settles and policy.method == "h2o":
-        ring_scores = jnp.zeros((batch, policy.kv_heads, policy.layout.ring_len), jnp.float32)
-    return EvictingLayer(tensors, *_metadata(policy, batch), policy, ring_scores)
+    return EvictingLayer(tensors, *_metadata(policy, batch), policy, _ring_scores(policy, batch))
 
 
 def init_paged_layer(policy: Policy, pools: tuple, batch: int) -> PagedEvictingLayer:
     """An empty paged layer around zeroed `pools`."""
-    return PagedEvictingLayer(pools, *_metadata(policy, batch), policy)
+    return PagedEvictingLayer(pools, *_metadata(policy, batch), policy, _ring_scores(policy, batch))
 
 
 def reset_rows(layer, starting: Array, lengths: Array):
     """The layer with rows `starting` (bool[B]) holding their first lengths[b]
     tokens in slot order (a request starting there on matched prefix pages) and
-    nothing else: positions slot or -1, scores 0. Other layers pass through."""
+    nothing else: slot j holds position j (settling: group j, first position j x g)
+    or nothing (-1), scores 0. Other layers pass through."""
     if getattr(layer, "positions", None) is None:
         return layer
-    slot = jnp.arange(layer.positions.shape[2])
-    fresh = jnp.where(slot[None, :] < lengths[:, None], slot[None, :], -1)[:, None, :]
+    first = jnp.arange(layer.positions.shape[2]) * layer.policy.granularity  # slot j: group j
+    fresh = jnp.where(first[None, :] < lengths[:, None], first[None, :], -1)[:, None, :]
     positions = jnp.where(starting[:, None, None], fresh, layer.positions)
     scores = layer.scores
     if scores is not None:
@@ -893,4 +932,11 @@ def copy_pages(layer, sources: Array, targets: Array):
     targets = jnp.where(targets < 0, num_pages, targets)  # dropped
     sources = jnp.clip(sources, 0, num_pages - 1)
     copy = lambda pool: pool.at[:, targets].set(pool[:, sources], mode="drop")  # noqa: E731
-    return layer.replace(pools=jax.tree.map(copy, layer.pools))
+
+    def copied(pool):
+        if not isinstance(pool, QuantizedTensor):
+            return copy(pool)
+        arrays = {name: getattr(pool, name) for name in _POOLED}  # not the per-row ring
+        return pool.replace(**{k: None if a is None else copy(a) for k, a in arrays.items()})
+
+    return layer.replace(pools=tuple(copied(pool) for pool in layer.pools))

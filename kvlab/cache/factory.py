@@ -141,7 +141,7 @@ def _evicting_layer(policy, specs, shapes, dtype, batch_size: int) -> evict.Evic
 def _paged_evicting_cache(plan, specs, shapes, dtype, cache_cfg, batch_size, own_pages, rows):
     """Pools of pages holding each row's slots (as many as the widest layer's), and block tables."""
     page = cache_cfg["page_size"]
-    slots = max(p.slots for p in plan)
+    slots = max(p.rows for p in plan)
     n = paged.pages_per_row(cache_cfg, slots)
     num_pages = paged.pool_size(cache_cfg, batch_size, slots)
     _check_pool(cache_cfg, num_pages, batch_size, n, own_pages, f"{slots} kept tokens")
@@ -149,17 +149,21 @@ def _paged_evicting_cache(plan, specs, shapes, dtype, cache_cfg, batch_size, own
     for policy in plan:
         pools = []
         for spec, (heads, width) in zip(specs, shapes, strict=True):
-            heads = 1 if policy.pooled else heads
-            if spec.quantized:
-                one_row = quant.init_tensor(spec, quant.Layout(page, 0, 1), 1, heads, width)
+            pool_heads = 1 if policy.pooled else heads
+            if spec.quantized or policy.settles:
+                # one page's arrays (per-channel scales: page / g rows) as the template
+                one_page = quant.empty_tensor(spec, 1, pool_heads, width, page, 0)
                 arrays = {
-                    name: None if array is None else _pool(array, num_pages, page)
+                    name: None if array is None else _pool(array, num_pages, array.shape[2])
                     for name in ("payload", "scale", "zero")
-                    for array in [getattr(one_row, name)]
+                    for array in [getattr(one_page, name)]
                 }
-                pools.append(one_row.replace(**arrays))
+                ring = None
+                if policy.settles:  # the unsettled tokens: per row and KV head
+                    ring = jnp.zeros((batch_size, heads, policy.layout.ring_len, width), dtype)
+                pools.append(one_page.replace(ring=ring, **arrays))
             else:
-                pools.append(jnp.zeros((heads, num_pages, page, width), dtype))
+                pools.append(jnp.zeros((pool_heads, num_pages, page, width), dtype))
         layers.append(evict.init_paged_layer(policy, tuple(pools), batch_size))
     tables = _tables(batch_size, n, own_pages)
     return paged.PagedCache(layers=tuple(layers), block_tables=tables, **rows)
@@ -219,7 +223,7 @@ def _layer_axes(layer):
         paged_layer = isinstance(layer, evict.PagedEvictingLayer)
         stored, axes = ("pools", POOL_AXES) if paged_layer else ("tensors", ROW_AXES)
         return layer.replace(
-            **{stored: jax.tree.map(lambda _: axes, getattr(layer, stored))},
+            **{stored: tuple(_stored_axes(t, axes) for t in getattr(layer, stored))},
             positions=None if layer.positions is None else per_slot,
             scores=None if layer.scores is None else per_slot,
             **({} if getattr(layer, "ring_scores", None) is None else {"ring_scores": per_slot}),
@@ -229,12 +233,16 @@ def _layer_axes(layer):
     if isinstance(layer, paged.PagedLayer):
         return jax.tree.map(lambda _: POOL_AXES, layer)
     if isinstance(layer, paged.PagedQuantizedLayer):
-        tensors = tuple(
-            jax.tree.map(lambda _: POOL_AXES, t).replace(ring=None if t.ring is None else ROW_AXES)
-            for t in layer.tensors
-        )
-        return layer.replace(tensors=tensors)
+        return layer.replace(tensors=tuple(_stored_axes(t, POOL_AXES) for t in layer.tensors))
     raise TypeError(f"no mesh layout for the cache layer {type(layer).__name__}")
+
+
+def _stored_axes(tensor, axes: PartitionSpec):
+    """A stored tensor's axes: `axes` for its arrays, a QuantizedTensor's ring per row."""
+    spec = jax.tree.map(lambda _: axes, tensor)
+    if isinstance(tensor, quant.QuantizedTensor) and tensor.ring is not None:
+        spec = spec.replace(ring=ROW_AXES)
+    return spec
 
 
 def cache_axes(cache: Cache) -> Cache:

@@ -123,7 +123,8 @@ def test_sinks_keep_the_first_tokens_and_a_recent_window():
 @pytest.mark.parametrize("bits, methods", [(16, ("sinks", "adakv")), (4, ("h2o",))])
 def test_a_paged_evicting_cache_equals_the_dense_one(bits, methods):
     """Slots in pages (block tables in another order, pages of 2 slots) keep and
-    give exactly what the dense evicting cache does; its bytes are counted."""
+    give exactly what the dense evicting cache does; its bytes are counted.
+    (Groups of KIVI's storage in pages: the next test.)"""
     cfg = VARIANTS["gqa"]()
     tokens = random_tokens(cfg, (2, 9))
     _, params, apply = build(cfg)
@@ -141,6 +142,36 @@ def test_a_paged_evicting_cache_equals_the_dense_one(bits, methods):
         for a, b in zip(dense_cache.layers, paged.layers, strict=True):
             if a.positions is not None:
                 np.testing.assert_array_equal(a.positions, b.positions)
+
+
+@pytest.mark.parametrize(
+    "name, residual, fields",
+    [
+        ("gqa", 8, dict(method="h2o", budget=16)),
+        ("mla_absorbed", 0, dict(method="window", budget=12)),
+    ],
+)
+def test_paged_groups_of_kivi_storage_equal_the_dense_ones(name, residual, fields):
+    """Settling groups in pages of 8 rows (block tables reversed), rings and h2o's
+    ring scores per row: the logits, kept positions and scores of the dense layer,
+    and the bytes counted."""
+    cfg = VARIANTS[name]()
+    tokens = random_tokens(cfg, (2, 28))
+    _, params, apply = build(cfg)
+    cache_cfg = kivi(cfg, **fields, residual=residual)
+    chunks = [5, 9, 3, 11]
+    dense, dense_cache = run(cfg, cache_cfg, tokens, chunks, KIVI_LEN)
+    cache_cfg.update(kind="paged", page_size=8)
+    paged = kvlab.init_cache(cfg.model, cache_cfg, 2, KIVI_LEN)
+    assert kvlab.cache_bytes(cfg.model, cache_cfg, 2, KIVI_LEN) == kvlab.tree_bytes(paged)
+    assert paged.block_tables.shape == (2, dense_cache.layers[0].policy.slots)  # a group a page
+    paged = paged.replace(block_tables=paged.block_tables[::-1, ::-1])
+    out, paged = run_in_chunks(apply, params, paged, tokens, chunks)
+    np.testing.assert_array_equal(out, dense)
+    for a, b in zip(dense_cache.layers, paged.layers, strict=True):
+        for field in ("positions", "scores", "ring_scores"):
+            if getattr(a, field) is not None:
+                np.testing.assert_array_equal(getattr(a, field), getattr(b, field))
 
 
 @pytest.mark.parametrize(
@@ -377,14 +408,17 @@ def test_bytes_are_the_kept_slots():
     ratio=st.sampled_from([0.125, 0.25, 0.5, 0.75, 1.0]),
     batch=st.integers(1, 3),
     max_len=st.integers(24, 80),
+    paged=st.booleans(),
 )
 def test_cache_bytes_equal_tree_bytes_for_every_policy(
-    name, method, bits, axis, residual, ratio, batch, max_len
+    name, method, bits, axis, residual, ratio, batch, max_len, paged
 ):
     cfg = VARIANTS[name]()
     cache_cfg = evicting(cfg, method, bits, ratio=ratio, sinks=1)
     first = kvlab.config.cached_prefixes(cfg.model)[0]
     cache_cfg.update({f"{first}_axis": axis, "residual": residual})  # KIVI's layout
+    if paged:
+        cache_cfg.update(kind="paged", page_size=16)
     build_cache = lambda: kvlab.init_cache(cfg.model, cache_cfg, batch, max_len)  # noqa: E731
     measured = kvlab.tree_bytes(jax.eval_shape(build_cache))
     assert kvlab.cache_bytes(cfg.model, cache_cfg, batch, max_len) == measured
@@ -420,11 +454,6 @@ def test_a_row_given_an_invalid_token_under_jit_keeps_its_kept_tokens():
             {"evict.method": "h2o", "kind": "paged", "prefix_caching": True},
             "cache.prefix_caching=True cannot combine with cache.evict.method='h2o'",
         ),
-        ({"evict.method": "window", "k_bits": 4, "kind": "paged"}, "cache.kind='paged' cannot"),
-        (
-            {"evict.method": "h2o", "v_bits": 4, "residual": 8, "kind": "paged"},
-            "cache.kind='paged'",
-        ),
     ],
 )
 def test_bad_eviction_fields_are_refused_naming_the_field(change, message):
@@ -450,6 +479,3 @@ def test_budgets_that_cannot_hold_what_is_always_kept_are_refused():
     windowed.model.sliding_window = 8
     with pytest.raises(ValueError, match="cannot combine with model.sliding_window=8"):
         kvlab.init_cache(windowed.model, evicting(windowed, "h2o"), 1, 32)
-    windowed.cache.update(k_bits=4, kind="paged")  # per-channel key scales (KIVI) in pages
-    with pytest.raises(ValueError, match="'paged' cannot combine with model.sliding_window=8"):
-        kvlab.init_cache(windowed.model, windowed.cache, 1, 32)
