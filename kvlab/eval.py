@@ -34,6 +34,13 @@ through one float32 log-softmax (stacked), so identical logits give exactly
 kl 0, agreement 1 and delta 0, and the reference scores exactly that against
 itself.
 
+With `windows=True` the result also holds `windows`: per evaluation window
+(each row of each batch, batches in order) the sums {"nll", "correct",
+"weight"} its targets add (float32 per chunk, added up in float64), so a
+caller can resample windows (kvlab.sweep's bootstrap over seeds and windows);
+ppl is exp(sum nll / sum weight) over all of them. Off by default: the result
+stays a dict of numbers.
+
 The reference costs one evaluation per model, not one per cache:
 `evaluate_reference` runs it once and keeps its logits per window and chunk on
 the devices, laid out as its rows were (float32[B, C, V]; 8 MiB for the tiny
@@ -70,10 +77,24 @@ from kvlab.train import score, summarize, target_bytes
 KEEP_REFERENCE_BYTES = 1 << 30
 
 
+def _row_sums(nll, hits, weights) -> dict:
+    """Per-row sums float32[B] of per-token nll and argmax hits [B, C] and weights."""
+    return {
+        "nll": jnp.sum(nll * weights, axis=1),
+        "correct": jnp.sum(hits * weights, axis=1),
+        "weight": jnp.sum(weights, axis=1),
+    }
+
+
 @functools.partial(jax.jit, static_argnums=0, donate_argnums=2)
 def _score_chunk(model: Transformer, params, cache, inputs, targets, weights):
+    """(cache, sums): score()'s sums plus "rows", their per-row parts [B]."""
     logits, cache = model.apply({"params": params}, inputs, cache=cache)
-    return cache, score(logits, targets, weights)
+    sums = score(logits, targets, weights)
+    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    nll = -jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
+    hits = (jnp.argmax(logits, axis=-1) == targets).astype(jnp.float32)
+    return cache, {**sums, "rows": _row_sums(nll, hits, weights)}
 
 
 @functools.partial(jax.jit, static_argnums=0, donate_argnums=2)
@@ -93,22 +114,24 @@ def compare_logits(logits, reference, targets, weights) -> tuple[dict, jax.Array
     sums, weighted: nll, correct and weight as train.score counts them (from
     the log-softmax below), reference_nll, kl (KL(P_reference || P_cache) in
     nats) and agree (argmax equal). Identical logits give kl exactly 0 and agree
-    equal to weight."""
+    equal to weight; "rows" holds nll, correct and weight per row (float32[B])."""
     # [2, B, C, V]: one log-softmax for both, so equal rows give equal log-probs
     logp = jax.nn.log_softmax(jnp.stack([reference, logits]).astype(jnp.float32), axis=-1)
-    nll = -jnp.take_along_axis(logp, targets[None, :, :, None], axis=-1)[..., 0]  # [2, B, C]
-    nll = jnp.sum(nll * weights, axis=(1, 2))  # [2]
+    tokens = -jnp.take_along_axis(logp, targets[None, :, :, None], axis=-1)[..., 0]  # [2, B, C]
+    nll = jnp.sum(tokens * weights, axis=(1, 2))  # [2]
     top1 = jnp.argmax(logp, axis=-1)  # [2, B, C]
+    hits = (top1[1] == targets).astype(jnp.float32)
     # sum_v p (log p - log q): every term is exactly 0 where the rows are equal
     kl = jnp.sum(jnp.exp(logp[0]) * (logp[0] - logp[1]), axis=-1)  # [B, C]
     kl = jnp.maximum(kl, 0.0)  # rounding may take a near-equal pair just below 0
     sums = {
         "nll": nll[1],
         "reference_nll": nll[0],
-        "correct": jnp.sum((top1[1] == targets) * weights),
+        "correct": jnp.sum(hits * weights),
         "weight": jnp.sum(weights),
         "kl": jnp.sum(kl * weights),
         "agree": jnp.sum((top1[0] == top1[1]) * weights),
+        "rows": _row_sums(tokens[1], hits, weights),
     }
     return sums, kl
 
@@ -209,13 +232,14 @@ def _placed(model: Transformer, params, mesh: Mesh | None, rules: tuple | None):
 
 def _run(model, cache_cfg, params, batches, chunk, mesh, rules, *, compare, reference, keep):
     """Every window through `cache_cfg`; returns (per-chunk sums, per-window
-    per-token KL [B, T] or None, per-window kept logits or None, seq_len).
+    per-token KL [B, T] or None, per-window kept logits or None, seq_len,
+    per-batch lists of each chunk's per-row sums [B], on the devices).
 
     compare False: score() alone (no reference). Else each chunk's logits are
     compared with the reference's: `reference` None (the cache is its own
     reference), a Reference holding logits, or one without (run in lockstep).
     keep: return this cache's logits per window and chunk, on the devices."""
-    scored, tokens, kept = [], [], []
+    scored, tokens, kept, rows_of = [], [], [], []
     lockstep = reference is not None and reference.logits is None
     seq_len = None
     for window, batch in enumerate(batches):
@@ -228,7 +252,7 @@ def _run(model, cache_cfg, params, batches, chunk, mesh, rules, *, compare, refe
         if mesh is not None:  # this host's rows of the batch, as training reads them
             placed = sharding.batch_sharding(mesh, rules, size)
             rows = sharding.process_rows(placed, size)
-        window_kl, window_logits = [], []
+        window_kl, window_logits, window_rows = [], [], []
         for index, start in enumerate(range(0, seq_len, chunk)):
             part = {k: batch[k][:, start : start + chunk] for k in ("inputs", "targets", "weights")}
             if mesh is not None:
@@ -238,6 +262,7 @@ def _run(model, cache_cfg, params, batches, chunk, mesh, rules, *, compare, refe
             inputs, targets, weights = part["inputs"], part["targets"], part["weights"]
             if not compare:
                 cache, sums = _score_chunk(model, params, cache, inputs, targets, weights)
+                window_rows.append(sums.pop("rows"))  # [B]: sharded by rows, fetched on demand
                 scored.append(sums)
                 continue
             logits, cache = _forward(model, params, cache, inputs)
@@ -248,6 +273,7 @@ def _run(model, cache_cfg, params, batches, chunk, mesh, rules, *, compare, refe
             else:
                 against = reference.logits[window][index]
             sums, kl = compare_logits(logits, against, targets, weights)
+            window_rows.append(sums.pop("rows"))
             scored.append(sums)
             window_kl.append(kl)
             if keep:
@@ -257,12 +283,30 @@ def _run(model, cache_cfg, params, batches, chunk, mesh, rules, *, compare, refe
             ref_cache.check()
         tokens.append(window_kl)
         kept.append(window_logits)
-    return scored, tokens if compare else None, kept if keep else None, seq_len
+        rows_of.append(window_rows)
+    return scored, tokens if compare else None, kept if keep else None, seq_len, rows_of
 
 
-def _results(model, cache_cfg, batches, scored, tokens, seq_len) -> dict:
+def _window_sums(rows_of: list) -> list[dict]:
+    """{"nll", "correct", "weight"} per row of each batch (batches in order)
+    from each chunk's per-row sums, gathered whole on every host."""
+    windows = []
+    for chunks in rows_of:
+        totals = {
+            key: np.sum([sharding.fetch(part[key]) for part in chunks], axis=0, dtype=np.float64)
+            for key in ("nll", "correct", "weight")
+        }
+        windows += [
+            {key: float(values[row]) for key, values in totals.items()}
+            for row in range(len(totals["weight"]))
+        ]
+    return windows
+
+
+def _results(model, cache_cfg, batches, scored, tokens, seq_len, rows_of=None) -> dict:
     """The result dict from per-chunk sums (replicated scalars: every host holds
-    the totals) and, when compared, the per-token KL of every window."""
+    the totals), when compared the per-token KL of every window, and with
+    `rows_of` (from _run) the per-window sums (`windows`)."""
     scored = jax.device_get(scored)
     compared = ("kl", "agree", "reference_nll") if tokens is not None else ()
     keys = ("nll", "correct", "weight", *compared)
@@ -271,6 +315,8 @@ def _results(model, cache_cfg, batches, scored, tokens, seq_len) -> dict:
         **summarize(totals, target_bytes(batches)),
         **cache_bytes_per_token(model.config, cache_cfg, seq_len),
     }
+    if rows_of is not None:
+        result["windows"] = _window_sums(rows_of)
     if tokens is None:
         return result
     # Per-token KL of the tokens that count: [B, T] per window, the rows of every host.
@@ -307,20 +353,23 @@ def evaluate_reference(
     chunk: int,
     mesh: Mesh | None = None,
     rules: tuple | None = None,
+    windows: bool = False,
 ) -> Reference:
     """`cache_cfg` (normally `full_cache(...)` of the caches to compare) evaluated
     once as evaluate() does, scored against itself (result: kl 0, agreement 1,
     delta_ppl 0), its logits kept for `evaluate(..., reference=)` unless all
-    windows' would pass KEEP_REFERENCE_BYTES."""
+    windows' would pass KEEP_REFERENCE_BYTES. windows: its result holds the
+    per-window sums (module docstring)."""
     _validated_reference(cache_cfg, model_cfg)
     model, cache_cfg, chunk = _prepared(model_cfg, cache_cfg, batches, chunk)
     mesh, rules, placed_params = _placed(model, params, mesh, rules)
     logit_bytes = sum(np.size(b["inputs"]) for b in batches) * model.config.vocab_size * 4
     keep = logit_bytes <= KEEP_REFERENCE_BYTES
-    scored, tokens, kept, seq_len = _run(
+    scored, tokens, kept, seq_len, rows_of = _run(
         model, cache_cfg, placed_params, batches, chunk, mesh, rules,
         compare=True, reference=None, keep=keep,
     )  # fmt: skip
+    rows_of = rows_of if windows else None
     return Reference(
         model_cfg=model.config,
         cache_cfg=cache_cfg,
@@ -328,7 +377,7 @@ def evaluate_reference(
         mesh=mesh,
         rules=rules,
         batches=_digest(batches),
-        result=_results(model, cache_cfg, batches, scored, tokens, seq_len),
+        result=_results(model, cache_cfg, batches, scored, tokens, seq_len, rows_of),
         logits=kept,
     )
 
@@ -343,6 +392,7 @@ def evaluate(
     mesh: Mesh | None = None,
     rules: tuple | None = None,
     reference: Mapping | Reference | None = None,
+    windows: bool = False,
 ) -> dict:
     """Loss, perplexity, bits per byte and accuracy of `params` over `batches`
     (dicts of inputs/targets/weights [B, T]) run through `cache_cfg`.
@@ -350,7 +400,8 @@ def evaluate(
     With `reference` (a cache config, evaluated first, or a Reference from
     evaluate_reference over the same model, params, batches, chunk and mesh)
     the result adds kl_mean, kl_p99, top1_agreement and delta_ppl against it
-    (module docstring).
+    (module docstring). With `windows` it adds `windows`, the per-window sums
+    of nll, correct and weight (module docstring).
 
     With `mesh` (kvlab/sharding.py) the evaluation runs there: params placed by
     their logical axes, each window's cache laid out (init_cache(mesh=)) and its
@@ -371,11 +422,13 @@ def evaluate(
     mesh, rules, params = _placed(model, params, mesh, rules)
     if reference is not None:
         _check_reference(reference, model, batches, chunk, mesh, rules)
-    scored, tokens, _, seq_len = _run(
+    scored, tokens, _, seq_len, rows_of = _run(
         model, cache_cfg, params, batches, chunk, mesh, rules,
         compare=reference is not None, reference=reference, keep=False,
     )  # fmt: skip
-    return _results(model, cache_cfg, batches, scored, tokens, seq_len)
+    return _results(
+        model, cache_cfg, batches, scored, tokens, seq_len, rows_of if windows else None
+    )
 
 
 def full_precision(cache_cfg: Mapping) -> ml_collections.ConfigDict:

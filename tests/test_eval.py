@@ -167,9 +167,16 @@ def test_the_full_cache_is_exactly_nothing_away_from_itself(references, batches,
     )
     assert distance(again) == NOTHING
     assert again["ppl"] == reference.result["ppl"]
-    plain = evaluate(cfg.model, full_cache(cfg.cache), params, batches, chunk=8)
+    plain = evaluate(cfg.model, full_cache(cfg.cache), params, batches, chunk=8, windows=True)
     assert set(again) - set(plain) == set(NOTHING)  # without a reference: the keys of old
     assert plain["loss"] == pytest.approx(again["loss"], rel=1e-6)
+    # Per window (each row of each batch): sums that add up to the totals.
+    windows = plain.pop("windows")
+    assert len(windows) == sum(len(batch["inputs"]) for batch in batches)
+    weight = sum(w["weight"] for w in windows)
+    assert weight == plain["targets"]
+    assert sum(w["nll"] for w in windows) / weight == pytest.approx(plain["loss"], rel=1e-6)
+    assert sum(w["correct"] for w in windows) / weight == pytest.approx(plain["accuracy"])
 
 
 @pytest.mark.parametrize("name", sorted(MODELS))
@@ -178,7 +185,7 @@ def test_the_distance_of_a_2_bit_cache_is_what_numpy_computes_from_both_caches_l
 ):
     cfg, params, reference = references[name]
     cache = every_tensor_at(cfg, 2)
-    result = evaluate(cfg.model, cache, params, batches, chunk=8, reference=reference)
+    result = evaluate(cfg.model, cache, params, batches, chunk=8, reference=reference, windows=True)
 
     # Both caches by hand: each window prefilled in one step, log-softmax in float64.
     _, _, apply = build(cfg)
@@ -207,10 +214,13 @@ def test_the_distance_of_a_2_bit_cache_is_what_numpy_computes_from_both_caches_l
     )
     assert result["delta_ppl"] == pytest.approx(ppl["cache"] - ppl["ref"], rel=1e-3, abs=1e-3)
     assert result["delta_ppl"] == pytest.approx(result["ppl"] - reference.result["ppl"], abs=1e-9)
+    rows = (np.concatenate(nll["cache"]) * weights).sum(-1)  # per window (row)
+    np.testing.assert_allclose([w["nll"] for w in result["windows"]], rows, rtol=1e-4)
 
     # Too many logits to keep: the reference runs in lockstep, to the same numbers.
     monkeypatch.setattr(kvlab.eval, "KEEP_REFERENCE_BYTES", 0)
-    lockstep = evaluate(cfg.model, cache, params, batches, chunk=8, reference=full_cache(cfg.cache))
+    full = full_cache(cfg.cache)
+    lockstep = evaluate(cfg.model, cache, params, batches, chunk=8, reference=full, windows=True)
     assert lockstep == result
 
 
