@@ -144,22 +144,15 @@ def test_a_paged_evicting_cache_equals_the_dense_one(bits, methods):
                 np.testing.assert_array_equal(a.positions, b.positions)
 
 
-@pytest.mark.parametrize(
-    "name, residual, fields",
-    [
-        ("gqa", 8, dict(method="h2o", budget=16)),
-        ("mla_absorbed", 0, dict(method="window", budget=12)),
-    ],
-)
-def test_paged_groups_of_kivi_storage_equal_the_dense_ones(name, residual, fields):
-    """Settling groups in pages of 8 rows (block tables reversed), rings and h2o's
-    ring scores per row: the logits, kept positions and scores of the dense layer,
-    and the bytes counted."""
-    cfg = VARIANTS[name]()
+def test_paged_groups_of_kivi_storage_equal_the_dense_ones():
+    """h2o's settling groups in pages of 8 rows (block tables reversed), rings and
+    ring scores per row: the logits, kept positions and scores of the dense
+    layer, and the bytes counted. (A window's paged groups: the test above.)"""
+    cfg = VARIANTS["gqa"]()
     tokens = random_tokens(cfg, (2, 28))
     _, params, apply = build(cfg)
-    cache_cfg = kivi(cfg, **fields, residual=residual)
-    chunks = [5, 9, 3, 11]
+    cache_cfg = kivi(cfg, "h2o", 8, budget=16)
+    chunks = KIVI_CHUNKS
     dense, dense_cache = run(cfg, cache_cfg, tokens, chunks, KIVI_LEN)
     cache_cfg.update(kind="paged", page_size=8)
     paged = kvlab.init_cache(cfg.model, cache_cfg, 2, KIVI_LEN)
@@ -216,27 +209,35 @@ def _without_eviction(cfg, cache_cfg, batch, max_len):
 
 
 @pytest.mark.parametrize(
-    "name, residual, fields, kept",
+    "name, residual, fields, kind, kept",
     [
-        ("gqa", 8, dict(method="window", budget=12), [8]),
-        ("mla_absorbed", 0, dict(method="sinks", budget=6, sinks=2), [0, 16]),
+        ("gqa", 8, dict(method="window", budget=12), "dense", [8]),
+        ("mla_absorbed", 0, dict(method="sinks", budget=6, sinks=2), "paged", [0, 16]),
     ],
 )
-def test_a_window_over_settling_groups_keeps_what_its_band_reads(name, residual, fields, kept):
+def test_a_window_over_settling_groups_keeps_what_its_band_reads(
+    name, residual, fields, kind, kept
+):
     """window / sinks over KIVI storage: each query sees the sinks and its last
     `span` positions, quantized as the quantized cache stores them; the layer keeps
     the sinks' groups and just enough of the newest settled ones (the rest of the
     band is unsettled), so evicting the older groups changes nothing: the logits
-    equal the same band over every group. A model's sliding_window is the same
-    cache."""
+    equal the same band over every group, also from pages (block tables
+    reversed). A model's sliding_window is the same cache."""
     cfg = VARIANTS[name]()
     tokens = random_tokens(cfg, (2, 28))
     _, params, apply = build(cfg)
     cache_cfg = kivi(cfg, **fields, residual=residual)
-    chunks = [5, 9, 3, 11]  # steps that start anywhere in a group
+    chunks = [6, 6, 6, 6, 4]  # steps that start at offsets 0, 6, 4, 2 of a group
     everything = _without_eviction(cfg, cache_cfg, 2, KIVI_LEN)
     reference, _ = run_in_chunks(apply, params, everything, tokens, chunks)
-    out, cache = run(cfg, cache_cfg, tokens, chunks, KIVI_LEN)
+    cache_cfg.update(kind=kind, page_size=8)
+    cache = kvlab.init_cache(cfg.model, cache_cfg, 2, KIVI_LEN)
+    assert kvlab.cache_bytes(cfg.model, cache_cfg, 2, KIVI_LEN) == kvlab.tree_bytes(cache)
+    if kind == "paged":
+        assert cache.block_tables.shape == (2, cache.layers[0].policy.slots)  # a group a page
+        cache = cache.replace(block_tables=cache.block_tables[::-1, ::-1])
+    out, cache = run_in_chunks(apply, params, cache, tokens, chunks)
     # The reference reads the groups evicted here only if the band lets it.
     np.testing.assert_allclose(out, reference, atol=3e-6, rtol=0)  # slots: another order
     for layer in cache.layers:
