@@ -134,7 +134,7 @@ def test_bench_decode_reports_speedup_roofline_and_latent_paths():
         "scripts/bench_decode.py",
         "--config",
         "configs/mla.py:tiny",
-        "--lengths=32,64",
+        "--lengths=64",
         "--mla_lengths=32",
         "--steps=2",
         "--mla_steps=2",
@@ -151,7 +151,7 @@ def test_bench_decode_reports_speedup_roofline_and_latent_paths():
     assert report["weight_bytes"] == kvlab.tree_bytes(params)
     assert set(report["bandwidth_bytes_per_s"]) == {"sum_16MiB", "matvec_8MiB"}
     bandwidth = max(report["bandwidth_bytes_per_s"].values())
-    assert [row["seq_len"] for row in report["rows"]] == [32, 64]
+    assert [row["seq_len"] for row in report["rows"]] == [64]
     for row in report["rows"]:
         # Two decode steps after the prompt, one row.
         assert row["cache_bytes"] == kvlab.cache_bytes(cfg.model, cfg.cache, 1, row["seq_len"] + 2)
@@ -169,7 +169,7 @@ def test_bench_decode_reports_speedup_roofline_and_latent_paths():
     ratio = paths["absorbed_tokens_per_s"] / paths["expanded_tokens_per_s"]
     assert paths["absorbed_speedup"] == pytest.approx(ratio)
     widths = {(row["bits"], row["seq_len"]): row for row in report["bit_widths"]}
-    assert set(widths) == {(16, 32), (16, 64), (4, 32), (4, 64)}
+    assert set(widths) == {(16, 64), (4, 64)}
     for (bits, length), row in widths.items():
         first = widths[16, length]
         cache = cfg.cache.copy_and_resolve_references()
@@ -179,7 +179,7 @@ def test_bench_decode_reports_speedup_roofline_and_latent_paths():
         assert row["speed_vs_first"] == pytest.approx(row["tokens_per_s"] / first["tokens_per_s"])
     assert widths[4, 64]["bytes_vs_first"] < 0.5
     evictions = {(row["evict"], row["seq_len"]): row for row in report["evictions"]}
-    assert set(evictions) == {("full", 32), ("full", 64), ("window:0.5", 32), ("window:0.5", 64)}
+    assert set(evictions) == {("full", 64), ("window:0.5", 64)}
     for (policy, length), row in evictions.items():
         cache = cfg.cache.copy_and_resolve_references()
         if policy != "full":
