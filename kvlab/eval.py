@@ -77,24 +77,28 @@ from kvlab.train import score, summarize, target_bytes
 KEEP_REFERENCE_BYTES = 1 << 30
 
 
-def _row_sums(nll, hits, weights) -> dict:
-    """Per-row sums float32[B] of per-token nll and argmax hits [B, C] and weights."""
+@functools.partial(jax.jit, static_argnums=0, donate_argnums=2)
+def _score_chunk(model: Transformer, params, cache, inputs, targets, weights):
+    logits, cache = model.apply({"params": params}, inputs, cache=cache)
+    return cache, score(logits, targets, weights)
+
+
+_score = jax.jit(score)
+
+
+@jax.jit
+def _row_sums(logits, targets, weights) -> dict:
+    """Per-row sums float32[B] of one chunk's nll, argmax hits and weights, from
+    its logits [B, C, V]: a program of its own, so asking for windows leaves the
+    numbers of every other program as they were."""
+    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    nll = -jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
+    hits = (jnp.argmax(logits, axis=-1) == targets).astype(jnp.float32)
     return {
         "nll": jnp.sum(nll * weights, axis=1),
         "correct": jnp.sum(hits * weights, axis=1),
         "weight": jnp.sum(weights, axis=1),
     }
-
-
-@functools.partial(jax.jit, static_argnums=0, donate_argnums=2)
-def _score_chunk(model: Transformer, params, cache, inputs, targets, weights):
-    """(cache, sums): score()'s sums plus "rows", their per-row parts [B]."""
-    logits, cache = model.apply({"params": params}, inputs, cache=cache)
-    sums = score(logits, targets, weights)
-    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-    nll = -jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
-    hits = (jnp.argmax(logits, axis=-1) == targets).astype(jnp.float32)
-    return cache, {**sums, "rows": _row_sums(nll, hits, weights)}
 
 
 @functools.partial(jax.jit, static_argnums=0, donate_argnums=2)
@@ -114,24 +118,22 @@ def compare_logits(logits, reference, targets, weights) -> tuple[dict, jax.Array
     sums, weighted: nll, correct and weight as train.score counts them (from
     the log-softmax below), reference_nll, kl (KL(P_reference || P_cache) in
     nats) and agree (argmax equal). Identical logits give kl exactly 0 and agree
-    equal to weight; "rows" holds nll, correct and weight per row (float32[B])."""
+    equal to weight."""
     # [2, B, C, V]: one log-softmax for both, so equal rows give equal log-probs
     logp = jax.nn.log_softmax(jnp.stack([reference, logits]).astype(jnp.float32), axis=-1)
-    tokens = -jnp.take_along_axis(logp, targets[None, :, :, None], axis=-1)[..., 0]  # [2, B, C]
-    nll = jnp.sum(tokens * weights, axis=(1, 2))  # [2]
+    nll = -jnp.take_along_axis(logp, targets[None, :, :, None], axis=-1)[..., 0]  # [2, B, C]
+    nll = jnp.sum(nll * weights, axis=(1, 2))  # [2]
     top1 = jnp.argmax(logp, axis=-1)  # [2, B, C]
-    hits = (top1[1] == targets).astype(jnp.float32)
     # sum_v p (log p - log q): every term is exactly 0 where the rows are equal
     kl = jnp.sum(jnp.exp(logp[0]) * (logp[0] - logp[1]), axis=-1)  # [B, C]
     kl = jnp.maximum(kl, 0.0)  # rounding may take a near-equal pair just below 0
     sums = {
         "nll": nll[1],
         "reference_nll": nll[0],
-        "correct": jnp.sum(hits * weights),
+        "correct": jnp.sum((top1[1] == targets) * weights),
         "weight": jnp.sum(weights),
         "kl": jnp.sum(kl * weights),
         "agree": jnp.sum((top1[0] == top1[1]) * weights),
-        "rows": _row_sums(tokens[1], hits, weights),
     }
     return sums, kl
 
@@ -230,15 +232,29 @@ def _placed(model: Transformer, params, mesh: Mesh | None, rules: tuple | None):
     return mesh, rules, place_params(model.config, params, mesh, rules)
 
 
-def _run(model, cache_cfg, params, batches, chunk, mesh, rules, *, compare, reference, keep):
+def _run(
+    model,
+    cache_cfg,
+    params,
+    batches,
+    chunk,
+    mesh,
+    rules,
+    *,
+    compare,
+    reference,
+    keep,
+    per_row=False,
+):
     """Every window through `cache_cfg`; returns (per-chunk sums, per-window
     per-token KL [B, T] or None, per-window kept logits or None, seq_len,
-    per-batch lists of each chunk's per-row sums [B], on the devices).
+    per-batch lists of each chunk's per-row sums [B] on the devices, or None).
 
     compare False: score() alone (no reference). Else each chunk's logits are
     compared with the reference's: `reference` None (the cache is its own
     reference), a Reference holding logits, or one without (run in lockstep).
-    keep: return this cache's logits per window and chunk, on the devices."""
+    keep: return this cache's logits per window and chunk, on the devices.
+    per_row: also sum each row of each chunk (_row_sums)."""
     scored, tokens, kept, rows_of = [], [], [], []
     lockstep = reference is not None and reference.logits is None
     seq_len = None
@@ -251,21 +267,26 @@ def _run(model, cache_cfg, params, batches, chunk, mesh, rules, *, compare, refe
             )
         if mesh is not None:  # this host's rows of the batch, as training reads them
             placed = sharding.batch_sharding(mesh, rules, size)
-            rows = sharding.process_rows(placed, size)
+            host_rows = sharding.process_rows(placed, size)
         window_kl, window_logits, window_rows = [], [], []
         for index, start in enumerate(range(0, seq_len, chunk)):
             part = {k: batch[k][:, start : start + chunk] for k in ("inputs", "targets", "weights")}
             if mesh is not None:
                 part = {
-                    k: sharding.rows_array(v[rows], rows, size, placed) for k, v in part.items()
+                    k: sharding.rows_array(v[host_rows], host_rows, size, placed)
+                    for k, v in part.items()
                 }
             inputs, targets, weights = part["inputs"], part["targets"], part["weights"]
-            if not compare:
+            if not compare and not per_row:
                 cache, sums = _score_chunk(model, params, cache, inputs, targets, weights)
-                window_rows.append(sums.pop("rows"))  # [B]: sharded by rows, fetched on demand
                 scored.append(sums)
                 continue
             logits, cache = _forward(model, params, cache, inputs)
+            if per_row:  # [B], laid out by rows: fetched at the end
+                window_rows.append(_row_sums(logits, targets, weights))
+            if not compare:
+                scored.append(_score(logits, targets, weights))
+                continue
             if reference is None:
                 against = logits
             elif lockstep:
@@ -273,7 +294,6 @@ def _run(model, cache_cfg, params, batches, chunk, mesh, rules, *, compare, refe
             else:
                 against = reference.logits[window][index]
             sums, kl = compare_logits(logits, against, targets, weights)
-            window_rows.append(sums.pop("rows"))
             scored.append(sums)
             window_kl.append(kl)
             if keep:
@@ -284,7 +304,8 @@ def _run(model, cache_cfg, params, batches, chunk, mesh, rules, *, compare, refe
         tokens.append(window_kl)
         kept.append(window_logits)
         rows_of.append(window_rows)
-    return scored, tokens if compare else None, kept if keep else None, seq_len, rows_of
+    compared, kept = (tokens if compare else None), (kept if keep else None)
+    return scored, compared, kept, seq_len, rows_of if per_row else None
 
 
 def _window_sums(rows_of: list) -> list[dict]:
@@ -367,9 +388,8 @@ def evaluate_reference(
     keep = logit_bytes <= KEEP_REFERENCE_BYTES
     scored, tokens, kept, seq_len, rows_of = _run(
         model, cache_cfg, placed_params, batches, chunk, mesh, rules,
-        compare=True, reference=None, keep=keep,
+        compare=True, reference=None, keep=keep, per_row=windows,
     )  # fmt: skip
-    rows_of = rows_of if windows else None
     return Reference(
         model_cfg=model.config,
         cache_cfg=cache_cfg,
@@ -424,11 +444,9 @@ def evaluate(
         _check_reference(reference, model, batches, chunk, mesh, rules)
     scored, tokens, _, seq_len, rows_of = _run(
         model, cache_cfg, params, batches, chunk, mesh, rules,
-        compare=reference is not None, reference=reference, keep=False,
+        compare=reference is not None, reference=reference, keep=False, per_row=windows,
     )  # fmt: skip
-    return _results(
-        model, cache_cfg, batches, scored, tokens, seq_len, rows_of if windows else None
-    )
+    return _results(model, cache_cfg, batches, scored, tokens, seq_len, rows_of)
 
 
 def full_precision(cache_cfg: Mapping) -> ml_collections.ConfigDict:
