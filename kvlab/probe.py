@@ -8,9 +8,11 @@ Both caches run the same tokens through the model in chunks of `chunk` tokens
 
 - attention: per layer, |out - out_ref| / |out_ref| of the attention output
   (before the output projection's residual add), over all real tokens;
-- logits: mean and max |logits - logits_ref|, mean KL(p_ref || p), the share of
-  positions whose top token is unchanged, and the change in next-token loss
-  (nats) on the tokens themselves.
+- logits: mean and max |logits - logits_ref| over all positions; over the
+  positions whose next token is in `tokens` (all but the last of each row), as
+  kvlab.eval.compare_logits scores them (the project's one KL): mean
+  KL(p_ref || p) in nats, the share of positions whose top token is unchanged,
+  and the change in next-token loss (nats) on the tokens themselves.
 
 With `mesh` (kvlab/sharding.py) both runs happen there: parameters laid out by
 their logical axes, each cache by the cache rules, the tokens' rows split as
@@ -36,6 +38,7 @@ from kvlab import sharding
 from kvlab.attention.gqa import GroupedQueryAttention
 from kvlab.attention.mla import MultiHeadLatentAttention
 from kvlab.cache.factory import init_cache
+from kvlab.eval import compare_logits
 from kvlab.model import Transformer
 from kvlab.sampling import place_params
 
@@ -104,16 +107,17 @@ def cache_error(
     ref_logits, ref_attention = run(reference_cfg)
     norm = lambda x: jnp.sqrt(jnp.sum(jnp.square(x), axis=(1, 2, 3)))  # noqa: E731  per layer
     attention_error = norm(attention - ref_attention) / norm(ref_attention)
-    log_p, log_ref = jax.nn.log_softmax(logits), jax.nn.log_softmax(ref_logits)
-    kl = jnp.sum(jnp.exp(log_ref) * (log_ref - log_p), axis=-1)
-    targets = tokens[:, 1:, None]
-    loss = -jnp.take_along_axis(log_p[:, :-1], targets, axis=-1).mean()
-    ref_loss = -jnp.take_along_axis(log_ref[:, :-1], targets, axis=-1).mean()
+    # Positions 0..T-2 predict tokens 1..T-1: the distributions are scored there.
+    targets = tokens[:, 1:]  # [B, T-1]
+    sums, _ = compare_logits(
+        logits[:, :-1], ref_logits[:, :-1], targets, jnp.ones(targets.shape, jnp.float32)
+    )
+    scored = sums["weight"]
     return dict(
         attention_relative_error=[float(e) for e in np.asarray(attention_error)],
         logit_mean_abs_error=float(jnp.abs(logits - ref_logits).mean()),
         logit_max_abs_error=float(jnp.abs(logits - ref_logits).max()),
-        kl_from_reference=float(kl.mean()),
-        top1_agreement=float((logits.argmax(-1) == ref_logits.argmax(-1)).mean()),
-        loss_change=float(loss - ref_loss),
+        kl_from_reference=float(sums["kl"] / scored),
+        top1_agreement=float(sums["agree"] / scored),
+        loss_change=float((sums["nll"] - sums["reference_nll"]) / scored),
     )

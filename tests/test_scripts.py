@@ -10,6 +10,7 @@ import jax
 import pytest
 
 import kvlab
+from kvlab.train import start_workdir
 from tests.helpers import ROOT
 
 # absl's log line format, used by absl, orbax and (through absl's handler) JAX.
@@ -189,25 +190,78 @@ def test_bench_decode_reports_speedup_roofline_and_latent_paths():
     assert evictions["window:0.5", 64]["bytes_vs_first"] == pytest.approx(0.5, abs=0.01)
 
 
-def test_quant_probe_compares_every_key_and_value_width():
-    result = run_script(
-        "scripts/quant_probe.py",
-        "--config",
-        "configs/kv_kivi2.py:tiny",
-        "--bits=16,4",
-        "--seq_len=128",
-        "--chunk=32",
-        "--json",
+PROBE = ["--config", "configs/kv_kivi2.py:tiny", "--seq_len=128", "--chunk=32"]
+
+
+@pytest.fixture(scope="module")
+def random_probe() -> dict:
+    """quant_probe.py's JSON for random weights of seed 3."""
+    return json.loads(
+        run_script("scripts/quant_probe.py", *PROBE, "--bits=16,4", "--seed=3", "--json").stdout
     )
-    rows = {(row["k_bits"], row["v_bits"]): row for row in json.loads(result.stdout)["rows"]}
+
+
+def test_quant_probe_compares_every_key_and_value_width(random_probe):
+    assert random_probe["weights"] == {"source": "random", "seed": 3}
+    rows = {(row["k_bits"], row["v_bits"]): row for row in random_probe["rows"]}
     assert set(rows) == {(16, 16), (16, 4), (4, 16), (4, 4)}
     exact = rows[16, 16]
     assert exact["logit_max_abs_error"] == 0 and exact["top1_agreement"] == 1
-    assert exact["attention_relative_error"] == 0
+    assert exact["attention_relative_error"] == 0 and exact["kl_from_reference"] == 0
     for pair in [(16, 4), (4, 16), (4, 4)]:
         assert rows[pair]["attention_relative_error"] > 0 and rows[pair]["kl_from_reference"] > 0
         assert rows[pair]["cache_bytes"] < exact["cache_bytes"]
     assert rows[4, 16]["logit_mean_abs_error"] != rows[16, 4]["logit_mean_abs_error"]
+
+
+def test_quant_probe_measures_a_run_and_says_so(tmp_path, random_probe):
+    """A run holding seed 3's weights measures as seed 3 does (one pair: K4V4),
+    under a header naming the run and its step; contradicting inputs are
+    one-line refusals."""
+    cfg = kvlab.load_config(f"{ROOT}/configs/kv_kivi2.py:tiny")
+    run = tmp_path / "run"
+    start_workdir(cfg, kvlab.init_params(cfg.model, jax.random.key(3)), str(run))
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    (empty / "config.json").write_text((run / "config.json").read_text())
+    refused = {  # concurrently: a refusal is mostly interpreter start-up
+        f"--workdir={run} and --hf=": [f"--workdir={run}", "--hf=tests/fixtures/hf/llama"],
+        f"--seed=0 and --workdir={run} both name": [f"--workdir={run}", "--seed=0"],
+        f"--config.model.num_layers=1: with --workdir={run}": [
+            f"--workdir={run}",
+            "--config.model.num_layers=1",
+        ],
+        f"--workdir={empty} holds no checkpoint": [f"--workdir={empty}"],
+        "--step=4 picks a checkpoint: pass the run's --workdir": ["--step=4"],
+    }
+    pending = {
+        start: subprocess.Popen(
+            [sys.executable, "scripts/quant_probe.py", *args],
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for start, args in refused.items()
+    }
+    probe = run_script("scripts/quant_probe.py", *PROBE, "--bits=4", f"--workdir={run}")
+    for start, process in pending.items():
+        _, stderr = process.communicate(timeout=300)
+        result = subprocess.CompletedProcess(process.args, process.returncode, "", stderr)
+        assert user_error(result).startswith(start), stderr[-3000:]
+    assert not (empty / "checkpoints").exists()  # nothing written into a run
+    header, _, line = probe.stdout.splitlines()
+    assert header == f"MHA: 4 query heads, 4 KV heads; weights trained in {run}, step 0"
+    fields, row = line.split(), random_probe["rows"][-1]
+    assert [int(f) for f in fields[:2]] == [row["k_bits"], row["v_bits"]] == [4, 4]
+    for field, key, decimals in [
+        (2, "attention_relative_error", 5),
+        (3, "logit_mean_abs_error", 5),
+        (5, "top1_agreement", 4),
+        (6, "loss_change", 5),
+    ]:
+        assert float(fields[field]) == pytest.approx(row[key], abs=0.6 * 10**-decimals), key
+    assert float(fields[4]) == pytest.approx(row["kl_from_reference"], rel=0.01)
 
 
 def test_generate_demo_runs_quietly():
