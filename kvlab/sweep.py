@@ -1,7 +1,7 @@
 """Sweeps: perplexity against cache bytes per token over models x caches.
 
 A sweep config file (configs/sweeps/*.py) has `get_config(arg)`, a full kvlab
-config plus a `sweep` section (name), and `get_grid(cfg)`, which returns
+config plus a `sweep` section (name; seeds, below), and `get_grid(cfg)`, which returns
 
     {"models": {name: {"model.num_kv_heads": 2, "train.steps": 500, ...}, ...},
      "caches": {name: {"cache.k_bits": 8, "cache.v_bits": 4, ...}, ...}}
@@ -24,6 +24,12 @@ for grouped-query models, `latent_*`/`rope_*` for latent attention; an entry
 naming neither applies to all). The grid's units are the applicable (model,
 cache) pairs in model-major order.
 
+The sweep section may add `seeds` (default 1): each trained model entry is
+then trained that many times, with train.seed its own + 0, 1, ... (its data
+order and initialisation), and its units repeat per seed (model-major, then
+seed, then cache); every row carries its `seed`. Evaluation windows are
+`eval_seq_len` tokens (eval.seq_len, 0: train.seq_len).
+
 Each model's full cache (kvlab.eval.full_cache: 16 bits, every token kept) is
 evaluated once, its logits kept (kvlab.eval.evaluate_reference), and every
 cache of the model is scored against them as well as on the text: a row
@@ -40,16 +46,39 @@ hosts a mesh spanning them, process 0 alone writing) and writes
 workdir/slices/<i>-of-<n>.csv, printing a line per unit (model 2/5, cache
 3/12, units done and the time left at the pace so far);
 `merge(workdir)` joins the slices, checks each unit appears exactly once, and
-writes workdir/results.csv, workdir/pareto.png and a wandb run holding both.
-With one slice, run_sweep merges by itself. Files are replaced atomically
-(kvlab/files.py). Working directory:
+writes workdir/results.csv, workdir/summary.csv, workdir/pareto.png and a
+wandb run holding them. With one slice, run_sweep merges by itself. Files are
+replaced atomically (kvlab/files.py).
+
+summary.csv holds one row per (model, cache) over its seeds: the mean of the
+metric (ppl or MQAR accuracy) with a 95% interval, and its difference to the
+same model's full cache (delta, in the metric's units, and delta_pct) with a
+95% interval and whether that interval excludes 0 (significant). The
+intervals come from a paired hierarchical bootstrap (`bootstrap`): resample
+the seeds, and within each the evaluation windows (kvlab.eval's per-window
+sums, saved in workdir/windows/), the cache and its full cache on the same
+draws; BOOTSTRAP_RESAMPLES draws from a fixed numpy seed, so a merge always
+gives the same intervals. With one seed they measure the spread over windows
+alone, not over training. The full cache's own delta is exactly 0 with a
+zero-width interval.
+
+pareto.png plots summary.csv: each (model, cache) at its mean with its
+interval as a bar, a colour per cache entry and a marker per model entry
+(legends, no labels over the points), against the evaluation window's bytes
+per token or (long_bytes, scripts/sweep.py --long_bytes) the bytes a token
+adds to a long cache; the frontier it draws passes through the points no
+cheaper point beats beyond both intervals (`interval_front`). `replot`
+redraws it from summary.csv. Working directory:
 
     workdir/sweep.json              the grid's units and the base config
     workdir/models/<model>/         one training run per model (kvlab/train.py)
+    workdir/models/<model>/seed<s>/ ... one per model and seed, with sweep.seeds > 1
     workdir/converted/gguf/<stem>/  a gguf file as a Hugging Face folder (not trained)
     workdir/converted/<model>/      a convert entry's model, a kvlab run at step 0
     workdir/slices/<i>-of-<n>.csv   each slice's rows
+    workdir/windows/<i>-of-<n>.json each slice's per-window sums (and its models' full caches')
     workdir/results.csv             all rows, grid order
+    workdir/summary.csv             per (model, cache): mean and intervals over seeds
     workdir/pareto.png              the metric against cache bytes per token
     workdir/wandb/                  the sweep's wandb run (table and plot)
 """
@@ -69,6 +98,7 @@ import time
 from collections.abc import Mapping
 
 import ml_collections
+import numpy as np
 
 from kvlab.config import (
     CACHED_PREFIXES,
@@ -76,6 +106,7 @@ from kvlab.config import (
     check_count,
     complete_config,
     dtype_of,
+    eval_seq_len,
     validate_config,
 )
 from kvlab.convert import convert, parse_target
@@ -95,6 +126,7 @@ COLUMNS = (
     "model",
     "family",
     "cache",
+    "seed",
     "bits",
     "k_bits",
     "v_bits",
@@ -141,31 +173,81 @@ RESULT_COLUMNS = (
     "cache_bytes_per_token_measured",
     "cache_bytes_per_token_long",
 )
-FAMILY_MARKERS = {"mha": "o", "gqa": "s", "mqa": "^", "mla": "D"}
+# summary.csv columns: per (model, cache), over its seeds (module docstring).
+SUMMARY_COLUMNS = (
+    "sweep",
+    "model",
+    "family",
+    "cache",
+    "bits",
+    "metric",
+    "seeds",
+    "windows",
+    "cache_bytes_per_token",
+    "cache_bytes_per_token_long",
+    "mean",
+    "ci_low",
+    "ci_high",
+    "delta",
+    "delta_ci_low",
+    "delta_ci_high",
+    "delta_pct",
+    "significant",
+)
+# The bootstrap of summary.csv: how many resamples, the numpy seed that draws
+# them (the same draws on every merge) and the interval's coverage.
+BOOTSTRAP_RESAMPLES = 2000
+BOOTSTRAP_SEED = 0
+CONFIDENCE = 0.95
+# The plot: a marker per model entry (in grid order), a colour per cache entry.
+MODEL_MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*", "h", "<", ">", "p")
+BYTES_COLUMNS = {False: "cache_bytes_per_token", True: "cache_bytes_per_token_long"}
 
 
 @dataclasses.dataclass(frozen=True)
 class Unit:
-    """One cell of the grid: a model entry evaluated under a cache entry."""
+    """One cell of the grid: a model entry (trained with one seed) evaluated
+    under a cache entry. seed: None in a sweep of one seed (models/<model>/,
+    units [model, cache]), else the model's train.seed (models/<model>/seed<s>/,
+    units [model, seed, cache])."""
 
     model: str
     cache: str
     cfg: ml_collections.ConfigDict = dataclasses.field(compare=False, repr=False)
     hf: str = dataclasses.field(default="", compare=False)  # a checkpoint, not trained
+    seed: int | None = None
+
+    @property
+    def key(self) -> tuple:
+        """Its entry in sweep.json's units and its rows' key in the merge."""
+        return (
+            (self.model, self.cache) if self.seed is None else (self.model, self.seed, self.cache)
+        )
 
 
 # ---------------------------------------------------------------------------
 # The grid
 
 
+SWEEP_FIELDS = ("name", "seeds")
+
+
 def split_sweep_config(cfg: ml_collections.ConfigDict) -> tuple:
     """(base kvlab config, sweep section) of a sweep config, completed in place
-    (fields it omits take base_config()'s defaults)."""
+    (fields it omits take base_config()'s defaults; sweep.seeds 1)."""
     if "sweep" not in cfg or "name" not in cfg.sweep:
         raise ValueError(
             "the sweep config has no sweep.name: add cfg.sweep = ConfigDict(dict(name=...)) "
             "in get_config (see configs/sweeps/cache_pareto.py)"
         )
+    unknown = sorted(set(cfg.sweep) - set(SWEEP_FIELDS))
+    if unknown:
+        raise ValueError(
+            f"sweep.{unknown[0]} is not a sweep field: remove it or use one of "
+            f"{', '.join(SWEEP_FIELDS)}"
+        )
+    with cfg.unlocked():  # a config from --config flags comes locked
+        cfg.sweep.seeds = check_count("sweep.seeds", cfg.sweep.get("seeds", 1))
     complete_config(cfg)
     base = ml_collections.ConfigDict({k: v for k, v in cfg.items() if k != "sweep"})
     return validate_config(base), cfg.sweep
@@ -236,9 +318,17 @@ def convert_checkpoint(cfg: ml_collections.ConfigDict, target: str, folder: str)
     return folder
 
 
-def expand(cfg: ml_collections.ConfigDict, grid: Mapping, workdir: str | None = None) -> list[Unit]:
+def expand(
+    cfg: ml_collections.ConfigDict, grid: Mapping, workdir: str | None = None, seeds: int = 1
+) -> list[Unit]:
     """The grid's units with their full, validated configs (before anything runs).
-    gguf model entries are converted into `workdir` (required when there are any)."""
+    gguf model entries are converted into `workdir` (required when there are any).
+
+    With `seeds` > 1 each trained model entry is trained `seeds` times, with
+    train.seed its own train.seed + 0, 1, ...: its units repeat per seed
+    (model-major, then seed, then cache) and carry the seed; a checkpoint entry
+    (hf, gguf, convert: nothing random) stays one set of units."""
+    seeds = check_count("sweep.seeds", seeds)
     unknown = set(grid) - {"models", "caches"}
     if unknown or not grid.get("models") or not grid.get("caches"):
         raise ValueError(
@@ -294,25 +384,46 @@ def expand(cfg: ml_collections.ConfigDict, grid: Mapping, workdir: str | None = 
         _apply(model_cfg, entry, model_overrides)
         validate_config(model_cfg)
         cached = set(cached_prefixes(model_cfg.model))
-        for cache_name, cache_overrides in grid["caches"].items():
-            where = f"caches[{cache_name!r}]"
-            outside = [axis for axis in cache_overrides if not axis.startswith("cache.")]
-            if outside:
-                raise ValueError(
-                    f"sweep axis {outside[0]!r} in {where} is not a cache field: cache entries "
-                    "reuse each model's checkpoint, so they may only change cache.* "
-                    "(put it in a models entry)"
-                )
-            named = _tensors_named(cache_overrides)
-            if named and not named <= cached:
-                continue  # this entry stores tensors the model does not cache
-            unit_cfg = ml_collections.ConfigDict(model_cfg.to_dict())
-            _apply(unit_cfg, where, cache_overrides)
-            try:
-                validate_config(unit_cfg)
-            except ValueError as error:
-                raise ValueError(f"{where} on models[{model_name!r}]: {error}") from None
-            units.append(Unit(model_name, cache_name, unit_cfg, hf))
+        trained = [model_cfg]
+        if not hf and seeds > 1:
+            trained = []
+            for k in range(seeds):
+                seeded = ml_collections.ConfigDict(model_cfg.to_dict())
+                seeded.train.seed = model_cfg.train.seed + k
+                try:
+                    trained.append(validate_config(seeded))
+                except ValueError as error:
+                    raise ValueError(
+                        f"{entry}, seed {k + 1} of sweep.seeds={seeds}: {error}"
+                    ) from None
+        for seeded in trained:
+            seed = seeded.train.seed if seeds > 1 else None
+            units += _cache_units(grid, model_name, seeded, cached, hf, seed)
+    return units
+
+
+def _cache_units(grid, model_name, model_cfg, cached, hf, seed) -> list[Unit]:
+    """The units of one model entry (with one seed): the cache entries that apply."""
+    units = []
+    for cache_name, cache_overrides in grid["caches"].items():
+        where = f"caches[{cache_name!r}]"
+        outside = [axis for axis in cache_overrides if not axis.startswith("cache.")]
+        if outside:
+            raise ValueError(
+                f"sweep axis {outside[0]!r} in {where} is not a cache field: cache entries "
+                "reuse each model's checkpoint, so they may only change cache.* "
+                "(put it in a models entry)"
+            )
+        named = _tensors_named(cache_overrides)
+        if named and not named <= cached:
+            continue  # this entry stores tensors the model does not cache
+        unit_cfg = ml_collections.ConfigDict(model_cfg.to_dict())
+        _apply(unit_cfg, where, cache_overrides)
+        try:
+            validate_config(unit_cfg)
+        except ValueError as error:
+            raise ValueError(f"{where} on models[{model_name!r}]: {error}") from None
+        units.append(Unit(model_name, cache_name, unit_cfg, hf, seed))
     return units
 
 
@@ -361,6 +472,7 @@ def _row(sweep_name: str, unit: Unit, result: Mapping, baseline: Mapping, metric
         "model": unit.model,
         "family": family(cfg.model),
         "cache": unit.cache,
+        "seed": cfg.train.seed,
         "bits": bits_label(cfg),
         "cache_dtype": cfg.cache.dtype,
         "group_size": cfg.cache.group_size,
@@ -385,27 +497,30 @@ def _row(sweep_name: str, unit: Unit, result: Mapping, baseline: Mapping, metric
     return row
 
 
-def _write_csv(path: str, rows: list[dict]) -> None:
+def _write_csv(path: str, rows: list[dict], columns: tuple = COLUMNS) -> None:
     os.makedirs(os.path.dirname(path), exist_ok=True)
     text = io.StringIO(newline="")
-    writer = csv.DictWriter(text, fieldnames=COLUMNS)
+    writer = csv.DictWriter(text, fieldnames=columns)
     writer.writeheader()
     writer.writerows(rows)
     write_atomic(path, text.getvalue())
 
 
-def read_csv(path: str) -> list[dict]:
-    """The rows of a slice's or the merged results' CSV, numbers as numbers; a
-    column it lacks (a file written before the column joined COLUMNS) is None."""
+def read_csv(path: str, columns: tuple = COLUMNS) -> list[dict]:
+    """The rows of a slice's or the merged results' CSV (or summary.csv, with
+    SUMMARY_COLUMNS), numbers as numbers, True/False as bools; a column it
+    lacks (a file written before the column joined `columns`) is None."""
     with open(path, newline="") as f:
         rows = list(csv.DictReader(f))
-    return [{**dict.fromkeys(COLUMNS), **{k: _number(v) for k, v in r.items()}} for r in rows]
+    return [{**dict.fromkeys(columns), **{k: _number(v) for k, v in r.items()}} for r in rows]
 
 
 def _number(text: str):
     """A CSV cell as the int or float it spells, None when empty, else the text."""
     if text == "":
         return None
+    if text in ("True", "False"):
+        return text == "True"
     for kind in (int, float):
         try:
             return kind(text)
@@ -414,27 +529,36 @@ def _number(text: str):
     return text
 
 
+def model_dir(workdir: str, unit: Unit) -> str:
+    """Where the unit's model trains: workdir/models/<model>, or .../seed<s> in a
+    sweep of several seeds."""
+    folder = os.path.join(workdir, "models", unit.model)
+    return folder if unit.seed is None else os.path.join(folder, f"seed{unit.seed}")
+
+
 def _model_params(unit: Unit, workdir: str, group: str, progress: bool):
-    """Trains (or resumes, or reuses) the unit's model in workdir/models/<model>;
+    """Trains (or resumes, or reuses) the unit's model in model_dir(workdir, unit);
     a checkpoint's (unit.hf) weights are read as they are."""
     if unit.hf:
         return initial_params(unit.cfg)
     cfg = ml_collections.ConfigDict(unit.cfg.to_dict())
     cfg.cache = full_precision(cfg.cache)  # training never reads a cache
-    model_dir = os.path.join(workdir, "models", unit.model)
-    state, _ = train(cfg, model_dir, name=unit.model, group=group, progress=progress)
+    name = unit.model if unit.seed is None else f"{unit.model}-seed{unit.seed}"
+    state, _ = train(cfg, model_dir(workdir, unit), name=name, group=group, progress=progress)
     return state.params
 
 
 def _write_plan(workdir: str, sweep_cfg: ml_collections.ConfigDict, units: list[Unit]) -> None:
     """Records the grid in workdir/sweep.json; refuses a workdir of another sweep."""
     plan = {
-        "units": [[u.model, u.cache] for u in units],
+        "units": [list(u.key) for u in units],
         "config": json.loads(sweep_cfg.to_json()),
     }
 
     def completed(stored: dict) -> dict:  # a plan written before a field joined the schema
         config = complete_config(ml_collections.ConfigDict(stored.get("config", {})))
+        if "sweep" in config and "seeds" not in config.sweep:
+            config.sweep.seeds = 1  # written before sweeps had seeds
         return {**stored, "config": json.loads(config.to_json())}
 
     path = os.path.join(workdir, "sweep.json")
@@ -466,47 +590,62 @@ def run_sweep(
     sweep_index: int = 0,
     sweep_count: int = 1,
     progress: bool = True,
+    long_bytes: bool = False,
 ) -> list[dict]:
     """Runs one slice of the sweep; returns its rows (and merges when it is the only one).
 
     On several hosts (kvlab.sharding.initialize_distributed) every process runs
     the slice together, on meshes spanning them, and returns the same rows;
-    process 0 alone prints and writes sweep.json, the slice and the merge."""
+    process 0 alone prints and writes sweep.json, the slice and the merge.
+    long_bytes: the merge's plot puts cache_bytes_per_token_long on x."""
     cfg, sweep = split_sweep_config(sweep_cfg)
-    units = expand(cfg, grid, workdir)
+    units = expand(cfg, grid, workdir, seeds=sweep.seeds)
     mine = slice_units(units, sweep_index, sweep_count)
     primary = is_primary()
     if primary:
         os.makedirs(workdir, exist_ok=True)
     _write_plan(workdir, sweep_cfg, units)
 
-    rows = []
-    by_model = [(name, list(group)) for name, group in itertools.groupby(mine, lambda u: u.model)]
+    rows, windows = [], []
+    by_model = [list(g) for _, g in itertools.groupby(mine, lambda u: (u.model, u.seed))]
     started = time.perf_counter()
-    for model_index, (model_name, model_units) in enumerate(by_model, start=1):
+    for model_index, model_units in enumerate(by_model, start=1):
         first = model_units[0].cfg
+        model_name = model_units[0].model
+        seed = model_units[0].seed
+        shown = model_name if seed is None else f"{model_name} seed {seed}"
         params = _model_params(model_units[0], workdir, sweep.name, progress)
-        data = make_dataset(first.data, first.eval.split, first.train.seq_len)
+        data = make_dataset(first.data, first.eval.split, eval_seq_len(first))
         batches = data.eval_batches(first.eval.batch_size, first.eval.num_batches)
         baseline_cache = full_cache(first.cache)
         mesh = make_mesh(first)  # a model entry may change the mesh or the heads it splits
         on_mesh = dict(chunk=first.eval.chunk, mesh=mesh, rules=axis_rules(first.mesh))
         # once per model: its logits are what every cache's KL is measured against
-        reference = evaluate_reference(first.model, baseline_cache, params, batches, **on_mesh)
+        reference = evaluate_reference(
+            first.model, baseline_cache, params, batches, **on_mesh, windows=True
+        )
         baseline = reference.result
+        windows.append(_windows_record(model_name, first.train.seed, None, baseline))
         for cache_index, unit in enumerate(model_units, start=1):
             if unit.cfg.cache.to_dict() == baseline_cache.to_dict():
                 result = baseline  # the full-precision entry: already evaluated
             else:
                 result = evaluate(
-                    unit.cfg.model, unit.cfg.cache, params, batches, **on_mesh, reference=reference
+                    unit.cfg.model,
+                    unit.cfg.cache,
+                    params,
+                    batches,
+                    **on_mesh,
+                    reference=reference,
+                    windows=True,
                 )
             rows.append(_row(sweep.name, unit, result, baseline, data.metric))
+            windows.append(_windows_record(model_name, first.train.seed, unit.cache, result))
             if progress and primary:
                 elapsed = time.perf_counter() - started
                 left = elapsed / len(rows) * (len(mine) - len(rows))
                 print(
-                    f"model {model_index}/{len(by_model)} ({model_name}), cache "
+                    f"model {model_index}/{len(by_model)} ({shown}), cache "
                     f"{cache_index}/{len(model_units)} ({unit.cache}): "
                     f"{data.metric}={result[data.metric]:.4f} "
                     f"kl={result['kl_mean']:.4f} "
@@ -515,21 +654,44 @@ def run_sweep(
                     flush=True,
                 )
     if primary:
-        _write_csv(os.path.join(workdir, "slices", f"{sweep_index}-of-{sweep_count}.csv"), rows)
+        name = f"{sweep_index}-of-{sweep_count}"
+        # the windows first: a slice whose CSV is there is complete
+        text = json.dumps({"windows": windows}) + "\n"
+        os.makedirs(os.path.join(workdir, "windows"), exist_ok=True)
+        write_atomic(os.path.join(workdir, "windows", f"{name}.json"), text)
+        _write_csv(os.path.join(workdir, "slices", f"{name}.csv"), rows)
         if sweep_count == 1:
-            merge(workdir)
+            merge(workdir, long_bytes=long_bytes)
     return rows
+
+
+def _windows_record(model: str, seed: int, cache: str | None, result: Mapping) -> dict:
+    """One entry of workdir/windows/<slice>.json: a unit's per-window sums
+    (kvlab.eval's `windows`) as lists; cache None: the model's full cache."""
+    keys = ("nll", "correct", "weight")
+    return {
+        "model": model,
+        "seed": seed,
+        "cache": cache,
+        **{k: [w[k] for w in result["windows"]] for k in keys},
+    }
 
 
 # ---------------------------------------------------------------------------
 # Merging, the table and the plot
 
 
-def merge(workdir: str) -> list[dict]:
-    """Joins workdir/slices/*.csv into results.csv and pareto.png and logs them to wandb.
+def merge(workdir: str, long_bytes: bool = False) -> list[dict]:
+    """Joins workdir/slices/*.csv into results.csv, summary.csv and pareto.png
+    and logs them to wandb; returns results.csv's rows.
 
-    Every unit of the grid must appear in exactly one slice. On several hosts
-    each reads the slices (a shared directory) and process 0 alone writes.
+    Every unit of the grid must appear in exactly one slice. A slice written
+    before rows carried their seed reads the seed its model trained with
+    (models/<model>/config.json, else the sweep's train.seed); a unit without
+    per-window sums (workdir/windows/, written since) has a mean and no
+    interval in summary.csv. long_bytes: the plot's x is
+    cache_bytes_per_token_long. On several hosts each reads the slices (a
+    shared directory) and process 0 alone writes.
     """
     path = os.path.join(workdir, "sweep.json")
     if not os.path.isfile(path):
@@ -537,10 +699,14 @@ def merge(workdir: str) -> list[dict]:
     plan = read_json(path)
     sweep_cfg = ml_collections.ConfigDict(plan["config"])
     cfg, sweep = split_sweep_config(sweep_cfg)
+    units = [tuple(u) for u in plan["units"]]
     found: dict[tuple, list] = {}
     for slice_path in sorted(glob.glob(os.path.join(workdir, "slices", "*.csv"))):
         for row in read_csv(slice_path):
-            found.setdefault((row["model"], row["cache"]), []).append((slice_path, row))
+            if row["seed"] is None:  # a slice of a one-seed sweep written before seeds
+                row["seed"] = _trained_seed(workdir, row["model"], cfg.train.seed)
+            key = (row["model"], row["cache"]) if len(units[0]) == 2 else _key(row)
+            found.setdefault(key, []).append((slice_path, row))
     twice = {unit: [p for p, _ in hits] for unit, hits in found.items() if len(hits) > 1}
     if twice:
         unit, paths = next(iter(twice.items()))
@@ -548,7 +714,6 @@ def merge(workdir: str) -> list[dict]:
             f"unit {unit} appears in {len(paths)} slices ({', '.join(paths)}): remove the slices "
             "of other --sweep_count runs from workdir/slices"
         )
-    units = [tuple(u) for u in plan["units"]]
     missing = [u for u in units if u not in found]
     if missing:
         raise ValueError(
@@ -558,9 +723,11 @@ def merge(workdir: str) -> list[dict]:
     rows = [found[u][0][1] for u in units]
     if not is_primary():
         return rows
+    summary = summarize(rows, read_windows(workdir))
     _write_csv(os.path.join(workdir, "results.csv"), rows)
+    _write_csv(os.path.join(workdir, "summary.csv"), summary, SUMMARY_COLUMNS)
     plot = os.path.join(workdir, "pareto.png")
-    pareto_plot(rows, plot, title=sweep.name)
+    pareto_plot(summary, plot, title=sweep.name, long_bytes=long_bytes)
     with Run(
         cfg.wandb,
         name=f"{sweep.name}-results",
@@ -570,8 +737,181 @@ def merge(workdir: str) -> list[dict]:
         group=sweep.name,
     ) as run:
         run.table("results", columns=list(COLUMNS), rows=[[r[c] for c in COLUMNS] for r in rows])
+        summary_table = [[r[c] for c in SUMMARY_COLUMNS] for r in summary]
+        run.table("summary", columns=list(SUMMARY_COLUMNS), rows=summary_table)
         run.image("pareto", plot)
     return rows
+
+
+def replot(workdir: str, long_bytes: bool = False) -> str:
+    """Redraws workdir/pareto.png from its summary.csv (no merge, no wandb run);
+    returns the plot's path."""
+    path = os.path.join(workdir, "summary.csv")
+    if not os.path.isfile(path):
+        raise ValueError(
+            f"workdir={workdir!r} has no summary.csv to replot: merge the sweep first (--merge)"
+        )
+    summary = read_csv(path, SUMMARY_COLUMNS)
+    if not summary:
+        raise ValueError(f"{path} has no rows: merge the sweep again (--merge)")
+    plot = os.path.join(workdir, "pareto.png")
+    pareto_plot(summary, plot, title=summary[0]["sweep"], long_bytes=long_bytes)
+    return plot
+
+
+def _key(row: Mapping) -> tuple:
+    return (row["model"], row["seed"], row["cache"])
+
+
+def _trained_seed(workdir: str, model: str, default: int) -> int:
+    config = os.path.join(workdir, "models", model, "config.json")
+    return read_json(config)["train"]["seed"] if os.path.isfile(config) else default
+
+
+def read_windows(workdir: str) -> dict:
+    """{(model, seed, cache): {"nll", "correct", "weight": float64[W]}} from
+    workdir/windows/*.json; cache None is the model's full cache."""
+    windows = {}
+    for path in sorted(glob.glob(os.path.join(workdir, "windows", "*.json"))):
+        for record in read_json(path)["windows"]:
+            sums = {k: np.asarray(record[k], np.float64) for k in ("nll", "correct", "weight")}
+            windows.setdefault(_key(record), sums)  # a model split over slices: equal twice
+    return windows
+
+
+def metric_of(metric: str, sums: Mapping) -> np.ndarray:
+    """The metric of summed nll/correct/weight (arrays): ppl = exp(nll / weight),
+    accuracy = correct / weight (weights below 1 count as 1, as summarize does)."""
+    weight = np.maximum(sums["weight"], 1.0)
+    if metric == "ppl":
+        return np.exp(sums["nll"] / weight)
+    if metric == "accuracy":
+        return sums["correct"] / weight
+    raise ValueError(f"metric={metric!r} has no bootstrap: the summary knows ppl and accuracy")
+
+
+def bootstrap(
+    metric: str,
+    sums: Mapping,
+    baseline: Mapping | None = None,
+    *,
+    resamples: int = BOOTSTRAP_RESAMPLES,
+    seed: int = BOOTSTRAP_SEED,
+) -> dict:
+    """Mean over seeds of the metric and its CONFIDENCE interval, and of the
+    difference against `baseline`, by a paired hierarchical bootstrap.
+
+    sums: {"nll", "correct", "weight"}: float[S, W], per seed (trained model)
+    and evaluation window; baseline: the same model's full cache, the same
+    shape (the same seeds and windows). The estimate is the mean over the S
+    seeds of each seed's metric over its W windows (metric_of their sums);
+    delta the mean over seeds of (metric - baseline's metric). Each of
+    `resamples` draws S seeds with replacement and, within each drawn seed, W
+    windows with replacement, and computes both statistics on the draw, the
+    cache and its baseline on the same seeds and windows (paired); the
+    interval is the draws' (1 - CONFIDENCE)/2 and (1 + CONFIDENCE)/2
+    percentiles. The draws come from numpy's default_rng(seed): the same
+    shapes always draw the same resamples. Equal cache and baseline sums give
+    a delta of exactly 0 with a zero-width interval, and so does any
+    statistic when every seed and window agrees.
+
+    Returns mean, ci_low, ci_high, and with a baseline: baseline (its mean),
+    delta, delta_ci_low, delta_ci_high."""
+    keys = ("nll", "correct", "weight")
+    arrays = {k: np.asarray(sums[k], np.float64) for k in keys}
+    shape = arrays["weight"].shape
+    paired = {} if baseline is None else {k: np.asarray(baseline[k], np.float64) for k in keys}
+    if (
+        len(shape) != 2
+        or 0 in shape
+        or any(a.shape != shape for a in (*arrays.values(), *paired.values()))
+    ):
+        raise ValueError(
+            f"bootstrap takes sums of shape [seeds, windows], the baseline's the same: got "
+            f"{ {k: a.shape for k, a in arrays.items()} } and "
+            f"{ {k: a.shape for k, a in paired.items()} }"
+        )
+    num_seeds, num_windows = shape
+
+    def statistics(seed_draws, window_draws) -> tuple:
+        """(mean metric, mean delta or None) per resample: [n] each."""
+
+        def per_seed(values):
+            if seed_draws is None:  # the sample itself
+                return metric_of(metric, {k: v.sum(-1) for k, v in values.items()})
+            picked = {k: v[seed_draws[..., None], window_draws].sum(-1) for k, v in values.items()}
+            return metric_of(metric, picked)
+
+        value = per_seed(arrays)
+        if baseline is None:
+            return value.mean(-1), None, None
+        reference = per_seed(paired)
+        return value.mean(-1), reference.mean(-1), (value - reference).mean(-1)
+
+    estimate, reference, delta = statistics(None, None)
+    rng = np.random.default_rng(seed)
+    block = max(1, (1 << 22) // (num_seeds * num_windows))  # bounded memory per draw
+    draws = {"mean": [], "delta": []}
+    for start in range(0, resamples, block):
+        n = min(block, resamples - start)
+        seed_draws = rng.integers(num_seeds, size=(n, num_seeds))
+        window_draws = rng.integers(num_windows, size=(n, num_seeds, num_windows))
+        mean, _, change = statistics(seed_draws, window_draws)
+        draws["mean"].append(mean)
+        draws["delta"].append(change)
+    tails = [100 * (1 - CONFIDENCE) / 2, 100 * (1 + CONFIDENCE) / 2]
+    low, high = np.percentile(np.concatenate(draws["mean"]), tails)
+    result = {"mean": float(estimate), "ci_low": float(low), "ci_high": float(high)}
+    if baseline is not None:
+        low, high = np.percentile(np.concatenate(draws["delta"]), tails)
+        result.update(
+            baseline=float(reference),
+            delta=float(delta),
+            delta_ci_low=float(low),
+            delta_ci_high=float(high),
+        )
+    return result
+
+
+def summarize(rows: list[Mapping], windows: Mapping) -> list[dict]:
+    """summary.csv's rows: one per (model, cache) in grid order, over its seeds.
+
+    mean, ci_low, ci_high: the metric (bootstrap); delta, delta_ci_low,
+    delta_ci_high: the difference against the model's full cache, in the
+    metric's units, and delta_pct = 100 delta / the full cache's mean;
+    significant: whether the delta's interval excludes 0. seeds: how many;
+    windows: evaluation windows per seed (0: no per-window sums, so no
+    intervals: only the mean of the rows' metric)."""
+    groups: dict[tuple, list] = {}
+    for row in rows:
+        groups.setdefault((row["model"], row["cache"]), []).append(row)
+    summary = []
+    for (model, cache), group in groups.items():
+        first, metric = group[0], group[0]["metric"]
+        seeds = sorted(r["seed"] for r in group)
+        line = {key: first[key] for key in ("sweep", "model", "family", "cache", "bits", "metric")}
+        line.update(
+            seeds=len(seeds),
+            cache_bytes_per_token=first["cache_bytes_per_token"],
+            cache_bytes_per_token_long=first["cache_bytes_per_token_long"],
+        )
+        own = [windows.get((model, s, cache)) for s in seeds]
+        full = [windows.get((model, s, None)) for s in seeds]
+        counts = {len(w["weight"]) for w in own + full if w is not None}
+        if None in own or None in full or len(counts) != 1:
+            line.update(dict.fromkeys(SUMMARY_COLUMNS[-8:]), windows=0)
+            line["mean"] = float(np.mean([r[metric] for r in group]))
+            summary.append(line)
+            continue
+        stacked = {k: np.stack([w[k] for w in own]) for k in ("nll", "correct", "weight")}
+        paired = {k: np.stack([w[k] for w in full]) for k in ("nll", "correct", "weight")}
+        result = bootstrap(metric, stacked, paired)
+        reference = result.pop("baseline")
+        line.update(result, windows=counts.pop())
+        line["delta_pct"] = 100 * line["delta"] / reference if reference else None
+        line["significant"] = line["delta_ci_low"] > 0 or line["delta_ci_high"] < 0
+        summary.append(line)
+    return summary
 
 
 def pareto_front(points: list[tuple[float, float]], higher_is_better: bool = False) -> list[int]:
@@ -603,10 +943,59 @@ def _minor_labels(limits):
     return matplotlib.ticker.FuncFormatter(label)
 
 
-def pareto_plot(rows: list[Mapping], path: str, title: str = "") -> None:
-    """The metric against cache bytes per token (log x; log y too when the metric
-    spans more than a factor of 3): marker per model family, colour per
-    bit-width, the Pareto frontier drawn and ringed."""
+def interval_front(
+    points: list[tuple[float, float, float, float]], higher_is_better: bool = False
+) -> list[int]:
+    """Indices of the points that no other point beats beyond their intervals,
+    in order of cost: the frontier pareto_plot draws.
+
+    points: (cost x, estimate, interval low, interval high). Point j clearly
+    beats point i when it costs no more (x_j <= x_i) and its whole interval is
+    no worse than the whole of i's (high_j <= low_i; for a metric where higher
+    is better low_j >= high_i), and the two differ (in cost or interval); of
+    points equal in all of these, the first stands for them. A point is on
+    the frontier when no point clearly beats it: an advantage inside the
+    intervals (a cheaper point better on average, the intervals overlapping)
+    leaves both on. With zero-width intervals this is pareto_front exactly.
+    """
+    sign = -1.0 if higher_is_better else 1.0
+    # as costs to minimize: (x, best plausible, worst plausible)
+    spans = [(x, *sorted((sign * low, sign * high))) for x, _, low, high in points]
+    front = []
+    for i, (x, best, _) in enumerate(spans):
+        beaten = any(
+            other[0] <= x and other[2] <= best and (other != spans[i] or j < i)
+            for j, other in enumerate(spans)
+            if j != i
+        )
+        if not beaten:
+            front.append(i)
+    return sorted(front, key=lambda i: (points[i][0], sign * points[i][1]))
+
+
+def _palette(count: int) -> list:
+    """`count` colours, distinct as far as possible: tab10, then tab20's light
+    shades, then tab20b and tab20c (60), repeating beyond."""
+    import matplotlib
+
+    colours = [
+        *matplotlib.colormaps["tab10"].colors,
+        *matplotlib.colormaps["tab20"].colors[1::2],
+        *matplotlib.colormaps["tab20b"].colors,
+        *matplotlib.colormaps["tab20c"].colors,
+    ]
+    return [colours[i % len(colours)] for i in range(count)]
+
+
+def pareto_plot(summary: list[Mapping], path: str, title: str = "", long_bytes: bool = False):
+    """The metric against cache bytes per token from summary rows (summarize):
+    each (model, cache) at its mean over seeds with its 95% interval as a bar,
+    a colour per cache entry (its name: K4V4 and K4V4-token differ), a marker
+    per model entry, legends instead of labels, and the interval frontier
+    (interval_front) drawn and ringed. Log x; log y too when the metric spans
+    more than a factor of 3. long_bytes: x is cache_bytes_per_token_long (what
+    a token adds to a long cache) instead of the evaluation window's bytes.
+    Writes `path` (PNG) and returns the figure (closed) for inspection."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -614,67 +1003,94 @@ def pareto_plot(rows: list[Mapping], path: str, title: str = "") -> None:
     import matplotlib.ticker
     from matplotlib.lines import Line2D
 
-    metric = rows[0]["metric"]
+    column = BYTES_COLUMNS[bool(long_bytes)]
+    metric = summary[0]["metric"]
     higher_is_better = metric == "accuracy"
-    x = [float(r["cache_bytes_per_token"]) for r in rows]
-    y = [float(r[metric]) for r in rows]
-    labels = sorted({r["bits"] for r in rows}, key=lambda b: (b[0], -sum(map(int, _numbers(b)))))
-    colours = {b: plt.get_cmap("tab20")(i % 20) for i, b in enumerate(labels)}
+    x = [float(r[column]) for r in summary]
+    y = [float(r["mean"]) for r in summary]
+    has_interval = [r["ci_low"] is not None and r["ci_high"] is not None for r in summary]
+    low = [
+        float(r["ci_low"]) if ok else yi for r, ok, yi in zip(summary, has_interval, y, strict=True)
+    ]
+    high = [
+        float(r["ci_high"]) if ok else yi
+        for r, ok, yi in zip(summary, has_interval, y, strict=True)
+    ]
+    caches = list(dict.fromkeys(r["cache"] for r in summary))
+    models = list(dict.fromkeys(r["model"] for r in summary))
+    colours = dict(zip(caches, _palette(len(caches)), strict=True))
+    markers = {m: MODEL_MARKERS[i % len(MODEL_MARKERS)] for i, m in enumerate(models)}
 
-    fig, ax = plt.subplots(figsize=(8, 5.5), dpi=120)
-    for r, xi, yi in zip(rows, x, y, strict=True):
-        marker, colour = FAMILY_MARKERS[r["family"]], colours[r["bits"]]
-        ax.scatter(xi, yi, marker=marker, color=colour, s=46, zorder=3)
-    front = pareto_front(list(zip(x, y, strict=True)), higher_is_better)
+    fig, ax = plt.subplots(figsize=(9, 5.5), dpi=120)
+    for r, xi, yi, lo, hi in zip(summary, x, y, low, high, strict=True):
+        ax.errorbar(
+            xi,
+            yi,
+            yerr=[[yi - lo], [hi - yi]],
+            marker=markers[r["model"]],
+            color=colours[r["cache"]],
+            markeredgecolor="black",
+            markeredgewidth=0.4,
+            markersize=6,
+            elinewidth=1,
+            capsize=2,
+            ls="",
+            zorder=3,
+        )
+    front = interval_front(list(zip(x, y, low, high, strict=True)), higher_is_better)
     ax.plot([x[i] for i in front], [y[i] for i in front], color="black", lw=1, ls="--", zorder=2)
     ax.scatter(
         [x[i] for i in front],
         [y[i] for i in front],
-        s=140,
+        s=150,
         facecolors="none",
         edgecolors="black",
+        linewidths=0.8,
         zorder=4,
     )
-    for n, i in enumerate(front):  # labels alternate above and below the line
-        ax.annotate(
-            f"{rows[i]['model']} {rows[i]['cache']}",
-            (x[i], y[i]),
-            textcoords="offset points",
-            xytext=(6, 7 if n % 2 == 0 else -12),
-            fontsize=7,
-        )
     ax.set_xscale("log")
     plain = matplotlib.ticker.FuncFormatter(lambda value, _: f"{value:g}")
     ax.xaxis.set_major_formatter(plain)
     ax.xaxis.set_minor_formatter(_minor_labels(ax.get_xlim))
-    ax.tick_params(axis="x", which="minor", labelsize=7)
-    if min(y) > 0 and max(y) > 3 * min(y):  # a collapsed cache would flatten the rest
+    if min(low) > 0 and max(high) > 3 * min(low):  # a collapsed cache would flatten the rest
         ax.set_yscale("log")
         ax.yaxis.set_major_formatter(plain)
         ax.yaxis.set_minor_formatter(_minor_labels(ax.get_ylim))
-        ax.tick_params(axis="y", which="minor", labelsize=7)
-    ax.set_xlabel("cache bytes per token (all layers)")
-    ax.set_ylabel(metric + (" (higher is better)" if higher_is_better else " (lower is better)"))
-    ax.set_title(title)
+    ax.tick_params(axis="both", which="both", labelsize=8)  # one size, major and minor
+    where = "per token of a long cache" if long_bytes else "per token of the evaluation window"
+    ax.set_xlabel(f"cache bytes {where} (all layers)", fontsize=9)
+    better = " (higher is better)" if higher_is_better else " (lower is better)"
+    ax.set_ylabel(metric + better, fontsize=9)
+    seeds = sorted({r["seeds"] for r in summary})
+    seeds_text = "/".join(map(str, seeds)) + (" seed" if seeds == [1] else " seeds")
+    ax.set_title(f"{title} (mean of {seeds_text}; bars: 95% bootstrap intervals)", fontsize=10)
     ax.grid(True, which="both", alpha=0.3)
-    families = [
-        Line2D([], [], marker=m, ls="", color="grey", label=f)
-        for f, m in FAMILY_MARKERS.items()
-        if any(r["family"] == f for r in rows)
+    model_handles = [
+        Line2D([], [], marker=markers[m], ls="", color="grey", markeredgecolor="black", label=m)
+        for m in models
     ]
-    bits = [Line2D([], [], marker="o", ls="", color=colours[b], label=b) for b in labels]
-    frontier = [
-        Line2D([], [], color="black", ls="--", marker="o", mfc="none", label="Pareto frontier")
-    ]
-    first = ax.legend(handles=families + frontier, loc="upper right", fontsize=8, title="model")
-    ax.add_artist(first)
-    ax.legend(handles=bits, loc="upper center", fontsize=7, title="bits", ncol=2)
-    fig.tight_layout()
+    frontier = Line2D(
+        [], [], color="black", ls="--", marker="o", mfc="none", ms=9,
+        label="frontier: no cheaper point\nbetter beyond the intervals",
+    )  # fmt: skip
+    cache_handles = [Line2D([], [], marker="s", ls="", color=colours[c], label=c) for c in caches]
+    # Outside the axes, the caches' legend below the models': nothing covers a point.
+    style = dict(loc="upper left", fontsize=8, title_fontsize=8, alignment="left")
+    first = fig.legend(
+        handles=[*model_handles, frontier], bbox_to_anchor=(0.91, 0.88), title="model", **style
+    )
+    fig.tight_layout(rect=(0, 0, 0.9, 1))
+    fig.canvas.draw()  # the first legend's extent, to put the second below it
+    box = first.get_window_extent().transformed(fig.transFigure.inverted())
+    fig.legend(
+        handles=cache_handles,
+        bbox_to_anchor=(box.x0, box.y0 - 0.02),
+        title="cache",
+        ncol=1 + (len(caches) - 1) // 24,
+        **style,
+    )
     image = io.BytesIO()
-    fig.savefig(image, format="png")
+    fig.savefig(image, format="png", bbox_inches="tight")
     plt.close(fig)
     write_atomic(path, image.getvalue())
-
-
-def _numbers(label: str) -> list[str]:
-    return [part for part in "".join(c if c.isdigit() else " " for c in label).split()]
+    return fig

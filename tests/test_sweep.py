@@ -8,19 +8,25 @@ import shutil
 import ml_collections
 import numpy as np
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvlab.config import import_config_file, validate_config
 from kvlab.logging import read_offline_run
 from kvlab.sweep import (
     COLUMNS,
+    SUMMARY_COLUMNS,
     Unit,
     bits_label,
+    bootstrap,
     expand,
     full_cache,
+    interval_front,
     merge,
     pareto_front,
+    pareto_plot,
+    read_csv,
+    replot,
     run_sweep,
     slice_units,
     split_sweep_config,
@@ -28,6 +34,7 @@ from kvlab.sweep import (
 from tests.helpers import ROOT, run_config, write_corpus
 
 DISTANCE = ("kl_mean", "kl_p99", "top1_agreement", "delta_ppl")  # to the full cache
+SUMS = ("nll", "correct", "weight")
 GRID = {
     "models": {
         "mqa": {"model.num_kv_heads": 1},
@@ -160,6 +167,125 @@ def test_the_pareto_front_holds_exactly_the_undominated_points(points):
     assert pareto_front(mirrored, higher_is_better=True) == pareto_front(points)
 
 
+def spans_beat(a, b, higher_is_better=False):
+    """Point a = (x, estimate, low, high) beats b beyond both intervals."""
+    if higher_is_better:
+        return a[0] <= b[0] and a[2] >= b[3]
+    return a[0] <= b[0] and a[3] <= b[2]
+
+
+@given(
+    points=st.lists(
+        st.tuples(st.integers(1, 6), st.integers(0, 8), st.integers(0, 3), st.integers(0, 3)),
+        min_size=1,
+        max_size=10,
+    ),
+    higher_is_better=st.booleans(),
+)
+def test_the_interval_frontier_keeps_what_no_cheaper_point_beats_beyond_the_intervals(
+    points, higher_is_better
+):
+    spans = [(x, y, y - below, y + above) for x, y, below, above in points]
+    front = interval_front(spans, higher_is_better)
+    assert front == sorted(
+        front, key=lambda i: spans[i][:2] if not higher_is_better else (spans[i][0], -spans[i][1])
+    )
+    for i, point in enumerate(spans):
+        beaten = [
+            j
+            for j, other in enumerate(spans)
+            if j != i and spans_beat(other, point, higher_is_better)
+        ]
+        strictly = [j for j in beaten if spans[j] != point]
+        if strictly:  # dominated beyond the intervals: never on the frontier
+            assert i not in front
+        elif not beaten:
+            assert i in front
+        else:  # beaten only by exact copies: the first of them stands for all
+            assert (i in front) == (min(beaten) > i)
+    # Zero-width intervals: the plain Pareto front, exactly.
+    flat = [(x, y, y, y) for x, y, _, _ in spans]
+    plain = pareto_front([(x, y) for x, y, _, _ in spans], higher_is_better)
+    assert interval_front(flat, higher_is_better) == plain
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    seeds=st.integers(1, 3),
+    windows=st.integers(1, 5),
+    seed=st.integers(0, 2**16),
+    metric=st.sampled_from(["ppl", "accuracy"]),
+)
+def test_the_bootstrap_is_deterministic_paired_and_exact_where_nothing_varies(
+    seeds, windows, seed, metric
+):
+    rng = np.random.default_rng(seed)
+    weight = rng.integers(1, 40, (seeds, windows)).astype(np.float64)
+    sums = {
+        "nll": weight * rng.uniform(1, 3, weight.shape),
+        "correct": weight * rng.uniform(0, 1, weight.shape),
+        "weight": weight,
+    }
+    other = {**sums, "nll": sums["nll"] * 1.1, "correct": sums["correct"] * 0.9}
+    result = bootstrap(metric, other, sums)
+    assert result == bootstrap(metric, other, sums)  # a fixed numpy seed: the same draws
+    assert (
+        result["ci_low"] <= result["ci_high"] and result["delta_ci_low"] <= result["delta_ci_high"]
+    )
+    # worse everywhere (10% more nll, 10% fewer hits): the whole interval says so
+    worse = result["delta_ci_low"] > 0 if metric == "ppl" else result["delta_ci_high"] <= 0
+    assert worse
+    # paired with itself: exactly 0, and no width
+    same = bootstrap(metric, sums, sums)
+    assert (same["delta"], same["delta_ci_low"], same["delta_ci_high"]) == (0.0, 0.0, 0.0)
+    # every seed and window alike: the interval is the mean itself
+    alike = {k: np.full((seeds, windows), v[0, 0]) for k, v in sums.items()}
+    flat = bootstrap(metric, alike)
+    assert flat["ci_low"] == flat["mean"] == flat["ci_high"]
+    with pytest.raises(ValueError, match=r"\[seeds, windows\]"):
+        bootstrap(metric, sums, {k: np.tile(v, 2) for k, v in sums.items()})
+
+
+def test_the_plot_has_a_colour_per_cache_a_marker_per_model_and_one_font(tmp_path):
+    """Read off the figure: legends (not labels) name each cache entry and model
+    entry once; K4V4 per channel and per token are two colours; --long_bytes
+    moves the points to the long-cache bytes."""
+    summary = []
+    for m, (model, scale) in enumerate([("mqa", 1), ("mla64", 2), ("mla32", 1.5)]):
+        for c, cache in enumerate(["16bit", "K4V4", "K4V4-token", "L4R16"]):
+            mean = 6 + 0.1 * c + m
+            summary.append(
+                dict.fromkeys(SUMMARY_COLUMNS)
+                | dict(model=model, cache=cache, metric="ppl", seeds=3, mean=mean)
+                | dict(ci_low=mean - 0.05, ci_high=mean + 0.05)
+                | dict(
+                    cache_bytes_per_token=100 * scale / (c + 1),
+                    cache_bytes_per_token_long=50 * scale / (c + 1),
+                )
+            )
+    fig = pareto_plot(summary, str(tmp_path / "p.png"), title="t")
+    assert (tmp_path / "p.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    models, caches = fig.legends
+    assert [t.get_text() for t in models.get_texts()][:-1] == ["mqa", "mla64", "mla32"]
+    assert "beyond the intervals" in models.get_texts()[-1].get_text()
+    assert len({h.get_marker() for h in models.legend_handles[:-1]}) == 3
+    assert [t.get_text() for t in caches.get_texts()] == ["16bit", "K4V4", "K4V4-token", "L4R16"]
+    assert len({tuple(h.get_color()) for h in caches.legend_handles}) == 4
+    (ax,) = fig.axes
+    assert not ax.texts  # no labels over the points
+    ticks = ax.get_xticklabels(which="both") + ax.get_yticklabels(which="both")
+    assert len({t.get_fontsize() for t in ticks}) == 1
+    xs = [c.lines[0].get_xdata()[0] for c in ax.containers]
+    assert xs == [r["cache_bytes_per_token"] for r in summary]
+    bars = [c.lines[2][0].get_segments()[0][:, 1].tolist() for c in ax.containers]
+    assert bars == [[r["ci_low"], r["ci_high"]] for r in summary]
+    long = pareto_plot(summary, str(tmp_path / "p.png"), long_bytes=True).axes[0]
+    assert [c.lines[0].get_xdata()[0] for c in long.containers] == [
+        r["cache_bytes_per_token_long"] for r in summary
+    ]
+    assert "long cache" in long.get_xlabel()
+
+
 def test_sliced_sweep_merges_into_table_plot_and_wandb(tmp_path, capsys):
     corpus = write_corpus(tmp_path / "corpus")
     cfg = sweep_config(corpus)
@@ -208,6 +334,25 @@ def test_sliced_sweep_merges_into_table_plot_and_wandb(tmp_path, capsys):
     assert float(table[1]["cache_bytes_per_token"]) < float(table[0]["cache_bytes_per_token"])
     assert (workdir / "pareto.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert sorted(p.name for p in (workdir / "models").iterdir()) == ["mla", "mqa"]
+    assert [r["seed"] for r in table] == ["0"] * 4  # one seed: train.seed, models/<model>/
+
+    # summary.csv: per (model, cache) the mean over seeds with its interval over
+    # windows (one seed here), the difference to the model's full cache paired.
+    summary = read_csv(str(workdir / "summary.csv"), SUMMARY_COLUMNS)
+    assert [(r["model"], r["cache"], r["seeds"], r["windows"]) for r in summary] == [
+        (model, cache, 1, 2) for model, cache in [(r["model"], r["cache"]) for r in table]
+    ]
+    for line, row in zip(summary, table, strict=True):
+        assert line["ci_low"] <= line["mean"] <= line["ci_high"]
+        assert line["mean"] == pytest.approx(float(row["ppl"]), rel=1e-6)
+        assert line["delta_ci_low"] <= line["delta"] <= line["delta_ci_high"]
+        if line["cache"] == "16bit":  # the full cache against itself: exactly nothing
+            assert (line["delta"], line["delta_ci_low"], line["delta_ci_high"]) == (0, 0, 0)
+            assert line["significant"] is False
+    # --replot redraws from summary.csv alone, here against the long-cache bytes.
+    (workdir / "pareto.png").unlink()
+    assert replot(str(workdir), long_bytes=True) == str(workdir / "pareto.png")
+    assert (workdir / "pareto.png").is_file()
 
     # wandb: one offline run per trained model and one for the sweep's results.
     runs = [read_offline_run(path) for path in sorted(workdir.glob("**/offline-run-*"))]
@@ -226,17 +371,25 @@ def test_sliced_sweep_merges_into_table_plot_and_wandb(tmp_path, capsys):
     assert logged["columns"] == list(COLUMNS)
     assert [row[1:4:2] for row in logged["data"]] == [[r["model"], r["cache"]] for r in table]
 
-    # A slice written before the distance columns existed merges, their cells empty.
+    # A slice written before the distance and seed columns and the per-window
+    # sums existed merges: its cells empty, its seed the one its model trained
+    # with, its summary a mean without an interval.
+    old = (*DISTANCE, "seed")
     with open(workdir / "slices" / "1-of-2.csv") as f:
-        older = [{k: v for k, v in r.items() if k not in DISTANCE} for r in csv.DictReader(f)]
+        older = [{k: v for k, v in r.items() if k not in old} for r in csv.DictReader(f)]
     with open(workdir / "slices" / "1-of-2.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=[c for c in COLUMNS if c not in DISTANCE])
+        writer = csv.DictWriter(f, fieldnames=[c for c in COLUMNS if c not in old])
         writer.writeheader()
         writer.writerows(older)
+    (workdir / "windows" / "1-of-2.json").unlink()
     merged = merge(str(workdir))
     assert [r["kl_mean"] is None for r in merged] == [False, False, True, True]
+    assert [r["seed"] for r in merged] == [0] * 4
     with open(workdir / "results.csv") as f:
         assert [r["kl_p99"] == "" for r in csv.DictReader(f)] == [False, False, True, True]
+    summary = read_csv(str(workdir / "summary.csv"), SUMMARY_COLUMNS)
+    assert [r["windows"] for r in summary] == [2, 2, 0, 0]
+    assert summary[3]["ci_low"] is None and summary[3]["mean"] == merged[3]["ppl"]
 
     # A slice of another slicing of the grid makes units appear twice.
     shutil.copy(workdir / "slices" / "0-of-2.csv", workdir / "slices" / "0-of-3.csv")
@@ -250,6 +403,73 @@ def test_sliced_sweep_merges_into_table_plot_and_wandb(tmp_path, capsys):
         run_sweep(cfg, smaller, str(workdir), progress=False)
 
 
+def test_seeds_train_each_model_once_per_seed_and_the_summary_pairs_them(tmp_path):
+    """sweep.seeds=2: every model entry trained with train.seed 0 and 1 in
+    models/<model>/seed<s>/, a row per seed, evaluated over eval.seq_len
+    windows; a rerun reuses the trained models."""
+    cfg = sweep_config(write_corpus(tmp_path / "corpus"))
+    cfg.sweep.seeds = 2
+    cfg.eval.seq_len = 16  # the evaluation windows: not train.seq_len (32)
+    grid = {"models": {"mqa": GRID["models"]["mqa"]}, "caches": GRID["caches"]}
+    workdir = tmp_path / "sweep"
+    rows = run_sweep(cfg, grid, str(workdir), progress=False)
+    assert [(r["model"], r["seed"], r["cache"]) for r in rows] == [
+        ("mqa", 0, "16bit"),
+        ("mqa", 0, "K8V4"),
+        ("mqa", 1, "16bit"),
+        ("mqa", 1, "K8V4"),
+    ]
+    assert {r["eval_tokens"] for r in rows} == {2 * 16}  # 2 windows of 16 tokens
+    assert rows[0]["ppl"] != rows[2]["ppl"]  # two trainings
+    for seed in (0, 1):
+        trained = json.loads(
+            (workdir / "models" / "mqa" / f"seed{seed}" / "config.json").read_text()
+        )
+        assert trained["train"]["seed"] == seed
+    plan = json.loads((workdir / "sweep.json").read_text())
+    assert plan["units"][1] == ["mqa", 0, "K8V4"] and plan["config"]["sweep"]["seeds"] == 2
+
+    summary = read_csv(str(workdir / "summary.csv"), SUMMARY_COLUMNS)
+    assert [(r["cache"], r["seeds"], r["windows"]) for r in summary] == [
+        ("16bit", 2, 2),
+        ("K8V4", 2, 2),
+    ]
+    full, quantized = summary
+    assert full["mean"] == pytest.approx((rows[0]["ppl"] + rows[2]["ppl"]) / 2, rel=1e-6)
+    for line in summary:
+        assert (
+            line["ci_low"] <= line["mean"] <= line["ci_high"] and line["ci_low"] < line["ci_high"]
+        )
+    assert (full["delta"], full["delta_ci_low"], full["delta_ci_high"]) == (0, 0, 0)
+    change = np.mean([rows[1]["ppl"] - rows[0]["ppl"], rows[3]["ppl"] - rows[2]["ppl"]])
+    # (per-window sums in float32 add up in another order than the rows' totals)
+    assert quantized["delta"] == pytest.approx(change, abs=1e-6 * rows[0]["ppl"])
+    assert quantized["delta_ci_low"] <= quantized["delta"] <= quantized["delta_ci_high"]
+    assert quantized["significant"] == (
+        quantized["delta_ci_low"] > 0 or quantized["delta_ci_high"] < 0
+    )
+
+    # Rerun: the trained models are reused, the rows the same.
+    steps = (workdir / "models" / "mqa" / "seed1" / "metrics.jsonl").read_text()
+    assert run_sweep(cfg, grid, str(workdir), progress=False) == rows
+    assert (workdir / "models" / "mqa" / "seed1" / "metrics.jsonl").read_text() == steps
+
+
+@pytest.mark.parametrize(
+    "sweep, match",
+    [
+        ({"name": "s", "seeds": 0}, "sweep.seeds=0 is below 1"),
+        ({"name": "s", "seeds": 1.5}, "sweep.seeds=1.5 is not an integer"),
+        ({"name": "s", "seed": 2}, "sweep.seed is not a sweep field: .* seeds"),
+    ],
+)
+def test_bad_sweep_sections_are_refused(tmp_path, sweep, match):
+    cfg = sweep_config(tmp_path)
+    cfg.sweep = sweep
+    with pytest.raises(ValueError, match=match):
+        split_sweep_config(cfg)
+
+
 def test_the_default_sweep_config_spans_every_lever():
     module = import_config_file(f"{ROOT}/configs/sweeps/cache_pareto.py")
     sweep_cfg = module.get_config("tiny")
@@ -260,7 +480,12 @@ def test_the_default_sweep_config_spans_every_lever():
     bits = {(u.cfg.cache.k_bits, u.cfg.cache.v_bits) for u in units}
     assert {(16, 16), (8, 8), (8, 4), (4, 8), (2, 2)} <= bits
     assert any(u.cfg.cache.latent_bits < 16 for u in units)
-    assert sweep.name == "cache_pareto_tiny"
+    assert sweep.name == "cache_pareto_tiny" and sweep.seeds == 1
+    three = module.get_config("tiny3")
+    _, sweep = split_sweep_config(three)
+    assert (sweep.name, sweep.seeds, three.train.steps) == ("cache_pareto_tiny3", 3, 500)
+    with pytest.raises(ValueError, match="'tiny-3'"):
+        module.get_config("tiny-3")
 
 
 def test_a_hugging_face_model_entry_is_evaluated_without_training(tmp_path):

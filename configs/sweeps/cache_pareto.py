@@ -4,6 +4,7 @@
     python scripts/sweep.py --config configs/sweeps/cache_pareto.py:small --workdir DIR \
         --sweep_index 0 --sweep_count 4          # one slice of four; then:
     python scripts/sweep.py --config configs/sweeps/cache_pareto.py:small --workdir DIR --merge
+    python scripts/sweep.py --config configs/sweeps/cache_pareto.py:tiny3 --workdir DIR  # 3 seeds
 
 Every model is trained once on the standard library's sources (bytes) and then
 evaluated on the held-out test files through every cache that applies to it.
@@ -11,7 +12,12 @@ tiny: five 2-layer models (MHA, GQA with 2 KV heads, MQA, MLA with latent rank
 64 and 32) trained for 500 steps each on two CPU cores, the whole sweep in
 under ten minutes; small and base are sized for an accelerator. The 16-bit
 baseline is bfloat16 on every variant (cache.dtype), so bytes compare honestly.
+A number after the size (tiny3, small5) trains every model with that many
+seeds (sweep.seeds: train.seed 0, 1, 2, ...); summary.csv then reports the
+mean and a 95% interval per model and cache over seeds and windows.
 """
+
+import re
 
 import ml_collections
 
@@ -21,6 +27,13 @@ STEPS = {"tiny": 500, "small": 20_000, "base": 50_000}
 
 
 def get_config(arg: str = "tiny"):
+    match = re.fullmatch(r"([a-z]+)(\d*)", arg)
+    if not match or match[1] not in STEPS:
+        raise ValueError(
+            f"config argument {arg!r}: use a size ({', '.join(STEPS)}) and optionally "
+            "a number of seeds, e.g. tiny or tiny3"
+        )
+    arg, seeds = match[1], int(match[2] or 1)
     cfg = base_config(arg)
     cfg.train.steps = STEPS[arg]
     cfg.train.warmup = STEPS[arg] // 10
@@ -28,7 +41,8 @@ def get_config(arg: str = "tiny"):
     cfg.train.checkpoint_every = STEPS[arg] // 2
     cfg.eval.split = "test"
     cfg.cache.dtype = "bfloat16"  # "16bit" means 16 bits, on every variant
-    cfg.sweep = ml_collections.ConfigDict(dict(name=f"cache_pareto_{arg}"))
+    name = f"cache_pareto_{arg}" + (str(seeds) if seeds > 1 else "")
+    cfg.sweep = ml_collections.ConfigDict(dict(name=name, seeds=seeds))
     return cfg
 
 
