@@ -51,16 +51,16 @@ wandb run holding them. With one slice, run_sweep merges by itself. Files are
 replaced atomically (kvlab/files.py).
 
 summary.csv holds one row per (model, cache) over its seeds: the mean of the
-metric (ppl or MQAR accuracy) with a 95% interval, and its difference to the
-same model's full cache (delta, in the metric's units, and delta_pct) with a
-95% interval and whether that interval excludes 0 (significant). The
-intervals come from a paired hierarchical bootstrap (`bootstrap`): resample
-the seeds, and within each the evaluation windows (kvlab.eval's per-window
-sums, saved in workdir/windows/), the cache and its full cache on the same
-draws; BOOTSTRAP_RESAMPLES draws from a fixed numpy seed, so a merge always
-gives the same intervals. With one seed they measure the spread over windows
-alone, not over training. The full cache's own delta is exactly 0 with a
-zero-width interval.
+metric (ppl or MQAR accuracy) with a 95% interval over seeds (every point is
+scored on the same held-out windows, so it measures the spread between
+trainings: zero width with one seed), and its difference to the same model's
+full cache (delta, in the metric's units, and delta_pct) with a 95% interval
+and whether that interval excludes 0 (significant). `bootstrap` resamples
+the seeds and, for the difference, the evaluation windows within each
+(kvlab.eval's per-window sums, saved in workdir/windows/), the cache and its
+full cache on the same draws (paired); BOOTSTRAP_RESAMPLES draws from a
+fixed numpy seed, so a merge always gives the same intervals. The full
+cache's own delta is exactly 0 with a zero-width interval.
 
 pareto.png plots summary.csv: each (model, cache) at its mean with its
 interval as a bar, a colour per cache entry and a marker per model entry
@@ -798,8 +798,9 @@ def bootstrap(
     resamples: int = BOOTSTRAP_RESAMPLES,
     seed: int = BOOTSTRAP_SEED,
 ) -> dict:
-    """Mean over seeds of the metric and its CONFIDENCE interval, and of the
-    difference against `baseline`, by a paired hierarchical bootstrap.
+    """Mean over seeds of the metric with its CONFIDENCE interval over seeds,
+    and the difference against `baseline` with its interval by a paired
+    hierarchical bootstrap over seeds and windows.
 
     sums: {"nll", "correct", "weight"}: float[S, W], per seed (trained model)
     and evaluation window; baseline: the same model's full cache, the same
@@ -807,13 +808,16 @@ def bootstrap(
     seeds of each seed's metric over its W windows (metric_of their sums);
     delta the mean over seeds of (metric - baseline's metric). Each of
     `resamples` draws S seeds with replacement and, within each drawn seed, W
-    windows with replacement, and computes both statistics on the draw, the
-    cache and its baseline on the same seeds and windows (paired); the
-    interval is the draws' (1 - CONFIDENCE)/2 and (1 + CONFIDENCE)/2
-    percentiles. The draws come from numpy's default_rng(seed): the same
-    shapes always draw the same resamples. Equal cache and baseline sums give
-    a delta of exactly 0 with a zero-width interval, and so does any
-    statistic when every seed and window agrees.
+    windows with replacement. The mean's draw averages the drawn seeds'
+    metrics over all their windows: every point of a sweep is scored on the
+    same held-out windows, so its interval is the spread between trainings
+    (zero width with one seed). The delta's draw averages, over the drawn
+    seeds, the cache's metric minus its baseline's on the drawn windows
+    (paired: the same seeds and windows for both). Intervals are the draws'
+    (1 - CONFIDENCE)/2 and (1 + CONFIDENCE)/2 percentiles. The draws come
+    from numpy's default_rng(seed): the same shapes always draw the same
+    resamples. Equal cache and baseline sums give a delta of exactly 0 with
+    a zero-width interval, and seeds that agree a zero-width mean interval.
 
     Returns mean, ci_low, ci_high, and with a baseline: baseline (its mean),
     delta, delta_ci_low, delta_ci_high."""
@@ -833,22 +837,18 @@ def bootstrap(
         )
     num_seeds, num_windows = shape
 
-    def statistics(seed_draws, window_draws) -> tuple:
-        """(mean metric, mean delta or None) per resample: [n] each."""
+    def whole(values) -> np.ndarray:  # [S]: each seed's metric over all its windows
+        return metric_of(metric, {k: v.sum(-1) for k, v in values.items()})
 
-        def per_seed(values):
-            if seed_draws is None:  # the sample itself
-                return metric_of(metric, {k: v.sum(-1) for k, v in values.items()})
-            picked = {k: v[seed_draws[..., None], window_draws].sum(-1) for k, v in values.items()}
-            return metric_of(metric, picked)
+    def drawn(values, seed_draws, window_draws) -> np.ndarray:  # [n, S]
+        picked = {k: v[seed_draws[..., None], window_draws].sum(-1) for k, v in values.items()}
+        return metric_of(metric, picked)
 
-        value = per_seed(arrays)
-        if baseline is None:
-            return value.mean(-1), None, None
-        reference = per_seed(paired)
-        return value.mean(-1), reference.mean(-1), (value - reference).mean(-1)
-
-    estimate, reference, delta = statistics(None, None)
+    per_seed = whole(arrays)
+    estimate = per_seed.mean()
+    if baseline is not None:
+        reference = whole(paired).mean()
+        delta = (per_seed - whole(paired)).mean()
     rng = np.random.default_rng(seed)
     block = max(1, (1 << 22) // (num_seeds * num_windows))  # bounded memory per draw
     draws = {"mean": [], "delta": []}
@@ -856,9 +856,12 @@ def bootstrap(
         n = min(block, resamples - start)
         seed_draws = rng.integers(num_seeds, size=(n, num_seeds))
         window_draws = rng.integers(num_windows, size=(n, num_seeds, num_windows))
-        mean, _, change = statistics(seed_draws, window_draws)
-        draws["mean"].append(mean)
-        draws["delta"].append(change)
+        draws["mean"].append(per_seed[seed_draws].mean(-1))
+        if baseline is not None:
+            change = drawn(arrays, seed_draws, window_draws) - drawn(
+                paired, seed_draws, window_draws
+            )
+            draws["delta"].append(change.mean(-1))
     tails = [100 * (1 - CONFIDENCE) / 2, 100 * (1 + CONFIDENCE) / 2]
     low, high = np.percentile(np.concatenate(draws["mean"]), tails)
     result = {"mean": float(estimate), "ci_low": float(low), "ci_high": float(high)}
@@ -876,7 +879,8 @@ def bootstrap(
 def summarize(rows: list[Mapping], windows: Mapping) -> list[dict]:
     """summary.csv's rows: one per (model, cache) in grid order, over its seeds.
 
-    mean, ci_low, ci_high: the metric (bootstrap); delta, delta_ci_low,
+    mean, ci_low, ci_high: the metric and its interval over seeds (bootstrap;
+    zero width with one seed); delta, delta_ci_low,
     delta_ci_high: the difference against the model's full cache, in the
     metric's units, and delta_pct = 100 delta / the full cache's mean;
     significant: whether the delta's interval excludes 0. seeds: how many;
@@ -1063,7 +1067,7 @@ def pareto_plot(summary: list[Mapping], path: str, title: str = "", long_bytes: 
     ax.set_ylabel(metric + better, fontsize=9)
     seeds = sorted({r["seeds"] for r in summary})
     seeds_text = "/".join(map(str, seeds)) + (" seed" if seeds == [1] else " seeds")
-    ax.set_title(f"{title} (mean of {seeds_text}; bars: 95% bootstrap intervals)", fontsize=10)
+    ax.set_title(f"{title} (mean of {seeds_text}; bars: 95% intervals over seeds)", fontsize=10)
     ax.grid(True, which="both", alpha=0.3)
     model_handles = [
         Line2D([], [], marker=markers[m], ls="", color="grey", markeredgecolor="black", label=m)
