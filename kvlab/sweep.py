@@ -229,22 +229,14 @@ class Unit:
 # The grid
 
 
-SWEEP_FIELDS = ("name", "seeds")
-
-
 def split_sweep_config(cfg: ml_collections.ConfigDict) -> tuple:
     """(base kvlab config, sweep section) of a sweep config, completed in place
-    (fields it omits take base_config()'s defaults; sweep.seeds 1)."""
+    (fields it omits take base_config()'s defaults; sweep.seeds 1). The sweep
+    section may hold fields of the config file's own (read by its get_grid)."""
     if "sweep" not in cfg or "name" not in cfg.sweep:
         raise ValueError(
             "the sweep config has no sweep.name: add cfg.sweep = ConfigDict(dict(name=...)) "
             "in get_config (see configs/sweeps/cache_pareto.py)"
-        )
-    unknown = sorted(set(cfg.sweep) - set(SWEEP_FIELDS))
-    if unknown:
-        raise ValueError(
-            f"sweep.{unknown[0]} is not a sweep field: remove it or use one of "
-            f"{', '.join(SWEEP_FIELDS)}"
         )
     with cfg.unlocked():  # a config from --config flags comes locked
         cfg.sweep.seeds = check_count("sweep.seeds", cfg.sweep.get("seeds", 1))
