@@ -227,6 +227,7 @@ def chunkings(draw, length, width):
     return chunks
 
 
+@settings(max_examples=6)  # each example compiles its layer step
 @given(
     specs=st.tuples(specs, specs),
     residual_groups=st.integers(0, 2),
@@ -278,7 +279,7 @@ def test_chunks_see_exactly_what_token_by_token_decode_sees(specs, residual_grou
     np.testing.assert_allclose(run(chunks), run([1] * length), atol=1e-5, rtol=1e-5)
 
 
-@settings(max_examples=5)  # each example compiles whole models
+@settings(max_examples=3)  # each example compiles whole models (the layer test below: more)
 @given(cfg=quantized_configs(), chunks=chunkings(12, 6))
 def test_chunked_model_matches_token_by_token_decode(cfg, chunks):
     """Through the model, chunked and token-by-token runs compute the keys and values
