@@ -8,6 +8,7 @@
         --cache.data.source=text --cache.data.path=notes.txt      # your own checkpoint
     python scripts/eval.py --workdir runs/gqa --mesh.data=2 --mesh.tensor=4  # on 8 devices
     python scripts/eval.py --workdir runs/gqa --cache configs/kv_k8v4.py:tiny --distribution
+    python scripts/eval.py --workdir runs/gqa --seq_len 512 --rope_scaling type=yarn,factor=4
 
 The model, data and eval sections come from the run (workdir/config.json); the
 cache section from --cache (a config file; its other sections are ignored) with
@@ -22,7 +23,10 @@ bytes per token (analytic and measured) and the change against the same cache
 at 16 bits. --distribution also scores the cache against the model's full
 cache (kvlab.eval.full_cache: 16 bits, every token kept), token by token: the
 KL divergence of the next-token distributions (mean and 99th percentile, nats),
-top-1 agreement and the change in perplexity (kvlab/eval.py).
+top-1 agreement and the change in perplexity (kvlab/eval.py). Windows are
+eval.seq_len tokens (0: train.seq_len), --seq_len overriding it; past the
+trained length, --rope_scaling sets model.rope_scaling for the evaluation
+(kvlab.config.parse_rope_scaling: 'linear', 'yarn', 'llama3', ... with factor=).
 
 The evaluation runs on the mesh --mesh.* describe (the config's mesh section,
 kvlab.sharding.make_mesh; default data parallel over every device, whatever
@@ -39,7 +43,13 @@ from absl import flags
 from ml_collections import config_flags
 
 from kvlab import cli, sharding
-from kvlab.config import base_config, validate_cache_config
+from kvlab.config import (
+    base_config,
+    check_count,
+    eval_seq_len,
+    parse_rope_scaling,
+    validate_cache_config,
+)
 from kvlab.data import make_dataset
 from kvlab.eval import evaluate, evaluate_reference, full_cache, full_precision
 from kvlab.train import initial_params, load_params
@@ -59,6 +69,12 @@ _SPLIT = flags.DEFINE_enum(
 )
 _CHUNK = flags.DEFINE_integer("chunk", None, "Tokens per prefill step (default eval.chunk).")
 _STEP = flags.DEFINE_integer("step", None, "Checkpoint step (default: the latest).")
+_SEQ_LEN = flags.DEFINE_integer(
+    "seq_len", None, "Tokens per evaluation window (default eval.seq_len, else train.seq_len)."
+)
+_ROPE = flags.DEFINE_string(
+    "rope_scaling", None, "model.rope_scaling for the evaluation, e.g. type=yarn,factor=4."
+)
 _JSON = flags.DEFINE_bool("json", False, "Print one JSON object instead of a table.")
 _DISTRIBUTION = flags.DEFINE_bool(
     "distribution",
@@ -95,13 +111,18 @@ def main(argv):
     # before anything below touches a device.
     sharding.initialize_distributed(_MESH.value)
     cfg, params, source = load()
+    if _SEQ_LEN.value is not None:
+        cfg.eval.seq_len = check_count("--seq_len", _SEQ_LEN.value)
+    if _ROPE.value is not None:
+        cfg.model.rope_scaling = parse_rope_scaling(_ROPE.value, cfg.train.seq_len)
     cache_cfg = cfg.cache if _HF.value or _CACHE.value is None else _CACHE.value.cache
     validate_cache_config(cache_cfg, cfg.model)
     split = _SPLIT.value or cfg.eval.split
     chunk = _CHUNK.value or cfg.eval.chunk
     cfg.mesh = _MESH.value
     on_mesh = dict(chunk=chunk, mesh=sharding.make_mesh(cfg), rules=sharding.axis_rules(cfg.mesh))
-    data = make_dataset(cfg.data, split, cfg.train.seq_len)
+    seq_len = eval_seq_len(cfg)
+    data = make_dataset(cfg.data, split, seq_len)
     batches = data.eval_batches(cfg.eval.batch_size, cfg.eval.num_batches)
     baseline_cache = full_precision(cache_cfg)
     reference = None
@@ -117,6 +138,8 @@ def main(argv):
         "workdir": _WORKDIR.value,
         "hf": _HF.value,
         "split": split,
+        "seq_len": seq_len,
+        "rope_scaling": cfg.model.rope_scaling.to_dict(),
         "metric": metric,
         **result,
         "baseline_16bit": baseline,
@@ -129,7 +152,10 @@ def main(argv):
     if _JSON.value:
         print(json.dumps(report, indent=2))
         return
-    print(f"{source}: {split} split, {result['targets']} targets, chunks of {chunk}")
+    print(
+        f"{source}: {split} split, windows of {seq_len} tokens, {result['targets']} targets, "
+        f"chunks of {chunk}"
+    )
     print(f"{'':>18} {'this cache':>12} {'16-bit':>12}")
     for key in ("ppl", "bits_per_byte", "accuracy", "cache_bytes_per_token"):
         print(f"{key:>18} {result[key]:>12.4f} {baseline[key]:>12.4f}")

@@ -55,22 +55,26 @@ def test_config_from_hf_takes_model_weights_source_and_tokenizer(llama_with_toke
 
 
 def test_eval_hf_reports_perplexity_through_a_kivi_cache():
-    # 64 tokens: past KIVI tiny's 32-token full-precision window.
+    # Windows of 64 tokens (--seq_len): past KIVI tiny's 32-token full-precision
+    # window; RoPE positions halved for the evaluation (--rope_scaling).
     overrides = [arg.replace("--config.", "--cache.") for arg in SHORT if "seq_len" not in arg]
     result = run_script(
         "scripts/eval.py",
         f"--hf={LLAMA}",
         "--cache=configs/kv_kivi2.py:tiny",
         "--cache.eval.chunk=16",
-        "--cache.train.seq_len=64",
+        "--seq_len=64",
+        "--rope_scaling=type=linear,factor=2",
         *overrides,
         "--json",
     )
     report = json.loads(result.stdout)
     assert report["hf"] == str(LLAMA) and report["targets"] == 2 * 64
+    assert report["seq_len"] == 64 and report["rope_scaling"]["type"] == "linear"
     assert report["cache_bytes_per_token"] < report["baseline_16bit"]["cache_bytes_per_token"]
     # The 16-bit baseline is the checkpoint's own perplexity on the same windows.
     cfg, params = kvlab.load_hf(LLAMA)
+    cfg.model.rope_scaling = kvlab.config.parse_rope_scaling("type=linear,factor=2", 128)
     data = make_dataset(cfg.data, "validation", 64)
     cache = full_precision(kvlab.load_config(f"{ROOT}/configs/kv_kivi2.py:tiny").cache)
     expected = evaluate(cfg.model, cache, params, data.eval_batches(2, 1), chunk=16)
