@@ -37,6 +37,14 @@ carries kl_mean and kl_p99 (KL of the full cache's next-token distribution to
 this cache's), top1_agreement and delta_ppl beside ppl and
 delta_vs_16bit_pct; the full cache's own row reads exactly 0, 0, 1, 0.
 
+A unit whose config sets eval.tasks is also scored on the long-context tasks
+(kvlab.data.tasks.evaluate_tasks through its cache, on the sweep's mesh): one
+column per task and length, `task_<task>_<length>` (task_columns; the needle
+task's accuracy averages eval.depths), after COLUMNS in the order of
+eval.tasks and then eval.task_lengths; summary.csv gives their mean over
+seeds. A unit without tasks leaves them empty, and a CSV without them (a
+sweep without tasks, or one written before) reads and merges as before.
+
     run_sweep(cfg, grid, workdir, sweep_index=i, sweep_count=n)
 
 runs slice i of n (a contiguous run of units, so most slices train one or two
@@ -111,6 +119,7 @@ from kvlab.config import (
 )
 from kvlab.convert import convert, parse_target
 from kvlab.data import make_dataset
+from kvlab.data.tasks import evaluate_tasks, task_lengths
 from kvlab.eval import evaluate, evaluate_reference, full_cache, full_precision
 from kvlab.files import read_json, store_json, write_atomic
 from kvlab.hf import config_from_hf, save_hf
@@ -173,7 +182,11 @@ RESULT_COLUMNS = (
     "cache_bytes_per_token_measured",
     "cache_bytes_per_token_long",
 )
-# summary.csv columns: per (model, cache), over its seeds (module docstring).
+# A unit's long-context task accuracies (eval.tasks) follow COLUMNS, one
+# column per task and length: 'task_needle_256' (task_column).
+TASK_PREFIX = "task_"
+# summary.csv columns: per (model, cache), over its seeds (module docstring);
+# then each task column of results.csv, its mean over the seeds.
 SUMMARY_COLUMNS = (
     "sweep",
     "model",
@@ -489,10 +502,31 @@ def _row(sweep_name: str, unit: Unit, result: Mapping, baseline: Mapping, metric
     return row
 
 
+def task_column(task: str, seq_len: int) -> str:
+    """results.csv's column of a task's accuracy at a length: 'task_needle_256'."""
+    return f"{TASK_PREFIX}{task}_{seq_len}"
+
+
+def task_columns(rows: list[Mapping]) -> tuple:
+    """The task columns the rows hold (keys starting with TASK_PREFIX), in the
+    order they first appear: each unit's eval.tasks, then eval.task_lengths."""
+    found = (key for row in rows for key in row if key.startswith(TASK_PREFIX))
+    return tuple(dict.fromkeys(found))
+
+
+def _task_results(unit: Unit, params, on_mesh: Mapping) -> dict:
+    """{task_column: accuracy} of the unit's eval.tasks through its cache ({} without)."""
+    cfg = unit.cfg
+    if not cfg.eval.tasks:
+        return {}
+    rows = evaluate_tasks(cfg, cfg.cache, params, cfg.eval.tasks, task_lengths(cfg), **on_mesh)
+    return {task_column(r["task"], r["seq_len"]): r["accuracy"] for r in rows}
+
+
 def _write_csv(path: str, rows: list[dict], columns: tuple = COLUMNS) -> None:
     os.makedirs(os.path.dirname(path), exist_ok=True)
     text = io.StringIO(newline="")
-    writer = csv.DictWriter(text, fieldnames=columns)
+    writer = csv.DictWriter(text, fieldnames=(*columns, *task_columns(rows)))
     writer.writeheader()
     writer.writerows(rows)
     write_atomic(path, text.getvalue())
@@ -501,7 +535,8 @@ def _write_csv(path: str, rows: list[dict], columns: tuple = COLUMNS) -> None:
 def read_csv(path: str, columns: tuple = COLUMNS) -> list[dict]:
     """The rows of a slice's or the merged results' CSV (or summary.csv, with
     SUMMARY_COLUMNS), numbers as numbers, True/False as bools; a column it
-    lacks (a file written before the column joined `columns`) is None."""
+    lacks (a file written before the column joined `columns`) is None, and
+    columns beyond `columns` (the task columns) are kept."""
     with open(path, newline="") as f:
         rows = list(csv.DictReader(f))
     return [{**dict.fromkeys(columns), **{k: _number(v) for k, v in r.items()}} for r in rows]
@@ -631,7 +666,8 @@ def run_sweep(
                     reference=reference,
                     windows=True,
                 )
-            rows.append(_row(sweep.name, unit, result, baseline, data.metric))
+            tasks = _task_results(unit, params, on_mesh)
+            rows.append({**_row(sweep.name, unit, result, baseline, data.metric), **tasks})
             windows.append(_windows_record(model_name, first.train.seed, unit.cache, result))
             if progress and primary:
                 elapsed = time.perf_counter() - started
@@ -641,8 +677,10 @@ def run_sweep(
                     f"{cache_index}/{len(model_units)} ({unit.cache}): "
                     f"{data.metric}={result[data.metric]:.4f} "
                     f"kl={result['kl_mean']:.4f} "
-                    f"bytes/token={result['cache_bytes_per_token']:.1f}; "
-                    f"{len(rows)}/{len(mine)} units, eta {_duration(left)}",
+                    f"bytes/token={result['cache_bytes_per_token']:.1f}"
+                    + "".join(f" {k[len(TASK_PREFIX) :]}={v:.4f}" for k, v in tasks.items())
+                    + "; "
+                    + f"{len(rows)}/{len(mine)} units, eta {_duration(left)}",
                     flush=True,
                 )
     if primary:
@@ -728,9 +766,13 @@ def merge(workdir: str, long_bytes: bool = False) -> list[dict]:
         job_type="sweep",
         group=sweep.name,
     ) as run:
-        run.table("results", columns=list(COLUMNS), rows=[[r[c] for c in COLUMNS] for r in rows])
-        summary_table = [[r[c] for c in SUMMARY_COLUMNS] for r in summary]
-        run.table("summary", columns=list(SUMMARY_COLUMNS), rows=summary_table)
+        for name, table_rows, fixed in (
+            ("results", rows, COLUMNS),
+            ("summary", summary, SUMMARY_COLUMNS),
+        ):
+            columns = (*fixed, *task_columns(table_rows))
+            cells = [[r.get(c) for c in columns] for r in table_rows]
+            run.table(name, columns=list(columns), rows=cells)
         run.image("pareto", plot)
     return rows
 
@@ -877,7 +919,8 @@ def summarize(rows: list[Mapping], windows: Mapping) -> list[dict]:
     metric's units, and delta_pct = 100 delta / the full cache's mean;
     significant: whether the delta's interval excludes 0. seeds: how many;
     windows: evaluation windows per seed (0: no per-window sums, so no
-    intervals: only the mean of the rows' metric)."""
+    intervals: only the mean of the rows' metric). Task columns (task_columns):
+    the mean over seeds, None where a seed has none."""
     groups: dict[tuple, list] = {}
     for row in rows:
         groups.setdefault((row["model"], row["cache"]), []).append(row)
@@ -891,6 +934,9 @@ def summarize(rows: list[Mapping], windows: Mapping) -> list[dict]:
             cache_bytes_per_token=first["cache_bytes_per_token"],
             cache_bytes_per_token_long=first["cache_bytes_per_token_long"],
         )
+        for column in task_columns(group):  # the mean over seeds; None if a seed lacks it
+            values = [r.get(column) for r in group]
+            line[column] = None if None in values else float(np.mean(values))
         own = [windows.get((model, s, cache)) for s in seeds]
         full = [windows.get((model, s, None)) for s in seeds]
         counts = {len(w["weight"]) for w in own + full if w is not None}

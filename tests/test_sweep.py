@@ -2,16 +2,20 @@
 sliced sweep merges into the table, the plot and a wandb run."""
 
 import csv
+import functools
 import json
 import shutil
 
+import jax
 import ml_collections
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import kvlab
 from kvlab.config import import_config_file, validate_config
+from kvlab.data.tasks import evaluate_tasks
 from kvlab.logging import read_offline_run
 from kvlab.sweep import (
     COLUMNS,
@@ -20,6 +24,7 @@ from kvlab.sweep import (
     bits_label,
     bootstrap,
     expand,
+    family,
     full_cache,
     interval_front,
     merge,
@@ -31,6 +36,7 @@ from kvlab.sweep import (
     slice_units,
     split_sweep_config,
 )
+from kvlab.train import load_params
 from tests.helpers import ROOT, run_config, write_corpus
 
 DISTANCE = ("kl_mean", "kl_p99", "top1_agreement", "delta_ppl")  # to the full cache
@@ -286,12 +292,24 @@ def test_the_plot_has_a_colour_per_cache_a_marker_per_model_and_one_font(tmp_pat
     assert "long cache" in long.get_xlabel()
 
 
+# The MLA entry also scores MQAR recall at the evaluation window (eval.tasks);
+# the MQA entry has no tasks, so its rows leave the task column empty.
+TASK = "task_mqar_32"
+TASK_GRID = {
+    "models": {
+        "mqa": GRID["models"]["mqa"],
+        "mla": {**GRID["models"]["mla"], "eval.tasks": ("mqar",), "data.mqar.num_pairs": 4},
+    },
+    "caches": GRID["caches"],
+}
+
+
 def test_sliced_sweep_merges_into_table_plot_and_wandb(tmp_path, capsys):
     corpus = write_corpus(tmp_path / "corpus")
     cfg = sweep_config(corpus)
     cfg.wandb.mode = "offline"
     workdir = tmp_path / "sweep"
-    first = run_sweep(cfg, GRID, str(workdir), sweep_index=0, sweep_count=2, progress=True)
+    first = run_sweep(cfg, TASK_GRID, str(workdir), sweep_index=0, sweep_count=2, progress=True)
     assert [r["model"] for r in first] == ["mqa", "mqa"]
     printed = [line for line in capsys.readouterr().out.splitlines() if line.startswith("model")]
     assert [line.split(":")[0] for line in printed] == [
@@ -301,12 +319,12 @@ def test_sliced_sweep_merges_into_table_plot_and_wandb(tmp_path, capsys):
     assert "; 1/2 units, eta " in printed[0] and printed[1].endswith("; 2/2 units, eta 0s")
     with pytest.raises(ValueError, match="2 of 4 units have no results"):
         merge(str(workdir))
-    second = run_sweep(cfg, GRID, str(workdir), sweep_index=1, sweep_count=2, progress=False)
+    second = run_sweep(cfg, TASK_GRID, str(workdir), sweep_index=1, sweep_count=2, progress=False)
     rows = merge(str(workdir))
 
     with open(workdir / "results.csv") as f:
         table = list(csv.DictReader(f))
-    assert tuple(table[0]) == COLUMNS
+    assert tuple(table[0]) == (*COLUMNS, TASK)  # the slices' task columns, after COLUMNS
     assert [(r["model"], r["cache"]) for r in table] == [
         ("mqa", "16bit"),
         ("mqa", "K8V4"),
@@ -335,6 +353,16 @@ def test_sliced_sweep_merges_into_table_plot_and_wandb(tmp_path, capsys):
     assert (workdir / "pareto.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert sorted(p.name for p in (workdir / "models").iterdir()) == ["mla", "mqa"]
     assert [r["seed"] for r in table] == ["0"] * 4  # one seed: train.seed, models/<model>/
+    # Task accuracy through each unit's own cache: what evaluate_tasks gives it.
+    assert [r[TASK] == "" for r in table] == [True, True, False, False]
+    mla_cfg, params = load_params(str(workdir / "models" / "mla"))
+    for row, unit in zip(table[2:], second, strict=True):
+        cache_cfg = ml_collections.ConfigDict(mla_cfg.cache.to_dict())
+        cache_cfg.latent_bits = unit["latent_bits"]
+        (direct,) = evaluate_tasks(mla_cfg, cache_cfg, params, chunk=32)
+        assert (direct["task"], direct["seq_len"]) == ("mqar", 32)
+        assert float(row[TASK]) == unit[TASK] == direct["accuracy"]
+        assert 0 <= direct["accuracy"] <= 1 and direct["targets"] == 2 * 4  # 2 rows, 4 queries
 
     # summary.csv: per (model, cache) the mean over seeds with its interval over
     # windows (one seed here), the difference to the model's full cache paired.
@@ -343,6 +371,7 @@ def test_sliced_sweep_merges_into_table_plot_and_wandb(tmp_path, capsys):
         (model, cache, 1, 2) for model, cache in [(r["model"], r["cache"]) for r in table]
     ]
     for line, row in zip(summary, table, strict=True):
+        assert line[TASK] == (float(row[TASK]) if row[TASK] else None)  # one seed: its value
         assert line["ci_low"] == line["mean"] == line["ci_high"]  # one seed: no spread
         assert line["mean"] == pytest.approx(float(row["ppl"]), rel=1e-6)
         assert line["delta_ci_low"] <= line["delta"] <= line["delta_ci_high"]
@@ -368,13 +397,13 @@ def test_sliced_sweep_merges_into_table_plot_and_wandb(tmp_path, capsys):
     assert trained["summary"]["eval/ppl"] == pytest.approx(metrics[-1]["eval/ppl"])
     sweep_run = next(r for r in runs if r["job_type"] == "sweep")
     logged = sweep_run["tables"]["results"]
-    assert logged["columns"] == list(COLUMNS)
+    assert logged["columns"] == [*COLUMNS, TASK]
     assert [row[1:4:2] for row in logged["data"]] == [[r["model"], r["cache"]] for r in table]
 
-    # A slice written before the distance and seed columns and the per-window
-    # sums existed merges: its cells empty, its seed the one its model trained
-    # with, its summary a mean without an interval.
-    old = (*DISTANCE, "seed")
+    # A slice written before the distance, seed and task columns and the
+    # per-window sums existed merges: its cells empty, its seed the one its
+    # model trained with, its summary a mean without an interval.
+    old = (*DISTANCE, "seed", TASK)
     with open(workdir / "slices" / "1-of-2.csv") as f:
         older = [{k: v for k, v in r.items() if k not in old} for r in csv.DictReader(f)]
     with open(workdir / "slices" / "1-of-2.csv", "w", newline="") as f:
@@ -386,7 +415,9 @@ def test_sliced_sweep_merges_into_table_plot_and_wandb(tmp_path, capsys):
     assert [r["kl_mean"] is None for r in merged] == [False, False, True, True]
     assert [r["seed"] for r in merged] == [0] * 4
     with open(workdir / "results.csv") as f:
-        assert [r["kl_p99"] == "" for r in csv.DictReader(f)] == [False, False, True, True]
+        merged_table = list(csv.DictReader(f))
+    assert [r["kl_p99"] == "" for r in merged_table] == [False, False, True, True]
+    assert tuple(merged_table[0]) == COLUMNS  # no slice holds tasks now
     summary = read_csv(str(workdir / "summary.csv"), SUMMARY_COLUMNS)
     assert [r["windows"] for r in summary] == [2, 2, 0, 0]
     assert summary[3]["ci_low"] is None and summary[3]["mean"] == merged[3]["ppl"]
@@ -485,6 +516,32 @@ def test_the_default_sweep_config_spans_every_lever():
     assert (sweep.name, sweep.seeds, three.train.steps) == ("cache_pareto_tiny3", 3, 500)
     with pytest.raises(ValueError, match="'tiny-3'"):
         module.get_config("tiny-3")
+
+
+def test_the_recall_sweep_trains_four_designs_at_one_parameter_budget():
+    """configs/sweeps/recall.py: MHA, GQA, MQA and MLA on MQAR with 3 seeds, their
+    parameter counts (kvlab.init_params) within 2% of each other, each through
+    its 16-bit cache and quantized caches of 8, 4 and 2 bits."""
+    module = import_config_file(f"{ROOT}/configs/sweeps/recall.py")
+    sweep_cfg = module.get_config("tiny")
+    cfg, sweep = split_sweep_config(sweep_cfg)
+    units = expand(cfg, module.get_grid(sweep_cfg), seeds=sweep.seeds)
+    assert (sweep.name, sweep.seeds) == ("recall_tiny", 3)
+    assert {u.cfg.data.source for u in units} == {"mqar"}
+    assert {u.cfg.train.seed for u in units} == {0, 1, 2}
+    counts = {}
+    for unit in units:
+        if unit.model not in counts:
+            init = functools.partial(kvlab.init_params, unit.cfg.model, jax.random.key(0))
+            shapes = jax.eval_shape(init)  # the parameters' shapes, nothing compiled
+            counts[unit.model] = sum(leaf.size for leaf in jax.tree.leaves(shapes))
+    print("parameters:", counts)
+    assert {family(u.cfg.model) for u in units} == {"mha", "gqa", "mqa", "mla"}
+    assert max(counts.values()) <= 1.02 * min(counts.values())
+    for model in counts:
+        bits = [bits_label(u.cfg) for u in units if u.model == model and u.cfg.train.seed == 0]
+        assert len(bits) == 4 and bits[0] in ("K16V16", "L16R16")
+        assert {b[1] for b in bits[1:]} == {"8", "4", "2"}
 
 
 def test_a_hugging_face_model_entry_is_evaluated_without_training(tmp_path):
