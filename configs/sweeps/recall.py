@@ -10,7 +10,7 @@ split, through the 16-bit cache and quantized caches of 8, 4 and 2 bits:
 - mha (4 KV heads), gqa2 (2), mqa (1) and mla32 (latent rank 32 and one
   shared RoPE key of 8: 40 numbers per token and layer, near MQA's 32); each
   one's SwiGLU width (model.mlp_dim) is set so that its parameter count
-  matches MHA's (matched_mlp_dim, within 1% at tiny), so a design that caches
+  matches MHA's (matched_mlp_dim; within 0.2% at tiny), so a design that caches
   less spends what it saves on the feed-forward;
 - caches: 16bit (cache.dtype bfloat16 on every design, so bytes compare
   honestly), K8V8 and K4V4 with KIVI's axes (keys per channel, values per
@@ -21,13 +21,13 @@ split, through the 16-bit cache and quantized caches of 8, 4 and 2 bits:
 summary.csv has per (model, cache) the mean accuracy over the seeds with a
 95% interval, and the change against the model's own 16-bit cache with a
 paired interval (kvlab/sweep.py). Each unit is also scored on MQAR at twice
-the training length (eval.tasks, column task_mqar_128): the same pairs with
+the training length (eval.tasks, column task_mqar_128): as many pairs, with
 their queries spread over a window the model never trained on.
 
 tiny: 2-layer models of ~105k parameters, 64-token sequences of 8 pairs over
 31 keys and 32 values, queries at uniform gaps (data.mqar.power 1), 3,000
-steps; 12 trainings and 48 units; see the README's recall section for the
-time it took on two shared CPU cores.
+steps; 12 trainings and 48 units, 23 minutes on two CPU cores shared with
+another sweep (README, "Recall at equal parameters").
 """
 
 import math
