@@ -22,7 +22,9 @@
 `attention_label` and `count` word what the scripts print about a model;
 `best_time` times the benchmarks' compiled calls;
 `with_hf` is what every script's `--hf DIR` does (docs/design.md, "Your own
-checkpoint"), `with_run` what scripts/train.py's `--init_from DIR` does.
+checkpoint"), `with_run` what scripts/train.py's `--init_from DIR` does,
+`evaluated_weights` what the evaluation scripts' `--workdir`/`--hf` and
+`--cache` load.
 """
 
 import os
@@ -34,7 +36,7 @@ import jax
 import ml_collections
 from absl import app, flags, logging
 
-from kvlab.config import validate_config
+from kvlab.config import base_config, validate_config
 from kvlab.hf import config_from_hf
 from kvlab.sweep import family
 
@@ -135,6 +137,34 @@ def with_run(
     if not cfg.data.tokenizer:
         cfg.data.tokenizer = source.data.tokenizer
     return validate_config(cfg)
+
+
+def evaluated_weights(
+    workdir: str | None,
+    hf: str | None,
+    cache_file: ml_collections.ConfigDict | None,
+    step: int | None = None,
+) -> tuple[ml_collections.ConfigDict, object, str]:
+    """(config, params, where they came from) for an evaluation script's --workdir
+    or --hf and --cache: a training run's config and weights (step, default the
+    latest), its cache section replaced by `cache_file`'s when given; or a Hugging
+    Face checkpoint (`with_hf`) with every other section from `cache_file`
+    (default kvlab.base_config())."""
+    from kvlab.train import initial_params, load_params  # as with_run: loading reads weights
+
+    if hf is None:
+        if workdir is None:
+            raise ValueError(
+                "--workdir is not set: pass a training run's directory, or --hf with a "
+                "Hugging Face checkpoint folder"
+            )
+        cfg, params = load_params(workdir, step)
+        if cache_file is not None:
+            cfg.cache = cache_file.cache
+        return cfg, params, workdir
+    base = cache_file if cache_file is not None else base_config()
+    cfg = with_hf(base, hf, "cache", workdir=workdir, step=step)
+    return cfg, initial_params(cfg), hf
 
 
 def _refuse_other_weights(flag: str, config_flag: str, others: Mapping[str, object]) -> None:

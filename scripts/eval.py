@@ -52,7 +52,6 @@ from kvlab.config import (
 )
 from kvlab.data import make_dataset
 from kvlab.eval import evaluate, evaluate_reference, full_cache, full_precision
-from kvlab.train import initial_params, load_params
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "A training run's directory (scripts/train.py).")
 _HF = flags.DEFINE_string(
@@ -90,32 +89,19 @@ _MESH = config_flags.DEFINE_config_dict(
 )
 
 
-def load():
-    """(config, params, where they came from) as --workdir or --hf say."""
-    if _HF.value is None:
-        if _WORKDIR.value is None:
-            raise ValueError(
-                "--workdir is not set: pass a training run's directory, or --hf with a "
-                "Hugging Face checkpoint folder"
-            )
-        cfg, params = load_params(_WORKDIR.value, _STEP.value)
-        return cfg, params, _WORKDIR.value
-    base = _CACHE.value if _CACHE.value is not None else base_config()
-    cfg = cli.with_hf(base, _HF.value, "cache", workdir=_WORKDIR.value, step=_STEP.value)
-    return cfg, initial_params(cfg), _HF.value
-
-
 def main(argv):
     del argv
     # Several hosts (--mesh.distributed=True or JAX_COORDINATOR_ADDRESS, ...): joined
     # before anything below touches a device.
     sharding.initialize_distributed(_MESH.value)
-    cfg, params, source = load()
+    cfg, params, source = cli.evaluated_weights(
+        _WORKDIR.value, _HF.value, _CACHE.value, _STEP.value
+    )
     if _SEQ_LEN.value is not None:
         cfg.eval.seq_len = check_count("--seq_len", _SEQ_LEN.value)
     if _ROPE.value is not None:
         cfg.model.rope_scaling = parse_rope_scaling(_ROPE.value, cfg.train.seq_len)
-    cache_cfg = cfg.cache if _HF.value or _CACHE.value is None else _CACHE.value.cache
+    cache_cfg = cfg.cache
     validate_cache_config(cache_cfg, cfg.model)
     split = _SPLIT.value or cfg.eval.split
     chunk = _CHUNK.value or cfg.eval.chunk

@@ -48,7 +48,6 @@ from kvlab.data import make_dataset
 from kvlab.data.tasks import evaluate_tasks, needle_matrix, plot_needle_grid
 from kvlab.eval import evaluate
 from kvlab.sweep import bits_label, family
-from kvlab.train import initial_params, load_params
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "A training run's directory (scripts/train.py).")
 _HF = flags.DEFINE_string(
@@ -85,23 +84,6 @@ _JSON = flags.DEFINE_bool("json", False, "Print one JSON object instead of a tab
 _MESH = config_flags.DEFINE_config_dict(
     "mesh", base_config().mesh, "The device mesh to evaluate on (the config's mesh section)."
 )
-
-
-def load():
-    """(config, params, where they came from) as --workdir or --hf say (scripts/eval.py)."""
-    if _HF.value is None:
-        if _WORKDIR.value is None:
-            raise ValueError(
-                "--workdir is not set: pass a training run's directory, or --hf with a "
-                "Hugging Face checkpoint folder"
-            )
-        cfg, params = load_params(_WORKDIR.value, _STEP.value)
-        if _CACHE.value is not None:
-            cfg.cache = _CACHE.value.cache
-        return cfg, params, _WORKDIR.value
-    base = _CACHE.value if _CACHE.value is not None else base_config()
-    cfg = cli.with_hf(base, _HF.value, "cache", workdir=_WORKDIR.value, step=_STEP.value)
-    return cfg, initial_params(cfg), _HF.value
 
 
 def _numbers(flag, values, kind):
@@ -151,7 +133,9 @@ def perplexity(cfg, params, lengths, on_mesh):
 def main(argv):
     del argv
     sharding.initialize_distributed(_MESH.value)
-    cfg, params, source = load()
+    cfg, params, source = cli.evaluated_weights(
+        _WORKDIR.value, _HF.value, _CACHE.value, _STEP.value
+    )
     cfg = configure(cfg)
     cfg.mesh = _MESH.value
     on_mesh = dict(chunk=cfg.eval.chunk, mesh=sharding.make_mesh(cfg))
