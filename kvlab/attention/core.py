@@ -39,6 +39,7 @@ scores, the softmax and the sums are float32.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import jax
@@ -111,6 +112,83 @@ def _weighted_sum(weights, v) -> Array:
     )
 
 
+# Tokens per step when a long stored block is read in steps (`_stream`).
+STREAM_TOKENS = 512
+
+
+def _narrow(x) -> bool:
+    """A float array narrower than float32 (bfloat16, float16)."""
+    return not isinstance(x, Reader) and jnp.dtype(x.dtype).itemsize < 4
+
+
+def _streams(block, size: int) -> bool:
+    """Whether attention reads this block in steps of `size` tokens: stored data
+    (a Reader: quantized payloads, page pools) or a 16-bit array, of at least
+    two steps. A float32 array is read whole: XLA:CPU reads one [M, H] x [H, S]
+    product per head at memory bandwidth, faster than a loop over its slices;
+    16-bit products are several times slower than widening a slice to float32
+    (whose products are then float32 ones: the queries and weights are not
+    rounded to 16 bits as a short 16-bit block's are)."""
+    k, v, _ = block
+    tensors = (*_parts(k), v)
+    readers = [x for x in tensors if isinstance(x, Reader)]
+    if not readers and not any(_narrow(x) for x in tensors):
+        return False
+    return v.shape[2] >= 2 * max([size, *(r.step for r in readers)])
+
+
+def _chunk(x, start, size: int):
+    """Tokens start..start+size-1 of a block's keys or values (an array or a Reader)."""
+    if isinstance(x, Reader):
+        x = x.chunk(start, size)
+    else:
+        x = jax.lax.dynamic_slice_in_dim(x, start, size, axis=2)
+    return x.astype(jnp.float32) if _narrow(x) else x  # widened in cache
+
+
+def _stream(k, v, mask, block_scores, weighted, size: int, shape: tuple):
+    """(peak, total, out) of one long stored block, read `size` tokens at a time.
+
+    Flash-decoding over the sequence: each step takes one slice of the stored
+    data (dequantizing a quantized slice, gathering a paged one), scores it
+    and folds it into a running maximum, sum and weighted sum, so no widened
+    copy of the whole block is ever made and the working set stays in cache.
+    The loop stops after the last slot any query sees (the mask's extent).
+    """
+    readers = [x for x in (*_parts(k), v) if isinstance(x, Reader)]
+    size = math.lcm(size, *(r.step for r in readers))  # slices start on whole groups and pages
+    slots = v.shape[2]
+    seen = jnp.max(jnp.where(mask, jnp.arange(1, slots + 1), 0))  # one past the last seen slot
+    offsets = jnp.arange(size)
+
+    def step(i, carry):
+        # The last step may start early (slots % size); slots it read before are masked.
+        begin = i * size
+        start = jnp.minimum(begin, slots - size)
+        keys = tuple(_chunk(part, start, size) for part in _parts(k))
+        visible = jax.lax.dynamic_slice_in_dim(mask, start, size, axis=-1)
+        visible = visible & (start + offsets >= begin)
+        s = block_scores(keys if isinstance(k, tuple) else keys[0], visible)
+        peak = jnp.maximum(carry[0], s.max(axis=-1, keepdims=True))
+        weights = jnp.exp(s - peak)
+        values = weighted(weights, _chunk(v, start, size))
+        return _merge(carry, (peak, weights.sum(axis=-1, keepdims=True), values))
+
+    batch, kv_heads, length, groups = shape
+    peak = jnp.full((batch, kv_heads, length, groups, 1), MASKED, jnp.float32)
+    out = jnp.zeros((batch, kv_heads, length * groups, v.shape[3]), jnp.float32)
+    return jax.lax.fori_loop(0, -(-seen // size), step, (peak, jnp.zeros_like(peak), out))
+
+
+def _merge(a, b):
+    """Two softmax partials (peak [B, K, T, G, 1], total, out [B, K, M, Hv]) as one."""
+    peak = jnp.maximum(a[0], b[0])
+    scale_a, scale_b = jnp.exp(a[0] - peak), jnp.exp(b[0] - peak)
+    rows = scale_a.shape[0], scale_a.shape[1], -1, 1  # [B, K, M, 1], M = T * G
+    out = a[2] * scale_a.reshape(rows) + b[2] * scale_b.reshape(rows)
+    return peak, a[1] * scale_a + b[1] * scale_b, out
+
+
 def attend(
     q: Float[Array, "B T N H"] | tuple[Float[Array, "B T N _"], ...],
     blocks: Sequence[Block],
@@ -150,26 +228,36 @@ def attend(
         s = rearrange(s, "B K (T G) S -> B T (K G) S", K=heads, T=length)
         return rearrange(s, "B T (K G) S -> B K T G S", K=num_kv_heads)
 
-    scores = []
-    for k, _, mask in blocks:
-        # [B, K, T, G, S]
+    def block_scores(k, mask):
+        """[B, K, T, G, S] scaled scores of the queries over one block's keys, masked."""
         s = sum(
             grouped(_scores(q_part, k_part), heads)
             for q_part, k_part, heads in zip(folded, _parts(k), part_heads, strict=True)
         )
         mask = mask[:, None, :, None, :] if mask.ndim == 3 else mask
-        scores.append(jnp.where(mask, s * scale, MASKED))
+        return jnp.where(mask, s * scale, MASKED)
+
+    def weighted(weights, v):
+        """[B, K, T, G, S] weights over a block's values: float32 [B, K, M, Hv]."""
+        return _weighted_sum(weights.reshape(batch, num_kv_heads, length * groups, -1), v)
+
+    streamed = [block for block in blocks if observe is None and _streams(block, STREAM_TOKENS)]
+    blocks = [block for block in blocks if not any(block is b for b in streamed)]
+    scores = [block_scores(k, mask) for k, _, mask in blocks]
     peak = MASKED  # [B, K, T, G, 1] after the loop; `initial` admits empty blocks
     for s in scores:
         peak = jnp.maximum(peak, s.max(axis=-1, keepdims=True, initial=MASKED))
 
-    total = jnp.zeros(peak.shape, jnp.float32)  # [B, K, T, G, 1]
+    total = jnp.zeros(jnp.shape(peak), jnp.float32)  # [B, K, T, G, 1]
     out = 0.0
     for s, (_, v, _) in zip(scores, blocks, strict=True):
         weights = jnp.exp(s - peak)
         total = total + weights.sum(axis=-1, keepdims=True)
-        weights = weights.reshape(batch, num_kv_heads, length * groups, -1)
-        out = out + _weighted_sum(weights, v)  # [B, K, M, Hv]
+        out = out + weighted(weights, v)  # [B, K, M, Hv]
+    for k, v, mask in streamed:  # merged into the others' softmax as in flash-decoding
+        shape = (batch, num_kv_heads, length, groups)
+        part = _stream(k, v, mask, block_scores, weighted, STREAM_TOKENS, shape)
+        peak, total, out = _merge((peak, total, out), part)
     out = out / total.reshape(batch, num_kv_heads, length * groups, 1)
     out = rearrange(out, "B K (T G) H -> B T (K G) H", T=length).astype(queries[0].dtype)
     if observe is None:

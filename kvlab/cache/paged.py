@@ -16,9 +16,11 @@ slot whose page is -1 is dropped, never wrapped onto another page.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Mapping
 
+import jax
 import jax.numpy as jnp
 from flax import struct
 from jaxtyping import Array, Int
@@ -73,6 +75,102 @@ def write_pages(
     return written.reshape(pool.shape)
 
 
+def gather_span(pool: Array, pages: Int[Array, "B n"], start, size: int) -> Array:
+    """Entries start..start+size-1 ([B, KH, size, X]) of each row's dense view of a
+    pool [KH, P, Lp, X] (start traced, start + size <= n * Lp): only the pages
+    covering them are gathered."""
+    per_page, n = pool.shape[2], pages.shape[1]
+    count = min(-(-(size + per_page - 1) // per_page), n)  # pages any `size` entries span
+    first = jnp.clip(start // per_page, 0, n - count)
+    table = jax.lax.dynamic_slice_in_dim(pages, first, count, axis=1)
+    view = gather_pages(pool, table, count * per_page)
+    return jax.lax.dynamic_slice_in_dim(view, start - first * per_page, size, axis=2)
+
+
+@dataclasses.dataclass(frozen=True)
+class PagedReader:
+    """A 16-bit pool's tokens as rows see them through their block tables
+    (kvlab.cache.protocols.Reader): gathered whole for short reads, a slice of
+    pages at a time when attention streams a long block."""
+
+    pool: Array  # [KH, P, Lp, W]
+    pages: Array  # [B, n]
+    length: int  # S: the view's tokens per row
+
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        return (self.pages.shape[0], self.pool.shape[0], self.length, self.pool.shape[3])
+
+    @property
+    def dtype(self):
+        return self.pool.dtype
+
+    @property
+    def step(self) -> int:
+        return 1
+
+    def dequantize(self) -> Array:
+        return gather_pages(self.pool, self.pages, self.length)
+
+    def scores(self, q: Array) -> Array:
+        keys = self.dequantize()
+        return jnp.einsum(
+            "BKMH,BKSH->BKMS", q.astype(keys.dtype), keys, preferred_element_type=jnp.float32
+        )
+
+    def weighted_sum(self, w: Array) -> Array:
+        values = self.dequantize()
+        return jnp.einsum(
+            "BKMS,BKSH->BKMH", w.astype(values.dtype), values, preferred_element_type=jnp.float32
+        )
+
+    def chunk(self, start, size: int) -> Array:
+        return gather_span(self.pool, self.pages, start, size)
+
+
+@dataclasses.dataclass(frozen=True)
+class PagedPayloadReader:
+    """A quantized tensor's payload, scale and zero pools read through the block
+    tables (kvlab.cache.protocols.Reader), as PayloadReader reads a row's own."""
+
+    tensor: quant.QuantizedTensor  # payload, scale, zero: pools [KH, P, entries per page, X]
+    pages: Array  # [B, n]
+    rows: int  # P: payload rows per row
+    scale_rows: int  # scale rows per row (P, or P / g on the channel axis)
+
+    def _gathered(self) -> quant.PayloadReader:
+        t = self.tensor
+        sizes = {"payload": self.rows, "scale": self.scale_rows, "zero": self.scale_rows}
+        arrays = {
+            name: None
+            if getattr(t, name) is None
+            else gather_pages(getattr(t, name), self.pages, sizes[name])
+            for name in _POOLED
+        }
+        return quant.PayloadReader(t.replace(**arrays, ring=None))
+
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        return (self.pages.shape[0], self.tensor.payload.shape[0], self.rows, self.tensor.width)
+
+    @property
+    def step(self) -> int:
+        return self.tensor.spec.group_size if self.tensor.spec.axis == "channel" else 1
+
+    def dequantize(self) -> Array:
+        return self._gathered().dequantize()
+
+    def scores(self, q: Array) -> Array:
+        return self._gathered().scores(q)
+
+    def weighted_sum(self, w: Array) -> Array:
+        return self._gathered().weighted_sum(w)
+
+    def chunk(self, start, size: int):
+        take = lambda pool, first, count: gather_span(pool, self.pages, first, count)  # noqa: E731
+        return quant.read_slice(self.tensor, take, start, size)
+
+
 @struct.dataclass
 class PagedLayer:
     """One layer's 16-bit tensors in page pools, each [KH, num_pages, L, W]."""
@@ -81,7 +179,7 @@ class PagedLayer:
     capacity: int = struct.field(pytree_node=False)
 
     def read(self, fresh: tuple, placement: Placement):
-        views = tuple(gather_pages(p, placement.pages, self.capacity) for p in self.pools)
+        views = tuple(PagedReader(p, placement.pages, self.capacity) for p in self.pools)
         return DenseLayer(views).read(fresh, placement)
 
     def tensor_shapes(self) -> tuple[tuple[int, int], ...]:
@@ -119,21 +217,18 @@ class PagedQuantizedLayer:
     def capacity(self) -> int:
         return self.layout.capacity
 
-    def _view(self, pages) -> quant.QuantizedLayer:
-        tensors = []
-        for tensor, (rows, scale_rows) in zip(self.tensors, self.lengths, strict=True):
-            sizes = {"payload": rows, "scale": scale_rows, "zero": scale_rows}
-            arrays = {
-                name: None
-                if getattr(tensor, name) is None
-                else gather_pages(getattr(tensor, name), pages, sizes[name])
-                for name in _POOLED
-            }
-            tensors.append(tensor.replace(**arrays))
-        return quant.QuantizedLayer(tuple(tensors), self.layout)
-
     def read(self, fresh: tuple, placement: Placement):
-        return self._view(placement.pages).read(fresh, placement)
+        """QuantizedLayer.read over the pools: the settled tokens through the block
+        tables (PagedPayloadReader), the rings per row."""
+        readers = tuple(
+            PagedPayloadReader(t, placement.pages, rows, scale_rows)
+            if t.spec.quantized
+            else PagedReader(t.payload, placement.pages, rows)
+            for t, (rows, scale_rows) in zip(self.tensors, self.lengths, strict=True)
+        )
+        return quant.QuantizedLayer(self.tensors, self.layout).read(
+            fresh, placement, readers=readers
+        )
 
     def tensor_shapes(self) -> tuple[tuple[int, int], ...]:
         return tuple((t.payload.shape[0], t.width) for t in self.tensors)

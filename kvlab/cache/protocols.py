@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, Protocol, runtime_checkable
 
-from jaxtyping import Array, Bool, Float
+from jaxtyping import Array, Bool, Float, Int
 
 from kvlab.cache.placement import Placement
 
@@ -50,6 +50,14 @@ class Reader(Protocol):
 
     def dequantize(self) -> Float[Array, "B K S W"]:
         """The stored tokens as a float32 array (for paths that need one)."""
+
+    @property
+    def step(self) -> int:
+        """Slices (`chunk`) start and end on multiples of this many tokens."""
+
+    def chunk(self, start: Int[Array, ""], size: int) -> Any:
+        """Tokens start..start+size-1 (0 <= start <= S - size, multiples of `step`)
+        as an array or a Reader: attention reads long blocks a slice at a time."""
 
 
 class CacheLayer(Protocol):

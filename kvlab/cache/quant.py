@@ -282,6 +282,16 @@ class PayloadReader:
     def dequantize(self) -> Array:
         return self.tensor.dequantize()
 
+    @property
+    def step(self) -> int:
+        """Slices start on whole scale groups (channel axis: group_size tokens)."""
+        return self.tensor.spec.group_size if self.tensor.spec.axis == "channel" else 1
+
+    def chunk(self, start, size: int):
+        """The stored tokens start..start+size-1 (kvlab.cache.protocols.Reader; `read_slice`)."""
+        take = functools.partial(jax.lax.dynamic_slice_in_dim, axis=2)
+        return read_slice(self.tensor, take, start, size)
+
     def _levels(self):
         t = self.tensor
         grouped, _ = _grouped(levels(unpack(t.payload, t.spec.bits), t.spec), t.spec)
@@ -337,6 +347,91 @@ class PayloadReader:
         if zero is not None:
             out = out + jnp.einsum("BKMJ,BKJd->BKMd", wg.sum(-1), zero)
         return out
+
+
+def read_slice(tensor: QuantizedTensor, take, start, size: int):
+    """What attention reads stored tokens start..start+size-1 of `tensor` through.
+
+    `take(array, first, count)` gives entries first..first+count-1 along the
+    token axis of its payload, scale or zero array (a slice; page pools gather).
+    A slice fits in cache, so it is dequantized whole (one elementwise pass,
+    then plain products; below 8 bits one array per code position in a byte,
+    `_phases`) unless one scale per token lets the scale fold into the products
+    (PayloadReader's own math).
+    """
+    spec = tensor.spec
+    if spec.axis == "channel":
+        scale_start, scale_size = start // spec.group_size, size // spec.group_size
+    else:
+        scale_start, scale_size = start, size
+    sliced = tensor.replace(
+        payload=take(tensor.payload, start, size),
+        scale=take(tensor.scale, scale_start, scale_size),
+        zero=None if tensor.zero is None else take(tensor.zero, scale_start, scale_size),
+        ring=None,
+    )
+    if spec.axis == "token" and sliced.scale.shape[-1] == 1:
+        return PayloadReader(sliced)
+    if spec.bits < 8:
+        return Phases(_phases(sliced))
+    return sliced.dequantize()
+
+
+def _phases(t: QuantizedTensor) -> tuple[Array, ...]:
+    """The stored tokens dequantized as 8 / bits float32 arrays [B, KH, N, Wd * bits / 8]:
+    array j holds channels j, j + 8 / bits, ... (the codes in bits j*b.. of each byte),
+    so unpacking needs no interleaving of the codes (module docstring: `pack`)."""
+    spec, per_byte = t.spec, 8 // t.spec.bits
+    b, kh, n, packed = t.payload.shape
+    scale = t.scale.astype(jnp.float32)
+    zero = None if t.zero is None else t.zero.astype(jnp.float32)
+    phases = []
+    for j in range(per_byte):
+        codes = (t.payload >> jnp.uint8(j * spec.bits)) & jnp.uint8(2**spec.bits - 1)
+        lv = levels(codes, spec)
+        if spec.axis == "channel":  # scale [B, KH, N / g, Wd]: this phase's channels
+            g = spec.group_size
+            lv = lv.reshape(b, kh, n // g, g, packed) * scale[..., None, j::per_byte]
+            if zero is not None:
+                lv = lv + zero[..., None, j::per_byte]
+        else:  # scale [B, KH, N, Wd / gs]: channel i * per_byte + j in group i // (gs / per_byte)
+            groups = scale.shape[-1]
+            lv = lv.reshape(b, kh, n, groups, packed // groups) * scale[..., None]
+            if zero is not None:
+                lv = lv + zero[..., None]
+        phases.append(lv.reshape(b, kh, n, packed))
+    return tuple(phases)
+
+
+@dataclasses.dataclass(frozen=True)
+class Phases:
+    """A dequantized slice as `_phases` gives it: attention's products per phase."""
+
+    arrays: tuple
+
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        b, kh, n, width = self.arrays[0].shape
+        return (b, kh, n, width * len(self.arrays))
+
+    @property
+    def step(self) -> int:
+        return 1
+
+    def scores(self, q: Array) -> Array:
+        q = q.astype(jnp.float32).reshape(*q.shape[:-1], -1, len(self.arrays))
+        return sum(jnp.einsum("BKMd,BKSd->BKMS", q[..., j], x) for j, x in enumerate(self.arrays))
+
+    def weighted_sum(self, w: Array) -> Array:
+        w = w.astype(jnp.float32)
+        out = jnp.stack([jnp.einsum("BKMS,BKSd->BKMd", w, x) for x in self.arrays], axis=-1)
+        return out.reshape(*out.shape[:-2], -1)
+
+    def dequantize(self) -> Array:
+        return jnp.stack(self.arrays, axis=-1).reshape(self.shape)
+
+    def chunk(self, start, size: int) -> Array:
+        return jax.lax.dynamic_slice_in_dim(self.dequantize(), start, size, axis=2)
 
 
 def init_tensor(
@@ -426,12 +521,14 @@ class QuantizedLayer:
         positions = jnp.where(valid, positions, -1)  # -1: nothing settles there (dropped)
         return Flush(positions, fresh, tuple(payloads), tuple(scales), tuple(zeros))
 
-    def read(self, fresh: tuple, placement: Placement, visible=None):
+    def read(self, fresh: tuple, placement: Placement, visible=None, readers=None):
         """Blocks to attend over and what `write` will store (see DenseLayer.read).
 
         fresh: the step's new tokens per tensor, [B, KH, T, Wd]. `visible(query
         positions [B, T, 1], key positions [B, 1, X])`, when given, is a further
         bool rule ANDed into every block's mask (an evicting window's band).
+        `readers`: what attention reads the settled tokens through (default each
+        tensor's `reader()`; page pools pass their own, kvlab/cache/paged.py).
         """
         layout, lengths = self.layout, placement.lengths
         fresh = tuple(
@@ -448,7 +545,7 @@ class QuantizedLayer:
         payload_positions = jnp.arange(layout.payload_len)[None, None, :]
         blocks = [
             (
-                tuple(t.reader() for t in self.tensors),
+                readers or tuple(t.reader() for t in self.tensors),
                 (payload_positions < before[:, None, None]) & rule(payload_positions),
             )
         ]
