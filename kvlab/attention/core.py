@@ -184,9 +184,60 @@ def _merge(a, b):
     """Two softmax partials (peak [B, K, T, G, 1], total, out [B, K, M, Hv]) as one."""
     peak = jnp.maximum(a[0], b[0])
     scale_a, scale_b = jnp.exp(a[0] - peak), jnp.exp(b[0] - peak)
-    rows = scale_a.shape[0], scale_a.shape[1], -1, 1  # [B, K, M, 1], M = T * G
+    rows = *b[2].shape[:2], -1, 1  # [B, K, M, 1], M = T * G
     out = a[2] * scale_a.reshape(rows) + b[2] * scale_b.reshape(rows)
     return peak, a[1] * scale_a + b[1] * scale_b, out
+
+
+def _stored(x):
+    """A stored block's keys or values as the Pallas kernels take them, or None."""
+    from kvlab.attention import pallas  # noqa: PLC0415 (Triton's modules load on first use)
+    from kvlab.cache import paged, quant  # noqa: PLC0415 (the cache package imports this one)
+
+    if isinstance(x, quant.PayloadReader):
+        return pallas.Stored.of(x.tensor)
+    if isinstance(x, paged.PagedPayloadReader):
+        return pallas.Stored.of(x.tensor, x.pages)
+    if isinstance(x, paged.PagedReader):
+        return pallas.Stored(x.pool, pages=x.pages)
+    return None
+
+
+def _kernel(block, folded, part_heads, scale: float, shape: tuple, fallback):
+    """(peak, total, out) of a stored block by the Pallas kernel
+    (kvlab/attention/pallas.py), or None when the kernel cannot read it.
+
+    The kernel reads rows' first `lengths` tokens: blocks whose mask is one
+    prefix per row for every query ([B, 1, S], a quantized payload's settled
+    tokens or a page pool's written ones) and whose key parts have the values'
+    heads. A mask that is no prefix (an evicting window's band) takes
+    `fallback()`, the XLA path, at run time.
+    """
+    from kvlab.attention import pallas  # noqa: PLC0415
+
+    k, v, mask = block
+    batch, kv_heads, length, groups = shape
+    if mask.ndim != 3 or mask.shape[1] != 1 or any(h != kv_heads for h in part_heads):
+        return None
+    stored = {id(x): _stored(x) for x in (*_parts(k), v)}
+    if any(x is None for x in stored.values()):
+        return None
+    lengths = mask[:, 0].sum(axis=-1, dtype=jnp.int32)
+    prefix = jnp.all(mask[:, 0] == (jnp.arange(mask.shape[-1]) < lengths[:, None]))
+
+    def kernel():
+        out, peak, total = pallas.stored_attention(
+            tuple(folded),
+            tuple(stored[id(x)] for x in _parts(k)),
+            stored[id(v)],
+            lengths,
+            scale=scale,
+            interpret=jax.default_backend() == "cpu",
+        )
+        rows = (batch, kv_heads, length, groups, 1)
+        return peak.reshape(rows), total.reshape(rows), out
+
+    return jax.lax.cond(prefix, kernel, fallback)
 
 
 def attend(
@@ -194,6 +245,7 @@ def attend(
     blocks: Sequence[Block],
     scale: float | None = None,
     observe: Float[Array, "B T"] | None = None,
+    impl: str = "xla",
 ):
     """Softmax attention of every query head over its KV head's keys in all blocks.
 
@@ -202,7 +254,9 @@ def attend(
     head and query head of its group). With `observe` (weights of the T
     queries) it returns (out, mass): per block float32[B, K, S], the
     probability each key received, summed over the queries by their weights
-    and averaged over each KV head's G query heads.
+    and averaged over each KV head's G query heads. `impl` "pallas" reads
+    blocks of stored data (quantized payloads, page pools) with the Pallas
+    kernels where they can (`_kernel`; model.attention_impl).
     """
     queries = _parts(q)
     batch, length, num_heads, _ = queries[0].shape
@@ -241,8 +295,39 @@ def attend(
         """[B, K, T, G, S] weights over a block's values: float32 [B, K, M, Hv]."""
         return _weighted_sum(weights.reshape(batch, num_kv_heads, length * groups, -1), v)
 
-    streamed = [block for block in blocks if observe is None and _streams(block, STREAM_TOKENS)]
-    blocks = [block for block in blocks if not any(block is b for b in streamed)]
+    shape = (batch, num_kv_heads, length, groups)
+
+    def whole(block):
+        """(peak, total, out) of one block read at once."""
+        s = block_scores(block[0], block[2])
+        peak = s.max(axis=-1, keepdims=True, initial=MASKED)
+        weights = jnp.exp(s - peak)
+        return peak, weights.sum(axis=-1, keepdims=True), weighted(weights, block[1])
+
+    def partial(block):
+        """(peak, total, out) of one stored block: by a kernel, streamed or whole."""
+        if _streams(block, STREAM_TOKENS):
+            fallback = lambda: _stream(*block, block_scores, weighted, STREAM_TOKENS, shape)  # noqa: E731
+        else:
+            fallback = lambda: whole(block)  # noqa: E731
+        if impl == "pallas":
+            done = _kernel(block, folded, part_heads, scale, shape, fallback)
+            if done is not None:
+                return done
+        return fallback()
+
+    def apart(block) -> bool:
+        """Blocks attended on their own and merged after: long stored blocks
+        (streamed) and, with the kernels, every block of stored data."""
+        if observe is not None:
+            return False
+        stored = impl == "pallas" and any(
+            isinstance(x, Reader) for x in (*_parts(block[0]), block[1])
+        )
+        return stored or _streams(block, STREAM_TOKENS)
+
+    separate = [block for block in blocks if apart(block)]
+    blocks = [block for block in blocks if not apart(block)]
     scores = [block_scores(k, mask) for k, _, mask in blocks]
     peak = MASKED  # [B, K, T, G, 1] after the loop; `initial` admits empty blocks
     for s in scores:
@@ -254,10 +339,8 @@ def attend(
         weights = jnp.exp(s - peak)
         total = total + weights.sum(axis=-1, keepdims=True)
         out = out + weighted(weights, v)  # [B, K, M, Hv]
-    for k, v, mask in streamed:  # merged into the others' softmax as in flash-decoding
-        shape = (batch, num_kv_heads, length, groups)
-        part = _stream(k, v, mask, block_scores, weighted, STREAM_TOKENS, shape)
-        peak, total, out = _merge((peak, total, out), part)
+    for block in separate:  # merged into the others' softmax as in flash-decoding
+        peak, total, out = _merge((peak, total, out), partial(block))
     out = out / total.reshape(batch, num_kv_heads, length * groups, 1)
     out = rearrange(out, "B K (T G) H -> B T (K G) H", T=length).astype(queries[0].dtype)
     if observe is None:

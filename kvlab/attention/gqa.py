@@ -58,7 +58,8 @@ class GroupedQueryAttention(nn.Module):
 
         # What the layer holds, and the new tokens as it will hold them.
         def attention(regions, observe):
-            return attend(q, [(k, v, mask) for (k, v), mask in regions], observe=observe)
+            blocks = [(k, v, mask) for (k, v), mask in regions]
+            return attend(q, blocks, observe=observe, impl=cfg.attention_impl)
 
         out, layer = through_layer(layer, fresh, placement, attention)
         return out_projection(out), layer

@@ -63,7 +63,7 @@ def _dense(x) -> jax.Array:
     return x.dequantize() if isinstance(x, Reader) else x
 
 
-def expanded_attention(q_nope, q_rope, blocks, key_up, value_up, scale, observe=None):
+def expanded_attention(q_nope, q_rope, blocks, key_up, value_up, scale, observe=None, impl="xla"):
     """Per-head K/V expanded from each block's latent, then multi-head attention.
 
     q_nope [B, T, N, nope], q_rope [B, T, N, Hr]; blocks: sequence of
@@ -89,10 +89,10 @@ def expanded_attention(q_nope, q_rope, blocks, key_up, value_up, scale, observe=
         k_nope = jnp.einsum("BSR,RNH->BNSH", c_kv, key_up.astype(dtype))
         expanded.append(((k_nope, k_rope), v, mask))
     queries = (q_rope,) if key_up is None else (q_nope, q_rope)
-    return attend(queries, expanded, scale, observe)
+    return attend(queries, expanded, scale, observe, impl)
 
 
-def absorbed_attention(q_nope, q_rope, blocks, key_up, value_up, scale, observe=None):
+def absorbed_attention(q_nope, q_rope, blocks, key_up, value_up, scale, observe=None, impl="xla"):
     """Attention in latent space: W_UK folded into the query, W_UV applied after.
 
     Same arguments and result as `expanded_attention`. The latent is one KV
@@ -102,12 +102,12 @@ def absorbed_attention(q_nope, q_rope, blocks, key_up, value_up, scale, observe=
     dtype = q_rope.dtype
     if key_up is None:  # no key part in the latent: scores are the RoPE part's
         latent = [((k_rope,), c_kv, mask) for c_kv, k_rope, mask in blocks]
-        out = attend((q_rope,), latent, scale, observe)  # [B, T, N, R]
+        out = attend((q_rope,), latent, scale, observe, impl)  # [B, T, N, R]
     else:
         # [B, T, N, R]: each head's query against the latent
         q_latent = jnp.einsum("BTNH,RNH->BTNR", q_nope, key_up.astype(dtype))
         latent = [((c_kv, k_rope), c_kv, mask) for c_kv, k_rope, mask in blocks]
-        out = attend((q_latent, q_rope), latent, scale, observe)  # [B, T, N, R]
+        out = attend((q_latent, q_rope), latent, scale, observe, impl)  # [B, T, N, R]
     out, mass = (out, None) if observe is None else out
     out = jnp.einsum("BTNR,RNH->BTNH", out, value_up.astype(dtype))
     return out if observe is None else (out, mass)
@@ -185,7 +185,9 @@ class MultiHeadLatentAttention(nn.Module):
 
         def attention(regions, observe):
             blocks = [(c_kv, k_rope, mask) for (c_kv, k_rope), mask in regions]
-            return attend_latent(q_nope, q_rope, blocks, key_up, value_up, scale, observe)
+            return attend_latent(
+                q_nope, q_rope, blocks, key_up, value_up, scale, observe, cfg.attention_impl
+            )
 
         out, layer = through_layer(layer, fresh, placement, attention)
         return out_projection(out), layer

@@ -156,3 +156,32 @@ def test_streamed_decode_equals_whole_decode_in_the_model(config, cache):
     tokens = np.random.default_rng(0).integers(0, cfg.model.vocab_size, (2, 40), np.int32)
     whole = decode_logits(cfg, params, tokens, 10**9)
     np.testing.assert_allclose(decode_logits(cfg, params, tokens, 8), whole, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "config, cache",
+    [
+        ("gqa.py:tiny", dict(kind="paged", k_bits=4, v_bits=2, group_size=4, page_size=8)),
+        ("gqa.py:tiny", dict(kind="paged", page_size=8)),
+        ("mla.py:tiny", dict(latent_bits=8, rope_bits=4, group_size=4)),
+    ],
+)
+def test_pallas_kernels_give_the_xla_logits(config, cache):
+    """model.attention_impl='pallas' (the kernels in interpret mode on CPU) reads
+    paged KIVI, paged 16-bit and quantized latent caches to the XLA path's logits."""
+    cfg = kvlab.load_config(f"{ROOT}/configs/{config}")
+    cfg.cache.update(cache)
+    cfg.model.num_layers = 1
+    cfg = kvlab.validate_config(cfg)
+    params = kvlab.init_params(cfg.model, jax.random.key(0))
+    tokens = np.random.default_rng(0).integers(0, cfg.model.vocab_size, (2, 40), np.int32)
+    xla = decode_logits(cfg, params, tokens, 10**9)
+    cfg.model.attention_impl = "pallas"
+    np.testing.assert_allclose(decode_logits(cfg, params, tokens, 10**9), xla, atol=1e-5)
+
+
+def test_attention_impl_is_checked():
+    cfg = kvlab.base_config("tiny")
+    cfg.model.attention_impl = "triton"
+    with pytest.raises(ValueError, match="model.attention_impl"):
+        kvlab.validate_config(cfg)
