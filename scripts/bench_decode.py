@@ -16,7 +16,8 @@ script reports the step time's fraction of that bound.
 (c) For latent-attention configs (model.attention='mla'): decode tokens/s of
 the absorbed path against the expanded one at --mla_lengths, same weights.
 (d) With --bits=16,8,4,2: decode tokens/s with every cached tensor stored at
-each width (the config's axes, groups and residual), against the first.
+each width (the config's axes, groups and residual), against the first; an
+entry "bf16" is the 16-bit cache in bfloat16 (cache.dtype).
 (e) With --evict=snapkv:0.5,window:0.25: decode tokens/s with each eviction
 policy keeping that share of the context (cache.evict, kvlab/cache/evict.py),
 against the config's own cache.
@@ -48,7 +49,10 @@ _MLA_LENGTHS = flags.DEFINE_list(
 )
 _MLA_STEPS = flags.DEFINE_integer("mla_steps", 8, "Decode steps timed per length and path.")
 _BITS = flags.DEFINE_list(
-    "bits", [], "Also time decode with every cached tensor at these bit-widths (e.g. 16,8,4,2)."
+    "bits",
+    [],
+    "Also time decode with every cached tensor at these bit-widths (e.g. 16,bf16,8,4,2; "
+    "bf16: 16 bits in bfloat16).",
 )
 _EVICT = flags.DEFINE_list(
     "evict", [], "Also time decode through these eviction policies, method:ratio (e.g. snapkv:0.5)."
@@ -182,10 +186,26 @@ def bench_caches(cfg, model, params, lengths, caches, key, batch, steps, repeats
     return rows
 
 
+def parse_bits(entry: str) -> int | str:
+    """A --bits entry: 16, 8, 4, 2 or 'bf16'."""
+    if entry == "bf16":
+        return entry
+    if entry not in ("16", "8", "4", "2"):
+        raise ValueError(
+            f"--bits entry {entry!r} is not one of 16, bf16, 8, 4, 2: pass e.g. 16,8,4"
+        )
+    return int(entry)
+
+
 def bench_bit_widths(cfg, model, params, lengths, bit_widths, batch, steps, repeats) -> list[dict]:
     """(d) Decode tokens/s with every cached tensor stored at each bit-width."""
     prefixes = cached_prefixes(cfg.model)
-    caches = {bits: {f"{prefix}_bits": bits for prefix in prefixes} for bits in bit_widths}
+    caches = {}
+    for bits in bit_widths:
+        width = 16 if bits == "bf16" else bits
+        caches[bits] = {f"{prefix}_bits": width for prefix in prefixes}
+        if bits == "bf16":
+            caches[bits]["dtype"] = "bfloat16"
     return bench_caches(cfg, model, params, lengths, caches, "bits", batch, steps, repeats)
 
 
@@ -242,7 +262,7 @@ def main(argv):
             model,
             params,
             [int(n) for n in _LENGTHS.value],
-            [int(b) for b in _BITS.value],
+            [parse_bits(b) for b in _BITS.value],
             _BATCH.value,
             _STEPS.value,
             _REPEATS.value,

@@ -62,7 +62,7 @@ def stored(kind, x, spec, paged, per_page, rng):
     return reader, dense
 
 
-@settings(max_examples=30, deadline=None)
+@settings(max_examples=15, deadline=None)
 @given(
     kind=st.sampled_from(["bf16", "int8", "int4", "int2", "fp8"]),
     axis=st.sampled_from(["token", "channel"]),
