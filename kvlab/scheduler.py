@@ -2,10 +2,10 @@
 
     scheduler = Scheduler(pages, max_slots=8, max_len=512, prefill_chunk=32)
     request = scheduler.add(prompt, max_new_tokens=32)  # queued behind earlier requests
-    while (step := scheduler.plan()) is not None:       # numpy arrays, a row per slot
-        next_tokens = ...                               # int[B]: after each slot's last fed token
-        scheduler.advance(next_tokens)
-    request.output                                      # the tokens it generated
+    while (step := scheduler.plan(max_steps=16)) is not None:  # numpy arrays, row per slot
+        next_tokens = ...               # int[n, B]: after each of n device steps (n <= step.steps)
+        scheduler.advance(next_tokens)  # int[B] for one step
+    request.output                      # the tokens it generated
 
 The host half of kvlab.Engine (vLLM's scheduler over PagedAttention,
 arXiv:2309.06180): plain Python and numpy, no JAX, so every decision is tested
@@ -29,10 +29,25 @@ Each `plan()`:
      token to feed, else 1 (decode); per slot the tokens to feed, how many,
      the tokens its cache holds and its block table. Idle slots feed nothing.
 
+A step in which every running request feeds all it lacks (its last token, or
+the rest of its prompt) may cover several device steps, up to `max_steps`, so
+the device runs them in one call without the host (kvlab/engine.py): every
+request emits a token in the first, and in each later one each slot still
+running feeds the token it emitted last. `Step.steps` (K) is how many: until
+the first running request reaches max_new_tokens while requests wait
+(admitting them is the next scheduling event), until the last one does
+otherwise, and only as far as free pages allow: pages for each request's
+next K tokens are taken before the step, never by preempting (a pool too
+short for two steps gives one, which may preempt as any step does). A slot
+stops after emitting `Step.budgets[slot]` tokens or end_token, and with
+`Step.stop_on_finish` (requests wait) the loop ends after the first step in
+which any slot stops: the device may return fewer than K steps.
+
 `advance(next_tokens)` counts the fed tokens as cached; a slot that fed all its
-tokens appends next_tokens[slot]. A request that has max_new_tokens tokens, or
-has just emitted end_token, finishes and releases its pages (with prefix caching,
-its full pages stay matchable, and so do a prompt's once it is prefilled).
+tokens appends next_tokens[slot] (next_tokens[k, slot] after device step k).
+A request that has max_new_tokens tokens, or has just emitted end_token,
+finishes and releases its pages (with prefix caching, its full pages stay
+matchable, and so do a prompt's once it is prefilled).
 
 Invariants (property-tested in tests/test_scheduler.py):
 
@@ -178,7 +193,10 @@ class Request:
 class Step:
     """One device step's inputs, a row per slot (B = max_slots, T = width,
     n = pages per slot). The model appends tokens[b, :counts[b]] to row b after
-    its lengths[b] cached tokens, in the pages block_tables[b]."""
+    its lengths[b] cached tokens, in the pages block_tables[b]. With steps > 1
+    (module docstring) more device steps follow in which slot b feeds its own
+    last output while it runs (it emits at most budgets[b] tokens in all), and
+    its block table already holds the pages for all of them."""
 
     tokens: np.ndarray  # int32[B, T]  tokens to feed, zeros past counts
     counts: np.ndarray  # int32[B]     tokens fed per slot (0: idle)
@@ -188,9 +206,12 @@ class Step:
     copies: (
         np.ndarray
     )  # int32[B * n, 2]  (page, its private copy) to copy before the step; -1 rows unused
+    budgets: np.ndarray  # int32[B]  tokens each slot emits at most over the steps
+    steps: int = 1  # K: device steps at most, the first feeding `tokens`
+    stop_on_finish: bool = False  # end the loop after the first step in which a slot stops
 
     @classmethod
-    def idle(cls, max_slots: int, width: int, pages_per_slot: int) -> Step:
+    def idle(cls, max_slots: int, width: int, pages_per_slot: int, steps: int = 1) -> Step:
         """A step of the given width in which no slot feeds a token."""
         return cls(
             tokens=np.zeros((max_slots, width), np.int32),
@@ -199,6 +220,8 @@ class Step:
             block_tables=np.full((max_slots, pages_per_slot), -1, np.int32),
             starting=np.zeros((max_slots,), bool),
             copies=np.full((max_slots * pages_per_slot, 2), -1, np.int32),
+            budgets=np.zeros((max_slots,), np.int32),
+            steps=steps,
         )
 
 
@@ -292,12 +315,14 @@ class Scheduler:
         return request
 
     # ------------------------------------------------------------------
-    def plan(self) -> Step | None:
-        """Admits, hands out pages, preempts; the next step, or None once idle."""
+    def plan(self, max_steps: int = 1) -> Step | None:
+        """Admits, hands out pages, preempts; the next step (of up to `max_steps`
+        device steps), or None once idle."""
         if self._planned is not None:
             raise RuntimeError(
                 "plan() was called twice: pass the last step's next tokens to advance() first"
             )
+        max_steps = check_count("max_steps", max_steps)
         admitted = self._admit()
         copies = []
         for request in sorted(self.running.values(), key=lambda r: r.admitted):
@@ -309,12 +334,16 @@ class Scheduler:
             if self.waiting:  # a lone request always fits (check_fits): the invariants broke
                 raise RuntimeError(f"{len(self.waiting)} requests wait but none can run")
             return None
-        step = Step.idle(self.max_slots, self._width(), self.pages_per_slot)
+        width = self._width()
+        steps = self._reserve_decode_steps(max_steps, width)
+        step = Step.idle(self.max_slots, width, self.pages_per_slot, steps)
+        step = dataclasses.replace(step, stop_on_finish=steps > 1 and bool(self.waiting))
         for slot, request in self.running.items():
-            feed = self._feed(request, step.tokens.shape[1])
+            feed = self._feed(request, width)
             take = request.tokens[request.cached : request.cached + feed]
             step.tokens[slot, : len(take)] = take
             step.counts[slot] = len(take)
+            step.budgets[slot] = min(steps, self._tokens_left(request))
             step.lengths[slot] = request.cached
             step.block_tables[slot, : len(request.pages)] = request.pages
             step.starting[slot] = request in admitted
@@ -324,33 +353,102 @@ class Scheduler:
         return step
 
     def advance(self, next_tokens) -> list[Request]:
-        """Completes the planned step with each slot's next token (int[max_slots]; a
-        slot's entry is used only if it fed all its tokens). Returns the requests
-        that emitted a token, in slot order; finished ones have released their pages."""
+        """Completes the planned step with each slot's next token: int[max_slots],
+        or int[n, max_slots] for the n device steps the device ran (1 <= n <=
+        step.steps); a slot's entry is used only if it fed all its tokens. Returns
+        the requests that emitted a token, in slot order; finished ones have
+        released their pages."""
         step = self._planned
         if step is None:
             raise RuntimeError("advance() without a planned step: call plan() first")
         next_tokens = np.asarray(next_tokens)
-        if next_tokens.shape != (self.max_slots,) or next_tokens.dtype.kind not in "iu":
+        shape = next_tokens.shape
+        if next_tokens.ndim == 1:
+            next_tokens = next_tokens[None]
+        if (
+            next_tokens.ndim != 2
+            or next_tokens.shape[1] != self.max_slots
+            or not 1 <= len(next_tokens) <= step.steps
+            or next_tokens.dtype.kind not in "iu"
+        ):
             raise ValueError(
-                f"next_tokens has shape {next_tokens.shape} and dtype {next_tokens.dtype}: "
-                f"pass one integer token per slot, shape ({self.max_slots},)"
+                f"next_tokens has shape {shape} and dtype {next_tokens.dtype}: pass one "
+                f"integer token per slot, shape ({self.max_slots},), or per slot and device "
+                f"step, shape (n, {self.max_slots}) with n <= {step.steps}"
             )
         self._planned = None
-        emitted = []
-        for slot in sorted(self.running):
-            request = self.running[slot]
-            start, fed = request.cached, int(step.counts[slot])
-            request.prefill_tokens += max(0, min(start + fed, request.prompt_len) - start)
-            request.cached += fed
-            if start < request.prompt_len <= request.cached:  # its prompt pages are full now
-                self._register(request, request.prompt_len)
-            if request.cached == len(request.tokens):  # all fed: the next token is known
-                request.tokens.append(check_token_id(f"next_tokens[{slot}]", next_tokens[slot]))
-                emitted.append(request)
-                if self._done(request):
-                    self._finish(request)
-        return emitted
+        emitted = {}
+        for k, tokens in enumerate(next_tokens):
+            stopped = False
+            for slot in sorted(self.running):
+                request = self.running[slot]
+                # Past the first device step a running slot feeds its last output.
+                start, fed = request.cached, int(step.counts[slot]) if k == 0 else 1
+                request.prefill_tokens += max(0, min(start + fed, request.prompt_len) - start)
+                request.cached += fed
+                if start < request.prompt_len <= request.cached:  # its prompt pages are full now
+                    self._register(request, request.prompt_len)
+                if request.cached == len(request.tokens):  # all fed: the next token is known
+                    token = check_token_id(f"next_tokens[{k}, {slot}]", tokens[slot])
+                    request.tokens.append(token)
+                    emitted[slot] = request
+                    if self._done(request):
+                        self._finish(request)
+                        stopped = True
+            # The device loop goes on while steps remain, a slot runs and (with
+            # stop_on_finish) none has stopped.
+            goes_on = k + 1 < step.steps and bool(self.running)
+            goes_on = goes_on and not (step.stop_on_finish and stopped)
+            if goes_on != (k + 1 < len(next_tokens)):
+                raise ValueError(
+                    f"next_tokens has {len(next_tokens)} device steps, but by the loop's rules "
+                    f"(Step) the device {'goes on' if goes_on else 'stops'} after step {k + 1}: "
+                    "the device broke them, and this scheduler is not usable now"
+                )
+        return [emitted[slot] for slot in sorted(emitted)]
+
+    def _reserve_decode_steps(self, max_steps: int, width: int) -> int:
+        """Device steps (at most max_steps) this step runs: until the first request
+        is done while others wait, else until the last is, and only as far as free
+        pages go; takes those pages for every running request now (never by
+        preempting). 1 unless every running request feeds all it lacks in the
+        first, so that each emits a token in every step (an evicting cache's
+        replayed tokens are fed one per step and emit nothing)."""
+        running = list(self.running.values())
+        lacking = [len(r.tokens) - r.cached for r in running]
+        if max_steps == 1 or lacking != [self._feed(r, width) for r in running]:
+            return 1
+        left = [self._tokens_left(r) for r in running]
+        steps = min(max_steps, min(left) if self.waiting else max(left))
+        if self.evicting and self.prefix_caching:
+            # The step that first overwrites a slot copies cached pages first (plan).
+            steps = min(
+                [steps]
+                + [
+                    self.evicts_after - len(r.tokens) + 1
+                    for r in running
+                    if len(r.tokens) <= self.evicts_after
+                ]
+            )
+        while steps > 1 and self._pages_ahead(running, steps) > self.pages.num_free:
+            steps -= 1
+        for request in running:
+            request.pages += self.pages.allocate(self._pages_ahead([request], steps))
+        return steps
+
+    def _pages_ahead(self, requests: list[Request], steps: int) -> int:
+        """Pages these requests lack for `steps` device steps that each emit a token
+        (so the last one feeds the token emitted before it)."""
+        lacking = 0
+        for request in requests:
+            fed = len(request.tokens) - 1 + min(steps, self._tokens_left(request))
+            end = min(fed, self.row_slots)
+            lacking += max(0, pages_for(end, self.page_size) - len(request.pages))
+        return lacking
+
+    def _tokens_left(self, request: Request) -> int:
+        """Tokens the request may still emit (it may end sooner, with end_token)."""
+        return request.max_new_tokens - request.generated
 
     # ------------------------------------------------------------------
     def _admit(self) -> list[Request]:

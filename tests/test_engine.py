@@ -1,7 +1,12 @@
 """The engine: continuous batching over a shared page pool gives every request
-what it gets alone, with prefix caching on or off and under preemption."""
+what it gets alone, with prefix caching on or off, under preemption, and with
+its decode steps run in compiled loops that end mid-way for some requests."""
+
+import functools
 
 import flax
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -46,6 +51,7 @@ def test_twice_the_demand_of_the_pages_finishes_every_request_as_alone(prefix_ca
     assert outputs == [solo(cfg, p) for p in prompts]
     assert engine.stats.preemptions > 0
     assert engine.stats.generated_tokens == NEW * len(prompts)
+    assert engine.stats.calls < engine.stats.steps  # decode steps ran in loops
     assert engine.pages.num_free == 7  # every page came back (cached ones are evictable)
     computed = engine.stats.prefill_tokens
     if prefix_caching:
@@ -69,8 +75,11 @@ def test_snapkv_at_half_the_context_gives_every_request_what_it_gets_alone():
     rng = np.random.default_rng(2)
     prompts = [rng.integers(0, 256, int(n)).tolist() for n in rng.integers(3, 18, 7)]
     outputs = engine.generate(prompts, max_new_tokens=NEW)
-    alone = kvlab.Engine(cfg.model, cfg.cache, params, max_slots=1, max_len=24, prefill_chunk=8)
+    alone = kvlab.Engine(
+        cfg.model, cfg.cache, params, max_slots=1, max_len=24, prefill_chunk=8, decode_steps=1
+    )
     assert outputs == [alone.generate([p], max_new_tokens=NEW)[0] for p in prompts]
+    assert engine.stats.calls < engine.stats.steps  # decode loops, alone one step per call
     assert engine.stats.preemptions > 0
     assert engine.pages.num_free == 7
     assert max(len(p) for p in prompts) + NEW > 12  # some requests evicted
@@ -120,6 +129,106 @@ def test_prefix_caching_on_equals_off(make):
         computed[on] = engine.stats.prefill_tokens
     assert outputs[True] == outputs[False]
     assert computed[True] < computed[False]
+
+
+def staggered(seed: int, count: int):
+    """Prompts of 3, 11 and 19 tokens (1, 2 and 3 chunks of 8), repeated: requests
+    admitted together start decoding at different steps."""
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, 256, 3 + 8 * (i % 3)).tolist() for i in range(count)]
+
+
+def test_requests_that_run_out_mid_loop_get_what_they_get_alone():
+    """Three requests with 4, 5 and 6 tokens left when the last prompt chunk is
+    fed: it and 5 decode steps run in one call, in which two slots stop early
+    (their budgets), and every output is what the request gets alone."""
+    cfg = engine_config(False, num_pages=7, num_kv_heads=2)
+    _, params, _ = build(cfg)
+    engine = kvlab.Engine(cfg.model, cfg.cache, params, max_slots=3, max_len=48, prefill_chunk=8)
+    loops, run = [], engine._run
+
+    def recorded(step):  # the engine's own step, with what it planned noted
+        next_tokens = run(step)
+        loops.append((step.steps, step.budgets.tolist(), len(next_tokens)))
+        return next_tokens
+
+    engine._run = recorded
+    prompts = staggered(seed=7, count=3)
+    assert engine.generate(prompts, max_new_tokens=NEW) == [solo(cfg, p) for p in prompts]
+    assert loops[-1] == (6, [4, 5, 6], 6)  # after 2 prefill steps
+    assert (engine.stats.calls, engine.stats.steps) == (3, 8)
+
+
+def test_end_token_ends_requests_mid_loop_as_alone():
+    """With end_token, each request stops where it stops alone, while others wait
+    (the loop ends at it) and once every request runs (the others go on)."""
+    cfg = engine_config(False, num_pages=7, num_kv_heads=2)
+    _, params, _ = build(cfg)
+    prompts = staggered(seed=8, count=5)
+    plain = [solo(cfg, p) for p in prompts]
+    # A token that some request emits after its first, and none emits first.
+    end = next(t for out in plain for t in out[1:] if all(o[0] != t for o in plain))
+    expected = [out[: out.index(end) + 1] if end in out else out for out in plain]
+    engine = kvlab.Engine(
+        cfg.model, cfg.cache, params, max_slots=3, max_len=48, prefill_chunk=8, end_token=end
+    )
+    assert engine.generate(prompts, max_new_tokens=NEW) == expected
+    assert any(len(out) < NEW for out in expected)
+    assert engine.stats.calls < engine.stats.steps and engine.pages.num_free == 7
+
+
+def test_a_run_is_greedy_steps_until_its_rules_stop_it():
+    """greedy_run alone, from one cache: a prompt chunk and then decode steps in
+    one call give the tokens of one call per step; a slot stops feeding after
+    its budget or end_token, and with stop_on_finish the loop ends after the
+    first step in which one stops."""
+    cfg = engine_config(False, num_pages=7, num_kv_heads=2)
+    _, params, _ = build(cfg)
+    engine = kvlab.Engine(cfg.model, cfg.cache, params, max_slots=3, max_len=48, prefill_chunk=8)
+    tables = np.full((3, 6), -1, np.int32)
+    tables[:, :2] = np.arange(6).reshape(3, 2)  # 16 tokens per slot
+    prompts = np.random.default_rng(9).integers(0, 256, (3, 8)).astype(np.int32)
+    empty = engine._cache.replace(block_tables=jnp.asarray(tables), lengths=jnp.zeros(3, jnp.int32))
+    copy = functools.partial(jax.tree.map, jnp.copy)  # every call donates its cache
+
+    def run(cache, tokens, budgets, steps=6, stop_on_finish=False, end_token=-1):
+        chunk, counts = tokens.shape[1] > 1, np.full(3, tokens.shape[1], np.int32)
+        padded = np.zeros((3, 8), np.int32)  # the engine's one program: width prefill_chunk
+        padded[:, : tokens.shape[1]] = tokens
+        out, ran, cache = kvlab.engine.greedy_run(
+            engine.model, 32, params, copy(cache), padded, counts, np.bool_(chunk),
+            np.array(budgets, np.int32), np.int32(steps), np.bool_(stop_on_finish),
+            np.int32(end_token),
+        )  # fmt: skip
+        cache.check()
+        return np.asarray(out)[: int(ran)], cache
+
+    tokens, cache, expected = prompts, empty, []
+    for _ in range(6):  # one step per call
+        out, cache = run(cache, tokens, [1, 1, 1], steps=1)
+        tokens = out.T  # [3, 1]
+        expected.append(out[0])
+    expected = np.array(expected)  # [6 steps, 3 slots]
+
+    out, cache = run(empty, prompts, [6, 6, 6])
+    np.testing.assert_array_equal(out, expected)
+    np.testing.assert_array_equal(cache.lengths, [13, 13, 13])
+    out, cache = run(empty, prompts, [6, 2, 6])  # slot 1 stops after 2 tokens, the others go on
+    np.testing.assert_array_equal(out[:, [0, 2]], expected[:, [0, 2]])
+    np.testing.assert_array_equal(out[:2, 1], expected[:2, 1])
+    np.testing.assert_array_equal(cache.lengths, [13, 9, 13])
+    out, _ = run(empty, prompts, [6, 2, 6], stop_on_finish=True)
+    np.testing.assert_array_equal(out, expected[:2])
+    end = expected[3, 2]  # slot 2 emits it in step 4, maybe another slot sooner
+    stop = 1 + min(np.flatnonzero((expected == end).any(axis=1)))
+    out, _ = run(empty, prompts, [6, 6, 6], stop_on_finish=True, end_token=end)
+    np.testing.assert_array_equal(out, expected[:stop])
+    out, cache = run(empty, prompts, [6, 6, 6], end_token=end)  # each stops at its own end
+    for slot in range(3):
+        ended = np.flatnonzero(expected[:, slot] == end)
+        emitted = 1 + ended[0] if len(ended) else 6
+        assert cache.lengths[slot] == 8 + emitted - 1  # the last emitted token is not fed
+        np.testing.assert_array_equal(out[:emitted, slot], expected[:emitted, slot])
 
 
 def test_bad_engine_inputs_are_refused():
@@ -210,7 +319,7 @@ def test_bad_counts_are_refused(small_engine, value):
     with pytest.raises(ValueError, match=f"max_new_tokens={value!r}"):
         small_engine.generate([[1, 2]], max_new_tokens=value)
     cfg = engine_config(False, num_pages=4)
-    for name in ("max_slots", "max_len", "prefill_chunk"):
+    for name in ("max_slots", "max_len", "prefill_chunk", "decode_steps"):
         with pytest.raises(ValueError, match=f"{name}={value!r}.*pass an integer >= 1"):
             kvlab.Engine(cfg.model, cfg.cache, small_engine.params, **{name: value})
 
@@ -241,7 +350,7 @@ def test_max_len_defaults_to_what_the_pool_holds():
     assert rows.num_pages == 2 * kvlab.engine.DEFAULT_MAX_LEN // 8
 
 
-def test_warm_up_compiles_both_step_shapes_and_changes_nothing():
+def test_warm_up_compiles_every_step_and_changes_nothing():
     cfg = engine_config(True, num_pages=12)
     _, params, _ = build(cfg)
     make = lambda: kvlab.Engine(  # noqa: E731  (shapes no other test compiles)
@@ -250,7 +359,7 @@ def test_warm_up_compiles_both_step_shapes_and_changes_nothing():
     engine = make()
     with count_compiles() as compiled:
         engine.warm_up()
-    assert compiled[0] >= 2  # the shapes were new: [2, 4] and [2, 1]
+    assert compiled[0] >= 1  # the shapes were new: one program for [2, 4] and [2, 1] steps
     assert engine.pages.num_free == 12 and engine.pages.num_cached == 0
     prompts = requests(seed=4, count=3)
     with count_compiles() as compiled:

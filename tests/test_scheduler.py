@@ -39,35 +39,65 @@ def solo(prompt, max_new_tokens, end_token=None):
 
 
 class TokenPool:
-    """The device side in tokens: a page pool [num_pages, page_size] of token ids."""
+    """The device side in tokens: a page pool [num_pages, page_size] of token ids.
+    A decode step of several device steps runs as the engine's loop does (Step):
+    each running slot feeds its last output until its budget, end_token or (with
+    stop_on_finish) any slot's stop ends it."""
 
     def __init__(self, scheduler: Scheduler):
         self.scheduler = scheduler
         self.pages = scheduler.pages
         self.pool = np.full((self.pages.num_pages, self.pages.page_size), -1)
 
-    def run(self, step) -> np.ndarray:
-        """Writes each slot's tokens, reads its whole context back, answers next_token."""
+    def write(self, table, position: int, token: int) -> None:
         size = self.pages.page_size
-        next_tokens = np.full(self.scheduler.max_slots, UNUSED)
-        for slot, (count, length) in enumerate(zip(step.counts, step.lengths, strict=True)):
-            table = step.block_tables[slot]
-            for j in range(count):
-                page = table[(length + j) // size]
-                assert page >= 0, "a fed token has no page"
-                assert self.pages.refcount(page) == 1, "a step writes a page another request holds"
-                self.pool[page, (length + j) % size] = step.tokens[slot, j]
-            if count:
-                end = length + count
-                context = [self.pool[table[p // size], p % size] for p in range(end)]
-                assert context == self.scheduler.running[slot].tokens[:end]
-                next_tokens[slot] = next_token(context)
-        return next_tokens
+        page = table[position // size]
+        assert page >= 0, "a fed token has no page"
+        assert self.pages.refcount(page) == 1, "a step writes a page another request holds"
+        self.pool[page, position % size] = token
 
-    def drain(self, limit: int = 10_000) -> int:
+    def read(self, table, end: int) -> tuple[int, list[int]]:
+        """The first position the slot's cache holds and its tokens up to `end`."""
+        size = self.pages.page_size
+        return 0, [self.pool[table[p // size], p % size] for p in range(end)]
+
+    def run(self, step) -> np.ndarray:
+        """Writes each slot's tokens, reads its context back, answers next_token:
+        int[B], or int[n, B] for the n device steps of a decode loop."""
+        for source, target in step.copies[step.copies[:, 0] >= 0]:
+            self.pool[target] = self.pool[source]
+        expected = {slot: list(r.tokens) for slot, r in self.scheduler.running.items()}
+        end_token = -1 if self.scheduler.end_token is None else self.scheduler.end_token
+        tokens, counts, lengths = step.tokens.copy(), step.counts.copy(), step.lengths.copy()
+        outputs = []
+        for k in range(step.steps):
+            next_tokens = np.full(self.scheduler.max_slots, UNUSED)
+            for slot, table in enumerate(step.block_tables):
+                for j in range(counts[slot]):
+                    self.write(table, lengths[slot] + j, tokens[slot, j])
+                if counts[slot]:
+                    end = lengths[slot] + counts[slot]
+                    start, context = self.read(table, end)
+                    assert context == expected[slot][start:end]
+                    next_tokens[slot] = next_token(context)
+            outputs.append(next_tokens)
+            running = counts > 0
+            stopped = running & ((k + 1 >= step.budgets) | (next_tokens == end_token))
+            if k + 1 == step.steps or not (running & ~stopped).any():
+                break
+            if step.stop_on_finish and stopped.any():
+                break
+            lengths += counts
+            counts = (running & ~stopped).astype(np.int32)
+            tokens[:, 0] = next_tokens
+            for slot in np.flatnonzero(counts):
+                expected[slot].append(next_tokens[slot])
+        return outputs[0] if step.steps == 1 else np.array(outputs)
+
+    def drain(self, limit: int = 10_000, max_steps: int = 1) -> int:
         """Steps until every request has finished; the number of steps."""
         for steps in range(limit):
-            step = self.scheduler.plan()
+            step = self.scheduler.plan(max_steps)
             if step is None:
                 return steps
             self.scheduler.advance(self.run(step))
@@ -153,6 +183,64 @@ def test_a_request_that_does_not_fit_holds_back_later_ones():
     scheduler.advance(np.zeros(3, np.int64))
     device.drain()
     assert blocked.finished and small.finished
+
+
+def test_decode_steps_run_until_the_next_scheduling_event():
+    """A step in which every request feeds all it lacks goes on decoding: while a
+    request waits, until the first running one is done; then, with none waiting,
+    until the last one is. Pages for all of it are in the block tables first."""
+    scheduler, device = make(num_pages=8, page_size=2, max_slots=2, max_len=16)
+    first = scheduler.add([1, 2], max_new_tokens=5)
+    second = scheduler.add([3], max_new_tokens=3)
+    third = scheduler.add([4], max_new_tokens=4)  # waits for a slot
+
+    step = scheduler.plan(max_steps=8)  # both prompts, then decode until the second is done
+    assert (step.steps, step.stop_on_finish, step.tokens.shape) == (3, True, (2, 4))
+    np.testing.assert_array_equal(step.counts, [2, 1])
+    np.testing.assert_array_equal(step.budgets, [3, 3])
+    assert [len(first.pages), len(second.pages)] == [2, 2]  # tokens up to 4 and 3
+    next_tokens = device.run(step)
+    assert next_tokens.shape == (3, 2)
+    assert scheduler.advance(next_tokens) == [first, second]
+    assert second.finished and first.generated == 3
+
+    step = scheduler.plan(max_steps=8)  # the third's one prompt token, then decode
+    assert third.slot == 1 and (step.steps, step.stop_on_finish) == (4, False)
+    np.testing.assert_array_equal(step.budgets, [2, 4])  # the first stops after 2
+    assert device.run(step).shape == (4, 2)
+    scheduler.advance(device.run(step))
+    assert scheduler.idle and scheduler.pages.num_free == 8
+    assert [r.output for r in (first, second, third)] == [
+        solo([1, 2], 5),
+        solo([3], 3),
+        solo([4], 4),
+    ]
+
+
+def test_a_decode_step_takes_only_the_pages_the_pool_has_left():
+    # Two prompts of 2 tokens hold a page of 2 each, 3 are free: 3 device steps
+    # (up to 4 tokens) take 1 more page each, a fourth would need 2 more each, so
+    # the loop stops at 3 without preempting anyone.
+    scheduler, device = make(num_pages=5, page_size=2, max_slots=2, max_len=10)
+    scheduler.add([1, 2], max_new_tokens=8)
+    scheduler.add([3, 4], max_new_tokens=8)
+    step = scheduler.plan(max_steps=8)
+    assert step.steps == 3 and scheduler.pages.num_free == 1
+    scheduler.advance(device.run(step))
+    device.drain(max_steps=8)
+    assert scheduler.pages.num_free == 5
+
+
+def test_a_decode_loop_of_the_wrong_length_is_refused():
+    scheduler, _ = make(num_pages=8, page_size=2, max_slots=1, max_len=16)
+    scheduler.add([1, 2], max_new_tokens=5)
+    scheduler.add([3], max_new_tokens=5)  # waits
+    step = scheduler.plan(max_steps=8)
+    assert (step.steps, step.stop_on_finish) == (5, True)
+    with pytest.raises(ValueError, match=r"next_tokens has shape \(6, 1\).*n <= 5"):
+        scheduler.advance(np.zeros((6, 1), np.int32))
+    with pytest.raises(ValueError, match="the device goes on after step 2"):
+        scheduler.advance(np.zeros((2, 1), np.int32))
 
 
 def test_end_token_finishes_a_request_early():
@@ -269,10 +357,19 @@ class SchedulerMachine(RuleBasedStateMachine):
         prefill_chunk=st.integers(1, 5),
         prefix_caching=st.booleans(),
         end_token=st.sampled_from([None, END]),
+        max_steps=st.sampled_from([1, 2, 5]),
         data=st.data(),
     )
     def setup(
-        self, page_size, num_pages, max_slots, prefill_chunk, prefix_caching, end_token, data
+        self,
+        page_size,
+        num_pages,
+        max_slots,
+        prefill_chunk,
+        prefix_caching,
+        end_token,
+        max_steps,
+        data,
     ):
         max_len = data.draw(st.integers(1, num_pages * page_size), label="max_len")
         self.scheduler, self.device = make(
@@ -284,6 +381,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             prefix_caching=prefix_caching,
             end_token=end_token,
         )
+        self.max_steps = max_steps  # device steps a decode step may run
         self.requests = []
         self.first_admissions = []  # ids in the order they were first admitted
 
@@ -300,7 +398,7 @@ class SchedulerMachine(RuleBasedStateMachine):
     def step(self):
         scheduler = self.scheduler
         before = {r.id: (r.admitted, r.preemptions) for r in self.requests}
-        step = scheduler.plan()
+        step = scheduler.plan(self.max_steps)
         if step is None:
             assert scheduler.idle
             return
@@ -314,11 +412,20 @@ class SchedulerMachine(RuleBasedStateMachine):
         # Every running request feeds, so the oldest always progresses.
         assert all(step.counts[r.slot] >= 1 for r in survivors)
         assert (step.tokens.shape[1] > 1) == (step.counts.max() > 1)
+        assert 1 <= step.steps <= self.max_steps
+        if step.steps > 1:  # every request feeds all it lacks, so each emits every step
+            assert all(step.counts[r.slot] == len(r.tokens) - r.cached for r in survivors)
         for request in survivors:
             table = step.block_tables[request.slot]
             assert step.lengths[request.slot] == request.cached
             assert table[: len(request.pages)].tolist() == request.pages
             assert (table[len(request.pages) :] == -1).all()
+            budget = step.budgets[request.slot]
+            assert 1 <= budget <= min(step.steps, request.max_new_tokens - request.generated)
+        # A loop of several steps runs until the first request is done if others wait.
+        if step.steps > 1 and scheduler.waiting:
+            assert step.stop_on_finish and step.budgets.max() == step.steps
+            assert min(step.budgets[r.slot] for r in survivors) == step.steps
         scheduler.advance(self.device.run(step))
 
     @invariant()
@@ -373,27 +480,15 @@ class RingPool(TokenPool):
         super().__init__(scheduler)
         self.window = window
 
-    def run(self, step) -> np.ndarray:
-        for source, target in step.copies[step.copies[:, 0] >= 0]:
-            self.pool[target] = self.pool[source]
+    def write(self, table, position: int, token: int) -> None:
+        page = table[position % self.window // self.pages.page_size]
+        assert not self.pages.is_cached(page), "a step writes a cached page"
+        super().write(table, position % self.window, token)
+
+    def read(self, table, end: int) -> tuple[int, list[int]]:
         size, window = self.pages.page_size, self.window
-        next_tokens = np.full(self.scheduler.max_slots, UNUSED)
-        for slot, (count, length) in enumerate(zip(step.counts, step.lengths, strict=True)):
-            table = step.block_tables[slot]
-            for j in range(count):
-                ring = (length + j) % window
-                page = table[ring // size]
-                assert page >= 0, "a fed token has no page"
-                assert self.pages.refcount(page) == 1, "a step writes a page another request holds"
-                assert not self.pages.is_cached(page), "a step writes a cached page"
-                self.pool[page, ring % size] = step.tokens[slot, j]
-            if count:
-                end = length + count
-                kept = range(max(0, end - window), end)
-                context = [self.pool[table[p % window // size], p % size] for p in kept]
-                assert context == self.scheduler.running[slot].tokens[kept.start : end]
-                next_tokens[slot] = next_token(context)
-        return next_tokens
+        kept = range(max(0, end - window), end)
+        return kept.start, [self.pool[table[p % window // size], p % size] for p in kept]
 
 
 def windowed_solo(prompt, max_new_tokens, window):
@@ -408,10 +503,11 @@ def windowed_solo(prompt, max_new_tokens, window):
     lengths=st.lists(st.integers(1, 20), min_size=1, max_size=6),
     num_pages=st.integers(3, 12),
     prefix_caching=st.booleans(),
+    max_steps=st.sampled_from([1, 3, 8]),
     seed=st.integers(0, 1000),
 )
 def test_an_evicting_slot_holds_its_window_and_never_writes_a_cached_page(
-    lengths, num_pages, prefix_caching, seed
+    lengths, num_pages, prefix_caching, max_steps, seed
 ):
     """row_slots=8 of max_len 32 (2 pages of 4 per slot): prompts sharing a start
     get exactly their windowed solo outputs; cached pages are copied, never
@@ -431,6 +527,6 @@ def test_an_evicting_slot_holds_its_window_and_never_writes_a_cached_page(
     device = RingPool(scheduler, window=8)
     for _round in range(2):  # the second round meets the first one's cached pages
         added = [scheduler.add(p, 6) for p in prompts]
-        device.drain()
+        device.drain(max_steps=max_steps)
         assert [r.output for r in added] == [windowed_solo(p, 6, 8) for p in prompts]
     assert scheduler.pages.num_free == num_pages
