@@ -209,7 +209,11 @@ class Transformer(nn.Module):
         super().__post_init__()
 
     @nn.compact
-    def __call__(self, tokens, cache: Cache | None = None, num_tokens=None):
+    def __call__(self, tokens, cache: Cache | None = None, num_tokens=None, logits_at=None):
+        """Logits float32[B, T, V] (and the cache). `logits_at` int32[B]: only the
+        logits after each row's token at that index, [B, 1, V] (generation needs
+        the last prompt token's alone; the output projection of every position
+        would cost more than the rest of a long prompt's prefill)."""
         cfg = self.config
         check_inputs(cfg, tokens, cache, num_tokens)
         batch, length = tokens.shape
@@ -241,6 +245,8 @@ class Transformer(nn.Module):
         for i, layer in enumerate(layers):
             x, layer = Block(cfg, index=i, name=f"block_{i}")(x, placement, layer)
             new_layers.append(layer)
+        if logits_at is not None:
+            x = jnp.take_along_axis(x, logits_at.astype(jnp.int32)[:, None, None], axis=1)
         x = RMSNorm(cfg, name="final_norm")(x)
         if cfg.tie_embeddings:
             logits = embed.attend(x)

@@ -240,3 +240,18 @@ def test_generate_takes_numpy_integers():
         end_token=np.int16(255),
     )
     np.testing.assert_array_equal(numpy, plain)
+
+
+def test_logits_at_gives_the_full_logits_at_those_positions():
+    """Transformer(..., logits_at=i) computes only row b's logits after token i[b]
+    (generation's prefill), equal to the full logits there."""
+    cfg = tiny_config()
+    model, params, _ = build(cfg)
+    tokens = random_tokens(cfg, (3, 7), seed=5)
+    cache = kvlab.init_cache(cfg.model, cfg.cache, 3, 8)
+    index = jnp.array([6, 0, 3], jnp.int32)
+    apply = jax.jit(lambda c, i: model.apply({"params": params}, tokens, cache=c, logits_at=i))
+    some, _ = apply(cache, index)
+    full, _ = jax.jit(lambda c: model.apply({"params": params}, tokens, cache=c))(cache)
+    assert some.shape == (3, 1, cfg.model.vocab_size)
+    np.testing.assert_allclose(some[:, 0], full[jnp.arange(3), index], atol=1e-6)

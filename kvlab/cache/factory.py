@@ -23,6 +23,7 @@ follow the rows. A dimension the axes do not divide is replicated along them
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 
 import jax
@@ -36,9 +37,18 @@ from kvlab.config import (
     cached_tensors,
     check_count,
     dtype_of,
+    frozen,
     validate_cache_config,
     validate_model_config,
 )
+
+
+@functools.lru_cache(maxsize=32)
+def _placed_builder(model_cfg, cache_cfg, batch_size, max_len, own_pages, mesh, rules):
+    """A compiled builder of this cache laid out on `mesh`: one per cache shape,
+    so building it again (each `kvlab.generate` call) compiles nothing."""
+    build = lambda: init_cache(model_cfg, cache_cfg, batch_size, max_len, own_pages=own_pages)  # noqa: E731
+    return jax.jit(build, out_shardings=cache_shardings(jax.eval_shape(build), mesh, rules))
 
 
 def init_cache(
@@ -63,11 +73,8 @@ def init_cache(
     its part.
     """
     if mesh is not None:
-        build = lambda: init_cache(  # noqa: E731
-            model_cfg, cache_cfg, batch_size, max_len, own_pages=own_pages
-        )
-        layout = cache_shardings(jax.eval_shape(build), mesh, rules)
-        return jax.jit(build, out_shardings=layout)()
+        config = (frozen(model_cfg), frozen(cache_cfg))
+        return _placed_builder(*config, batch_size, max_len, own_pages, mesh, rules)()
     validate_model_config(model_cfg)
     validate_cache_config(cache_cfg, model_cfg)
     batch_size = check_count("batch_size", batch_size)
