@@ -35,7 +35,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from kvlab import sharding
 from kvlab.cache.dense import Cache, check_errors
-from kvlab.cache.factory import init_cache
+from kvlab.cache.factory import compiled_builder
 from kvlab.cache.placement import write_tokens
 from kvlab.config import check_count, validate_cache_config
 from kvlab.model import Transformer, check_inputs, param_axes
@@ -287,7 +287,8 @@ def generate(
             (prompt_lengths.astype(np.int32), rng), sharding.replicated(mesh)
         )
     # Laid out on the prompts' mesh when they have one (kvlab/cache/factory.py).
-    cache = init_cache(model.config, cache_cfg, batch, max_len, mesh=mesh, rules=rules)
+    build = compiled_builder(model.config, cache_cfg, batch, max_len, mesh=mesh, rules=rules)
+    cache = build()
     out, errors = _generate(
         model,
         sampler,

@@ -43,11 +43,21 @@ from kvlab.config import (
 )
 
 
+def compiled_builder(
+    model_cfg, cache_cfg, batch_size, max_len, own_pages=True, mesh=None, rules=None
+):
+    """`init_cache` as one compiled program (laid out on `mesh` when given), kept
+    per cache shape: building the same cache again (each `kvlab.generate` call)
+    compiles nothing and runs one program instead of an op per array."""
+    config = (frozen(model_cfg), frozen(cache_cfg))
+    return _builder(*config, batch_size, max_len, own_pages, mesh, rules)
+
+
 @functools.lru_cache(maxsize=32)
-def _placed_builder(model_cfg, cache_cfg, batch_size, max_len, own_pages, mesh, rules):
-    """A compiled builder of this cache laid out on `mesh`: one per cache shape,
-    so building it again (each `kvlab.generate` call) compiles nothing."""
+def _builder(model_cfg, cache_cfg, batch_size, max_len, own_pages, mesh, rules):
     build = lambda: init_cache(model_cfg, cache_cfg, batch_size, max_len, own_pages=own_pages)  # noqa: E731
+    if mesh is None:
+        return jax.jit(build)
     return jax.jit(build, out_shardings=cache_shardings(jax.eval_shape(build), mesh, rules))
 
 
@@ -73,8 +83,7 @@ def init_cache(
     its part.
     """
     if mesh is not None:
-        config = (frozen(model_cfg), frozen(cache_cfg))
-        return _placed_builder(*config, batch_size, max_len, own_pages, mesh, rules)()
+        return compiled_builder(model_cfg, cache_cfg, batch_size, max_len, own_pages, mesh, rules)()
     validate_model_config(model_cfg)
     validate_cache_config(cache_cfg, model_cfg)
     batch_size = check_count("batch_size", batch_size)
