@@ -54,7 +54,7 @@ def run(cfg, params, requests, prefix_caching):
         max_len=max_len,
         prefill_chunk=_CHUNK.value,
     )
-    engine.warm_up()  # compiles both step shapes; caches no prefix
+    engine.warm_up()  # compiles the step program; caches no prefix
     outputs = engine.generate(requests, max_new_tokens=_NEW.value)
     stats = engine.stats
     ttft = np.array(stats.time_to_first_token_s)
