@@ -5,6 +5,7 @@ The public API (docs/design.md):
     cfg = kvlab.load_config("configs/gqa.py:tiny")
     model = kvlab.Transformer(cfg.model)
     params = kvlab.init_params(cfg.model, jax.random.key(0))
+    params = kvlab.fuse_projections(params)   # optional: q/k/v and gate/up in one product each
     cache = kvlab.init_cache(cfg.model, cfg.cache, batch_size=2, max_len=256)
     logits, cache = model.apply({"params": params}, tokens, cache=cache)
     out = kvlab.generate(model, params, prompts, cache_cfg=cfg.cache, max_new_tokens=32)
@@ -23,7 +24,7 @@ from kvlab.config import base_config, load_config, validate_config
 from kvlab.engine import Engine
 from kvlab.gguf import load_gguf
 from kvlab.hf import load_hf, save_hf
-from kvlab.model import Transformer, init_params
+from kvlab.model import Transformer, fuse_projections, init_params, unfuse_projections
 from kvlab.sampling import Greedy, Temperature, TopK, TopP, decode_step, generate, prefill
 
 __all__ = [
@@ -37,6 +38,7 @@ __all__ = [
     "base_config",
     "cache_bytes",
     "decode_step",
+    "fuse_projections",
     "generate",
     "init_cache",
     "init_params",
@@ -46,5 +48,6 @@ __all__ = [
     "prefill",
     "save_hf",
     "tree_bytes",
+    "unfuse_projections",
     "validate_config",
 ]

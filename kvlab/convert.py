@@ -57,6 +57,7 @@ import numpy as np
 
 from kvlab.attention.rope import softmax_mscale
 from kvlab.config import check_count, validate_config
+from kvlab.model import unfuse_projections
 
 SELECTIONS = ("norm", "uniform", "high", "low")
 FACTORS = ("weights", "activations")
@@ -123,6 +124,7 @@ def to_gqa(
     `num_kv_heads` KV heads; the config is copied, never changed in place.
     """
     num_kv_heads = check_count("num_kv_heads", num_kv_heads)
+    params = unfuse_projections(params)
     source = cfg.model
     if source.attention != "gqa":
         raise ValueError(
@@ -165,6 +167,7 @@ def to_mla(
     softmax mscale; `tokens` int32[B, T] are the calibration batch that
     select='norm' and factor='activations' need.
     """
+    params = unfuse_projections(params)
     source = cfg.model
     kv_rank = check_count("kv_rank", kv_rank)
     half = source.head_dim // 2

@@ -95,7 +95,7 @@ from safetensors import safe_open
 from kvlab.attention.rope import yarn_mscale
 from kvlab.config import DTYPES, base_config, dtype_of, validate_config, validate_model_config
 from kvlab.files import read_json, write_atomic
-from kvlab.model import init_params
+from kvlab.model import init_params, unfuse_projections
 from kvlab.moe import uses_experts
 
 GROUPED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
@@ -1048,11 +1048,12 @@ def save_hf(cfg: ml_collections.ConfigDict, params: Mapping, path: str | os.Path
     """Writes `params` of the model `cfg.model` as a transformers checkpoint in the
     folder `path` (created if needed): config.json and model.safetensors, each
     replaced atomically. AutoModelForCausalLM.from_pretrained(path) computes the
-    same logits; tensors are written in model.param_dtype."""
+    same logits; tensors are written in model.param_dtype. `params` may be
+    fused (kvlab.model.fuse_projections)."""
     model = cfg.model
     validate_model_config(model)
     family = _export_family(model)
-    flat = traverse_util.flatten_dict(params)
+    flat = traverse_util.flatten_dict(unfuse_projections(params))
     _check_params({p: np.shape(v) for p, v in flat.items()}, model, "params")
     folder = os.fspath(path)
     os.makedirs(folder, exist_ok=True)

@@ -295,3 +295,70 @@ def _param_axes(model_cfg: FrozenConfigDict) -> dict:
     return jax.tree_util.tree_map_with_path(
         axes, boxed, is_leaf=lambda x: isinstance(x, nn.Partitioned)
     )
+
+
+def fuse_projections(params: Mapping) -> dict:
+    """`params` with each attention's query, key and value kernels in one `qkv`
+    kernel [D, K, G + 2, H] (for each key/value head its G query heads, its
+    key, its value) and each SwiGLU's gate and up kernels in one `gate_up`
+    kernel [D, 2, F] (biases alike); everything else is kept.
+
+    The same model computes the same function from either tree with one
+    product where there were three (two): fewer, larger weight reads, which
+    is what a memory-bound decode step is made of. Convert once at load and
+    drop the unfused tree; place_params lays a fused tree out like the
+    unfused one (the K/V-head and mlp axes stay sharded). `unfuse_projections`
+    gives back the tree init_params, load_hf, the checkpoints and the
+    conversions use; save_hf and kvlab.convert take either. A tree of
+    PartitionSpecs (param_axes) is fused alike; a fused tree comes back as it is."""
+
+    def heads(q, k, v):
+        if isinstance(k, PartitionSpec):  # [.., K, H] -> [.., K, None, H]
+            return PartitionSpec(*k[:-1], None, k[-1])
+        grouped = q.reshape(*k.shape[:-1], -1, k.shape[-1])  # [.., N, H] -> [.., K, G, H]
+        return jnp.concatenate([grouped, k[..., None, :], v[..., None, :]], axis=-2)
+
+    def pair(gate, up):
+        if isinstance(gate, PartitionSpec):
+            return PartitionSpec(*gate[:-1], None, gate[-1])
+        return jnp.stack([gate, up], axis=-2)
+
+    def fuse(node):
+        if not isinstance(node, Mapping):
+            return node
+        node = {name: fuse(child) for name, child in node.items()}
+        if {"query", "key", "value"} <= node.keys():
+            q, k, v = (node.pop(name) for name in ("query", "key", "value"))
+            node["qkv"] = {name: heads(q[name], k[name], v[name]) for name in q}
+        if {"gate", "up"} <= node.keys() and isinstance(node["gate"], Mapping):  # not MoE's experts
+            gate, up = node.pop("gate"), node.pop("up")
+            node["gate_up"] = {name: pair(gate[name], up[name]) for name in gate}
+        return node
+
+    return fuse(params)
+
+
+def unfuse_projections(params: Mapping) -> dict:
+    """The inverse of `fuse_projections`: separate query/key/value and gate/up
+    kernels (the tree init_params makes); an unfused tree comes back as it is."""
+
+    def unfuse(node):
+        if not isinstance(node, Mapping):
+            return node
+        node = {name: unfuse(child) for name, child in node.items()}
+        if "qkv" in node:
+            qkv = node.pop("qkv")  # [..., K, G + 2, H]
+            groups = qkv["kernel"].shape[-2] - 2
+            node["query"], node["key"], node["value"] = {}, {}, {}
+            for name, array in qkv.items():
+                q = array[..., :groups, :]
+                node["query"][name] = q.reshape(*q.shape[:-3], -1, q.shape[-1])
+                node["key"][name] = array[..., groups, :]
+                node["value"][name] = array[..., groups + 1, :]
+        if "gate_up" in node:
+            gate_up = node.pop("gate_up")  # [..., 2, F]
+            node["gate"] = {name: array[..., 0, :] for name, array in gate_up.items()}
+            node["up"] = {name: array[..., 1, :] for name, array in gate_up.items()}
+        return node
+
+    return unfuse(params)

@@ -64,8 +64,12 @@ class MLP(nn.Module):
     def __call__(self, x):
         cfg = self.config
         width = cfg.mlp_dim if self.hidden_dim is None else self.hidden_dim
-        gate = projection(cfg, width, "gate", axes=("embed", "mlp"))(x)  # [B, T, F]
-        up = projection(cfg, width, "up", axes=("embed", "mlp"))(x)
+        if self.has_variable("params", "gate_up"):  # kvlab.fuse_projections' layout
+            both = projection(cfg, (2, width), "gate_up", axes=("embed", None, "mlp"))(x)
+            gate, up = both[..., 0, :], both[..., 1, :]
+        else:
+            gate = projection(cfg, width, "gate", axes=("embed", "mlp"))(x)  # [B, T, F]
+            up = projection(cfg, width, "up", axes=("embed", "mlp"))(x)
         return projection(cfg, cfg.embed_dim, "down", axes=("mlp", "embed"))(nn.silu(gate) * up)
 
 

@@ -38,7 +38,7 @@ from kvlab.cache.dense import Cache, check_errors
 from kvlab.cache.factory import compiled_builder
 from kvlab.cache.placement import write_tokens
 from kvlab.config import check_count, validate_cache_config
-from kvlab.model import Transformer, check_inputs, param_axes
+from kvlab.model import Transformer, check_inputs, fuse_projections, param_axes
 
 # ---------------------------------------------------------------------------
 # Samplers
@@ -121,14 +121,18 @@ class TopP:
 
 
 def place_params(model_cfg: Mapping, params, mesh: Mesh | None, rules: tuple | None = None):
-    """`params` laid out on `mesh` by their logical axes (kvlab/sharding.py; `rules`
-    default kvlab.sharding.axis_rules()); as they are without a mesh."""
+    """`params` (fused or not, kvlab.model.fuse_projections) laid out on `mesh` by
+    their logical axes (kvlab/sharding.py; `rules` default
+    kvlab.sharding.axis_rules()); as they are without a mesh."""
     if mesh is None:
         return params
     rules = sharding.axis_rules() if rules is None else rules
-    return sharding.put_global(
-        params, sharding.shardings(param_axes(model_cfg), params, mesh, rules)
-    )
+    axes = param_axes(model_cfg)
+    if jax.tree.structure(axes, is_leaf=lambda x: isinstance(x, PartitionSpec)) != (
+        jax.tree.structure(params)
+    ):
+        axes = fuse_projections(axes)  # a fused tree, or shardings() names the mismatch
+    return sharding.put_global(params, sharding.shardings(axes, params, mesh, rules))
 
 
 @functools.partial(jax.jit, static_argnums=0, donate_argnums=2)

@@ -61,6 +61,11 @@ _PREFILL_CHUNK = flags.DEFINE_integer("prefill_chunk", 512, "Prompt tokens per p
 _PROBE_MIB = flags.DEFINE_integer(
     "probe_mib", 512, "Size of the bandwidth probes (the reduction; the matrix is half)."
 )
+_FUSE = flags.DEFINE_bool(
+    "fuse_projections",
+    True,
+    "Decode from kvlab.fuse_projections(params) (one q/k/v and one gate/up product per layer).",
+)
 _JSON = flags.DEFINE_bool("json", False, "Print one JSON object.")
 
 
@@ -229,6 +234,8 @@ def main(argv):
     cfg = kvlab.validate_config(_CONFIG.value)
     model = kvlab.Transformer(cfg.model)
     params = kvlab.init_params(cfg.model, jax.random.key(0))
+    if _FUSE.value:
+        params = kvlab.fuse_projections(params)
     weight_bytes = kvlab.tree_bytes(params)
     bandwidth = memory_bandwidth(_PROBE_MIB.value, _REPEATS.value)
     best_bandwidth = max(bandwidth.values())
@@ -243,6 +250,7 @@ def main(argv):
         config=cfg.model.to_dict() | {"cache": cfg.cache.to_dict()},
         backend=jax.default_backend(),
         batch_size=_BATCH.value,
+        fuse_projections=_FUSE.value,
         weight_bytes=weight_bytes,
         bandwidth_bytes_per_s=bandwidth,
         rows=rows,

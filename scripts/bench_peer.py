@@ -12,8 +12,9 @@ layer dense) and read back by transformers' AutoModelForCausalLM in float32,
 so both sides compute the same model. For each batch size (--batch_sizes)
 both decode greedily --new_tokens tokens after the same random
 --prompt_len-token prompts: `kvlab.generate` (one compiled loop, float32
-cache) and `model.generate(do_sample=False)` (its default dynamic cache and
-attention), on torch.set_num_threads(--threads) threads.
+cache, projections fused by kvlab.fuse_projections) and
+`model.generate(do_sample=False)` (its default dynamic cache and attention),
+on torch.set_num_threads(--threads) threads.
 
 Runs alternate, kvlab then transformers, after one warm-up run of each (kvlab
 compiles there): --repeats rounds, each timing both sides generating all
@@ -236,6 +237,7 @@ def bench_shape(name, cfg, sizes, torch, transformers) -> dict:
     # Random weights may pick the config's default end token: generate every token.
     hf_model.generation_config.eos_token_id = None
     hf_model.generation_config.pad_token_id = 0
+    params = kvlab.fuse_projections(params)  # kvlab decodes as it would after loading
     rows = [bench_cell(cfg, params, hf_model, torch, batch) for batch in sizes]
     return dict(
         shape=name,

@@ -103,6 +103,7 @@ def main(argv):
         params = initial_params(cfg)
     elif not _WORKDIR.value:
         params = kvlab.init_params(cfg.model, jax.random.key(_SEED.value))
+    params = kvlab.fuse_projections(params)  # one q/k/v and one gate/up product per layer
     model = kvlab.Transformer(cfg.model)
     if cfg.data.tokenizer:
         tokenizer = load_tokenizer(cfg.data.tokenizer)

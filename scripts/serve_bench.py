@@ -13,7 +13,8 @@ one-at-a-time reference on one device. Each is timed --repeats times, in turn
 (a shared machine's load then weighs on both alike), and the best run of each
 counts. Reports generated tokens/s for each, their ratio, and the engine's
 device steps and compiled calls (a decode loop runs up to --decode_steps steps
-in one call). Random weights: speed does not depend on what the model learned.
+in one call). Random weights, fused (kvlab.fuse_projections) for both: speed
+does not depend on what the model learned.
 """
 
 import json
@@ -63,7 +64,7 @@ def main(argv):
     del argv
     cfg = kvlab.validate_config(_CONFIG.value)
     mesh, rules = sharding.make_mesh(cfg), sharding.axis_rules(cfg.mesh)  # before any compile
-    params = kvlab.init_params(cfg.model, jax.random.key(0))
+    params = kvlab.fuse_projections(kvlab.init_params(cfg.model, jax.random.key(0)))
     model = kvlab.Transformer(cfg.model)
     requests = workload(_REQUESTS.value)
     max_len = max(map(len, requests)) + _NEW.value

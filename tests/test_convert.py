@@ -57,6 +57,15 @@ def test_pooling_takes_the_mean_of_each_group():
     )
     query = params["block_1"]["attention"]["query"]["kernel"]
     assert converted["block_1"]["attention"]["query"]["kernel"] is query
+    # A fused tree (kvlab.fuse_projections) converts to the same parameters.
+    fused = kvlab.fuse_projections(params)
+    for convert in (lambda p: to_gqa(cfg, p, 2), lambda p: to_mla(cfg, p, 8, select="uniform")):
+        want, got = convert(params)[1], convert(fused)[1]
+        assert jax.tree.structure(got) == jax.tree.structure(want)
+        assert all(
+            np.array_equal(a, b)
+            for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True)
+        )
 
 
 @pytest.mark.parametrize(

@@ -219,6 +219,10 @@ def test_export_writes_transformers_tensors_and_round_trips(name, loaded, tmp_pa
     assert sorted(written) == sorted(original)
     for key, value in original.items():
         assert written[key].dtype == value.dtype and np.array_equal(written[key], value), key
+    kvlab.save_hf(cfg, kvlab.fuse_projections(params), tmp_path / "fused")  # unfused on the way
+    fused = read_tensors(tmp_path / "fused")
+    assert fused.keys() == written.keys()
+    assert all(np.array_equal(fused[key], written[key]) for key in written)
     again_cfg, again = kvlab.load_hf(tmp_path)
     assert again_cfg.model.to_dict() == cfg.model.to_dict()
     first, second = flat(params), flat(again)

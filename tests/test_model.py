@@ -315,3 +315,74 @@ def test_untied_output_has_its_own_matrix():
     tied = kvlab.init_params(tiny_config().model, jax.random.key(0))
     untied = kvlab.init_params(tiny_config(tie_embeddings=False).model, jax.random.key(0))
     assert "unembed" not in tied and untied["unembed"]["kernel"].shape == (64, 256)
+
+
+# ---------------------------------------------------------------------------
+# Fused projections (kvlab.fuse_projections)
+
+
+def _perturbed(params, seed):
+    """Every parameter moved off its initial value (biases start at zero, scales at one)."""
+    leaves, tree = jax.tree_util.tree_flatten(params)
+    rng = np.random.default_rng(seed)
+    moved = [leaf + 0.1 * rng.standard_normal(leaf.shape).astype(leaf.dtype) for leaf in leaves]
+    return jax.tree_util.tree_unflatten(tree, moved)
+
+
+def _projections(params):
+    """The names of every parameter dict that holds projections, by path."""
+    flat = jax.tree_util.tree_leaves_with_path(params)
+    return {"/".join(k.key for k in path[:-1]) for path, _ in flat}
+
+
+@settings(max_examples=4)  # each example compiles two models
+@given(
+    cfg=small_model_configs(),
+    option=st.sampled_from(["plain", "qkv_bias", "qk_norm", "experts"]),
+    seed=st.integers(0, 3),
+)
+def test_fused_projections_compute_the_same_model(cfg, option, seed):
+    if option == "experts":  # the shared experts' SwiGLU fuses, the routed ones stay
+        cfg.model.moe.update(
+            num_experts=4, expert_dim=8, num_shared_experts=1, first_dense_layers=1
+        )
+    elif cfg.model.attention == "gqa" and option != "plain":
+        cfg.model[option] = True
+    kvlab.config.validate_model_config(cfg.model)
+    model = kvlab.Transformer(cfg.model)
+    params = _perturbed(kvlab.init_params(cfg.model, jax.random.key(seed)), seed)
+    fused = kvlab.fuse_projections(params)
+
+    names = _projections(fused)
+    gqa = cfg.model.attention == "gqa"
+    assert any(n.endswith("attention/qkv") for n in names) == gqa
+    assert not any(n.endswith(("/gate", "/up")) for n in names)
+    assert not gqa or not any(n.endswith(("/query", "/key", "/value")) for n in names)
+    assert any(n.endswith("mlp/gate_up") for n in names)
+    assert kvlab.tree_bytes(fused) == kvlab.tree_bytes(params)
+    if gqa:  # query head n = k * G + g sits at [:, k, g], then the key and value of head k
+        heads, kv_heads = cfg.model.num_heads, cfg.model.num_kv_heads
+        qkv = fused["block_0"]["attention"]["qkv"]["kernel"]
+        query = params["block_0"]["attention"]["query"]["kernel"]
+        for n in range(heads):
+            k, g = divmod(n, heads // kv_heads)
+            np.testing.assert_array_equal(qkv[:, k, g], query[:, n])
+        key = params["block_0"]["attention"]["key"]["kernel"]
+        np.testing.assert_array_equal(qkv[:, :, -2], key)
+    # Back again, exactly; fusing twice changes nothing.
+    unfused = kvlab.unfuse_projections(fused)
+    assert jax.tree_util.tree_structure(unfused) == jax.tree_util.tree_structure(params)
+    leaves = zip(jax.tree_util.tree_leaves(unfused), jax.tree_util.tree_leaves(params), strict=True)
+    for a, b in leaves:
+        np.testing.assert_array_equal(a, b)
+    again = kvlab.fuse_projections(fused)
+    assert jax.tree_util.tree_structure(again) == jax.tree_util.tree_structure(fused)
+
+    tokens = random_tokens(cfg, (2, 9), seed)
+    apply = jax.jit(model.apply)
+    want, _ = apply({"params": params}, tokens)
+    got, _ = apply({"params": fused}, tokens)
+    assert max_diff(got, want) <= TOLERANCE
+    cache = kvlab.init_cache(cfg.model, cfg.cache, batch_size=2, max_len=9)
+    stepwise, _ = run_in_chunks(apply, fused, cache, tokens, [6, 1, 1, 1])
+    assert max_diff(stepwise, want) <= TOLERANCE

@@ -307,6 +307,20 @@ def test_on_mesh_params_follow_the_rules_and_the_forward_is_unchanged(gqa):
     np.testing.assert_allclose(got, want, atol=TOLERANCE, rtol=0)
 
 
+@on_eight
+def test_on_mesh_fused_params_keep_the_head_and_mlp_layout(gqa):
+    cfg, mesh, rules, model, params, placed = gqa
+    fused = kvlab.sampling.place_params(cfg.model, kvlab.fuse_projections(params), mesh, rules)
+    block = fused["block_0"]  # [D, K, G + 2, H] split over K; [D, 2, F] over F
+    assert same_layout(block["attention"]["qkv"]["kernel"].sharding, P("fsdp", "tensor"), 4)
+    assert same_layout(block["mlp"]["gate_up"]["kernel"].sharding, P("fsdp", None, "tensor"), 3)
+    tokens = np.random.default_rng(0).integers(0, 256, (8, 8)).astype(np.int32)
+    want, _ = jax.jit(model.apply)({"params": params}, tokens)
+    rows = jax.device_put(tokens, sharding.batch_sharding(mesh, rules))
+    got, _ = jax.jit(model.apply)({"params": fused}, rows)
+    np.testing.assert_allclose(got, want, atol=TOLERANCE, rtol=0)
+
+
 # Through the steps: 16-bit rows, and quantized pools with per-row rings (the
 # quantized math, scales and zero points included). Laid out only: the rest.
 CACHES = {

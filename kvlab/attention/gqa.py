@@ -32,6 +32,7 @@ from kvlab.layers import RMSNorm, projection
 QUERY_AXES = ("embed", "heads", "head_dim")  # [D, N, H]
 KEY_AXES = ("embed", "kv_heads", "head_dim")  # [D, K, H], keys and values
 OUT_AXES = ("heads", "head_dim", "embed")  # [N, H, D]
+FUSED_AXES = ("embed", "kv_heads", None, "head_dim")  # [D, K, G + 2, H]
 
 
 class GroupedQueryAttention(nn.Module):
@@ -41,10 +42,13 @@ class GroupedQueryAttention(nn.Module):
     def __call__(self, x, placement: Placement, layer=None):
         cfg = self.config
         # [B, T, N, H] and [B, T, K, H]
-        heads, kv_heads = (cfg.num_heads, cfg.head_dim), (cfg.num_kv_heads, cfg.head_dim)
-        q = projection(cfg, heads, "query", bias=cfg.qkv_bias, axes=QUERY_AXES)(x)
-        k = projection(cfg, kv_heads, "key", bias=cfg.qkv_bias, axes=KEY_AXES)(x)
-        v = projection(cfg, kv_heads, "value", bias=cfg.qkv_bias, axes=KEY_AXES)(x)
+        if self.has_variable("params", "qkv"):  # kvlab.fuse_projections' layout
+            q, k, v = _fused_qkv(cfg, x)
+        else:
+            heads, kv_heads = (cfg.num_heads, cfg.head_dim), (cfg.num_kv_heads, cfg.head_dim)
+            q = projection(cfg, heads, "query", bias=cfg.qkv_bias, axes=QUERY_AXES)(x)
+            k = projection(cfg, kv_heads, "key", bias=cfg.qkv_bias, axes=KEY_AXES)(x)
+            v = projection(cfg, kv_heads, "value", bias=cfg.qkv_bias, axes=KEY_AXES)(x)
         if cfg.qk_norm:
             q = RMSNorm(cfg, name="query_norm")(q)
             k = RMSNorm(cfg, name="key_norm")(k)
@@ -63,3 +67,14 @@ class GroupedQueryAttention(nn.Module):
 
         out, layer = through_layer(layer, fresh, placement, attention)
         return out_projection(out), layer
+
+
+def _fused_qkv(cfg, x):
+    """Queries, keys and values from one product with the `qkv` kernel [D, K, G + 2, H]:
+    for each key/value head its G query heads, then its key, then its value
+    (kvlab.model.fuse_projections; query head n = k * G + g, as attend groups them)."""
+    groups = cfg.num_heads // cfg.num_kv_heads
+    features = (cfg.num_kv_heads, groups + 2, cfg.head_dim)
+    qkv = projection(cfg, features, "qkv", bias=cfg.qkv_bias, axes=FUSED_AXES)(x)
+    q = qkv[..., :groups, :].reshape(*x.shape[:-1], cfg.num_heads, cfg.head_dim)
+    return q, qkv[..., groups, :], qkv[..., groups + 1, :]
