@@ -3,6 +3,23 @@ import os
 import pytest
 from hypothesis import settings
 
+# The tests compile many tiny programs and run each briefly: compiling is the
+# time, so LLVM optimizes less (XLA's HLO passes, fusion included, are the same;
+# the subprocess tests have done this all along). Read at the backend's start,
+# which comes after this file. KVLAB_TEST_XLA_FLAGS='' tests fully optimized code.
+os.environ["XLA_FLAGS"] = " ".join(
+    filter(
+        None,
+        [
+            os.environ.get("XLA_FLAGS", ""),
+            os.environ.get(
+                "KVLAB_TEST_XLA_FLAGS",
+                "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true",
+            ),
+        ],
+    )
+)
+
 # Model tests compile a fresh program per example, so keep example counts small;
 # KVLAB_HYPOTHESIS_EXAMPLES raises them for a longer local run.
 settings.register_profile(
