@@ -383,7 +383,8 @@ def test_serve_bench_matches_one_at_a_time(tmp_path):
         "--json",
     )
     report = json.loads(result.stdout)
-    assert report["outputs_equal"]
+    assert report["outputs_equal"] and report["requests_equal"] == 4
+    assert report["dtype"] == "float32"  # tiny: a difference would have failed the script
     assert (report["requests"], report["max_new_tokens"], report["max_slots"]) == (4, 4, 2)
     # 16 tokens, at most one per slot and step.
     assert report["engine_steps"] >= 4 * 4 // 2
