@@ -309,12 +309,18 @@ def fuse_projections(params: Mapping) -> dict:
     drop the unfused tree; place_params lays a fused tree out like the
     unfused one (the K/V-head and mlp axes stay sharded). `unfuse_projections`
     gives back the tree init_params, load_hf, the checkpoints and the
-    conversions use; save_hf and kvlab.convert take either. A tree of
+    conversions use; save_hf, kvlab.convert and train.start_workdir take either. A tree of
     PartitionSpecs (param_axes) is fused alike; a fused tree comes back as it is."""
 
     def heads(q, k, v):
         if isinstance(k, PartitionSpec):  # [.., K, H] -> [.., K, None, H]
             return PartitionSpec(*k[:-1], None, k[-1])
+        if q.shape[-2] % k.shape[-2] or k.shape != v.shape or q.shape[-1] != k.shape[-1]:
+            raise ValueError(
+                f"query {q.shape}, key {k.shape} and value {v.shape} do not fuse: the query "
+                "heads must be a multiple of the key/value heads, of the same width; pass "
+                "the tree init_params or load_hf made"
+            )
         grouped = q.reshape(*k.shape[:-1], -1, k.shape[-1])  # [.., N, H] -> [.., K, G, H]
         return jnp.concatenate([grouped, k[..., None, :], v[..., None, :]], axis=-2)
 

@@ -59,7 +59,7 @@ from kvlab.config import complete_config, dtype_of, frozen, validate_config
 from kvlab.data import make_dataset
 from kvlab.files import read_json, store_json, write_atomic
 from kvlab.logging import Run
-from kvlab.model import Transformer, param_axes
+from kvlab.model import Transformer, param_axes, unfuse_projections
 
 
 class NonFiniteLoss(FloatingPointError):
@@ -479,7 +479,7 @@ def start_workdir(cfg: ml_collections.ConfigDict, params, workdir: str) -> None:
     _store_run_config(cfg, workdir)
     manager = checkpoint_manager(workdir, cfg.train)
     try:
-        save(manager, init_state(cfg, params))
+        save(manager, init_state(cfg, unfuse_projections(params)))  # checkpoints stay unfused
     finally:
         manager.close()
 

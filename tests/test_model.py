@@ -385,3 +385,11 @@ def test_fused_projections_compute_the_same_model(cfg, option, seed):
     want, _ = apply({"params": params}, tokens)
     got, _ = apply({"params": fused}, tokens)
     assert max_diff(got, want) <= TOLERANCE
+
+
+def test_fusing_mismatched_projections_is_refused():
+    params = kvlab.init_params(tiny_config(num_kv_heads=2).model, jax.random.key(0))
+    attention = params["block_0"]["attention"]
+    attention["key"] = {"kernel": attention["key"]["kernel"][:, :1]}  # one head, value keeps two
+    with pytest.raises(ValueError, match=r"do not fuse.*multiple of the key/value heads"):
+        kvlab.fuse_projections(params)

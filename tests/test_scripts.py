@@ -220,7 +220,8 @@ def test_quant_probe_measures_a_run_and_says_so(tmp_path, random_probe):
     one-line refusals."""
     cfg = kvlab.load_config(f"{ROOT}/configs/kv_kivi2.py:tiny")
     run = tmp_path / "run"
-    start_workdir(cfg, kvlab.init_params(cfg.model, jax.random.key(3)), str(run))
+    fused = kvlab.fuse_projections(kvlab.init_params(cfg.model, jax.random.key(3)))
+    start_workdir(cfg, fused, str(run))  # a fused tree is stored as the unfused one
     empty = tmp_path / "empty"
     empty.mkdir()
     (empty / "config.json").write_text((run / "config.json").read_text())
