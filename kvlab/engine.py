@@ -101,14 +101,6 @@ def start_rows(cache: PagedCache, starting, lengths, copies) -> PagedCache:
     return cache.replace(layers=tuple(layers))
 
 
-def _greedy_tokens(logits, num_tokens):
-    """Each row's argmax after its last fed token: logits [B, T, V] -> int32[B]
-    (row b's entry is meaningless if num_tokens[b] is 0)."""
-    last = jnp.maximum(num_tokens - 1, 0)  # [B]
-    rows = jnp.arange(logits.shape[0])
-    return jnp.argmax(logits[rows, last], axis=-1).astype(jnp.int32)
-
-
 @struct.dataclass
 class _DecodeState:
     step: jax.Array  # int32 scalar: device steps run
@@ -157,10 +149,12 @@ def greedy_run(
         )
 
     def chunk(state: _DecodeState) -> _DecodeState:
+        # Only each row's logits after its last fed token (meaningless where it fed none).
+        last = jnp.maximum(num_tokens - 1, 0)
         logits, cache = model.apply(
-            {"params": params}, tokens, cache=state.cache, num_tokens=num_tokens
-        )  # [B, T, V]
-        return finish_step(state.replace(cache=cache), emits, _greedy_tokens(logits, num_tokens))
+            {"params": params}, tokens, cache=state.cache, num_tokens=num_tokens, logits_at=last
+        )  # [B, 1, V]
+        return finish_step(state.replace(cache=cache), emits, logits[:, 0].argmax(-1))
 
     def decode(state: _DecodeState) -> _DecodeState:
         logits, cache = model.apply(
