@@ -6,6 +6,7 @@ The public API (docs/design.md):
     model = kvlab.Transformer(cfg.model)
     params = kvlab.init_params(cfg.model, jax.random.key(0))
     params = kvlab.fuse_projections(params)   # optional: q/k/v and gate/up in one product each
+    params = kvlab.panel_projections(params)  # optional, one CPU: weights in 32-column panels
     cache = kvlab.init_cache(cfg.model, cfg.cache, batch_size=2, max_len=256)
     logits, cache = model.apply({"params": params}, tokens, cache=cache)
     out = kvlab.generate(model, params, prompts, cache_cfg=cfg.cache, max_new_tokens=32)
@@ -24,7 +25,13 @@ from kvlab.config import base_config, load_config, validate_config
 from kvlab.engine import Engine
 from kvlab.gguf import load_gguf
 from kvlab.hf import load_hf, save_hf
-from kvlab.model import Transformer, fuse_projections, init_params, unfuse_projections
+from kvlab.model import (
+    Transformer,
+    fuse_projections,
+    init_params,
+    panel_projections,
+    unfuse_projections,
+)
 from kvlab.sampling import Greedy, Temperature, TopK, TopP, decode_step, generate, prefill
 
 __all__ = [
@@ -45,6 +52,7 @@ __all__ = [
     "load_config",
     "load_gguf",
     "load_hf",
+    "panel_projections",
     "prefill",
     "save_hf",
     "tree_bytes",

@@ -19,6 +19,7 @@
 - refuses to start when `import kvlab` found a folder named kvlab (the
   repository clone itself, from the folder above it) instead of the package.
 
+`decode_params` is the parameter layout the scripts decode from;
 `attention_label` and `count` word what the scripts print about a model;
 `best_time` times the benchmarks' compiled calls;
 `with_hf` is what every script's `--hf DIR` does (docs/design.md, "Your own
@@ -33,11 +34,14 @@ import time
 from collections.abc import Callable, Mapping
 
 import jax
+import jax.numpy as jnp
 import ml_collections
 from absl import app, flags, logging
 
-from kvlab.config import base_config, validate_config
+from kvlab import native
+from kvlab.config import base_config, dtype_of, validate_config
 from kvlab.hf import config_from_hf
+from kvlab.model import fuse_projections, panel_projections
 from kvlab.sweep import family
 
 # The package's own folder, found through this file: kvlab.cli is imported
@@ -182,6 +186,23 @@ def _refuse_other_weights(flag: str, config_flag: str, others: Mapping[str, obje
                 "checkpoint: drop the override (convert the checkpoint, scripts/convert.py, to "
                 "change its attention)"
             )
+
+
+def decode_params(model: Mapping, params, devices: int | None = None, panels: bool = True):
+    """The tree the scripts decode from and its layout's name:
+    `kvlab.fuse_projections(params)` ("fused"), and on one CPU device (`devices`,
+    default all of them) with float32 weights and compute the panel_projections
+    of that ("panels"), unless `panels` is False or the native kernels are
+    unavailable (the reason goes to the log)."""
+    params = fuse_projections(params)
+    float32 = dtype_of(model.dtype) == dtype_of(model.param_dtype) == jnp.float32
+    devices = jax.device_count() if devices is None else devices
+    if not (panels and float32 and devices == 1 and jax.default_backend() == "cpu"):
+        return params, "fused"
+    if not native.available():
+        logging.warning("decoding without kvlab.native: %s", native.unavailable_reason())
+        return params, "fused"
+    return panel_projections(params), "panels"
 
 
 def attention_label(model: ml_collections.ConfigDict) -> str:

@@ -1,6 +1,6 @@
 """Building blocks shared by the attention variants and the model.
 
-projection(config, features, name, axis=-1, bias=False, axes=None) -> nn.DenseGeneral
+projection(config, features, name, axis=-1, bias=False, axes=None) -> Projection
 RMSNorm(config, eps=None)(x [..., D]) -> [..., D]      (arXiv:1910.07467)
 logical(init, names) -> init; with logical_axes(): ... (parameters' logical axis names)
 
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import math
 from collections.abc import Callable, Iterator, Sequence
 
 import flax.linen as nn
@@ -24,6 +25,7 @@ import jax.numpy as jnp
 from flax.linen.linear import default_kernel_init
 from ml_collections import FrozenConfigDict
 
+from kvlab import native
 from kvlab.config import dtype_of
 
 _NAMED = contextvars.ContextVar("kvlab_logical_axes", default=False)
@@ -50,7 +52,7 @@ def logical(init: Callable, names: Sequence[str | None]) -> Callable:
 
 def projection(
     config, features, name: str, axis=-1, bias: bool = False, axes: Sequence | None = None
-) -> nn.DenseGeneral:
+) -> Projection:
     """A linear map in the model's compute and parameter dtypes, bias-free unless
     `bias` (then a `bias` of shape `features`, initialised to zeros).
 
@@ -61,7 +63,7 @@ def projection(
         num_features = 1 if isinstance(features, int) else len(features)
         kernel_init = logical(kernel_init, axes)
         bias_init = logical(bias_init, tuple(axes)[-num_features:])
-    return nn.DenseGeneral(
+    return Projection(
         features,
         axis=axis,
         use_bias=bias,
@@ -71,6 +73,38 @@ def projection(
         kernel_init=kernel_init,
         bias_init=bias_init,
     )
+
+
+class Projection(nn.DenseGeneral):
+    """nn.DenseGeneral over trailing input axes that also reads its kernel as
+    `panels` [N / 32, K, 32], the kernel [K..., N...] flattened to [K, N] in
+    32-column panels (kvlab.model.panel_projections): then one
+    kvlab.native.panel_matmul, which a decode step's few rows run at memory
+    speed on CPU. With a `kernel` it is nn.DenseGeneral unchanged."""
+
+    def __call__(self, inputs):
+        if not self.has_variable("params", "panels"):
+            return super().__call__(inputs)
+        features = (self.features,) if isinstance(self.features, int) else tuple(self.features)
+        axes = (self.axis,) if isinstance(self.axis, int) else tuple(self.axis)
+        inputs_axes = sorted(a % inputs.ndim for a in axes)
+        if inputs_axes != list(range(inputs.ndim - len(axes), inputs.ndim)):
+            raise ValueError(f"{self.name}: panels contract trailing axes, not {self.axis}")
+        lead = inputs.shape[: inputs.ndim - len(axes)]
+        panels, bias = self.get_variable("params", "panels"), self.get_variable("params", "bias")
+        x, panels, bias = self.promote_dtype(
+            inputs.reshape(-1, panels.shape[1]), panels, bias, dtype=self.dtype
+        )
+        out = native.panel_matmul(x, panels).reshape(*lead, *features)
+        return out if bias is None else out + bias
+
+
+def to_panels(kernel: jax.Array, num_inputs: int = 1) -> jax.Array:
+    """A kernel [K..., N...] (`num_inputs` input axes) as 32-column panels
+    [N / 32, K, 32]; N must be a multiple of 32."""
+    depth = math.prod(kernel.shape[:num_inputs])
+    flat = kernel.reshape(depth, -1, native.PANEL)
+    return jnp.transpose(flat, (1, 0, 2))
 
 
 class RMSNorm(nn.Module):

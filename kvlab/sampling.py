@@ -38,7 +38,14 @@ from kvlab.cache.dense import Cache, check_errors
 from kvlab.cache.factory import compiled_builder
 from kvlab.cache.placement import write_tokens
 from kvlab.config import check_count, validate_cache_config
-from kvlab.model import Transformer, check_inputs, fuse_projections, param_axes
+from kvlab.model import (
+    Transformer,
+    check_inputs,
+    check_unpanelled,
+    fuse_projections,
+    panelled,
+    param_axes,
+)
 
 # ---------------------------------------------------------------------------
 # Samplers
@@ -126,6 +133,9 @@ def place_params(model_cfg: Mapping, params, mesh: Mesh | None, rules: tuple | N
     kvlab.sharding.axis_rules()); as they are without a mesh."""
     if mesh is None:
         return params
+    if mesh.size == 1 and panelled(params):  # panel_projections' layout: one device only
+        return jax.device_put(params, NamedSharding(mesh, PartitionSpec()))
+    check_unpanelled(params, f"place_params on a mesh of {mesh.size} devices")
     rules = sharding.axis_rules() if rules is None else rules
     axes = param_axes(model_cfg)
     if jax.tree.structure(axes, is_leaf=lambda x: isinstance(x, PartitionSpec)) != (

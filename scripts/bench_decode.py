@@ -34,7 +34,7 @@ from absl import flags
 from ml_collections import config_flags
 
 import kvlab
-from kvlab import cli
+from kvlab import cli, native
 from kvlab.config import cached_prefixes
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/gqa.py:tiny", "kvlab config file.")
@@ -65,6 +65,12 @@ _FUSE = flags.DEFINE_bool(
     "fuse_projections",
     True,
     "Decode from kvlab.fuse_projections(params) (one q/k/v and one gate/up product per layer).",
+)
+_PANELS = flags.DEFINE_bool(
+    "panel_projections",
+    True,
+    "With --fuse_projections, float32 on one CPU: then decode from kvlab.panel_projections "
+    "(weights in 32-column panels, each projection one kvlab.native.panel_matmul).",
 )
 _JSON = flags.DEFINE_bool("json", False, "Print one JSON object.")
 
@@ -234,8 +240,9 @@ def main(argv):
     cfg = kvlab.validate_config(_CONFIG.value)
     model = kvlab.Transformer(cfg.model)
     params = kvlab.init_params(cfg.model, jax.random.key(0))
+    layout = "separate"
     if _FUSE.value:
-        params = kvlab.fuse_projections(params)
+        params, layout = cli.decode_params(cfg.model, params, panels=_PANELS.value)
     weight_bytes = kvlab.tree_bytes(params)
     bandwidth = memory_bandwidth(_PROBE_MIB.value, _REPEATS.value)
     best_bandwidth = max(bandwidth.values())
@@ -250,7 +257,8 @@ def main(argv):
         config=cfg.model.to_dict() | {"cache": cfg.cache.to_dict()},
         backend=jax.default_backend(),
         batch_size=_BATCH.value,
-        fuse_projections=_FUSE.value,
+        weight_layout=layout,
+        native_kernels=native.unavailable_reason() or "available",
         weight_bytes=weight_bytes,
         bandwidth_bytes_per_s=bandwidth,
         rows=rows,

@@ -12,7 +12,8 @@ layer dense) and read back by transformers' AutoModelForCausalLM in float32,
 so both sides compute the same model. For each batch size (--batch_sizes)
 both decode greedily --new_tokens tokens after the same random
 --prompt_len-token prompts: `kvlab.generate` (one compiled loop, float32
-cache, projections fused by kvlab.fuse_projections) and
+cache, weights as kvlab.cli.decode_params lays them out: projections fused,
+in 32-column panels for kvlab.native's kernel) and
 `model.generate(do_sample=False)` (its default dynamic cache and attention),
 on torch.set_num_threads(--threads) threads.
 
@@ -237,12 +238,13 @@ def bench_shape(name, cfg, sizes, torch, transformers) -> dict:
     # Random weights may pick the config's default end token: generate every token.
     hf_model.generation_config.eos_token_id = None
     hf_model.generation_config.pad_token_id = 0
-    params = kvlab.fuse_projections(params)  # kvlab decodes as it would after loading
+    params, layout = cli.decode_params(cfg.model, params)  # as kvlab decodes after loading
     rows = [bench_cell(cfg, params, hf_model, torch, batch) for batch in sizes]
     return dict(
         shape=name,
         hf_family=hf_model.config.model_type,
         hf_attention=hf_model.config._attn_implementation,
+        weight_layout=layout,
         parameters=parameter_count(params),
         weight_bytes=kvlab.tree_bytes(params),
         model=cfg.model.to_dict(),

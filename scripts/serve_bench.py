@@ -18,8 +18,9 @@ one-at-a-time reference on one device. Each is timed --repeats times, in turn
 (a shared machine's load then weighs on both alike), and the best run of each
 counts. Reports generated tokens/s for each, their ratio, and the engine's
 device steps and compiled calls (a decode loop runs up to --decode_steps steps
-in one call). Random weights, fused (kvlab.fuse_projections) for both: speed
-does not depend on what the model learned.
+in one call). Random weights, laid out by kvlab.cli.decode_params for both
+(fused; 32-column panels for float32 on one CPU): speed does not depend on
+what the model learned.
 """
 
 import json
@@ -69,7 +70,8 @@ def main(argv):
     del argv
     cfg = kvlab.validate_config(_CONFIG.value)
     mesh, rules = sharding.make_mesh(cfg), sharding.axis_rules(cfg.mesh)  # before any compile
-    params = kvlab.fuse_projections(kvlab.init_params(cfg.model, jax.random.key(0)))
+    params = kvlab.init_params(cfg.model, jax.random.key(0))
+    params, layout = cli.decode_params(cfg.model, params, mesh.size)
     model = kvlab.Transformer(cfg.model)
     requests = workload(_REQUESTS.value)
     max_len = max(map(len, requests)) + _NEW.value
@@ -122,6 +124,7 @@ def main(argv):
         "outputs_equal": batched == alone,
         "requests_equal": sum(a == b for a, b in zip(batched, alone, strict=True)),
         "dtype": cfg.model.dtype,
+        "weight_layout": layout,
     }
     if _JSON.value:
         print(json.dumps(report, indent=2))

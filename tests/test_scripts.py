@@ -10,6 +10,7 @@ import jax
 import pytest
 
 import kvlab
+from kvlab import native
 from kvlab.train import start_workdir
 from tests.helpers import ROOT
 
@@ -150,6 +151,9 @@ def test_bench_decode_reports_speedup_roofline_and_latent_paths():
     cfg = kvlab.load_config(f"{ROOT}/configs/mla.py:tiny")
     params = kvlab.init_params(cfg.model, jax.random.key(0))
     assert report["weight_bytes"] == kvlab.tree_bytes(params)
+    # Fused, then in 32-column panels for the native kernel where this machine builds it.
+    assert report["weight_layout"] == ("panels" if native.available() else "fused")
+    assert report["native_kernels"] == (native.unavailable_reason() or "available")
     assert set(report["bandwidth_bytes_per_s"]) == {"sum_16MiB", "matvec_8MiB"}
     bandwidth = max(report["bandwidth_bytes_per_s"].values())
     assert [row["seq_len"] for row in report["rows"]] == [64]
@@ -386,6 +390,7 @@ def test_serve_bench_matches_one_at_a_time(tmp_path):
     report = json.loads(result.stdout)
     assert report["outputs_equal"] and report["requests_equal"] == 4
     assert report["dtype"] == "float32"  # tiny: a difference would have failed the script
+    assert report["weight_layout"] == ("panels" if native.available() else "fused")
     assert (report["requests"], report["max_new_tokens"], report["max_slots"]) == (4, 4, 2)
     # 16 tokens, at most one per slot and step.
     assert report["engine_steps"] >= 4 * 4 // 2

@@ -321,6 +321,14 @@ def test_on_mesh_fused_params_keep_the_head_and_mlp_layout(gqa):
     np.testing.assert_allclose(got, want, atol=TOLERANCE, rtol=0)
 
 
+@on_eight
+def test_on_mesh_a_panel_tree_is_refused(gqa):
+    cfg, mesh, rules, model, params, placed = gqa
+    panels = kvlab.panel_projections(kvlab.fuse_projections(params))
+    with pytest.raises(ValueError, match="place_params on a mesh of 8 devices takes the param"):
+        kvlab.sampling.place_params(cfg.model, panels, mesh, rules)
+
+
 # Through the steps: 16-bit rows, and quantized pools with per-row rings (the
 # quantized math, scales and zero points included). Laid out only: the rest.
 CACHES = {

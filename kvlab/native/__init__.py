@@ -1,0 +1,139 @@
+"""Native CPU kernels, compiled on first use and called through XLA's FFI.
+
+available() -> bool                 the kernels are built and registered
+panel_matmul(x [M, K], panels [N / 32, K, 32]) -> [M, N]      float32, M rows of x @ W
+
+XLA:CPU runs a one-row product on one core and hands products of 2 to 16 rows
+to a general matrix routine that repacks the weights on every call, so a decode
+step (a few rows against every weight of the model) reads its weights at a
+fraction of the memory bandwidth. `panel_matmul` reads weights stored as 32-column
+panels (kvlab.panel_projections makes them) once per call on all of XLA's
+intra-op threads, whatever the number of rows up to 8, and 16 rows at twice the
+arithmetic (panel_matmul.cc says how).
+
+The source is built with the system C++ compiler (`$CXX`, else `c++`) for
+x86-64 CPUs with AVX-512F the first time a process asks for it, into
+`$KVLAB_NATIVE_CACHE` (default ~/.cache/kvlab/native), named by a hash of the
+source, the flags and the jax version, and written there atomically. Without a
+compiler, on another CPU, or with KVLAB_NATIVE=0, available() is False (the
+reason is in unavailable_reason()) and callers use XLA's products instead.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+
+PANEL = 32  # columns per panel
+MAX_ROWS = 16  # more rows (a prompt) go to XLA's product, which is fast there
+SOURCE = Path(__file__).with_name("panel_matmul.cc")
+TARGET = "kvlab_panel_matmul"
+FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-mavx512f", "-mfma", "-w")
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            return set(line.split(":", 1)[1].split())
+    return set()
+
+
+def _cache_dir() -> Path:
+    default = Path.home() / ".cache" / "kvlab" / "native"
+    return Path(os.environ.get("KVLAB_NATIVE_CACHE") or default)
+
+
+def build(directory: Path | None = None) -> Path:
+    """The compiled library's path in `directory` (default the cache), compiling it
+    there first if it is missing. Raises RuntimeError with the compiler's output
+    when the build fails, FileNotFoundError when there is no compiler."""
+    compiler = os.environ.get("CXX") or "c++"
+    if shutil.which(compiler) is None:
+        raise FileNotFoundError(f"no C++ compiler {compiler!r} on PATH (set CXX to one)")
+    include = jax.ffi.include_dir()
+    source = SOURCE.read_bytes()
+    key = hashlib.sha256(
+        source + " ".join((compiler, *FLAGS, jax.__version__, include)).encode()
+    ).hexdigest()[:16]
+    directory = Path(directory) if directory is not None else _cache_dir()
+    library = directory / f"panel_matmul-{key}.so"
+    if library.exists():
+        return library
+    directory.mkdir(parents=True, exist_ok=True)
+    handle, partial = tempfile.mkstemp(dir=directory, prefix=".panel_matmul-", suffix=".so")
+    os.close(handle)
+    try:
+        command = [compiler, *FLAGS, f"-I{include}", str(SOURCE), "-o", partial]
+        done = subprocess.run(command, capture_output=True, text=True)
+        if done.returncode != 0:
+            raise RuntimeError(
+                f"building {SOURCE.name} failed ({' '.join(command)}):\n{done.stderr[-2000:]}"
+            )
+        os.replace(partial, library)  # a concurrent build of the same key writes the same bytes
+    finally:
+        if os.path.exists(partial):
+            os.unlink(partial)
+    return library
+
+
+@functools.cache
+def _load() -> str | None:
+    """Builds and registers the kernels once per process; the reason they are
+    unavailable, or None."""
+    if os.environ.get("KVLAB_NATIVE", "1") == "0":
+        return "KVLAB_NATIVE=0"
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return f"the kernels are written for x86-64, not {platform.machine()}"
+    if "avx512f" not in _cpu_flags():
+        return "this CPU has no AVX-512F"
+    try:
+        library = ctypes.cdll.LoadLibrary(str(build()))
+    except (OSError, RuntimeError) as error:
+        return str(error)
+    capsule = jax.ffi.pycapsule(library.KvlabPanelMatmul)
+    jax.ffi.register_ffi_target(TARGET, capsule, platform="cpu")
+    return None
+
+
+def unavailable_reason() -> str | None:
+    """Why the kernels cannot run in this process, or None when they can."""
+    return _load()
+
+
+def available() -> bool:
+    return _load() is None
+
+
+def panel_matmul(x: jax.Array, panels: jax.Array) -> jax.Array:
+    """x [M, K] @ W for W stored as panels [N / 32, K, 32] (W[k, 32 b + j] =
+    panels[b, k, j]): the native kernel for up to MAX_ROWS rows of float32 on CPU
+    when available(), else one XLA product over the panels (any backend, dtype
+    or number of rows)."""
+    (rows, depth), (count, panel_depth, width) = x.shape, panels.shape
+    if panel_depth != depth or width != PANEL:
+        raise ValueError(f"x {x.shape} and panels {panels.shape} do not multiply")
+    native = (
+        rows <= MAX_ROWS
+        and x.dtype == jnp.float32
+        and panels.dtype == jnp.float32
+        and jax.default_backend() == "cpu"
+        and available()
+    )
+    if native:
+        result = jax.ShapeDtypeStruct((rows, count * PANEL), jnp.float32)
+        return jax.ffi.ffi_call(TARGET, result, vmap_method="sequential")(x, panels)
+    return jnp.einsum("mk,bkj->mbj", x, panels).reshape(rows, count * PANEL)

@@ -1,0 +1,117 @@
+"""kvlab.native: the panel kernel computes x @ W, and its build is cached and safe."""
+
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kvlab import native
+from kvlab.layers import to_panels
+from tests.helpers import ROOT
+
+needs_native = pytest.mark.skipif(
+    not native.available(), reason=f"kvlab.native unavailable: {native.unavailable_reason()}"
+)
+
+
+def reference(x, kernel):
+    return np.asarray(x, np.float64) @ np.asarray(kernel, np.float64)
+
+
+def relative_error(got, want):
+    return float(
+        np.max(np.abs(np.asarray(got, np.float64) - want)) / max(np.abs(want).max(), 1e-30)
+    )
+
+
+@given(
+    rows=st.integers(1, 2 * native.MAX_ROWS + 3),
+    depth=st.integers(1, 70),
+    panels=st.integers(1, 5),
+    seed=st.integers(0, 2**16),
+)
+def test_panel_matmul_is_x_times_the_kernel(rows, depth, panels, seed):
+    """Every row count (native up to MAX_ROWS, XLA's product above), any depth."""
+    rng = np.random.default_rng(seed)
+    kernel = rng.standard_normal((depth, panels * native.PANEL), np.float32)
+    x = rng.standard_normal((rows, depth), np.float32)
+    stored = to_panels(jnp.asarray(kernel))
+    assert stored.shape == (panels, depth, native.PANEL)
+    b, k, j = rng.integers(panels), rng.integers(depth), rng.integers(native.PANEL)
+    assert stored[b, k, j] == kernel[k, native.PANEL * b + j]  # the layout's definition
+    got = jax.jit(native.panel_matmul)(jnp.asarray(x), stored)
+    assert got.shape == (rows, panels * native.PANEL) and got.dtype == jnp.float32
+    assert relative_error(got, reference(x, kernel)) < 1e-5
+    # Under vmap each slice is one call.
+    stacked = jnp.stack([jnp.asarray(x), 2 * jnp.asarray(x)])
+    both = jax.vmap(native.panel_matmul, in_axes=(0, None))(stacked, stored)
+    np.testing.assert_allclose(both[1], 2 * np.asarray(got), rtol=1e-5, atol=1e-5)
+
+
+@needs_native
+def test_the_native_kernel_runs_for_few_float32_rows_only():
+    x, panels = jnp.ones((native.MAX_ROWS, 8)), jnp.ones((2, 8, native.PANEL))
+
+    def targets(x, panels):
+        return str(jax.make_jaxpr(native.panel_matmul)(x, panels)).count(native.TARGET)
+
+    assert targets(x, panels) == 1
+    assert targets(jnp.ones((native.MAX_ROWS + 1, 8)), panels) == 0  # a prompt: XLA's product
+    assert targets(x.astype(jnp.bfloat16), panels.astype(jnp.bfloat16)) == 0
+    # Outside the compiled call the kernel's result is used as it is: no NaN, no garbage
+    # in rows or columns a tile does not fill.
+    x = jnp.arange(3 * 8, dtype=jnp.float32).reshape(3, 8)
+    got = native.panel_matmul(x, panels)
+    np.testing.assert_array_equal(got, np.tile(np.asarray(x).sum(1, keepdims=True), (1, 64)))
+
+
+def test_mismatched_operands_are_refused():
+    with pytest.raises(ValueError, match=r"x \(2, 8\) and panels \(1, 9, 32\) do not multiply"):
+        native.panel_matmul(jnp.ones((2, 8)), jnp.ones((1, 9, 32)))
+    with pytest.raises(ValueError, match="do not multiply"):
+        native.panel_matmul(jnp.ones((2, 8)), jnp.ones((1, 8, 16)))
+
+
+@needs_native
+def test_the_build_is_cached_and_leaves_no_partial_file(tmp_path):
+    library = native.build(tmp_path)
+    assert library.parent == tmp_path and library.suffix == ".so"
+    built = library.stat().st_mtime_ns
+    assert native.build(tmp_path) == library and library.stat().st_mtime_ns == built
+    assert sorted(p.name for p in tmp_path.iterdir()) == [library.name]
+
+
+def test_a_failing_or_missing_compiler_is_reported(tmp_path, monkeypatch):
+    monkeypatch.setenv("CXX", "false")  # runs, and fails
+    with pytest.raises(RuntimeError, match="building panel_matmul.cc failed"):
+        native.build(tmp_path)
+    assert list(tmp_path.iterdir()) == []  # the partial output is removed
+    monkeypatch.setenv("CXX", "kvlab-no-such-compiler")
+    with pytest.raises(FileNotFoundError, match=r"no C\+\+ compiler 'kvlab-no-such-compiler'"):
+        native.build(tmp_path)
+
+
+def test_without_the_kernels_the_panel_layout_runs_on_xla():
+    """KVLAB_NATIVE=0 (or no compiler, or another CPU): available() says why, and a
+    panel tree computes through XLA's product what the kernel tree computes."""
+    code = """
+import jax, jax.numpy as jnp, kvlab
+from kvlab import native
+assert not native.available() and native.unavailable_reason() == "KVLAB_NATIVE=0"
+cfg = kvlab.load_config("configs/gqa.py:tiny")
+params = kvlab.init_params(cfg.model, jax.random.key(0))
+panels = kvlab.panel_projections(kvlab.fuse_projections(params))
+model = kvlab.Transformer(cfg.model)
+tokens = jnp.arange(6, dtype=jnp.int32).reshape(2, 3)
+want = model.apply({"params": params}, tokens)[0]
+got = model.apply({"params": panels}, tokens)[0]
+assert float(jnp.abs(got - want).max()) < 1e-4, float(jnp.abs(got - want).max())
+"""
+    env = {**os.environ, "KVLAB_NATIVE": "0", "JAX_PLATFORMS": "cpu"}
+    subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, check=True)
