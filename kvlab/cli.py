@@ -188,21 +188,26 @@ def _refuse_other_weights(flag: str, config_flag: str, others: Mapping[str, obje
             )
 
 
-def decode_params(model: Mapping, params, devices: int | None = None, panels: bool = True):
-    """The tree the scripts decode from and its layout's name:
-    `kvlab.fuse_projections(params)` ("fused"), and on one CPU device (`devices`,
-    default all of them) with float32 weights and compute the panel_projections
-    of that ("panels"), unless `panels` is False or the native kernels are
-    unavailable (the reason goes to the log)."""
+def decode_params(model: Mapping, params, devices: int | None = None, native_kernels=True):
+    """(model config, params, layout name) the scripts decode with: the
+    projections fused (`kvlab.fuse_projections`, "fused"); on one CPU device
+    (`devices`, default all of them) with float32 weights and compute, unless
+    `native_kernels` is False or the kernels are unavailable (the reason goes
+    to the log), also in 32-column panels (`kvlab.panel_projections`, "panels")
+    and, where the config asked for 'xla', with model.attention_impl='native'
+    (a copy of `model`: kvlab.native's kernels for decode attention)."""
     params = fuse_projections(params)
     float32 = dtype_of(model.dtype) == dtype_of(model.param_dtype) == jnp.float32
     devices = jax.device_count() if devices is None else devices
-    if not (panels and float32 and devices == 1 and jax.default_backend() == "cpu"):
-        return params, "fused"
+    if not (native_kernels and float32 and devices == 1 and jax.default_backend() == "cpu"):
+        return model, params, "fused"
     if not native.available():
         logging.warning("decoding without kvlab.native: %s", native.unavailable_reason())
-        return params, "fused"
-    return panel_projections(params), "panels"
+        return model, params, "fused"
+    model = model.copy_and_resolve_references()
+    if model.attention_impl == "xla":
+        model.attention_impl = "native"
+    return model, panel_projections(params), "panels"
 
 
 def attention_label(model: ml_collections.ConfigDict) -> str:

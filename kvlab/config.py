@@ -31,7 +31,7 @@ import ml_collections
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
 ATTENTION_KINDS = ("gqa", "mla")
-ATTENTION_IMPLS = ("xla", "pallas")  # model.attention_impl
+ATTENTION_IMPLS = ("xla", "pallas", "native")  # model.attention_impl
 MOE_ROUTINGS = ("softmax", "sigmoid")  # model.moe.routing: DeepSeek-V2, DeepSeek-V3
 ROPE_SCALINGS = ("none", "linear", "llama3", "yarn")  # model.rope_scaling.type
 CACHE_KINDS = ("dense", "paged")
@@ -128,9 +128,11 @@ def base_config(variant: str = "tiny") -> ml_collections.ConfigDict:
             sliding_window=0,  # 0 = full causal attention; W = each query sees the last W
             #                    positions, itself included (Mistral, Gemma); its cache is a
             #                    ring of W slots (kvlab/cache/evict.py)
-            attention_impl="xla",  # 'xla' or 'pallas': Pallas kernels read quantized and
-            #                        paged caches' stored tokens (kvlab/attention/pallas.py;
-            #                        the Pallas interpreter on CPU)
+            attention_impl="xla",  # 'xla', 'pallas' or 'native'. pallas: Pallas kernels read
+            #                        quantized and paged caches' stored tokens
+            #                        (kvlab/attention/pallas.py; the Pallas interpreter on
+            #                        CPU). native: kvlab.native's CPU kernels compute float32
+            #                        decode attention's products (XLA's where unavailable)
         )
     )
     # RoPE for contexts longer than the model was trained on, as Hugging Face

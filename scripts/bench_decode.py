@@ -66,11 +66,11 @@ _FUSE = flags.DEFINE_bool(
     True,
     "Decode from kvlab.fuse_projections(params) (one q/k/v and one gate/up product per layer).",
 )
-_PANELS = flags.DEFINE_bool(
-    "panel_projections",
+_NATIVE = flags.DEFINE_bool(
+    "native_kernels",
     True,
-    "With --fuse_projections, float32 on one CPU: then decode from kvlab.panel_projections "
-    "(weights in 32-column panels, each projection one kvlab.native.panel_matmul).",
+    "With --fuse_projections, float32 on one CPU: weights in 32-column panels "
+    "(kvlab.panel_projections) and model.attention_impl='native' (kvlab.native's kernels).",
 )
 _JSON = flags.DEFINE_bool("json", False, "Print one JSON object.")
 
@@ -238,11 +238,13 @@ def bench_evictions(cfg, model, params, lengths, policies, batch, steps, repeats
 def main(argv):
     del argv
     cfg = kvlab.validate_config(_CONFIG.value)
-    model = kvlab.Transformer(cfg.model)
     params = kvlab.init_params(cfg.model, jax.random.key(0))
     layout = "separate"
     if _FUSE.value:
-        params, layout = cli.decode_params(cfg.model, params, panels=_PANELS.value)
+        cfg.model, params, layout = cli.decode_params(
+            cfg.model, params, native_kernels=_NATIVE.value
+        )
+    model = kvlab.Transformer(cfg.model)
     weight_bytes = kvlab.tree_bytes(params)
     bandwidth = memory_bandwidth(_PROBE_MIB.value, _REPEATS.value)
     best_bandwidth = max(bandwidth.values())

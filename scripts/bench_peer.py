@@ -238,7 +238,7 @@ def bench_shape(name, cfg, sizes, torch, transformers) -> dict:
     # Random weights may pick the config's default end token: generate every token.
     hf_model.generation_config.eos_token_id = None
     hf_model.generation_config.pad_token_id = 0
-    params, layout = cli.decode_params(cfg.model, params)  # as kvlab decodes after loading
+    cfg.model, params, layout = cli.decode_params(cfg.model, params)  # as kvlab decodes
     rows = [bench_cell(cfg, params, hf_model, torch, batch) for batch in sizes]
     return dict(
         shape=name,

@@ -103,7 +103,7 @@ def main(argv):
         params = initial_params(cfg)
     elif not _WORKDIR.value:
         params = kvlab.init_params(cfg.model, jax.random.key(_SEED.value))
-    params, _ = cli.decode_params(cfg.model, params, mesh.size)  # fused, panels on one CPU
+    cfg.model, params, _ = cli.decode_params(cfg.model, params, mesh.size)  # + native on 1 CPU
     model = kvlab.Transformer(cfg.model)
     if cfg.data.tokenizer:
         tokenizer = load_tokenizer(cfg.data.tokenizer)

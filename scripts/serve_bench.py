@@ -71,7 +71,7 @@ def main(argv):
     cfg = kvlab.validate_config(_CONFIG.value)
     mesh, rules = sharding.make_mesh(cfg), sharding.axis_rules(cfg.mesh)  # before any compile
     params = kvlab.init_params(cfg.model, jax.random.key(0))
-    params, layout = cli.decode_params(cfg.model, params, mesh.size)
+    cfg.model, params, layout = cli.decode_params(cfg.model, params, mesh.size)
     model = kvlab.Transformer(cfg.model)
     requests = workload(_REQUESTS.value)
     max_len = max(map(len, requests)) + _NEW.value

@@ -460,14 +460,18 @@ def test_panel_projections_compute_the_same_model(cfg, option, seed):
     assert kvlab.tree_bytes(panels) == kvlab.tree_bytes(params)
     assert kvlab.panel_projections(panels).keys() == panels.keys()  # converted once
 
-    # A prompt (18 rows: XLA's product) and a decode step (2 rows: the native kernel).
+    # A prompt (18 rows: XLA's product), then chunks of 8 rows and decode steps (2 rows:
+    # the native kernels, attention's too with attention_impl='native') through a cache
+    # with unwritten slots.
     tokens = random_tokens(cfg, (2, 9), seed)
     apply = jax.jit(model.apply)
     want, _ = apply({"params": params}, tokens)
     got, _ = apply({"params": panels}, tokens)
     assert max_diff(got, want) <= TOLERANCE
-    cache = kvlab.init_cache(cfg.model, cfg.cache, batch_size=2, max_len=9)
-    stepwise, _ = run_in_chunks(apply, panels, cache, tokens, [8, 1])
+    cfg.model.attention_impl = "native"
+    native_apply = jax.jit(kvlab.Transformer(cfg.model).apply)
+    cache = kvlab.init_cache(cfg.model, cfg.cache, batch_size=2, max_len=16)
+    stepwise, _ = run_in_chunks(native_apply, panels, cache, tokens, [4, 1, 4])
     assert max_diff(stepwise, want) <= TOLERANCE
 
 

@@ -59,7 +59,7 @@ def test_the_native_kernel_runs_for_few_float32_rows_only():
     x, panels = jnp.ones((native.MAX_ROWS, 8)), jnp.ones((2, 8, native.PANEL))
 
     def targets(x, panels):
-        return str(jax.make_jaxpr(native.panel_matmul)(x, panels)).count(native.TARGET)
+        return str(jax.make_jaxpr(native.panel_matmul)(x, panels)).count("kvlab_panel_matmul")
 
     assert targets(x, panels) == 1
     assert targets(jnp.ones((native.MAX_ROWS + 1, 8)), panels) == 0  # a prompt: XLA's product
@@ -115,3 +115,60 @@ assert float(jnp.abs(got - want).max()) < 1e-4, float(jnp.abs(got - want).max())
 """
     env = {**os.environ, "KVLAB_NATIVE": "0", "JAX_PLATFORMS": "cpu"}
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, check=True)
+
+
+@given(
+    slices=st.integers(1, 5),
+    rows=st.integers(1, native.MAX_ROWS + 2),
+    length=st.integers(1, 40),
+    width=st.integers(1, 70),
+    seed=st.integers(0, 2**16),
+)
+def test_attention_products_are_the_einsums(slices, rows, length, width, seed):
+    """Scores (16 keys a vector, then one by one) and weighted sums (64 columns a
+    pass) for every tail: lengths and widths not multiples of 16 or 64."""
+    rng = np.random.default_rng(seed)
+    q = rng.standard_normal((slices, 1, rows, width), np.float32)
+    k = rng.standard_normal((slices, 1, length, width), np.float32)
+    w = rng.standard_normal((slices, 1, rows, length), np.float32)
+
+    def check(got, spec, a, b):
+        """Within float32 rounding of each sum's terms (sums may cancel)."""
+        want = np.einsum(spec, a.astype(np.float64), b)
+        terms = np.einsum(spec, np.abs(a).astype(np.float64), np.abs(b))
+        assert got.shape == want.shape
+        assert np.all(np.abs(np.asarray(got, np.float64) - want) <= 1e-5 * terms + 1e-30)
+
+    check(jax.jit(native.scores)(jnp.asarray(q), jnp.asarray(k)), "pqmh,pqsh->pqms", q, k)
+    check(jax.jit(native.weighted_sum)(jnp.asarray(w), jnp.asarray(k)), "pqms,pqsh->pqmh", w, k)
+    other = jnp.asarray(np.concatenate([k, k]))  # one more slice
+    with pytest.raises(ValueError, match="do not match"):
+        native.scores(jnp.asarray(q), other)
+    with pytest.raises(ValueError, match="do not match"):
+        native.weighted_sum(jnp.asarray(w), other)
+
+
+@needs_native
+def test_a_decode_step_runs_on_the_kernels():
+    """With panels and attention_impl='native', a decode step's products are the
+    kernels' (not silently XLA's); a prompt's stay XLA's."""
+    import kvlab
+
+    cfg = kvlab.load_config(f"{ROOT}/configs/gqa.py:tiny")
+    cfg.model.attention_impl = "native"
+    model = kvlab.Transformer(cfg.model)
+    params = kvlab.panel_projections(kvlab.init_params(cfg.model, jax.random.key(0)))
+    cache = kvlab.init_cache(cfg.model, cfg.cache, batch_size=2, max_len=64)
+
+    def calls(length):
+        tokens = jnp.zeros((2, length), jnp.int32)
+        text = str(jax.make_jaxpr(model.apply)({"params": params}, tokens, cache=cache))
+        return {target: text.count(target) for target in native.TARGETS}
+
+    layers = cfg.model.num_layers
+    step = calls(1)
+    assert step["kvlab_scores"] == step["kvlab_weighted_sum"] == 2 * layers  # cache, new token
+    paths = [p for p, _ in jax.tree_util.tree_leaves_with_path(params)]
+    panelled = sum(path[-1].key in ("panels", "embed_panels") for path in paths)
+    assert panelled > layers and step["kvlab_panel_matmul"] == panelled  # each once
+    assert calls(32) == {target: 0 for target in native.TARGETS}

@@ -47,6 +47,7 @@ import jax.numpy as jnp
 from einops import rearrange
 from jaxtyping import Array, Bool, Float
 
+from kvlab import native
 from kvlab.cache.protocols import Reader
 
 # A finite "minus infinity": a fully masked row gives a uniform softmax, not NaN.
@@ -96,17 +97,21 @@ def _parts(x) -> tuple:
     return x if isinstance(x, tuple) else (x,)
 
 
-def _scores(q, k) -> Array:
+def _scores(q, k, impl: str) -> Array:
     """[B, K, M, H] queries against [B, K, S, H] keys (or a reader): float32 [B, K, M, S]."""
     if isinstance(k, Reader):
         return k.scores(q)
+    if impl == "native" and k.dtype == jnp.float32:
+        return native.scores(q.astype(jnp.float32), k)
     return jnp.einsum("BKMH,BKSH->BKMS", q.astype(k.dtype), k, preferred_element_type=jnp.float32)
 
 
-def _weighted_sum(weights, v) -> Array:
+def _weighted_sum(weights, v, impl: str) -> Array:
     """[B, K, M, S] weights over [B, K, S, Hv] values (or a reader): float32 [B, K, M, Hv]."""
     if isinstance(v, Reader):
         return v.weighted_sum(weights)
+    if impl == "native" and v.dtype == jnp.float32:
+        return native.weighted_sum(weights.astype(jnp.float32), v)
     return jnp.einsum(
         "BKMS,BKSH->BKMH", weights.astype(v.dtype), v, preferred_element_type=jnp.float32
     )
@@ -285,7 +290,7 @@ def attend(
     def block_scores(k, mask):
         """[B, K, T, G, S] scaled scores of the queries over one block's keys, masked."""
         s = sum(
-            grouped(_scores(q_part, k_part), heads)
+            grouped(_scores(q_part, k_part, impl), heads)
             for q_part, k_part, heads in zip(folded, _parts(k), part_heads, strict=True)
         )
         mask = mask[:, None, :, None, :] if mask.ndim == 3 else mask
@@ -293,7 +298,7 @@ def attend(
 
     def weighted(weights, v):
         """[B, K, T, G, S] weights over a block's values: float32 [B, K, M, Hv]."""
-        return _weighted_sum(weights.reshape(batch, num_kv_heads, length * groups, -1), v)
+        return _weighted_sum(weights.reshape(batch, num_kv_heads, length * groups, -1), v, impl)
 
     shape = (batch, num_kv_heads, length, groups)
 

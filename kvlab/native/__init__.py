@@ -24,6 +24,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import hashlib
+import math
 import os
 import platform
 import shutil
@@ -37,7 +38,12 @@ import jax.numpy as jnp
 PANEL = 32  # columns per panel
 MAX_ROWS = 16  # more rows (a prompt) go to XLA's product, which is fast there
 SOURCE = Path(__file__).with_name("panel_matmul.cc")
-TARGET = "kvlab_panel_matmul"
+# FFI target name -> the library's handler symbol
+TARGETS = {
+    "kvlab_panel_matmul": "KvlabPanelMatmul",
+    "kvlab_scores": "KvlabScores",
+    "kvlab_weighted_sum": "KvlabWeightedSum",
+}
 FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-mavx512f", "-mfma", "-w")
 
 
@@ -104,8 +110,9 @@ def _load() -> str | None:
         library = ctypes.cdll.LoadLibrary(str(build()))
     except (OSError, RuntimeError) as error:
         return str(error)
-    capsule = jax.ffi.pycapsule(library.KvlabPanelMatmul)
-    jax.ffi.register_ffi_target(TARGET, capsule, platform="cpu")
+    for target, symbol in TARGETS.items():
+        capsule = jax.ffi.pycapsule(getattr(library, symbol))
+        jax.ffi.register_ffi_target(target, capsule, platform="cpu")
     return None
 
 
@@ -118,6 +125,21 @@ def available() -> bool:
     return _load() is None
 
 
+def _native(*arrays: jax.Array, rows: int) -> bool:
+    """Whether the kernels take these operands: float32, at most MAX_ROWS rows, on CPU."""
+    return (
+        rows <= MAX_ROWS
+        and all(a.dtype == jnp.float32 for a in arrays)
+        and jax.default_backend() == "cpu"
+        and available()
+    )
+
+
+def _call(target: str, shape: tuple, *arrays: jax.Array) -> jax.Array:
+    result = jax.ShapeDtypeStruct(shape, jnp.float32)
+    return jax.ffi.ffi_call(target, result, vmap_method="sequential")(*arrays)
+
+
 def panel_matmul(x: jax.Array, panels: jax.Array) -> jax.Array:
     """x [M, K] @ W for W stored as panels [N / 32, K, 32] (W[k, 32 b + j] =
     panels[b, k, j]): the native kernel for up to MAX_ROWS rows of float32 on CPU
@@ -126,14 +148,34 @@ def panel_matmul(x: jax.Array, panels: jax.Array) -> jax.Array:
     (rows, depth), (count, panel_depth, width) = x.shape, panels.shape
     if panel_depth != depth or width != PANEL:
         raise ValueError(f"x {x.shape} and panels {panels.shape} do not multiply")
-    native = (
-        rows <= MAX_ROWS
-        and x.dtype == jnp.float32
-        and panels.dtype == jnp.float32
-        and jax.default_backend() == "cpu"
-        and available()
-    )
-    if native:
-        result = jax.ShapeDtypeStruct((rows, count * PANEL), jnp.float32)
-        return jax.ffi.ffi_call(TARGET, result, vmap_method="sequential")(x, panels)
+    if _native(x, panels, rows=rows):
+        return _call("kvlab_panel_matmul", (rows, count * PANEL), x, panels)
     return jnp.einsum("mk,bkj->mbj", x, panels).reshape(rows, count * PANEL)
+
+
+def scores(q: jax.Array, k: jax.Array) -> jax.Array:
+    """Attention scores float32 [..., M, S] of queries [..., M, H] against keys
+    [..., S, H] (the same leading axes): one dot product per query and key, by
+    the native kernel for float32 and up to MAX_ROWS queries on CPU (each slice's
+    keys read once, slices spread over the threads), else XLA's product."""
+    lead, (rows, width), length = q.shape[:-2], q.shape[-2:], k.shape[-2]
+    if k.shape[:-2] != lead or k.shape[-1] != width:
+        raise ValueError(f"queries {q.shape} and keys {k.shape} do not match")
+    if _native(q, k, rows=rows):
+        slices = math.prod(lead)
+        flat = (q.reshape(slices, rows, width), k.reshape(slices, length, width))
+        return _call("kvlab_scores", (slices, rows, length), *flat).reshape(*lead, rows, length)
+    return jnp.einsum("...mh,...sh->...ms", q, k, preferred_element_type=jnp.float32)
+
+
+def weighted_sum(w: jax.Array, v: jax.Array) -> jax.Array:
+    """float32 [..., M, H]: weights [..., M, S] over values [..., S, H], by the
+    native kernel as `scores`, else XLA's product."""
+    lead, (rows, length), width = w.shape[:-2], w.shape[-2:], v.shape[-1]
+    if v.shape[:-2] != lead or v.shape[-2] != length:
+        raise ValueError(f"weights {w.shape} and values {v.shape} do not match")
+    if _native(w, v, rows=rows):
+        slices = math.prod(lead)
+        flat = (w.reshape(slices, rows, length), v.reshape(slices, length, width))
+        return _call("kvlab_weighted_sum", (slices, rows, width), *flat).reshape(*lead, rows, width)
+    return jnp.einsum("...ms,...sh->...mh", w, v, preferred_element_type=jnp.float32)

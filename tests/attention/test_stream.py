@@ -180,6 +180,32 @@ def test_pallas_kernels_give_the_xla_logits(config, cache):
     np.testing.assert_allclose(decode_logits(cfg, params, tokens, 10**9), xla, atol=1e-5)
 
 
+@pytest.mark.parametrize(
+    "config, cache, stream_tokens",
+    [
+        ("gqa.py:tiny", dict(), 10**9),
+        ("gqa.py:tiny", dict(dtype="bfloat16"), 8),  # slices widened to float32, streamed
+        ("gqa.py:tiny", dict(window=16), 10**9),  # a ring of 16 slots, masked as a band
+        ("mla.py:tiny", dict(), 10**9),
+    ],
+)
+def test_native_kernels_give_the_xla_logits(config, cache, stream_tokens):
+    """model.attention_impl='native' (kvlab.native's products for float32 arrays)
+    decodes dense, streamed 16-bit, windowed and latent caches to the XLA path's
+    logits; where the kernels are unavailable it is the XLA path."""
+    cfg = kvlab.load_config(f"{ROOT}/configs/{config}")
+    if "window" in cache:
+        cfg.model.sliding_window = cache.pop("window")
+    cfg.cache.update(cache)
+    cfg = kvlab.validate_config(cfg)
+    params = kvlab.init_params(cfg.model, jax.random.key(0))
+    tokens = np.random.default_rng(0).integers(0, cfg.model.vocab_size, (2, 40), np.int32)
+    xla = decode_logits(cfg, params, tokens, stream_tokens)
+    cfg.model.attention_impl = "native"
+    got = decode_logits(cfg, params, tokens, stream_tokens)
+    np.testing.assert_allclose(got, xla, atol=1e-5)
+
+
 def test_attention_impl_is_checked():
     cfg = kvlab.base_config("tiny")
     cfg.model.attention_impl = "triton"
