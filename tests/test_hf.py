@@ -17,6 +17,7 @@ import safetensors.numpy
 from flax import traverse_util
 
 import kvlab
+from kvlab import native
 from kvlab.convert import to_mla
 from tests.helpers import TOLERANCE, run_in_chunks
 
@@ -97,6 +98,34 @@ def test_cache_token_by_token_matches_transformers(name, absorb, loaded):
         steps.append(np.asarray(logits))
     cache.check()
     np.testing.assert_allclose(np.stack(steps, 1), ref["logits"], atol=TOLERANCE, rtol=0)
+
+
+@pytest.mark.parametrize("name", GREEDY)
+def test_native_kernels_decode_transformers_logits_and_tokens(name, loaded, monkeypatch):
+    """What the scripts decode with on one CPU (kvlab.cli.decode_params: fused
+    projections in 32-column panels, attention_impl='native', its kernels here
+    for any cache size): token by token transformers' logits, and its greedy
+    tokens."""
+    monkeypatch.setattr(native, "ATTENTION_MIN_BYTES", 0)
+    cfg, params = loaded(name)
+    model_cfg = cfg.model.copy_and_resolve_references()
+    model_cfg.attention_impl = "native"
+    params = kvlab.panel_projections(kvlab.fuse_projections(params))
+    model = kvlab.Transformer(model_cfg)
+    ref = reference(name)
+    tokens = ref["tokens"]
+    cache = kvlab.init_cache(
+        model_cfg, cfg.cache, batch_size=tokens.shape[0], max_len=tokens.shape[1]
+    )
+    steps = []
+    for t in range(tokens.shape[1]):
+        logits, cache = kvlab.decode_step(model, params, cache, tokens[:, t])
+        steps.append(np.asarray(logits))
+    cache.check()
+    np.testing.assert_allclose(np.stack(steps, 1), ref["logits"], atol=TOLERANCE, rtol=0)
+    new_tokens = ref["generated"].shape[1] - tokens.shape[1]
+    out = kvlab.generate(model, params, tokens, cache_cfg=cfg.cache, max_new_tokens=new_tokens)
+    np.testing.assert_array_equal(np.asarray(out), ref["generated"])
 
 
 @pytest.mark.parametrize("chunks", [[5, 1, 7, 11], [1] * 24])

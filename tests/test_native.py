@@ -89,7 +89,7 @@ def test_the_build_is_cached_and_leaves_no_partial_file(tmp_path):
 
 def test_a_failing_or_missing_compiler_is_reported(tmp_path, monkeypatch):
     monkeypatch.setenv("CXX", "false")  # runs, and fails
-    with pytest.raises(RuntimeError, match="building panel_matmul.cc failed"):
+    with pytest.raises(RuntimeError, match="building kernels.cc failed"):
         native.build(tmp_path)
     assert list(tmp_path.iterdir()) == []  # the partial output is removed
     monkeypatch.setenv("CXX", "kvlab-no-such-compiler")
@@ -126,7 +126,14 @@ assert float(jnp.abs(got - want).max()) < 1e-4, float(jnp.abs(got - want).max())
 )
 def test_attention_products_are_the_einsums(slices, rows, length, width, seed):
     """Scores (16 keys a vector, then one by one) and weighted sums (64 columns a
-    pass) for every tail: lengths and widths not multiples of 16 or 64."""
+    pass) for every tail: lengths and widths not multiples of 16 or 64; the
+    kernels take any size here (ATTENTION_MIN_BYTES is a speed choice)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(native, "ATTENTION_MIN_BYTES", 0)
+        check_attention_products(slices, rows, length, width, seed)
+
+
+def check_attention_products(slices, rows, length, width, seed):
     rng = np.random.default_rng(seed)
     q = rng.standard_normal((slices, 1, rows, width), np.float32)
     k = rng.standard_normal((slices, 1, length, width), np.float32)
@@ -149,9 +156,10 @@ def test_attention_products_are_the_einsums(slices, rows, length, width, seed):
 
 
 @needs_native
-def test_a_decode_step_runs_on_the_kernels():
+def test_a_decode_step_runs_on_the_kernels(monkeypatch):
     """With panels and attention_impl='native', a decode step's products are the
-    kernels' (not silently XLA's); a prompt's stay XLA's."""
+    kernels' (not silently XLA's; attention's from ATTENTION_MIN_BYTES of cache,
+    here 0); a prompt's stay XLA's, and so does attention over a small cache."""
     import kvlab
 
     cfg = kvlab.load_config(f"{ROOT}/configs/gqa.py:tiny")
@@ -166,6 +174,8 @@ def test_a_decode_step_runs_on_the_kernels():
         return {target: text.count(target) for target in native.TARGETS}
 
     layers = cfg.model.num_layers
+    assert calls(1)["kvlab_scores"] == 0  # 64 slots: far below ATTENTION_MIN_BYTES
+    monkeypatch.setattr(native, "ATTENTION_MIN_BYTES", 0)
     step = calls(1)
     assert step["kvlab_scores"] == step["kvlab_weighted_sum"] == 2 * layers  # cache, new token
     paths = [p for p, _ in jax.tree_util.tree_leaves_with_path(params)]

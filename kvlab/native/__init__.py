@@ -1,22 +1,27 @@
 """Native CPU kernels, compiled on first use and called through XLA's FFI.
 
 available() -> bool                 the kernels are built and registered
-panel_matmul(x [M, K], panels [N / 32, K, 32]) -> [M, N]      float32, M rows of x @ W
+panel_matmul(x [M, K], panels [N / 32, K, 32]) -> [M, N]        M rows of x @ W
+scores(q [..., M, H], k [..., S, H]) -> [..., M, S]             attention scores
+weighted_sum(w [..., M, S], v [..., S, H]) -> [..., M, H]       attention output
 
 XLA:CPU runs a one-row product on one core and hands products of 2 to 16 rows
 to a general matrix routine that repacks the weights on every call, so a decode
 step (a few rows against every weight of the model) reads its weights at a
-fraction of the memory bandwidth. `panel_matmul` reads weights stored as 32-column
-panels (kvlab.panel_projections makes them) once per call on all of XLA's
-intra-op threads, whatever the number of rows up to 8, and 16 rows at twice the
-arithmetic (panel_matmul.cc says how).
+fraction of the memory bandwidth. `panel_matmul` reads weights stored as
+32-column panels (kvlab.panel_projections makes them) once per call on all of
+XLA's intra-op threads, whatever the number of rows up to MAX_ROWS
+(kernels.cc says how); `scores` and `weighted_sum` do the same for decode
+attention's products over a cache (model.attention_impl='native'). Each takes
+float32 and up to MAX_ROWS rows; anything else goes to XLA's product.
 
 The source is built with the system C++ compiler (`$CXX`, else `c++`) for
 x86-64 CPUs with AVX-512F the first time a process asks for it, into
 `$KVLAB_NATIVE_CACHE` (default ~/.cache/kvlab/native), named by a hash of the
-source, the flags and the jax version, and written there atomically. Without a
-compiler, on another CPU, or with KVLAB_NATIVE=0, available() is False (the
-reason is in unavailable_reason()) and callers use XLA's products instead.
+source, the flags and the jax and jaxlib versions, and written there
+atomically. Without a compiler, on another CPU, or with KVLAB_NATIVE=0,
+available() is False (the reason is in unavailable_reason()) and callers use
+XLA's products instead.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import hashlib
+import importlib.metadata
 import math
 import os
 import platform
@@ -37,7 +43,7 @@ import jax.numpy as jnp
 
 PANEL = 32  # columns per panel
 MAX_ROWS = 16  # more rows (a prompt) go to XLA's product, which is fast there
-SOURCE = Path(__file__).with_name("panel_matmul.cc")
+SOURCE = Path(__file__).with_name("kernels.cc")
 # FFI target name -> the library's handler symbol
 TARGETS = {
     "kvlab_panel_matmul": "KvlabPanelMatmul",
@@ -72,15 +78,16 @@ def build(directory: Path | None = None) -> Path:
         raise FileNotFoundError(f"no C++ compiler {compiler!r} on PATH (set CXX to one)")
     include = jax.ffi.include_dir()
     source = SOURCE.read_bytes()
+    versions = (jax.__version__, importlib.metadata.version("jaxlib"))  # the FFI headers' ABI
     key = hashlib.sha256(
-        source + " ".join((compiler, *FLAGS, jax.__version__, include)).encode()
+        source + " ".join((compiler, *FLAGS, *versions, include)).encode()
     ).hexdigest()[:16]
     directory = Path(directory) if directory is not None else _cache_dir()
-    library = directory / f"panel_matmul-{key}.so"
+    library = directory / f"kernels-{key}.so"
     if library.exists():
         return library
     directory.mkdir(parents=True, exist_ok=True)
-    handle, partial = tempfile.mkstemp(dir=directory, prefix=".panel_matmul-", suffix=".so")
+    handle, partial = tempfile.mkstemp(dir=directory, prefix=".kernels-", suffix=".so")
     os.close(handle)
     try:
         command = [compiler, *FLAGS, f"-I{include}", str(SOURCE), "-o", partial]
@@ -153,15 +160,26 @@ def panel_matmul(x: jax.Array, panels: jax.Array) -> jax.Array:
     return jnp.einsum("mk,bkj->mbj", x, panels).reshape(rows, count * PANEL)
 
 
+# Attention's products take the kernels from 2 query rows and 1 MiB of keys or
+# values up (work for both threads at 512 KiB each): a single query row is XLA's
+# fused product, at memory speed; a smaller cache stays in XLA's multithreaded one.
+ATTENTION_MIN_BYTES = 1 << 20
+
+
+def _native_attention(a: jax.Array, b: jax.Array, rows: int) -> bool:
+    return rows >= 2 and b.size * 4 >= ATTENTION_MIN_BYTES and _native(a, b, rows=rows)
+
+
 def scores(q: jax.Array, k: jax.Array) -> jax.Array:
     """Attention scores float32 [..., M, S] of queries [..., M, H] against keys
     [..., S, H] (the same leading axes): one dot product per query and key, by
-    the native kernel for float32 and up to MAX_ROWS queries on CPU (each slice's
-    keys read once, slices spread over the threads), else XLA's product."""
+    the native kernel for float32, 2 to MAX_ROWS queries and ATTENTION_MIN_BYTES
+    of keys on CPU (each slice's keys read once, slices spread over the
+    threads), else XLA's product."""
     lead, (rows, width), length = q.shape[:-2], q.shape[-2:], k.shape[-2]
     if k.shape[:-2] != lead or k.shape[-1] != width:
         raise ValueError(f"queries {q.shape} and keys {k.shape} do not match")
-    if _native(q, k, rows=rows):
+    if _native_attention(q, k, rows):
         slices = math.prod(lead)
         flat = (q.reshape(slices, rows, width), k.reshape(slices, length, width))
         return _call("kvlab_scores", (slices, rows, length), *flat).reshape(*lead, rows, length)
@@ -174,7 +192,7 @@ def weighted_sum(w: jax.Array, v: jax.Array) -> jax.Array:
     lead, (rows, length), width = w.shape[:-2], w.shape[-2:], v.shape[-1]
     if v.shape[:-2] != lead or v.shape[-2] != length:
         raise ValueError(f"weights {w.shape} and values {v.shape} do not match")
-    if _native(w, v, rows=rows):
+    if _native_attention(w, v, rows):
         slices = math.prod(lead)
         flat = (w.reshape(slices, rows, length), v.reshape(slices, length, width))
         return _call("kvlab_weighted_sum", (slices, rows, width), *flat).reshape(*lead, rows, width)

@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 
 import kvlab
 import kvlab.attention.core as core
+from kvlab import native
 from kvlab.cache import quant
 from kvlab.cache.paged import PagedPayloadReader, PagedReader
 from tests.helpers import ROOT
@@ -189,10 +190,12 @@ def test_pallas_kernels_give_the_xla_logits(config, cache):
         ("mla.py:tiny", dict(), 10**9),
     ],
 )
-def test_native_kernels_give_the_xla_logits(config, cache, stream_tokens):
-    """model.attention_impl='native' (kvlab.native's products for float32 arrays)
-    decodes dense, streamed 16-bit, windowed and latent caches to the XLA path's
-    logits; where the kernels are unavailable it is the XLA path."""
+def test_native_kernels_give_the_xla_logits(config, cache, stream_tokens, monkeypatch):
+    """model.attention_impl='native' (kvlab.native's products for float32 arrays,
+    here for any cache size) decodes dense, streamed 16-bit, windowed and latent
+    caches to the XLA path's logits; where the kernels are unavailable it is the
+    XLA path."""
+    monkeypatch.setattr(native, "ATTENTION_MIN_BYTES", 0)
     cfg = kvlab.load_config(f"{ROOT}/configs/{config}")
     if "window" in cache:
         cfg.model.sliding_window = cache.pop("window")

@@ -1,13 +1,19 @@
-// y[M, N] = x[M, K] @ W for float32 decode on AVX-512 CPUs, with W stored as
-// 32-column panels P[N / 32, K, 32] (P[b, k, j] = W[k, 32 b + j]): each panel is
-// one contiguous stream, read once per call whatever M is.
+// kvlab's CPU decode kernels (AVX-512F, float32), called through XLA's FFI
+// (kvlab/native/__init__.py builds this file and registers them).
 //
-// For each panel and each block of up to 8 rows, an 8 x 32 tile of outputs stays
-// in 16 zmm registers while k runs over the panel (one broadcast and two FMAs per
-// row and k), so small M costs what reading W costs, without the packing a
-// general matrix product does on every call. Sums run in k order, one FMA each.
-// Panels are split into chunks of about kChunkBytes on XLA's intra-op thread
-// pool; the calling thread works too, and a matrix of one chunk never leaves it.
+// KvlabPanelMatmul: y[M, N] = x[M, K] @ W, with W stored as 32-column panels
+// P[N / 32, K, 32] (P[b, k, j] = W[k, 32 b + j]): each panel is one contiguous
+// stream, read once per call whatever M is. For each panel and each block of up
+// to 8 rows, an 8 x 32 tile of outputs stays in 16 zmm registers while k runs
+// over the panel (one broadcast and two FMAs per row and k), so small M costs
+// what reading W costs, without the packing a general matrix product does on
+// every call. Sums run in k order, one FMA each.
+//
+// KvlabScores and KvlabWeightedSum: decode attention's two products over P
+// slices (batch x KV head) of a cache, each slice's keys or values read once.
+//
+// Work is split into chunks of about kChunkBytes on XLA's intra-op thread pool;
+// the calling thread works too, and a call of one chunk never leaves it.
 #include <immintrin.h>
 
 #include <algorithm>
