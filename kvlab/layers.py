@@ -92,6 +92,12 @@ class Projection(nn.DenseGeneral):
             raise ValueError(f"{self.name}: panels contract trailing axes, not {self.axis}")
         lead = inputs.shape[: inputs.ndim - len(axes)]
         panels, bias = self.get_variable("params", "panels"), self.get_variable("params", "bias")
+        depth, width = math.prod(inputs.shape[len(lead) :]), math.prod(features)
+        if panels.shape[1] != depth or panels.shape[0] * panels.shape[2] != width:
+            raise ValueError(
+                f"{self.name}: panels {panels.shape} do not map {depth} inputs to {width} "
+                "outputs: pass the panel_projections of this model's parameters"
+            )
         x, panels, bias = self.promote_dtype(
             inputs.reshape(-1, panels.shape[1]), panels, bias, dtype=self.dtype
         )

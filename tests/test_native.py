@@ -182,3 +182,31 @@ def test_a_decode_step_runs_on_the_kernels(monkeypatch):
     panelled = sum(path[-1].key in ("panels", "embed_panels") for path in paths)
     assert panelled > layers and step["kvlab_panel_matmul"] == panelled  # each once
     assert calls(32) == {target: 0 for target in native.TARGETS}
+
+
+def test_a_damaged_library_in_the_cache_is_built_again(tmp_path):
+    """A truncated file under the library's name (a disk that filled up, a
+    copy cut short) is replaced, not a reason to run without the kernels."""
+    if native.unavailable_reason() == "KVLAB_NATIVE=0":
+        pytest.skip("KVLAB_NATIVE=0")
+    name = native.build(tmp_path).name
+    cache = tmp_path / "fresh"
+    cache.mkdir()
+    (cache / name).write_bytes(b"\x7fELF truncated")
+    code = "from kvlab import native; print(native.unavailable_reason())"
+    env = {**os.environ, "KVLAB_NATIVE_CACHE": str(cache), "JAX_PLATFORMS": "cpu"}
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True)
+    assert done.stdout.decode().strip() == str(native.unavailable_reason())
+    assert (cache / name).stat().st_size > 1000
+
+
+def test_panels_of_another_shape_are_refused():
+    """A reshape would take them silently (24 inputs fill 8-wide rows): the
+    projection names the mismatch instead."""
+    from kvlab.layers import Projection
+
+    projection = Projection(64, name="proj")
+    panels = to_panels(jnp.ones((8, 64)))
+    with pytest.raises(ValueError, match=r"proj: panels \(2, 8, 32\) do not map 24 inputs"):
+        projection.apply({"params": {"panels": panels}}, jnp.ones((3, 24)))
+    assert projection.apply({"params": {"panels": panels}}, jnp.ones((3, 8))).shape == (3, 64)

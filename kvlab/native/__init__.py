@@ -114,7 +114,12 @@ def _load() -> str | None:
     if "avx512f" not in _cpu_flags():
         return "this CPU has no AVX-512F"
     try:
-        library = ctypes.cdll.LoadLibrary(str(build()))
+        path = build()
+        try:
+            library = ctypes.cdll.LoadLibrary(str(path))
+        except OSError:  # a damaged file in the cache: build it again, once
+            path.unlink(missing_ok=True)
+            library = ctypes.cdll.LoadLibrary(str(build()))
     except (OSError, RuntimeError) as error:
         return str(error)
     for target, symbol in TARGETS.items():
