@@ -90,14 +90,20 @@ def test_cache_token_by_token_matches_transformers(name, absorb, loaded):
         model_cfg.mla.absorb = absorb
     ref = reference(name)
     tokens = ref["tokens"]
+    logits = token_by_token(model_cfg, cfg.cache, params, tokens, max_len=16)
+    np.testing.assert_allclose(logits, ref["logits"], atol=TOLERANCE, rtol=0)
+
+
+def token_by_token(model_cfg, cache_cfg, params, tokens, max_len):
+    """Logits [B, T, V] of decode steps over `tokens`, one at a time."""
     model = kvlab.Transformer(model_cfg)
-    cache = kvlab.init_cache(model_cfg, cfg.cache, batch_size=tokens.shape[0], max_len=16)
+    cache = kvlab.init_cache(model_cfg, cache_cfg, batch_size=tokens.shape[0], max_len=max_len)
     steps = []
     for t in range(tokens.shape[1]):
         logits, cache = kvlab.decode_step(model, params, cache, tokens[:, t])
         steps.append(np.asarray(logits))
     cache.check()
-    np.testing.assert_allclose(np.stack(steps, 1), ref["logits"], atol=TOLERANCE, rtol=0)
+    return np.stack(steps, 1)
 
 
 @pytest.mark.parametrize("name", GREEDY)
@@ -111,19 +117,12 @@ def test_native_kernels_decode_transformers_logits_and_tokens(name, loaded, monk
     model_cfg = cfg.model.copy_and_resolve_references()
     model_cfg.attention_impl = "native"
     params = kvlab.panel_projections(kvlab.fuse_projections(params))
-    model = kvlab.Transformer(model_cfg)
     ref = reference(name)
     tokens = ref["tokens"]
-    cache = kvlab.init_cache(
-        model_cfg, cfg.cache, batch_size=tokens.shape[0], max_len=tokens.shape[1]
-    )
-    steps = []
-    for t in range(tokens.shape[1]):
-        logits, cache = kvlab.decode_step(model, params, cache, tokens[:, t])
-        steps.append(np.asarray(logits))
-    cache.check()
-    np.testing.assert_allclose(np.stack(steps, 1), ref["logits"], atol=TOLERANCE, rtol=0)
+    logits = token_by_token(model_cfg, cfg.cache, params, tokens, max_len=tokens.shape[1])
+    np.testing.assert_allclose(logits, ref["logits"], atol=TOLERANCE, rtol=0)
     new_tokens = ref["generated"].shape[1] - tokens.shape[1]
+    model = kvlab.Transformer(model_cfg)
     out = kvlab.generate(model, params, tokens, cache_cfg=cfg.cache, max_new_tokens=new_tokens)
     np.testing.assert_array_equal(np.asarray(out), ref["generated"])
 

@@ -175,6 +175,15 @@ def _native_attention(a: jax.Array, b: jax.Array, rows: int) -> bool:
     return rows >= 2 and b.size * 4 >= ATTENTION_MIN_BYTES and _native(a, b, rows=rows)
 
 
+def _per_slice(target: str, a: jax.Array, b: jax.Array, out: tuple) -> jax.Array:
+    """`target` over a [..., X, Y] and b [..., Y', Z] as [P, ...] slices, the
+    leading axes flattened to P, giving [..., *out]."""
+    lead = a.shape[:-2]
+    slices = math.prod(lead)
+    flat = (a.reshape(slices, *a.shape[-2:]), b.reshape(slices, *b.shape[-2:]))
+    return _call(target, (slices, *out), *flat).reshape(*lead, *out)
+
+
 def scores(q: jax.Array, k: jax.Array) -> jax.Array:
     """Attention scores float32 [..., M, S] of queries [..., M, H] against keys
     [..., S, H] (the same leading axes): one dot product per query and key, by
@@ -185,9 +194,7 @@ def scores(q: jax.Array, k: jax.Array) -> jax.Array:
     if k.shape[:-2] != lead or k.shape[-1] != width:
         raise ValueError(f"queries {q.shape} and keys {k.shape} do not match")
     if _native_attention(q, k, rows):
-        slices = math.prod(lead)
-        flat = (q.reshape(slices, rows, width), k.reshape(slices, length, width))
-        return _call("kvlab_scores", (slices, rows, length), *flat).reshape(*lead, rows, length)
+        return _per_slice("kvlab_scores", q, k, (rows, length))
     return jnp.einsum("...mh,...sh->...ms", q, k, preferred_element_type=jnp.float32)
 
 
@@ -198,7 +205,5 @@ def weighted_sum(w: jax.Array, v: jax.Array) -> jax.Array:
     if v.shape[:-2] != lead or v.shape[-2] != length:
         raise ValueError(f"weights {w.shape} and values {v.shape} do not match")
     if _native_attention(w, v, rows):
-        slices = math.prod(lead)
-        flat = (w.reshape(slices, rows, length), v.reshape(slices, length, width))
-        return _call("kvlab_weighted_sum", (slices, rows, width), *flat).reshape(*lead, rows, width)
+        return _per_slice("kvlab_weighted_sum", w, v, (rows, width))
     return jnp.einsum("...ms,...sh->...mh", w, v, preferred_element_type=jnp.float32)
