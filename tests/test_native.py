@@ -80,7 +80,13 @@ def test_mismatched_operands_are_refused():
 
 @needs_native
 def test_the_build_is_cached_and_leaves_no_partial_file(tmp_path):
+    killed, recent = tmp_path / ".kernels-killed.so", tmp_path / ".kernels-building.so"
+    killed.write_bytes(b"partial")  # a build killed two hours ago: removed
+    os.utime(killed, (killed.stat().st_atime, killed.stat().st_mtime - 7200))
+    recent.write_bytes(b"partial")  # another process's build under way: kept
     library = native.build(tmp_path)
+    assert not killed.exists() and recent.exists()
+    recent.unlink()
     assert library.parent == tmp_path and library.suffix == ".so"
     built = library.stat().st_mtime_ns
     assert native.build(tmp_path) == library and library.stat().st_mtime_ns == built

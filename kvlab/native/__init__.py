@@ -36,6 +36,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+import time
 from pathlib import Path
 
 import jax
@@ -87,6 +88,9 @@ def build(directory: Path | None = None) -> Path:
     if library.exists():
         return library
     directory.mkdir(parents=True, exist_ok=True)
+    for stale in directory.glob(".kernels-*.so"):  # a build killed an hour ago or more
+        if time.time() - stale.stat().st_mtime > 3600:
+            stale.unlink(missing_ok=True)
     handle, partial = tempfile.mkstemp(dir=directory, prefix=".kernels-", suffix=".so")
     os.close(handle)
     try:
