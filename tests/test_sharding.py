@@ -287,6 +287,15 @@ PARAM_LAYOUT = {  # on (data, fsdp, tensor) = (2, 2, 2), 4 heads, 2 KV heads
 }
 
 
+def assert_forward_unchanged(model, params, placed, mesh, rules):
+    """The forward of `placed` over rows split on the mesh equals one device's of `params`."""
+    tokens = np.random.default_rng(0).integers(0, 256, (8, 8)).astype(np.int32)
+    want, _ = jax.jit(model.apply)({"params": params}, tokens)
+    rows = jax.device_put(tokens, sharding.batch_sharding(mesh, rules))
+    got, _ = jax.jit(model.apply)({"params": placed}, rows)
+    np.testing.assert_allclose(got, want, atol=TOLERANCE, rtol=0)
+
+
 @on_eight
 def test_on_mesh_params_follow_the_rules_and_the_forward_is_unchanged(gqa):
     cfg, mesh, rules, model, params, placed = gqa
@@ -300,11 +309,7 @@ def test_on_mesh_params_follow_the_rules_and_the_forward_is_unchanged(gqa):
     key = sharding.shardings(param_axes(mqa.model), abstract, mesh, rules)["block_0"]
     assert key["attention"]["key"]["kernel"].spec == P("fsdp", None, None)
 
-    tokens = np.random.default_rng(0).integers(0, 256, (8, 8)).astype(np.int32)
-    want, _ = jax.jit(model.apply)({"params": params}, tokens)
-    rows = jax.device_put(tokens, sharding.batch_sharding(mesh, rules))
-    got, _ = jax.jit(model.apply)({"params": placed}, rows)
-    np.testing.assert_allclose(got, want, atol=TOLERANCE, rtol=0)
+    assert_forward_unchanged(model, params, placed, mesh, rules)
 
 
 @on_eight
@@ -314,11 +319,7 @@ def test_on_mesh_fused_params_keep_the_head_and_mlp_layout(gqa):
     block = fused["block_0"]  # [D, K, G + 2, H] split over K; [D, 2, F] over F
     assert same_layout(block["attention"]["qkv"]["kernel"].sharding, P("fsdp", "tensor"), 4)
     assert same_layout(block["mlp"]["gate_up"]["kernel"].sharding, P("fsdp", None, "tensor"), 3)
-    tokens = np.random.default_rng(0).integers(0, 256, (8, 8)).astype(np.int32)
-    want, _ = jax.jit(model.apply)({"params": params}, tokens)
-    rows = jax.device_put(tokens, sharding.batch_sharding(mesh, rules))
-    got, _ = jax.jit(model.apply)({"params": fused}, rows)
-    np.testing.assert_allclose(got, want, atol=TOLERANCE, rtol=0)
+    assert_forward_unchanged(model, params, fused, mesh, rules)
 
 
 @on_eight
