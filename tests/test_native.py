@@ -1,5 +1,6 @@
 """kvlab.native: the panel kernel computes x @ W, and its build is cached and safe."""
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -190,6 +191,56 @@ def test_a_decode_step_runs_on_the_kernels(monkeypatch):
     assert calls(32) == {target: 0 for target in native.TARGETS}
 
 
+@needs_native
+def test_a_quantized_cache_is_read_by_the_kernels():
+    """With attention_impl='native', a decode step reads each layer's quantized
+    keys and values with the quantized kernels at any cache size, the other
+    blocks' products staying XLA's for a small cache; a prompt (more rows than
+    MAX_ROWS) takes XLA's products, and so does attention_impl='xla'."""
+    import kvlab
+
+    cfg = kvlab.load_config(f"{ROOT}/configs/kv_kivi2.py:tiny")
+    cfg.model.attention_impl = "native"
+    cfg = kvlab.validate_config(cfg)
+    params = kvlab.init_params(cfg.model, jax.random.key(0))
+    cache = kvlab.init_cache(cfg.model, cfg.cache, batch_size=2, max_len=64)
+
+    def calls(model_cfg, length):
+        tokens = jnp.zeros((2, length), jnp.int32)
+        apply = kvlab.Transformer(model_cfg).apply
+        text = str(jax.make_jaxpr(apply)({"params": params}, tokens, cache=cache))
+        return {target: text.count(target) for target in native.TARGETS}
+
+    layers = cfg.model.num_layers
+    step = calls(cfg.model, 1)
+    assert step["kvlab_quant_scores"] == step["kvlab_quant_weighted_sum"] == layers
+    assert step["kvlab_scores"] == step["kvlab_weighted_sum"] == 0  # small: XLA's
+    assert calls(cfg.model, 32) == {target: 0 for target in native.TARGETS}
+    xla = cfg.model.copy_and_resolve_references()
+    xla.attention_impl = "xla"
+    assert calls(xla, 1) == {target: 0 for target in native.TARGETS}
+
+
+@needs_native
+def test_codes_that_do_not_fit_are_refused():
+    """Queries of another width, weights of another length, and scales that do
+    not fit the codes (which only the kernel sees) are errors, not reads past
+    the arrays."""
+    from kvlab.cache import quant
+
+    spec = quant.Storage(4, "int", "token", 8, False, "bfloat16", "float32")
+    x = jnp.ones((2, 1, 16, 32), jnp.float32)
+    codes = quant.QuantizedTensor(*quant.quantize_tokens(x, spec), None, spec)
+    codes = codes.reader().native(jnp.int32(16), 1).codes
+    with pytest.raises(ValueError, match="do not match"):
+        native.quant_scores(jnp.ones((2, 1, 1, 16)), codes, 16)
+    with pytest.raises(ValueError, match="do not match"):
+        native.quant_weighted_sum(jnp.ones((2, 1, 1, 15)), codes, 16)
+    shifted = dataclasses.replace(codes, scale=codes.scale[:, :, :8])  # 8 tokens' scales
+    with pytest.raises(Exception, match="scales do not fit the codes"):
+        jax.block_until_ready(native.quant_scores(jnp.ones((2, 1, 1, 32)), shifted, 16))
+
+
 def test_a_damaged_library_in_the_cache_is_built_again(tmp_path):
     """A truncated file under the library's name (a disk that filled up, a
     copy cut short) is replaced, not a reason to run without the kernels."""
@@ -216,3 +267,91 @@ def test_panels_of_another_shape_are_refused():
     with pytest.raises(ValueError, match=r"proj: panels \(2, 8, 32\) do not map 24 inputs"):
         projection.apply({"params": {"panels": panels}}, jnp.ones((3, 24)))
     assert projection.apply({"params": {"panels": panels}}, jnp.ones((3, 8))).shape == (3, 64)
+
+
+# ---------------------------------------------------------------------------
+# Attention over quantized payloads (quant_scores, quant_weighted_sum)
+
+
+@st.composite
+def quantized_tokens(draw):
+    """(Storage, a QuantizedTensor of random tokens [slices, 1, S, H]) for any code
+    format, axis, group, zero points, scale dtype and width the config admits."""
+    from kvlab.cache import quant
+
+    fmt = draw(st.sampled_from(["int", "fp8"]))
+    bits = 8 if fmt == "fp8" else draw(st.sampled_from([8, 4, 2]))
+    axis = draw(st.sampled_from(["token", "channel"]))
+    group = draw(st.sampled_from([1, 2, 4, 8, 16, 24, 32]))
+    per_byte = 8 // bits
+    if axis == "token":  # the group divides the width, which packs into whole bytes
+        width = group * per_byte * draw(st.integers(1, max(1, 80 // (group * per_byte))))
+        length = draw(st.integers(1, 70))
+    else:  # the group divides the length
+        width = per_byte * draw(st.integers(1, 80 // per_byte))
+        length = group * draw(st.integers(1, max(1, 70 // group)))
+    spec = quant.Storage(
+        bits=bits,
+        format=fmt,
+        axis=axis,
+        group_size=group,
+        symmetric=draw(st.booleans()),
+        scale_dtype=draw(st.sampled_from(["float32", "bfloat16", "float16"])),
+        dtype="float32",
+    )
+    rng = np.random.default_rng(draw(st.integers(0, 2**16)))
+    x = rng.standard_normal((draw(st.integers(1, 4)), 1, length, width), np.float32)
+    x[..., : length // 3, :] *= 8  # rows and channels of different ranges
+    return quant.QuantizedTensor(*quant.quantize_tokens(jnp.asarray(x), spec), None, spec)
+
+
+@needs_native
+@given(
+    tensor=quantized_tokens(),
+    rows=st.integers(1, native.MAX_ROWS),
+    cut=st.floats(0, 1),
+    seed=st.integers(0, 2**16),
+)
+def test_quantized_products_are_those_of_the_dequantized_tokens(tensor, rows, cut, seed):
+    """Scores and weighted sums over the packed codes equal float64 products with
+    quant.dequantize_tokens' numbers, for every format, axis, group, scale dtype
+    and tail; tokens past the limit score 0 and their weights are never read
+    (NaN there changes nothing). Scales are folded into sums as XLA's path
+    folds them, so the bound is float32 rounding of the numbers' parts."""
+    from kvlab.cache import quant
+
+    rng = np.random.default_rng(seed)
+    slices, _, length, width = tensor.reader().shape
+    limit = round(cut * length)
+    codes = tensor.reader().native(jnp.int32(limit), rows).codes
+    dense = np.asarray(tensor.dequantize(), np.float64)[:, :, :limit]
+    # The size of each number's parts, level * scale and zero: a sum may cancel them.
+    spec = tensor.spec
+    levels = np.asarray(quant.levels(quant.unpack(tensor.payload, spec.bits), spec), np.float64)
+    levels = np.abs(levels) + codes.offset  # the offset is a part too
+
+    def per_number(x):
+        x = np.abs(np.asarray(x, np.float64))
+        return np.repeat(x, spec.group_size, axis=3 if spec.axis == "token" else 2)
+
+    parts = levels * per_number(tensor.scale)
+    if tensor.zero is not None:
+        parts = parts + per_number(tensor.zero)
+    parts = parts[:, :, :limit]
+    q = rng.standard_normal((slices, 1, rows, width), np.float32)
+    w = rng.random((slices, 1, rows, length), np.float32)
+    w[..., limit:] = np.nan
+
+    def check(got, spec, a, b):
+        """Within float32 rounding of each sum's terms and the numbers' parts."""
+        want = np.einsum(spec, a.astype(np.float64), b)
+        terms = np.einsum(spec, np.abs(a).astype(np.float64), parts)
+        assert np.all(np.abs(np.asarray(got, np.float64) - want) <= 1e-5 * terms + 1e-30)
+
+    scores = np.asarray(jax.jit(lambda q, n: native.quant_scores(q, codes, n))(q, limit))
+    assert scores.shape == (slices, 1, rows, length)
+    check(scores[..., :limit], "pqmh,pqsh->pqms", q, dense)
+    assert np.all(scores[..., limit:] == 0)
+    out = jax.jit(lambda w, n: native.quant_weighted_sum(w, codes, n))(w, limit)
+    assert out.shape == (slices, 1, rows, width)
+    check(out, "pqms,pqsh->pqmh", w[..., :limit], dense)

@@ -245,6 +245,31 @@ def _kernel(block, folded, part_heads, scale: float, shape: tuple, fallback):
     return jax.lax.cond(prefix, kernel, fallback)
 
 
+def _native_block(block, rows: int):
+    """The block with its quantized payloads read by kvlab.native's kernels
+    (model.attention_impl='native'), or None where they cannot read them all.
+
+    The kernels read a payload's packed codes in place, up to the last slot any
+    query sees, so the block is read whole instead of streamed. Its other
+    tensors must be float32 arrays (a 16-bit block keeps its streaming).
+    """
+    from kvlab.cache import quant  # noqa: PLC0415 (the cache package imports this one)
+
+    k, v, mask = block
+    tensors = (*_parts(k), v)
+    readers = [x for x in tensors if isinstance(x, Reader)]
+    if not readers or any(not isinstance(x, quant.PayloadReader) for x in readers):
+        return None
+    if any(x.dtype != jnp.float32 for x in tensors if not isinstance(x, Reader)):
+        return None
+    limit = jnp.max(jnp.where(mask, jnp.arange(1, mask.shape[-1] + 1), 0))  # one past the last seen
+    swapped = {id(x): x.native(limit, rows) for x in readers}  # a latent is keys and values
+    if any(x is None for x in swapped.values()):
+        return None
+    keys = tuple(swapped.get(id(x), x) for x in _parts(k))
+    return (keys if isinstance(k, tuple) else keys[0], swapped[id(v)], mask)
+
+
 def attend(
     q: Float[Array, "B T N H"] | tuple[Float[Array, "B T N _"], ...],
     blocks: Sequence[Block],
@@ -272,6 +297,9 @@ def attend(
         if num_heads % heads:
             raise ValueError(f"query heads ({num_heads}) must be a multiple of KV heads ({heads})")
     groups = num_heads // num_kv_heads
+    if impl == "native":  # queries per head: the most any part of a block has
+        rows = length * num_heads // min(num_kv_heads, *part_heads)
+        blocks = [_native_block(block, rows) or block for block in blocks]
     if scale is None:
         scale = sum(part.shape[-1] for part in queries) ** -0.5
     # [B, K_j, M_j, H_j] with M_j = T * N / K_j

@@ -4,6 +4,8 @@ available() -> bool                 the kernels are built and registered
 panel_matmul(x [M, K], panels [N / 32, K, 32]) -> [M, N]        M rows of x @ W
 scores(q [..., M, H], k [..., S, H]) -> [..., M, S]             attention scores
 weighted_sum(w [..., M, S], v [..., S, H]) -> [..., M, H]       attention output
+quant_scores(q, codes: Codes, limit), quant_weighted_sum(w, codes: Codes, limit)
+                                    the same over quantized codes, read in place
 
 XLA:CPU runs a one-row product on one core and hands products of 2 to 16 rows
 to a general matrix routine that repacks the weights on every call, so a decode
@@ -12,8 +14,10 @@ fraction of the memory bandwidth. `panel_matmul` reads weights stored as
 32-column panels (kvlab.panel_projections makes them) once per call on all of
 XLA's intra-op threads, whatever the number of rows up to MAX_ROWS
 (kernels.cc says how); `scores` and `weighted_sum` do the same for decode
-attention's products over a cache (model.attention_impl='native'). Each takes
-float32 and up to MAX_ROWS rows; anything else goes to XLA's product.
+attention's products over a cache (model.attention_impl='native'), and
+`quant_scores` and `quant_weighted_sum` over a quantized cache's packed codes
+(kvlab/cache/quant.py), dequantizing a few tokens at a time in the core's own
+caches. Each takes float32 and up to MAX_ROWS rows; anything else goes to XLA.
 
 The source is built with the system C++ compiler (`$CXX`, else `c++`) for
 x86-64 CPUs with AVX-512F the first time a process asks for it, into
@@ -27,6 +31,7 @@ XLA's products instead.
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import functools
 import hashlib
 import importlib.metadata
@@ -41,6 +46,7 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 PANEL = 32  # columns per panel
 MAX_ROWS = 16  # more rows (a prompt) go to XLA's product, which is fast there
@@ -50,6 +56,8 @@ TARGETS = {
     "kvlab_panel_matmul": "KvlabPanelMatmul",
     "kvlab_scores": "KvlabScores",
     "kvlab_weighted_sum": "KvlabWeightedSum",
+    "kvlab_quant_scores": "KvlabQuantScores",
+    "kvlab_quant_weighted_sum": "KvlabQuantWeightedSum",
 }
 FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-mavx512f", "-mfma", "-w")
 
@@ -211,3 +219,87 @@ def weighted_sum(w: jax.Array, v: jax.Array) -> jax.Array:
     if _native_attention(w, v, rows):
         return _per_slice("kvlab_weighted_sum", w, v, (rows, width))
     return jnp.einsum("...ms,...sh->...mh", w, v, preferred_element_type=jnp.float32)
+
+
+@dataclasses.dataclass(frozen=True)
+class Codes:
+    """Quantized tokens as kvlab/cache/quant.py stores them, for the kernels.
+
+    payload uint8 [..., S, H * bits / 8] (value j of a byte in bits j*bits..);
+    scale, zero [..., S, H / group] (channel=False: a token's `group` channels
+    share one) or [..., S / group, H] (channel=True: a channel's `group`
+    tokens share one), float32, bfloat16 or float16; zero None without zero
+    points. A number is (level - offset) * scale (+ zero), its level the
+    integer code or, with fp8, the float8 e4m3 number the byte holds.
+    """
+
+    payload: jax.Array
+    scale: jax.Array
+    zero: jax.Array | None
+    bits: int
+    fp8: bool
+    offset: int
+    channel: bool
+    group: int
+
+    @property
+    def width(self) -> int:
+        return self.payload.shape[-1] * 8 // self.bits
+
+    def attributes(self) -> dict:
+        return dict(
+            bits=np.int64(self.bits),
+            fp8=np.int64(self.fp8),
+            offset=np.int64(self.offset),
+            channel=np.int64(self.channel),
+            group=np.int64(self.group),
+            has_zero=np.int64(self.zero is not None),
+        )
+
+
+def reads(codes: Codes, rows: int) -> bool:
+    """Whether `quant_scores` and `quant_weighted_sum` take these codes and
+    `rows` queries (at most MAX_ROWS, scales of a float dtype, on CPU)."""
+    return (
+        rows <= MAX_ROWS
+        and codes.payload.dtype == jnp.uint8
+        and codes.scale.dtype in (jnp.float32, jnp.bfloat16, jnp.float16)
+        and jax.default_backend() == "cpu"
+        and available()
+    )
+
+
+def _quant_call(target: str, x: jax.Array, codes: Codes, limit, out: tuple) -> jax.Array:
+    """`target` over x [..., M, .] and the codes' [P, ...] slices (leading axes
+    flattened), giving [..., M, *out]."""
+    lead, rows = x.shape[:-2], x.shape[-2]
+    slices = math.prod(lead)
+
+    def flat(a):
+        return a.reshape(slices, *a.shape[-2:])
+
+    zero = codes.zero if codes.zero is not None else codes.scale  # unread without zero points
+    result = jax.ShapeDtypeStruct((slices, rows, *out), jnp.float32)
+    call = jax.ffi.ffi_call(target, result, vmap_method="sequential")
+    operands = (flat(x.astype(jnp.float32)), flat(codes.payload), flat(codes.scale), flat(zero))
+    done = call(*operands, jnp.asarray(limit, jnp.int32), **codes.attributes())
+    return done.reshape(*lead, rows, *out)
+
+
+def quant_scores(q: jax.Array, codes: Codes, limit) -> jax.Array:
+    """float32 [..., M, S]: queries [..., M, H] against the first `limit` (an
+    int32 scalar, may be traced) of the S stored tokens, 0 for the others;
+    the native kernel where `reads(codes, M)`, which the caller checks."""
+    lead, length = q.shape[:-2], codes.payload.shape[-2]
+    if codes.payload.shape[:-2] != lead or q.shape[-1] != codes.width:
+        raise ValueError(f"queries {q.shape} and codes {codes.payload.shape} do not match")
+    return _quant_call("kvlab_quant_scores", q, codes, limit, (length,))
+
+
+def quant_weighted_sum(w: jax.Array, codes: Codes, limit) -> jax.Array:
+    """float32 [..., M, H]: weights [..., M, S] over the first `limit` stored
+    tokens (the others' weights are not read), as `quant_scores`."""
+    lead, length = w.shape[:-2], codes.payload.shape[-2]
+    if codes.payload.shape[:-2] != lead or w.shape[-1] != length:
+        raise ValueError(f"weights {w.shape} and codes {codes.payload.shape} do not match")
+    return _quant_call("kvlab_quant_weighted_sum", w, codes, limit, (codes.width,))

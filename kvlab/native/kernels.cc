@@ -19,7 +19,9 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <cstring>
 #include <memory>
+#include <string>
 #include <thread>
 
 #include "xla/ffi/api/ffi.h"
@@ -146,69 +148,89 @@ struct Folds {
 };
 const Folds kFolds;
 
-inline __m512 Fold(__m512 a, __m512 b, int level) {
+__attribute__((always_inline)) inline __m512 Fold(__m512 a, __m512 b, int level) {
   const __m512i lo = _mm512_load_si512(kFolds.index[level][0]);
   const __m512i hi = _mm512_load_si512(kFolds.index[level][1]);
   return _mm512_add_ps(_mm512_permutex2var_ps(a, lo, b), _mm512_permutex2var_ps(a, hi, b));
 }
 
-// 16 vectors of partial sums -> one vector of their 16 totals, in order.
-inline __m512 Totals(__m512* acc) {
-  for (int level = 0, count = 16; level < 4; ++level, count /= 2)
-    for (int i = 0; i < count / 2; ++i) acc[i] = Fold(acc[2 * i], acc[2 * i + 1], level);
+// 16 vectors of partial sums -> one vector of their 16 totals, in order. Unrolled, so the
+// sums stay in registers (a loop over them would keep them in memory).
+template <int kLevel, int kCount>
+__attribute__((always_inline)) inline void FoldLevel(__m512* acc) {
+#pragma GCC unroll 8
+  for (int i = 0; i < kCount / 2; ++i) acc[i] = Fold(acc[2 * i], acc[2 * i + 1], kLevel);
+}
+
+__attribute__((always_inline)) inline __m512 Totals(__m512* acc) {
+  FoldLevel<0, 16>(acc);
+  FoldLevel<1, 8>(acc);
+  FoldLevel<2, 4>(acc);
+  FoldLevel<3, 2>(acc);
   return acc[0];
 }
 
-void ScoresSlice(const float* q, const float* k, float* out, int64_t m_len, int64_t s_len,
-                 int64_t h_len) {
+// Keys and values as float32 rows: numbers h.. of token s (zero past the mask).
+struct FloatRows {
+  const float* base;
+  int64_t ld;
+  inline __m512 operator()(int64_t s, int64_t h, __mmask16 mask) const {
+    return _mm512_maskz_loadu_ps(mask, base + s * ld + h);
+  }
+};
+
+// out[m * ldo + s] = q[m * ldq, :] . keys(s) for m < m_len, s < n (h_len numbers each).
+template <typename Keys>
+void ScoresKeys(const float* q, int64_t ldq, const Keys& keys, float* out, int64_t ldo,
+                int64_t m_len, int64_t n, int64_t h_len) {
   int64_t s = 0;
-  for (; s + 16 <= s_len; s += 16) {  // 16 keys at a time, stored as one vector per query
-    const float* keys = k + s * h_len;
+  for (; s + 16 <= n; s += 16) {  // 16 keys at a time, stored as one vector per query
     for (int64_t m = 0; m < m_len; ++m) {
-      const float* query = q + m * h_len;
+      const float* query = q + m * ldq;
       __m512 acc[16];
+#pragma GCC unroll 16
       for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
       for (int64_t h = 0; h < h_len; h += 16) {
         const __mmask16 mask = Tail(h_len - h);
         const __m512 qh = _mm512_maskz_loadu_ps(mask, query + h);
 #pragma GCC unroll 16
-        for (int i = 0; i < 16; ++i)
-          acc[i] = _mm512_fmadd_ps(qh, _mm512_maskz_loadu_ps(mask, keys + i * h_len + h), acc[i]);
+        for (int i = 0; i < 16; ++i) acc[i] = _mm512_fmadd_ps(qh, keys(s + i, h, mask), acc[i]);
       }
-      _mm512_storeu_ps(out + m * s_len + s, Totals(acc));
+      _mm512_storeu_ps(out + m * ldo + s, Totals(acc));
     }
   }
-  for (; s < s_len; ++s) {  // the last s_len % 16 keys one by one
-    const float* key = k + s * h_len;
+  for (; s < n; ++s) {  // the last n % 16 keys one by one
     for (int64_t m = 0; m < m_len; ++m) {
-      const float* query = q + m * h_len;
+      const float* query = q + m * ldq;
       __m512 acc = _mm512_setzero_ps();
       for (int64_t h = 0; h < h_len; h += 16) {
         const __mmask16 mask = Tail(h_len - h);
-        acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(mask, query + h),
-                              _mm512_maskz_loadu_ps(mask, key + h), acc);
+        acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(mask, query + h), keys(s, h, mask), acc);
       }
-      out[m * s_len + s] = _mm512_reduce_add_ps(acc);
+      out[m * ldo + s] = _mm512_reduce_add_ps(acc);
     }
   }
 }
 
-template <int R>
-void WeightedTile(const float* w, const float* v, float* out, int64_t s_len, int64_t h_len,
-                  int64_t h0) {
+// out[r, h0 : h0 + 64] (+)= sum_s w[r * ldw + s] values(s)[h0 : h0 + 64] for r < R, s < n.
+template <int R, typename Values>
+void WeightedTile(const float* w, int64_t ldw, const Values& values, int64_t n, float* out,
+                  int64_t h_len, int64_t h0, bool accumulate) {
   constexpr int kVectors = 4;  // 64 output columns per pass
   __m512 acc[R][kVectors];
   __mmask16 mask[kVectors];
   for (int j = 0; j < kVectors; ++j) mask[j] = Tail(std::max<int64_t>(0, h_len - h0 - 16 * j));
   for (int r = 0; r < R; ++r)
-    for (int j = 0; j < kVectors; ++j) acc[r][j] = _mm512_setzero_ps();
-  for (int64_t s = 0; s < s_len; ++s) {
-    const float* value = v + s * h_len + h0;
+    for (int j = 0; j < kVectors; ++j)
+      acc[r][j] = accumulate ? _mm512_maskz_loadu_ps(mask[j], out + r * h_len + h0 + 16 * j)
+                             : _mm512_setzero_ps();
+  for (int64_t s = 0; s < n; ++s) {
     __m512 row[kVectors];
-    for (int j = 0; j < kVectors; ++j) row[j] = _mm512_maskz_loadu_ps(mask[j], value + 16 * j);
+    for (int j = 0; j < kVectors; ++j)
+      row[j] = mask[j] ? values(s, h0 + 16 * j, mask[j]) : _mm512_setzero_ps();
 #pragma GCC unroll 4
     for (int r = 0; r < R; ++r) {
-      const __m512 b = _mm512_set1_ps(w[r * s_len + s]);
+      const __m512 b = _mm512_set1_ps(w[r * ldw + s]);
       for (int j = 0; j < kVectors; ++j) acc[r][j] = _mm512_fmadd_ps(b, row[j], acc[r][j]);
     }
   }
@@ -217,17 +239,19 @@ void WeightedTile(const float* w, const float* v, float* out, int64_t s_len, int
       _mm512_mask_storeu_ps(out + r * h_len + h0 + 16 * j, mask[j], acc[r][j]);
 }
 
-void WeightedSlice(const float* w, const float* v, float* out, int64_t m_len, int64_t s_len,
-                   int64_t h_len) {
+// out[m, :] (+)= sum_s w[m * ldw + s] values(s) for m < m_len, s < n (h_len columns).
+template <typename Values>
+void WeightedRows(const float* w, int64_t ldw, const Values& values, int64_t n, float* out,
+                  int64_t m_len, int64_t h_len, bool accumulate) {
   for (int64_t h0 = 0; h0 < h_len; h0 += 64) {
     for (int64_t m = 0; m < m_len; m += 4) {
-      const float* wm = w + m * s_len;
+      const float* wm = w + m * ldw;
       float* om = out + m * h_len;
       switch (std::min<int64_t>(4, m_len - m)) {
-        case 1: WeightedTile<1>(wm, v, om, s_len, h_len, h0); break;
-        case 2: WeightedTile<2>(wm, v, om, s_len, h_len, h0); break;
-        case 3: WeightedTile<3>(wm, v, om, s_len, h_len, h0); break;
-        default: WeightedTile<4>(wm, v, om, s_len, h_len, h0); break;
+        case 1: WeightedTile<1>(wm, ldw, values, n, om, h_len, h0, accumulate); break;
+        case 2: WeightedTile<2>(wm, ldw, values, n, om, h_len, h0, accumulate); break;
+        case 3: WeightedTile<3>(wm, ldw, values, n, om, h_len, h0, accumulate); break;
+        default: WeightedTile<4>(wm, ldw, values, n, om, h_len, h0, accumulate); break;
       }
     }
   }
@@ -250,8 +274,8 @@ ffi::Error Scores(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi
   const int64_t chunk = std::max<int64_t>(1, kChunkBytes / std::max<int64_t>(1, s_len * h_len * 4));
   Parallel(pool, qd[0], chunk, [=](int64_t first, int64_t last) {
     for (int64_t p = first; p < last; ++p)
-      ScoresSlice(qp + p * m_len * h_len, kp + p * s_len * h_len, op + p * m_len * s_len, m_len,
-                  s_len, h_len);
+      ScoresKeys(qp + p * m_len * h_len, h_len, FloatRows{kp + p * s_len * h_len, h_len},
+                 op + p * m_len * s_len, s_len, m_len, s_len, h_len);
   });
   return ffi::Error::Success();
 }
@@ -268,9 +292,489 @@ ffi::Error Weighted(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> w, ffi::Buffer<f
   const int64_t chunk = std::max<int64_t>(1, kChunkBytes / std::max<int64_t>(1, s_len * h_len * 4));
   Parallel(pool, wd[0], chunk, [=](int64_t first, int64_t last) {
     for (int64_t p = first; p < last; ++p)
-      WeightedSlice(wp + p * m_len * s_len, vp + p * s_len * h_len, op + p * m_len * h_len, m_len,
-                    s_len, h_len);
+      WeightedRows(wp + p * m_len * s_len, s_len, FloatRows{vp + p * s_len * h_len, h_len},
+                   s_len, op + p * m_len * h_len, m_len, h_len, false);
   });
+  return ffi::Error::Success();
+}
+
+// ---- The same two products over a quantized payload (kvlab/cache/quant.py's layout):
+// codes uint8[P, S, H * bits / 8], value j of a byte in bits j*bits.., and scales and zero
+// points [P, S, H / group] (token axis: a token's channels share one) or [P, S / group, H]
+// (channel axis: a channel's tokens share one) in float32, bfloat16 or float16. A number
+// is (level - offset) * scale (+ zero), level the integer code or the float8 e4m3 value.
+// Tokens are dequantized kBlock at a time into a float32 scratch that stays in the core's
+// caches and multiplied there, so the payload is read once and no widened copy is made.
+// Only the first `limit` tokens are read (the rest of the scores are 0); the work is split
+// into (slice, run of tokens) items of a fixed size, so sums run in the same order on any
+// number of threads.
+
+constexpr int64_t kItemNumbers = int64_t{1} << 17;  // stored numbers per unit of parallel work
+
+enum class ScaleType { kF32, kBF16, kF16 };
+
+struct Codes {
+  int64_t bits;    // 8, 4 or 2
+  bool fp8;        // float8 e4m3 codes (8 bits), else unsigned integer levels
+  float offset;    // subtracted from integer levels (symmetric codes)
+  bool channel;    // scale groups run along tokens (channel axis), else along channels
+  int64_t group;   // numbers per scale group
+  bool has_zero;
+  ScaleType scale_type;
+};
+
+struct Payload {
+  const uint8_t* codes;
+  const void* scale;
+  const void* zero;
+  int64_t s_len, h_len, bytes;  // tokens, numbers per token, bytes per token
+  Codes c;
+
+  int64_t Groups() const { return c.channel ? h_len : h_len / c.group; }  // scales per row
+  int64_t ScaleRows() const { return c.channel ? s_len / c.group : s_len; }
+};
+
+// dst[i] = float(src[first + i]) for i < n, then 16 zeros (vector loads may run past n).
+void ToFloat(const void* src, ScaleType type, int64_t first, int64_t n, float* dst) {
+  int64_t i = 0;
+  if (type == ScaleType::kF32) {
+    std::memcpy(dst, static_cast<const float*>(src) + first, n * sizeof(float));
+    i = n;
+  } else {
+    const uint16_t* half = static_cast<const uint16_t*>(src) + first;
+    alignas(32) uint16_t tail[16];
+    for (; i < n; i += 16) {
+      const uint16_t* from = half + i;
+      if (i + 16 > n) {
+        std::memset(tail, 0, sizeof(tail));
+        std::memcpy(tail, from, (n - i) * sizeof(uint16_t));
+        from = tail;
+      }
+      const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(from));
+      const __m512 x = type == ScaleType::kF16
+                           ? _mm512_cvtph_ps(raw)
+                           : _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+      _mm512_storeu_ps(dst + i, x);
+    }
+    i = n;
+  }
+  std::memset(dst + i, 0, 16 * sizeof(float));
+}
+
+// float8 e4m3fn bits (one per int32 lane) -> float32: 1 sign, 4 exponent (bias 7) and
+// 3 mantissa bits, subnormal below exponent 1, NaN at 0x7F, no infinities.
+inline __m512 Fp8(__m512i bits) {
+  const __m512i magnitude = _mm512_and_si512(bits, _mm512_set1_epi32(0x7F));
+  const __m512i exponent = _mm512_srli_epi32(magnitude, 3);
+  const __m512i mantissa = _mm512_and_si512(magnitude, _mm512_set1_epi32(7));
+  // normal: exponent + 120 and the mantissa's 3 bits at the top of float32's 23
+  const __m512 normal = _mm512_castsi512_ps(
+      _mm512_add_epi32(_mm512_slli_epi32(magnitude, 20), _mm512_set1_epi32(120 << 23)));
+  const __m512 subnormal =
+      _mm512_mul_ps(_mm512_cvtepi32_ps(mantissa), _mm512_set1_ps(1.0f / 512));  // m * 2^-9
+  __m512 value = _mm512_mask_blend_ps(
+      _mm512_cmpeq_epi32_mask(exponent, _mm512_setzero_si512()), normal, subnormal);
+  value = _mm512_mask_blend_ps(_mm512_cmpeq_epi32_mask(magnitude, _mm512_set1_epi32(0x7F)),
+                               value, _mm512_set1_ps(__builtin_nanf("")));
+  const __m512i sign = _mm512_slli_epi32(_mm512_and_si512(bits, _mm512_set1_epi32(0x80)), 24);
+  return _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(value), sign));
+}
+
+// Checks the operands against each other and the attributes; fills `p` on success.
+ffi::Error ReadPayload(const char* name, int64_t slices, int64_t h_len,
+                       const ffi::Buffer<ffi::U8>& codes, const ffi::AnyBuffer& scale,
+                       const ffi::AnyBuffer& zero, int64_t bits, int64_t fp8, int64_t offset,
+                       int64_t channel, int64_t group, int64_t has_zero, Payload* p) {
+  const auto cd = codes.dimensions(), sd = scale.dimensions(), zd = zero.dimensions();
+  const auto type = scale.element_type();
+  const bool known_bits = bits == 8 || (!fp8 && (bits == 4 || bits == 2));
+  if (!known_bits || group < 1 || (fp8 && (offset || has_zero))) {
+    return ffi::Error::InvalidArgument(std::string(name) + ": unknown code format");
+  }
+  if (cd.size() != 3 || cd[0] != slices || cd[2] * 8 != h_len * bits || sd.size() != 3 ||
+      sd[0] != slices) {
+    return ffi::Error::InvalidArgument(std::string(name) + ": codes [P, S, H * bits / 8] and " +
+                                       "scales [P, ., .] expected");
+  }
+  const int64_t s_len = cd[1];
+  const bool rows_ok = channel ? (s_len % group == 0 && sd[1] == s_len / group && sd[2] == h_len)
+                               : (h_len % group == 0 && sd[1] == s_len && sd[2] == h_len / group);
+  if (!rows_ok) {
+    return ffi::Error::InvalidArgument(std::string(name) + ": scales do not fit the codes");
+  }
+  if (type != ffi::DataType::F32 && type != ffi::DataType::BF16 && type != ffi::DataType::F16) {
+    return ffi::Error::InvalidArgument(std::string(name) + ": scales must be float32, " +
+                                       "bfloat16 or float16");
+  }
+  if (has_zero && (zero.element_type() != type || zd.size() != 3 || zd[0] != sd[0] ||
+                   zd[1] != sd[1] || zd[2] != sd[2])) {
+    return ffi::Error::InvalidArgument(std::string(name) + ": zero points must match the scales");
+  }
+  const ScaleType scale_type = type == ffi::DataType::F32    ? ScaleType::kF32
+                               : type == ffi::DataType::BF16 ? ScaleType::kBF16
+                                                             : ScaleType::kF16;
+  *p = Payload{codes.typed_data(), scale.untyped_data(), zero.untyped_data(), s_len, h_len, cd[2],
+               Codes{bits, fp8 != 0, static_cast<float>(offset), channel != 0, group,
+                     has_zero != 0, scale_type}};
+  return ffi::Error::Success();
+}
+
+
+// Scratch of one work item: dequantized rows and converted scales (or folded queries).
+struct Scratch {
+  int64_t block, ld;  // tokens per block (a multiple of 16) and the rows' stride
+  std::unique_ptr<float[]> rows, scale, shift, folded, bias;
+  Scratch(const Payload& p, int64_t m_len) {
+    ld = (p.h_len + 15) / 16 * 16;
+    block = std::max<int64_t>(16, std::min<int64_t>(64, 4096 / ld / 16 * 16));
+    const int64_t scales = (block + 2) * std::max<int64_t>(p.h_len, 16) + 16;
+    rows.reset(new float[block * ld]);
+    scale.reset(new float[scales]);
+    shift.reset(new float[scales]);
+    folded.reset(new float[m_len * ld]);
+    bias.reset(new float[std::max<int64_t>(m_len, 16) * std::max<int64_t>(ld, 16)]);
+  }
+};
+
+// Converts scale rows [first_row, first_row + rows) of the slice into s.scale and their
+// shifts zero - offset * scale (what a level of 0 stands for) into s.shift.
+void ConvertScales(const Payload& p, int64_t slice, int64_t first_row, int64_t rows,
+                   Scratch& s) {
+  const int64_t groups = p.Groups(), first = (slice * p.ScaleRows() + first_row) * groups;
+  const int64_t n = rows * groups;
+  ToFloat(p.scale, p.c.scale_type, first, n, s.scale.get());
+  if (p.c.has_zero) {
+    ToFloat(p.zero, p.c.scale_type, first, n, s.shift.get());
+  } else {
+    std::memset(s.shift.get(), 0, (n + 16) * sizeof(float));
+  }
+  if (p.c.offset != 0)
+    for (int64_t i = 0; i < n; ++i) s.shift[i] -= p.c.offset * s.scale[i];
+}
+
+// The scale (or shift) of each lane of vector v of a token whose per-group row is `row`
+// (token axis): group (16 v + l) / group for lane l.
+struct TokenScales {
+  bool uniform;  // one group per vector: a broadcast
+  std::unique_ptr<int64_t[]> base;
+  std::unique_ptr<int32_t[]> index;  // [vectors][16], relative to base
+  TokenScales(int64_t h_len, int64_t group) {
+    const int64_t vectors = (h_len + 15) / 16;
+    uniform = group % 16 == 0;
+    base.reset(new int64_t[vectors]);
+    index.reset(new int32_t[vectors * 16]);
+    for (int64_t v = 0; v < vectors; ++v) {
+      base[v] = 16 * v / group;
+      for (int l = 0; l < 16; ++l)
+        index[v * 16 + l] = static_cast<int32_t>((16 * v + l) / group - base[v]);
+    }
+  }
+  inline __m512 Get(const float* row, int64_t v) const {
+    if (uniform) return _mm512_set1_ps(row[base[v]]);
+    return _mm512_permutexvar_ps(_mm512_loadu_si512(index.get() + 16 * v),
+                                 _mm512_loadu_ps(row + base[v]));
+  }
+};
+
+// Codes of one 16-byte chunk (as 16 int32 lanes) -> the levels of its 16 * per_byte
+// numbers in order, 16 per vector (value j of a byte sits in bits j*bits..).
+template <int kBits>
+struct Unpack {
+  static constexpr int kPerByte = 8 / kBits;
+  __m512i index[kPerByte], shift, low_bits;
+  Unpack() {
+    alignas(64) int32_t lanes[16], by[16];
+    for (int u = 0; u < kPerByte; ++u) {
+      // 4 bits: vector u interleaves lanes 8 u.. of the low nibbles (0..15) and the high
+      // ones (16..31); 2 bits: lane l of vector u is byte 4 u + l / 4, shifted by 2 (l % 4).
+      for (int l = 0; l < 16; ++l)
+        lanes[l] = kBits == 4 ? 8 * u + l / 2 + 16 * (l % 2) : u * 16 / kPerByte + l / kPerByte;
+      index[u] = _mm512_load_si512(lanes);
+    }
+    for (int l = 0; l < 16; ++l) by[l] = (l % kPerByte) * kBits;
+    shift = _mm512_load_si512(by);
+    low_bits = _mm512_set1_epi32((1 << kBits) - 1);
+  }
+  inline void Levels(__m512i bytes, __m512i* out) const {
+    if (kBits == 8) {
+      out[0] = bytes;
+    } else if (kBits == 4) {
+      const __m512i low = _mm512_and_si512(bytes, low_bits), high = _mm512_srli_epi32(bytes, 4);
+      for (int u = 0; u < kPerByte; ++u) out[u] = _mm512_permutex2var_epi32(low, index[u], high);
+    } else {
+      for (int u = 0; u < kPerByte; ++u)
+        out[u] = _mm512_and_si512(
+            _mm512_srlv_epi32(_mm512_permutexvar_epi32(index[u], bytes), shift), low_bits);
+    }
+  }
+};
+
+// n tokens' codes (`bytes` each) as float32 rows[n][ld] of h_len numbers: levels, and on
+// the token axis (kScaled) times each token's scale plus its shift (rows [n, groups] of
+// scale and shift; kUniform: one group per vector). A token's whole 16-byte chunks take
+// the straight path; its last bytes, when h_len * bits / 8 is no multiple of 16, a copy.
+template <int kBits, bool kFp8, bool kScaled, bool kUniform>
+void Rows(const uint8_t* codes, int64_t bytes, int64_t h_len, int64_t n, const float* scale,
+          const float* shift, int64_t groups, const TokenScales& token, float* rows,
+          int64_t ld) {
+  constexpr int kPerByte = 8 / kBits;
+  const Unpack<kBits> unpack;
+  const int64_t whole = bytes / 16;
+  auto finish = [&](__m512i level, const float* sc, const float* sh, int64_t v) {
+    __m512 x = kFp8 ? Fp8(level) : _mm512_cvtepi32_ps(level);
+    if (!kScaled) return x;
+    if (kUniform) {
+      const int64_t g = token.base[v];
+      return _mm512_fmadd_ps(x, _mm512_set1_ps(sc[g]), _mm512_set1_ps(sh[g]));
+    }
+    return _mm512_fmadd_ps(x, token.Get(sc, v), token.Get(sh, v));
+  };
+  for (int64_t t = 0; t < n; ++t) {
+    const uint8_t* c = codes + t * bytes;
+    float* row = rows + t * ld;
+    const float* sc = scale + t * groups;
+    const float* sh = shift + t * groups;
+    for (int64_t k = 0; k < whole; ++k) {
+      __m512i level[kPerByte];
+      unpack.Levels(
+          _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c + 16 * k))),
+          level);
+#pragma GCC unroll 4
+      for (int u = 0; u < kPerByte; ++u)
+        _mm512_storeu_ps(row + 16 * (k * kPerByte + u), finish(level[u], sc, sh, k * kPerByte + u));
+    }
+    if (whole * 16 < bytes) {
+      alignas(16) uint8_t tail[16] = {};
+      std::memcpy(tail, c + 16 * whole, bytes - 16 * whole);
+      __m512i level[kPerByte];
+      unpack.Levels(_mm512_cvtepu8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(tail))),
+                    level);
+      for (int u = 0; u < kPerByte && 16 * (whole * kPerByte + u) < h_len; ++u)
+        _mm512_storeu_ps(row + 16 * (whole * kPerByte + u),
+                         finish(level[u], sc, sh, whole * kPerByte + u));
+    }
+  }
+}
+
+// Tokens [t, t + n) of the slice as float32 rows in s.rows (token axis: their scales
+// converted and applied; channel axis: levels, the caller folds the group's scales in).
+template <int kBits, bool kFp8>
+void BlockRows(const Payload& p, const TokenScales& token, int64_t slice, int64_t t, int64_t n,
+               Scratch& s) {
+  const uint8_t* codes = p.codes + (slice * p.s_len + t) * p.bytes;
+  if (p.c.channel) {
+    Rows<kBits, kFp8, false, true>(codes, p.bytes, p.h_len, n, nullptr, nullptr, 0, token,
+                                   s.rows.get(), s.ld);
+    return;
+  }
+  ConvertScales(p, slice, t, n, s);
+  if (token.uniform) {
+    Rows<kBits, kFp8, true, true>(codes, p.bytes, p.h_len, n, s.scale.get(), s.shift.get(),
+                                  p.Groups(), token, s.rows.get(), s.ld);
+  } else {
+    Rows<kBits, kFp8, true, false>(codes, p.bytes, p.h_len, n, s.scale.get(), s.shift.get(),
+                                   p.Groups(), token, s.rows.get(), s.ld);
+  }
+}
+
+// Channel axis, group j: folded[m, :] = q[m, :] * scale_j and bias[m] = q[m, :] . shift_j,
+// so a score is folded[m] . levels + bias[m].
+void FoldQueries(const Payload& p, const float* q, int64_t m_len, int64_t slice, int64_t j,
+                 Scratch& s) {
+  ConvertScales(p, slice, j, 1, s);
+  for (int64_t m = 0; m < m_len; ++m) {
+    __m512 bias = _mm512_setzero_ps();
+    for (int64_t h = 0; h < p.h_len; h += 16) {
+      const __mmask16 mask = Tail(p.h_len - h);
+      const __m512 x = _mm512_maskz_loadu_ps(mask, q + m * p.h_len + h);
+      _mm512_storeu_ps(s.folded.get() + m * s.ld + h,
+                       _mm512_mul_ps(x, _mm512_maskz_loadu_ps(mask, s.scale.get() + h)));
+      bias = _mm512_fmadd_ps(x, _mm512_maskz_loadu_ps(mask, s.shift.get() + h), bias);
+    }
+    s.bias[m] = _mm512_reduce_add_ps(bias);
+  }
+}
+
+// Scores of the slice's queries q [M, H] against tokens [s0, s1) into out (stride S), a
+// block of tokens dequantized into float32 rows at a time.
+template <int kBits, bool kFp8>
+void ScoresItem(const Payload& p, const float* q, int64_t m_len, int64_t slice, int64_t s0,
+                int64_t s1, float* out, const TokenScales& token) {
+  Scratch s(p, m_len);
+  for (int64_t t = s0; t < s1;) {
+    int64_t end = std::min(s1, t + s.block);
+    const float* query = q;
+    int64_t ldq = p.h_len;
+    if (p.c.channel) {
+      const int64_t j = t / p.c.group;
+      end = std::min(end, (j + 1) * p.c.group);
+      if (t == s0 || t % p.c.group == 0) FoldQueries(p, q, m_len, slice, j, s);
+      query = s.folded.get(), ldq = s.ld;
+    }
+    BlockRows<kBits, kFp8>(p, token, slice, t, end - t, s);
+    ScoresKeys(query, ldq, FloatRows{s.rows.get(), s.ld}, out + t, p.s_len, m_len, end - t,
+               p.h_len);
+    if (p.c.channel)
+      for (int64_t m = 0; m < m_len; ++m)
+        for (int64_t i = t; i < end; ++i) out[m * p.s_len + i] += s.bias[m];
+    t = end;
+  }
+}
+
+// sum [M, H] = the slice's weights w [M, S] (stride S) over tokens [s0, s1), as ScoresItem.
+template <int kBits, bool kFp8>
+void WeightedItem(const Payload& p, const float* w, int64_t m_len, int64_t slice, int64_t s0,
+                  int64_t s1, float* sum, const TokenScales& token) {
+  Scratch s(p, m_len);
+  const int64_t h_len = p.h_len;
+  std::fill(sum, sum + m_len * h_len, 0.0f);
+  float* acc = s.folded.get();    // channel axis: the group's sum of weighted levels [M, H]
+  float* weights = s.bias.get();  // and of its weights [M]
+  // Channel axis: sum += scale_j * acc + weights * shift_j for the group just finished.
+  auto flush = [&](int64_t j) {
+    ConvertScales(p, slice, j, 1, s);
+    for (int64_t m = 0; m < m_len; ++m) {
+      const __m512 total = _mm512_set1_ps(weights[m]);
+      for (int64_t h = 0; h < h_len; h += 16) {
+        const __mmask16 mask = Tail(h_len - h);
+        float* o = sum + m * h_len + h;
+        __m512 x = _mm512_maskz_loadu_ps(mask, o);
+        x = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(mask, acc + m * h_len + h),
+                            _mm512_maskz_loadu_ps(mask, s.scale.get() + h), x);
+        x = _mm512_fmadd_ps(total, _mm512_maskz_loadu_ps(mask, s.shift.get() + h), x);
+        _mm512_mask_storeu_ps(o, mask, x);
+      }
+    }
+  };
+  for (int64_t t = s0; t < s1;) {
+    int64_t end = std::min(s1, t + s.block);
+    const bool start = p.c.channel && (t == s0 || t % p.c.group == 0);
+    if (p.c.channel) end = std::min(end, (t / p.c.group + 1) * p.c.group);
+    const float* wt = w + t;
+    float* into = p.c.channel ? acc : sum;
+    BlockRows<kBits, kFp8>(p, token, slice, t, end - t, s);
+    WeightedRows(wt, p.s_len, FloatRows{s.rows.get(), s.ld}, end - t, into, m_len, h_len,
+                 !start);
+    if (p.c.channel) {
+      for (int64_t m = 0; m < m_len; ++m) {
+        float total = start ? 0.0f : weights[m];
+        for (int64_t i = 0; i < end - t; ++i) total += wt[m * p.s_len + i];
+        weights[m] = total;
+      }
+      if (end == s1 || end % p.c.group == 0) flush((end - 1) / p.c.group);
+    }
+    t = end;
+  }
+}
+
+using ScoresFn = void (*)(const Payload&, const float*, int64_t, int64_t, int64_t, int64_t,
+                          float*, const TokenScales&);
+using WeightedFn = ScoresFn;
+
+template <template <int, bool> class Pick>
+auto ByFormat(const Codes& c) {
+  if (c.fp8) return Pick<8, true>::kFn;
+  if (c.bits == 8) return Pick<8, false>::kFn;
+  if (c.bits == 4) return Pick<4, false>::kFn;
+  return Pick<2, false>::kFn;
+}
+template <int kBits, bool kFp8>
+struct PickScores {
+  static constexpr ScoresFn kFn = ScoresItem<kBits, kFp8>;
+};
+template <int kBits, bool kFp8>
+struct PickWeighted {
+  static constexpr WeightedFn kFn = WeightedItem<kBits, kFp8>;
+};
+
+// Runs body(item, slice, s0, s1) for every slice's tokens [0, limit) in runs of `span`
+// tokens, on the pool.
+template <typename Body>
+void OverItems(ffi::ThreadPool& pool, int64_t slices, int64_t limit, int64_t span, Body body) {
+  const int64_t per_slice = (limit + span - 1) / span;
+  Parallel(pool, slices * per_slice, 1, [&](int64_t first, int64_t last) {
+    for (int64_t item = first; item < last; ++item) {
+      const int64_t slice = item / per_slice, s0 = item % per_slice * span;
+      body(item, slice, s0, std::min(limit, s0 + span));
+    }
+  });
+}
+
+// Tokens per work item: about kItemNumbers numbers, whole scale groups on the channel axis.
+int64_t Span(const Payload& p) {
+  const int64_t unit = p.c.channel ? p.c.group : 16;
+  return std::max<int64_t>(1, kItemNumbers / p.h_len / unit) * unit;
+}
+
+int64_t Limit(const ffi::Buffer<ffi::S32>& limit, int64_t s_len) {
+  return std::clamp<int64_t>(limit.typed_data()[0], 0, s_len);
+}
+
+ffi::Error QuantScores(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::U8> codes,
+                       ffi::AnyBuffer scale, ffi::AnyBuffer zero, ffi::Buffer<ffi::S32> limit,
+                       ffi::ResultBuffer<ffi::F32> out, int64_t bits, int64_t fp8, int64_t offset,
+                       int64_t channel, int64_t group, int64_t has_zero) {
+  const auto qd = q.dimensions(), od = out->dimensions();
+  if (qd.size() != 3 || od.size() != 3 || od[0] != qd[0] || od[1] != qd[1] ||
+      limit.dimensions().size() != 0) {
+    return ffi::Error::InvalidArgument("kvlab quant_scores: expects q [P, M, H] and a limit []");
+  }
+  Payload p;
+  if (auto error = ReadPayload("kvlab quant_scores", qd[0], qd[2], codes, scale, zero, bits, fp8,
+                               offset, channel, group, has_zero, &p);
+      error.failure()) {
+    return error;
+  }
+  if (od[2] != p.s_len) return ffi::Error::InvalidArgument("kvlab quant_scores: out [P, M, S]");
+  const int64_t m_len = qd[1], s_len = p.s_len, end = Limit(limit, s_len);
+  const float* qp = q.typed_data();
+  float* op = out->typed_data();
+  for (int64_t row = 0; row < qd[0] * m_len; ++row)  // tokens past the limit score 0
+    std::fill(op + row * s_len + end, op + (row + 1) * s_len, 0.0f);
+  const TokenScales token(p.h_len, p.c.channel ? 16 : p.c.group);
+  const ScoresFn item = ByFormat<PickScores>(p.c);
+  OverItems(pool, qd[0], end, Span(p), [&](int64_t, int64_t slice, int64_t s0, int64_t s1) {
+    item(p, qp + slice * m_len * p.h_len, m_len, slice, s0, s1, op + slice * m_len * s_len,
+         token);
+  });
+  return ffi::Error::Success();
+}
+
+ffi::Error QuantWeighted(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> w, ffi::Buffer<ffi::U8> codes,
+                         ffi::AnyBuffer scale, ffi::AnyBuffer zero, ffi::Buffer<ffi::S32> limit,
+                         ffi::ResultBuffer<ffi::F32> out, int64_t bits, int64_t fp8,
+                         int64_t offset, int64_t channel, int64_t group, int64_t has_zero) {
+  const auto wd = w.dimensions(), od = out->dimensions();
+  if (wd.size() != 3 || od.size() != 3 || od[0] != wd[0] || od[1] != wd[1] ||
+      limit.dimensions().size() != 0) {
+    return ffi::Error::InvalidArgument(
+        "kvlab quant_weighted_sum: expects w [P, M, S], out [P, M, H] and a limit []");
+  }
+  Payload p;
+  if (auto error = ReadPayload("kvlab quant_weighted_sum", wd[0], od[2], codes, scale, zero, bits,
+                               fp8, offset, channel, group, has_zero, &p);
+      error.failure()) {
+    return error;
+  }
+  if (wd[2] != p.s_len) return ffi::Error::InvalidArgument("kvlab quant_weighted_sum: w [P, M, S]");
+  const int64_t slices = wd[0], m_len = wd[1], s_len = p.s_len, size = m_len * p.h_len;
+  const int64_t end = Limit(limit, s_len), span = Span(p);
+  const int64_t per_slice = (end + span - 1) / span;
+  // Each item's sum apart, then added in item order: the same order on any thread count.
+  std::unique_ptr<float[]> partial(new float[std::max<int64_t>(1, slices * per_slice * size)]);
+  const TokenScales token(p.h_len, p.c.channel ? 16 : p.c.group);
+  const WeightedFn item = ByFormat<PickWeighted>(p.c);
+  const float* wp = w.typed_data();
+  OverItems(pool, slices, end, span, [&](int64_t i, int64_t slice, int64_t s0, int64_t s1) {
+    item(p, wp + slice * m_len * s_len, m_len, slice, s0, s1, partial.get() + i * size, token);
+  });
+  float* op = out->typed_data();
+  std::fill(op, op + slices * size, 0.0f);
+  for (int64_t slice = 0; slice < slices; ++slice)
+    for (int64_t i = 0; i < per_slice; ++i) {
+      const float* sum = partial.get() + (slice * per_slice + i) * size;
+      for (int64_t j = 0; j < size; ++j) op[slice * size + j] += sum[j];
+    }
   return ffi::Error::Success();
 }
 
@@ -286,3 +790,22 @@ ffi::Error Weighted(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> w, ffi::Buffer<f
 XLA_FFI_DEFINE_HANDLER_SYMBOL(KvlabScores, Scores, KVLAB_BINARY_F32);
 XLA_FFI_DEFINE_HANDLER_SYMBOL(KvlabWeightedSum, Weighted, KVLAB_BINARY_F32);
 XLA_FFI_DEFINE_HANDLER_SYMBOL(KvlabPanelMatmul, PanelMatmul, KVLAB_BINARY_F32);
+
+#define KVLAB_QUANT_BINDING                \
+  ffi::Ffi::Bind()                         \
+      .Ctx<ffi::ThreadPool>()              \
+      .Arg<ffi::Buffer<ffi::F32>>()        \
+      .Arg<ffi::Buffer<ffi::U8>>()         \
+      .Arg<ffi::AnyBuffer>()               \
+      .Arg<ffi::AnyBuffer>()               \
+      .Arg<ffi::Buffer<ffi::S32>>()        \
+      .Ret<ffi::Buffer<ffi::F32>>()        \
+      .Attr<int64_t>("bits")               \
+      .Attr<int64_t>("fp8")                \
+      .Attr<int64_t>("offset")             \
+      .Attr<int64_t>("channel")            \
+      .Attr<int64_t>("group")              \
+      .Attr<int64_t>("has_zero")
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(KvlabQuantScores, QuantScores, KVLAB_QUANT_BINDING);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(KvlabQuantWeightedSum, QuantWeighted, KVLAB_QUANT_BINDING);

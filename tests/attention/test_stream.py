@@ -188,13 +188,19 @@ def test_pallas_kernels_give_the_xla_logits(config, cache):
         ("gqa.py:tiny", dict(dtype="bfloat16"), 8),  # slices widened to float32, streamed
         ("gqa.py:tiny", dict(window=16), 10**9),  # a ring of 16 slots, masked as a band
         ("mla.py:tiny", dict(), 10**9),
+        # quantized payloads, read in place by the kernels (streamed on XLA's path)
+        ("gqa.py:tiny", dict(k_bits=4, v_bits=2, group_size=4), 8),  # KIVI, zero points
+        ("gqa.py:tiny", dict(k_bits=8, v_bits=8, k_axis="token", symmetric=True), 8),
+        ("gqa.py:tiny", dict(k_bits=8, v_bits=4, k_format="fp8", scale_dtype="float16"), 8),
+        ("gqa.py:tiny", dict(k_bits=2, v_bits=4, residual=8, group_size=4, window=24), 8),
+        ("mla.py:tiny", dict(latent_bits=4, rope_bits=8, group_size=4), 8),
     ],
 )
 def test_native_kernels_give_the_xla_logits(config, cache, stream_tokens, monkeypatch):
     """model.attention_impl='native' (kvlab.native's products for float32 arrays,
-    here for any cache size) decodes dense, streamed 16-bit, windowed and latent
-    caches to the XLA path's logits; where the kernels are unavailable it is the
-    XLA path."""
+    here for any cache size, and for quantized payloads) decodes dense, streamed
+    16-bit, windowed, latent and quantized caches to the XLA path's logits;
+    where the kernels are unavailable it is the XLA path."""
     monkeypatch.setattr(native, "ATTENTION_MIN_BYTES", 0)
     cfg = kvlab.load_config(f"{ROOT}/configs/{config}")
     if "window" in cache:
