@@ -284,11 +284,16 @@ def quantized_tokens(draw):
     axis = draw(st.sampled_from(["token", "channel"]))
     group = draw(st.sampled_from([1, 2, 4, 8, 16, 24, 32]))
     per_byte = 8 // bits
-    if axis == "token":  # the group divides the width, which packs into whole bytes
+    if draw(st.booleans()):  # whole 16-byte chunks per token: codes read straight (one row)
+        width = 64 * draw(st.integers(1, 3))
+        group = group if axis == "channel" or width % group == 0 else 16
+    elif axis == "token":  # the group divides the width, which packs into whole bytes
         width = group * per_byte * draw(st.integers(1, max(1, 80 // (group * per_byte))))
+    else:
+        width = per_byte * draw(st.integers(1, 80 // per_byte))
+    if axis == "token":
         length = draw(st.integers(1, 70))
     else:  # the group divides the length
-        width = per_byte * draw(st.integers(1, 80 // per_byte))
         length = group * draw(st.integers(1, max(1, 70 // group)))
     spec = quant.Storage(
         bits=bits,
@@ -308,15 +313,16 @@ def quantized_tokens(draw):
 @needs_native
 @given(
     tensor=quantized_tokens(),
-    rows=st.integers(1, native.MAX_ROWS),
+    rows=st.one_of(st.just(1), st.integers(1, native.MAX_ROWS)),
     cut=st.floats(0, 1),
     seed=st.integers(0, 2**16),
 )
 def test_quantized_products_are_those_of_the_dequantized_tokens(tensor, rows, cut, seed):
     """Scores and weighted sums over the packed codes equal float64 products with
     quant.dequantize_tokens' numbers, for every format, axis, group, scale dtype
-    and tail; tokens past the limit score 0 and their weights are never read
-    (NaN there changes nothing). Scales are folded into sums as XLA's path
+    and tail, read straight from the codes (one row, whole 16-byte chunks) or
+    through rows of dequantized tokens; tokens past the limit score 0 and their
+    weights are never read (NaN there changes nothing). Scales are folded into sums as XLA's path
     folds them, so the bound is float32 rounding of the numbers' parts."""
     from kvlab.cache import quant
 

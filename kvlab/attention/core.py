@@ -286,7 +286,9 @@ def attend(
     probability each key received, summed over the queries by their weights
     and averaged over each KV head's G query heads. `impl` "pallas" reads
     blocks of stored data (quantized payloads, page pools) with the Pallas
-    kernels where they can (`_kernel`; model.attention_impl).
+    kernels where they can (`_kernel`; model.attention_impl); "native" takes
+    kvlab.native's CPU kernels for float32 products and quantized payloads
+    (`_native_block`).
     """
     queries = _parts(q)
     batch, length, num_heads, _ = queries[0].shape

@@ -577,6 +577,117 @@ void BlockRows(const Payload& p, const TokenScales& token, int64_t slice, int64_
   }
 }
 
+// One query row against whole 16-byte chunks of codes (h_len * bits / 8 a multiple of
+// 16): the products read the codes straight into registers, with no rows in between.
+// kScaled (token axis, one scale group per vector): each token's scale and shift applied.
+template <int kBits, bool kFp8, bool kScaled>
+struct Direct {
+  static constexpr int kPerByte = 8 / kBits;
+  const Unpack<kBits> unpack;
+  const uint8_t* codes;  // the block's first token
+  int64_t bytes;         // per token
+  const float* scale;    // kScaled: the block's converted scale rows and shifts [n, groups]
+  const float* shift;
+  int64_t groups;
+  const TokenScales& token;
+
+  // Numbers 16 (k * per_byte + u).. of token s, chunk k, for every u.
+  inline void Chunk(int64_t s, int64_t k, __m512* x) const {
+    __m512i level[kPerByte];
+    unpack.Levels(_mm512_cvtepu8_epi32(
+                      _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + s * bytes + 16 * k))),
+                  level);
+#pragma GCC unroll 4
+    for (int u = 0; u < kPerByte; ++u) {
+      x[u] = kFp8 ? Fp8(level[u]) : _mm512_cvtepi32_ps(level[u]);
+      if (kScaled) {
+        const int64_t g = s * groups + token.base[k * kPerByte + u];
+        x[u] = _mm512_fmadd_ps(x[u], _mm512_set1_ps(scale[g]), _mm512_set1_ps(shift[g]));
+      }
+    }
+  }
+
+  // out[s] = q . token s for s < n.
+  void Scores(const float* q, int64_t n, float* out) const {
+    const int64_t chunks = bytes / 16;
+    int64_t s = 0;
+    for (; s + 16 <= n; s += 16) {
+      __m512 acc[16];
+#pragma GCC unroll 16
+      for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
+      for (int64_t k = 0; k < chunks; ++k) {
+        __m512 qv[kPerByte];
+        for (int u = 0; u < kPerByte; ++u) qv[u] = _mm512_loadu_ps(q + 16 * (k * kPerByte + u));
+#pragma GCC unroll 16
+        for (int i = 0; i < 16; ++i) {
+          __m512 x[kPerByte];
+          Chunk(s + i, k, x);
+          for (int u = 0; u < kPerByte; ++u) acc[i] = _mm512_fmadd_ps(qv[u], x[u], acc[i]);
+        }
+      }
+      _mm512_storeu_ps(out + s, Totals(acc));
+    }
+    for (; s < n; ++s) {
+      __m512 acc = _mm512_setzero_ps();
+      for (int64_t k = 0; k < chunks; ++k) {
+        __m512 x[kPerByte];
+        Chunk(s, k, x);
+        for (int u = 0; u < kPerByte; ++u)
+          acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + 16 * (k * kPerByte + u)), x[u], acc);
+      }
+      out[s] = _mm512_reduce_add_ps(acc);
+    }
+  }
+
+  // out[:] (+)= sum_s w[s] token s, for s < n: 8 vectors of columns per pass.
+  void Weighted(const float* w, int64_t n, float* out, bool accumulate) const {
+    constexpr int kChunks = 8 / kPerByte;
+    const int64_t chunks = bytes / 16;
+    for (int64_t k0 = 0; k0 < chunks; k0 += kChunks) {
+      const int64_t count = std::min<int64_t>(kChunks, chunks - k0);
+      __m512 acc[kChunks][kPerByte];
+      for (int c = 0; c < kChunks; ++c)
+        for (int u = 0; u < kPerByte; ++u)
+          acc[c][u] = accumulate && c < count
+                          ? _mm512_loadu_ps(out + 16 * ((k0 + c) * kPerByte + u))
+                          : _mm512_setzero_ps();
+      for (int64_t s = 0; s < n; ++s) {
+        const __m512 weight = _mm512_set1_ps(w[s]);
+#pragma GCC unroll 8
+        for (int c = 0; c < kChunks; ++c) {
+          if (c >= count) break;
+          __m512 x[kPerByte];
+          Chunk(s, k0 + c, x);
+          for (int u = 0; u < kPerByte; ++u) acc[c][u] = _mm512_fmadd_ps(weight, x[u], acc[c][u]);
+        }
+      }
+      for (int c = 0; c < count; ++c)
+        for (int u = 0; u < kPerByte; ++u)
+          _mm512_storeu_ps(out + 16 * ((k0 + c) * kPerByte + u), acc[c][u]);
+    }
+  }
+};
+
+// Calls run(direct) with the Direct reader of tokens [t, t + n) of the slice (token axis:
+// their scales converted first).
+template <int kBits, bool kFp8, typename Run>
+void WithDirect(const Payload& p, const TokenScales& token, int64_t slice, int64_t t, int64_t n,
+                Scratch& s, Run run) {
+  const uint8_t* codes = p.codes + (slice * p.s_len + t) * p.bytes;
+  if (p.c.channel) {
+    run(Direct<kBits, kFp8, false>{{}, codes, p.bytes, nullptr, nullptr, 0, token});
+  } else {
+    ConvertScales(p, slice, t, n, s);
+    run(Direct<kBits, kFp8, true>{{}, codes, p.bytes, s.scale.get(), s.shift.get(), p.Groups(),
+                                  token});
+  }
+}
+
+// Whether one query row reads the codes directly: whole chunks, one scale group per vector.
+bool Directly(const Payload& p, const TokenScales& token, int64_t m_len) {
+  return m_len == 1 && p.bytes % 16 == 0 && (p.c.channel || token.uniform);
+}
+
 // Channel axis, group j: folded[m, :] = q[m, :] * scale_j and bias[m] = q[m, :] . shift_j,
 // so a score is folded[m] . levels + bias[m].
 void FoldQueries(const Payload& p, const float* q, int64_t m_len, int64_t slice, int64_t j,
@@ -611,9 +722,14 @@ void ScoresItem(const Payload& p, const float* q, int64_t m_len, int64_t slice, 
       if (t == s0 || t % p.c.group == 0) FoldQueries(p, q, m_len, slice, j, s);
       query = s.folded.get(), ldq = s.ld;
     }
-    BlockRows<kBits, kFp8>(p, token, slice, t, end - t, s);
-    ScoresKeys(query, ldq, FloatRows{s.rows.get(), s.ld}, out + t, p.s_len, m_len, end - t,
-               p.h_len);
+    if (Directly(p, token, m_len)) {
+      WithDirect<kBits, kFp8>(p, token, slice, t, end - t, s,
+                              [&](const auto& keys) { keys.Scores(query, end - t, out + t); });
+    } else {
+      BlockRows<kBits, kFp8>(p, token, slice, t, end - t, s);
+      ScoresKeys(query, ldq, FloatRows{s.rows.get(), s.ld}, out + t, p.s_len, m_len, end - t,
+                 p.h_len);
+    }
     if (p.c.channel)
       for (int64_t m = 0; m < m_len; ++m)
         for (int64_t i = t; i < end; ++i) out[m * p.s_len + i] += s.bias[m];
@@ -652,9 +768,14 @@ void WeightedItem(const Payload& p, const float* w, int64_t m_len, int64_t slice
     if (p.c.channel) end = std::min(end, (t / p.c.group + 1) * p.c.group);
     const float* wt = w + t;
     float* into = p.c.channel ? acc : sum;
-    BlockRows<kBits, kFp8>(p, token, slice, t, end - t, s);
-    WeightedRows(wt, p.s_len, FloatRows{s.rows.get(), s.ld}, end - t, into, m_len, h_len,
-                 !start);
+    if (Directly(p, token, m_len)) {
+      WithDirect<kBits, kFp8>(p, token, slice, t, end - t, s,
+                              [&](const auto& values) { values.Weighted(wt, end - t, into, !start); });
+    } else {
+      BlockRows<kBits, kFp8>(p, token, slice, t, end - t, s);
+      WeightedRows(wt, p.s_len, FloatRows{s.rows.get(), s.ld}, end - t, into, m_len, h_len,
+                   !start);
+    }
     if (p.c.channel) {
       for (int64_t m = 0; m < m_len; ++m) {
         float total = start ? 0.0f : weights[m];
