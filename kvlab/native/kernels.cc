@@ -22,6 +22,7 @@
 #include <cstring>
 #include <memory>
 #include <string>
+#include <type_traits>
 #include <thread>
 
 #include "xla/ffi/api/ffi.h"
@@ -423,7 +424,7 @@ ffi::Error ReadPayload(const char* name, int64_t slices, int64_t h_len,
 // Scratch of one work item: dequantized rows and converted scales (or folded queries).
 struct Scratch {
   int64_t block, ld;  // tokens per block (a multiple of 16) and the rows' stride
-  std::unique_ptr<float[]> rows, scale, shift, folded, bias;
+  std::unique_ptr<float[]> rows, scale, shift, folded, bias, spare;
   Scratch(const Payload& p, int64_t m_len) {
     ld = (p.h_len + 15) / 16 * 16;
     block = std::max<int64_t>(16, std::min<int64_t>(64, 4096 / ld / 16 * 16));
@@ -433,6 +434,7 @@ struct Scratch {
     shift.reset(new float[scales]);
     folded.reset(new float[m_len * ld]);
     bias.reset(new float[std::max<int64_t>(m_len, 16) * std::max<int64_t>(ld, 16)]);
+    spare.reset(new float[ld]);
   }
 };
 
@@ -580,7 +582,11 @@ void BlockRows(const Payload& p, const TokenScales& token, int64_t slice, int64_
 // One query row against whole 16-byte chunks of codes (h_len * bits / 8 a multiple of
 // 16): the products read the codes straight into registers, with no rows in between.
 // kScaled (token axis, one scale group per vector): each token's scale and shift applied.
-template <int kBits, bool kFp8, bool kScaled>
+// kPhased (4 bits): a chunk's numbers are taken in phase order, vector p holding the codes
+// in bits 4p.. of its 16 bytes (numbers p, p + 2, ...), which costs a shift or a mask
+// instead of a permutation; the query and the sums are permuted to match (`spare`: h_len
+// floats), once per call.
+template <int kBits, bool kFp8, bool kScaled, bool kPhased>
 struct Direct {
   static constexpr int kPerByte = 8 / kBits;
   const Unpack<kBits> unpack;
@@ -590,26 +596,54 @@ struct Direct {
   const float* shift;
   int64_t groups;
   const TokenScales& token;
+  float* spare;
 
-  // Numbers 16 (k * per_byte + u).. of token s, chunk k, for every u.
+  // Vector u of chunk k of token s: numbers 16 (k * per_byte + u).., or in phase order.
   inline void Chunk(int64_t s, int64_t k, __m512* x) const {
+    const __m512i bytes16 = _mm512_cvtepu8_epi32(
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + s * bytes + 16 * k)));
     __m512i level[kPerByte];
-    unpack.Levels(_mm512_cvtepu8_epi32(
-                      _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + s * bytes + 16 * k))),
-                  level);
+    if (kPhased) {
+      for (int u = 0; u < kPerByte; ++u) {
+        const __m512i shifted = u ? _mm512_srli_epi32(bytes16, u * kBits) : bytes16;
+        level[u] = u + 1 < kPerByte ? _mm512_and_si512(shifted, unpack.low_bits) : shifted;
+      }
+    } else {
+      unpack.Levels(bytes16, level);
+    }
 #pragma GCC unroll 4
     for (int u = 0; u < kPerByte; ++u) {
       x[u] = kFp8 ? Fp8(level[u]) : _mm512_cvtepi32_ps(level[u]);
-      if (kScaled) {
-        const int64_t g = s * groups + token.base[k * kPerByte + u];
+      if (kScaled) {  // phased: the chunk is one scale group
+        const int64_t g = s * groups + token.base[k * kPerByte + (kPhased ? 0 : u)];
         x[u] = _mm512_fmadd_ps(x[u], _mm512_set1_ps(scale[g]), _mm512_set1_ps(shift[g]));
       }
+    }
+  }
+
+  // h_len numbers (whole chunks of 32) into phase order (`back`: out of it): a chunk's
+  // even numbers, then its odd ones.
+  void Permute(const float* from, float* to, int64_t h_len, bool back) const {
+    alignas(64) int32_t lanes[2][16];
+    for (int l = 0; l < 16; ++l) {
+      for (int p = 0; p < 2; ++p)
+        lanes[p][l] = back ? 8 * p + l / 2 + 16 * (l % 2) : 2 * l + p;
+    }
+    const __m512i first = _mm512_load_si512(lanes[0]), second = _mm512_load_si512(lanes[1]);
+    for (int64_t c = 0; c < h_len; c += 32) {
+      const __m512 a = _mm512_loadu_ps(from + c), b = _mm512_loadu_ps(from + c + 16);
+      _mm512_storeu_ps(to + c, _mm512_permutex2var_ps(a, first, b));
+      _mm512_storeu_ps(to + c + 16, _mm512_permutex2var_ps(a, second, b));
     }
   }
 
   // out[s] = q . token s for s < n.
   void Scores(const float* q, int64_t n, float* out) const {
     const int64_t chunks = bytes / 16;
+    if (kPhased) {
+      Permute(q, spare, chunks * 16 * kPerByte, false);
+      q = spare;
+    }
     int64_t s = 0;
     for (; s + 16 <= n; s += 16) {
       __m512 acc[16];
@@ -642,7 +676,12 @@ struct Direct {
   // out[:] (+)= sum_s w[s] token s, for s < n: 8 vectors of columns per pass.
   void Weighted(const float* w, int64_t n, float* out, bool accumulate) const {
     constexpr int kChunks = 8 / kPerByte;
-    const int64_t chunks = bytes / 16;
+    const int64_t chunks = bytes / 16, h_len = chunks * 16 * kPerByte;
+    float* natural = out;
+    if (kPhased) {  // the sums in phase order, put back in order at the end
+      if (accumulate) Permute(out, spare, h_len, false);
+      out = spare;
+    }
     for (int64_t k0 = 0; k0 < chunks; k0 += kChunks) {
       const int64_t count = std::min<int64_t>(kChunks, chunks - k0);
       __m512 acc[kChunks][kPerByte];
@@ -665,6 +704,7 @@ struct Direct {
         for (int u = 0; u < kPerByte; ++u)
           _mm512_storeu_ps(out + 16 * ((k0 + c) * kPerByte + u), acc[c][u]);
     }
+    if (kPhased) Permute(spare, natural, h_len, true);
   }
 };
 
@@ -674,12 +714,22 @@ template <int kBits, bool kFp8, typename Run>
 void WithDirect(const Payload& p, const TokenScales& token, int64_t slice, int64_t t, int64_t n,
                 Scratch& s, Run run) {
   const uint8_t* codes = p.codes + (slice * p.s_len + t) * p.bytes;
+  constexpr bool kPhased = kBits == 4;
   if (p.c.channel) {
-    run(Direct<kBits, kFp8, false>{{}, codes, p.bytes, nullptr, nullptr, 0, token});
+    run(Direct<kBits, kFp8, false, kPhased>{{}, codes, p.bytes, nullptr, nullptr, 0, token,
+                                            s.spare.get()});
+    return;
+  }
+  ConvertScales(p, slice, t, n, s);
+  auto scaled = [&](auto phased) {
+    run(Direct<kBits, kFp8, true, decltype(phased)::value>{
+        {}, codes, p.bytes, s.scale.get(), s.shift.get(), p.Groups(), token, s.spare.get()});
+  };
+  // Phase order takes a chunk's 16 * per_byte numbers from one scale group.
+  if (kPhased && p.c.group % (16 * (8 / kBits)) == 0) {
+    scaled(std::bool_constant<kPhased>());
   } else {
-    ConvertScales(p, slice, t, n, s);
-    run(Direct<kBits, kFp8, true>{{}, codes, p.bytes, s.scale.get(), s.shift.get(), p.Groups(),
-                                  token});
+    scaled(std::false_type());
   }
 }
 
