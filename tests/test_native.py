@@ -192,15 +192,18 @@ def test_a_decode_step_runs_on_the_kernels(monkeypatch):
 
 
 @needs_native
-def test_a_quantized_cache_is_read_by_the_kernels():
+@pytest.mark.parametrize("kind", ["dense", "paged"])
+def test_a_quantized_cache_is_read_by_the_kernels(kind):
     """With attention_impl='native', a decode step reads each layer's quantized
-    keys and values with the quantized kernels at any cache size, the other
-    blocks' products staying XLA's for a small cache; a prompt (more rows than
-    MAX_ROWS) takes XLA's products, and so does attention_impl='xla'."""
+    keys and values (a row's own or page pools) with the quantized kernels at
+    any cache size, the other blocks' products staying XLA's for a small
+    cache; a prompt (more rows than MAX_ROWS) takes XLA's products, and so
+    does attention_impl='xla'."""
     import kvlab
 
     cfg = kvlab.load_config(f"{ROOT}/configs/kv_kivi2.py:tiny")
     cfg.model.attention_impl = "native"
+    cfg.cache.kind = kind
     cfg = kvlab.validate_config(cfg)
     params = kvlab.init_params(cfg.model, jax.random.key(0))
     cache = kvlab.init_cache(cfg.model, cfg.cache, batch_size=2, max_len=64)
@@ -315,15 +318,18 @@ def quantized_tokens(draw):
     tensor=quantized_tokens(),
     rows=st.one_of(st.just(1), st.integers(1, native.MAX_ROWS)),
     cut=st.floats(0, 1),
+    per_page=st.integers(1, 40),
     seed=st.integers(0, 2**16),
 )
-def test_quantized_products_are_those_of_the_dequantized_tokens(tensor, rows, cut, seed):
+def test_quantized_products_are_those_of_the_dequantized_tokens(tensor, rows, cut, per_page, seed):
     """Scores and weighted sums over the packed codes equal float64 products with
     quant.dequantize_tokens' numbers, for every format, axis, group, scale dtype
     and tail, read straight from the codes (one row, whole 16-byte chunks) or
-    through rows of dequantized tokens; tokens past the limit score 0 and their
-    weights are never read (NaN there changes nothing). Scales are folded into sums as XLA's path
-    folds them, so the bound is float32 rounding of the numbers' parts."""
+    through rows of dequantized tokens, from a row's own arrays or from page
+    pools through block tables; tokens past the limit score 0 and their
+    weights are never read (NaN there changes nothing). Scales are folded into
+    sums as XLA's path folds them, so the bound is float32 rounding of the
+    numbers' parts."""
     from kvlab.cache import quant
 
     rng = np.random.default_rng(seed)
@@ -354,10 +360,42 @@ def test_quantized_products_are_those_of_the_dequantized_tokens(tensor, rows, cu
         terms = np.einsum(spec, np.abs(a).astype(np.float64), parts)
         assert np.all(np.abs(np.asarray(got, np.float64) - want) <= 1e-5 * terms + 1e-30)
 
-    scores = np.asarray(jax.jit(lambda q, n: native.quant_scores(q, codes, n))(q, limit))
-    assert scores.shape == (slices, 1, rows, length)
-    check(scores[..., :limit], "pqmh,pqsh->pqms", q, dense)
-    assert np.all(scores[..., limit:] == 0)
-    out = jax.jit(lambda w, n: native.quant_weighted_sum(w, codes, n))(w, limit)
-    assert out.shape == (slices, 1, rows, width)
-    check(out, "pqms,pqsh->pqmh", w[..., :limit], dense)
+    for read in (codes, in_pages(codes, per_page * (spec.group_size if codes.channel else 1), rng)):
+        scores = np.asarray(jax.jit(lambda q, n, c=read: native.quant_scores(q, c, n))(q, limit))
+        assert scores.shape == (slices, 1, rows, length)
+        check(scores[..., :limit], "pqmh,pqsh->pqms", q, dense)
+        assert np.all(scores[..., limit:] == 0)
+        out = jax.jit(lambda w, n, c=read: native.quant_weighted_sum(w, c, n))(w, limit)
+        assert out.shape == (slices, 1, rows, width)
+        check(out, "pqms,pqsh->pqmh", w[..., :limit], dense)
+
+
+def in_pages(codes, per_page: int, rng):
+    """The same codes as page pools of `per_page` tokens in shuffled order with a
+    spare page, through block tables with one entry more than the rows need, -1
+    (unallocated; read as page 0, masked)."""
+    batch, heads, length, _ = codes.shape
+    count = -(-length // per_page)
+    order = rng.permutation(batch * count + 1)
+    tables = np.full((batch, count + 1), -1, np.int32)
+    tables[:, :count] = order[: batch * count].reshape(batch, count)
+
+    def pool(x):
+        x = np.asarray(x)
+        per = per_page * x.shape[2] // length  # rows of x per page (scale rows: / group)
+        x = np.pad(x, ((0, 0), (0, 0), (0, count * per - x.shape[2]), (0, 0)))
+        pages = np.zeros((heads, batch * count + 1, per, x.shape[3]), x.dtype)
+        for row in range(batch):
+            for j in range(count):
+                pages[:, tables[row, j]] = x[row, :, j * per : (j + 1) * per]
+        return jnp.asarray(pages)
+
+    zero = None if codes.zero is None else pool(codes.zero)
+    return dataclasses.replace(
+        codes,
+        payload=pool(codes.payload),
+        scale=pool(codes.scale),
+        zero=zero,
+        pages=jnp.asarray(tables),
+        length=length,
+    )

@@ -246,19 +246,21 @@ def _kernel(block, folded, part_heads, scale: float, shape: tuple, fallback):
 
 
 def _native_block(block, rows: int):
-    """The block with its quantized payloads read by kvlab.native's kernels
-    (model.attention_impl='native'), or None where they cannot read them all.
+    """The block with its quantized payloads (a row's own, or page pools) read
+    by kvlab.native's kernels (model.attention_impl='native'), or None where
+    they cannot read them all.
 
     The kernels read a payload's packed codes in place, up to the last slot any
     query sees, so the block is read whole instead of streamed. Its other
     tensors must be float32 arrays (a 16-bit block keeps its streaming).
     """
-    from kvlab.cache import quant  # noqa: PLC0415 (the cache package imports this one)
+    from kvlab.cache import paged, quant  # noqa: PLC0415 (the cache package imports this one)
 
     k, v, mask = block
     tensors = (*_parts(k), v)
     readers = [x for x in tensors if isinstance(x, Reader)]
-    if not readers or any(not isinstance(x, quant.PayloadReader) for x in readers):
+    payloads = (quant.PayloadReader, paged.PagedPayloadReader)
+    if not readers or any(not isinstance(x, payloads) for x in readers):
         return None
     if any(x.dtype != jnp.float32 for x in tensors if not isinstance(x, Reader)):
         return None

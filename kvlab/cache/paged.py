@@ -170,6 +170,10 @@ class PagedPayloadReader:
         take = lambda pool, first, count: gather_span(pool, self.pages, first, count)  # noqa: E731
         return quant.read_slice(self.tensor, take, start, size)
 
+    def native(self, limit, rows: int):
+        """As quant.PayloadReader.native: the pools read in place through the tables."""
+        return quant.native_payload(self, self.tensor, limit, rows, self.pages, self.rows)
+
 
 @struct.dataclass
 class PagedLayer:

@@ -353,18 +353,26 @@ class PayloadReader:
         """This payload read whole by kvlab.native's kernels, its first `limit`
         tokens (an int32 scalar: where the block's mask ends), for `rows` queries
         per head; None where the kernels cannot read it."""
-        spec, t = self.tensor.spec, self.tensor
-        codes = native.Codes(
-            payload=t.payload,
-            scale=t.scale,
-            zero=t.zero,
-            bits=spec.bits,
-            fp8=spec.format == "fp8",
-            offset=2 ** (spec.bits - 1) if spec.format == "int" and spec.symmetric else 0,
-            channel=spec.axis == "channel",
-            group=spec.group_size,
-        )
-        return NativePayload(self, codes, limit) if native.reads(codes, rows) else None
+        return native_payload(self, self.tensor, limit, rows)
+
+
+def native_payload(reader, tensor: QuantizedTensor, limit, rows: int, pages=None, length=None):
+    """`reader` (of `tensor`'s payload, or of its page pools through block tables
+    `pages` with `length` tokens per row) as a NativePayload, or None."""
+    spec = tensor.spec
+    codes = native.Codes(
+        payload=tensor.payload,
+        scale=tensor.scale,
+        zero=tensor.zero,
+        bits=spec.bits,
+        fp8=spec.format == "fp8",
+        offset=2 ** (spec.bits - 1) if spec.format == "int" and spec.symmetric else 0,
+        channel=spec.axis == "channel",
+        group=spec.group_size,
+        pages=pages,
+        length=length,
+    )
+    return NativePayload(reader, codes, limit) if native.reads(codes, rows) else None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -374,7 +382,7 @@ class NativePayload:
     the core's caches, so the payload is read whole (`step` is its length)
     rather than in slices, and only its first `limit` tokens are read."""
 
-    reader: PayloadReader
+    reader: object  # the PayloadReader or PagedPayloadReader it replaces
     codes: native.Codes
     limit: Array
 

@@ -225,12 +225,18 @@ def weighted_sum(w: jax.Array, v: jax.Array) -> jax.Array:
 class Codes:
     """Quantized tokens as kvlab/cache/quant.py stores them, for the kernels.
 
-    payload uint8 [..., S, H * bits / 8] (value j of a byte in bits j*bits..);
-    scale, zero [..., S, H / group] (channel=False: a token's `group` channels
-    share one) or [..., S / group, H] (channel=True: a channel's `group`
-    tokens share one), float32, bfloat16 or float16; zero None without zero
-    points. A number is (level - offset) * scale (+ zero), its level the
-    integer code or, with fp8, the float8 e4m3 number the byte holds.
+    payload uint8 [B, KH, S, H * bits / 8] (value j of a byte in bits j*bits..);
+    scale, zero [B, KH, S, H / group] (channel=False: a token's `group`
+    channels share one) or [B, KH, S / group, H] (channel=True: a channel's
+    `group` tokens share one), float32, bfloat16 or float16; zero None
+    without zero points. A number is (level - offset) * scale (+ zero), its
+    level the integer code or, with fp8, the float8 e4m3 number the byte holds.
+
+    With `pages` (block tables int32 [B, n]) they are page pools instead,
+    payload [KH, P, L, H * bits / 8] and scale, zero [KH, P, L or L / group, .],
+    row b's token t in page pages[b, t // L] (kvlab/cache/paged.py; a table
+    entry outside the pool reads page 0, as gather_pages does), `length` (S)
+    tokens per row.
     """
 
     payload: jax.Array
@@ -241,10 +247,19 @@ class Codes:
     offset: int
     channel: bool
     group: int
+    pages: jax.Array | None = None
+    length: int | None = None
 
     @property
     def width(self) -> int:
         return self.payload.shape[-1] * 8 // self.bits
+
+    @property
+    def shape(self) -> tuple:
+        """[B, KH, S, H]: the tokens the codes hold, as attention reads them."""
+        if self.pages is None:
+            return (*self.payload.shape[:-1], self.width)
+        return (self.pages.shape[0], self.payload.shape[0], self.length, self.width)
 
     def attributes(self) -> dict:
         return dict(
@@ -254,6 +269,7 @@ class Codes:
             channel=np.int64(self.channel),
             group=np.int64(self.group),
             has_zero=np.int64(self.zero is not None),
+            paged=np.int64(self.pages is not None),
         )
 
 
@@ -270,36 +286,38 @@ def reads(codes: Codes, rows: int) -> bool:
 
 
 def _quant_call(target: str, x: jax.Array, codes: Codes, limit, out: tuple) -> jax.Array:
-    """`target` over x [..., M, .] and the codes' [P, ...] slices (leading axes
-    flattened), giving [..., M, *out]."""
+    """`target` over x [B, KH, M, .] and the codes as [B * KH, ...] slices (or
+    pools), giving [B, KH, M, *out]."""
     lead, rows = x.shape[:-2], x.shape[-2]
     slices = math.prod(lead)
 
     def flat(a):
-        return a.reshape(slices, *a.shape[-2:])
+        return a if codes.pages is not None else a.reshape(slices, *a.shape[-2:])
 
     zero = codes.zero if codes.zero is not None else codes.scale  # unread without zero points
+    table = codes.pages if codes.pages is not None else jnp.zeros((1, 1), jnp.int32)
     result = jax.ShapeDtypeStruct((slices, rows, *out), jnp.float32)
     call = jax.ffi.ffi_call(target, result, vmap_method="sequential")
-    operands = (flat(x.astype(jnp.float32)), flat(codes.payload), flat(codes.scale), flat(zero))
+    operands = (x.astype(jnp.float32).reshape(slices, rows, -1), flat(codes.payload))
+    operands += (flat(codes.scale), flat(zero), table.astype(jnp.int32))
     done = call(*operands, jnp.asarray(limit, jnp.int32), **codes.attributes())
     return done.reshape(*lead, rows, *out)
 
 
 def quant_scores(q: jax.Array, codes: Codes, limit) -> jax.Array:
-    """float32 [..., M, S]: queries [..., M, H] against the first `limit` (an
-    int32 scalar, may be traced) of the S stored tokens, 0 for the others;
+    """float32 [B, KH, M, S]: queries [B, KH, M, H] against the first `limit`
+    (an int32 scalar, may be traced) of the S stored tokens, 0 for the others;
     the native kernel where `reads(codes, M)`, which the caller checks."""
-    lead, length = q.shape[:-2], codes.payload.shape[-2]
-    if codes.payload.shape[:-2] != lead or q.shape[-1] != codes.width:
-        raise ValueError(f"queries {q.shape} and codes {codes.payload.shape} do not match")
+    b, kh, length, width = codes.shape
+    if q.shape[:2] != (b, kh) or q.shape[-1] != width:
+        raise ValueError(f"queries {q.shape} and codes of {codes.shape} do not match")
     return _quant_call("kvlab_quant_scores", q, codes, limit, (length,))
 
 
 def quant_weighted_sum(w: jax.Array, codes: Codes, limit) -> jax.Array:
-    """float32 [..., M, H]: weights [..., M, S] over the first `limit` stored
-    tokens (the others' weights are not read), as `quant_scores`."""
-    lead, length = w.shape[:-2], codes.payload.shape[-2]
-    if codes.payload.shape[:-2] != lead or w.shape[-1] != length:
-        raise ValueError(f"weights {w.shape} and codes {codes.payload.shape} do not match")
-    return _quant_call("kvlab_quant_weighted_sum", w, codes, limit, (codes.width,))
+    """float32 [B, KH, M, H]: weights [B, KH, M, S] over the first `limit`
+    stored tokens (the others' weights are not read), as `quant_scores`."""
+    b, kh, length, width = codes.shape
+    if w.shape[:2] != (b, kh) or w.shape[-1] != length:
+        raise ValueError(f"weights {w.shape} and codes of {codes.shape} do not match")
+    return _quant_call("kvlab_quant_weighted_sum", w, codes, limit, (width,))

@@ -328,11 +328,36 @@ struct Payload {
   const uint8_t* codes;
   const void* scale;
   const void* zero;
-  int64_t s_len, h_len, bytes;  // tokens, numbers per token, bytes per token
+  int64_t s_len, h_len, bytes;  // tokens per slice, numbers per token, bytes per token
   Codes c;
+  // Page pools (table set): codes [KH, pages, L, bytes] and scales [KH, pages, L or L / group,
+  // groups]; slice b * KH + kh reads token t from page table[b, t / L], an entry outside
+  // the pool reading page 0 as gather_pages does (what it holds is masked).
+  const int32_t* table = nullptr;
+  int64_t heads = 1, pages = 1, per_page = 1, table_len = 0;
 
   int64_t Groups() const { return c.channel ? h_len : h_len / c.group; }  // scales per row
-  int64_t ScaleRows() const { return c.channel ? s_len / c.group : s_len; }
+
+  // Row `row` of the slice in an array of `per_slice` rows per slice, or of `per_page`
+  // rows per page.
+  int64_t Row(int64_t slice, int64_t row, int64_t per_slice, int64_t rows_per_page) const {
+    if (table == nullptr) return slice * per_slice + row;
+    int64_t page = table[slice / heads * table_len + row / rows_per_page];
+    page = page < 0 || page >= pages ? 0 : page;
+    return (slice % heads * pages + page) * rows_per_page + row % rows_per_page;
+  }
+  const uint8_t* TokenCodes(int64_t slice, int64_t t) const {
+    return codes + Row(slice, t, s_len, per_page) * bytes;
+  }
+  // The first entry of scale row `row` (a token, or a group of tokens on the channel axis).
+  int64_t ScaleEntry(int64_t slice, int64_t row) const {
+    const int64_t per = c.channel ? c.group : 1;
+    return Row(slice, row, s_len / per, per_page / per) * Groups();
+  }
+  // Blocks stay within a page, so their codes and scale rows are contiguous.
+  int64_t BlockEnd(int64_t t, int64_t end) const {
+    return table == nullptr ? end : std::min(end, (t / per_page + 1) * per_page);
+  }
 };
 
 // dst[i] = float(src[first + i]) for i < n, then 16 zeros (vector loads may run past n).
@@ -382,24 +407,36 @@ inline __m512 Fp8(__m512i bits) {
 }
 
 // Checks the operands against each other and the attributes; fills `p` on success.
-ffi::Error ReadPayload(const char* name, int64_t slices, int64_t h_len,
+// Dense: codes [P, S, H * bits / 8], scales [P, S or S / group, .]; paged (a table
+// [B, n] with P = B * KH): codes [KH, pages, L, H * bits / 8], scales [KH, pages, L or
+// L / group, .], S tokens per row (s_len) within the table's n * L.
+ffi::Error ReadPayload(const char* name, int64_t slices, int64_t s_len, int64_t h_len,
                        const ffi::Buffer<ffi::U8>& codes, const ffi::AnyBuffer& scale,
-                       const ffi::AnyBuffer& zero, int64_t bits, int64_t fp8, int64_t offset,
-                       int64_t channel, int64_t group, int64_t has_zero, Payload* p) {
+                       const ffi::AnyBuffer& zero, const ffi::Buffer<ffi::S32>& table,
+                       int64_t bits, int64_t fp8, int64_t offset, int64_t channel, int64_t group,
+                       int64_t has_zero, int64_t paged, Payload* p) {
   const auto cd = codes.dimensions(), sd = scale.dimensions(), zd = zero.dimensions();
+  const auto td = table.dimensions();
   const auto type = scale.element_type();
   const bool known_bits = bits == 8 || (!fp8 && (bits == 4 || bits == 2));
   if (!known_bits || group < 1 || (fp8 && (offset || has_zero))) {
     return ffi::Error::InvalidArgument(std::string(name) + ": unknown code format");
   }
-  if (cd.size() != 3 || cd[0] != slices || cd[2] * 8 != h_len * bits || sd.size() != 3 ||
-      sd[0] != slices) {
-    return ffi::Error::InvalidArgument(std::string(name) + ": codes [P, S, H * bits / 8] and " +
-                                       "scales [P, ., .] expected");
+  const std::string shapes = paged ? "codes [KH, pages, L, H * bits / 8], scales [KH, pages, "
+                                     ".. , ..] and a table [B, n] with P = B * KH"
+                                   : "codes [P, S, H * bits / 8] and scales [P, ., .]";
+  const size_t rank = paged ? 4 : 3;
+  if (cd.size() != rank || sd.size() != rank || cd[rank - 1] * 8 != h_len * bits ||
+      (paged && (td.size() != 2 || td[0] * cd[0] != slices || sd[0] != cd[0] || sd[1] != cd[1] ||
+                 s_len > td[1] * cd[2])) ||
+      (!paged && (cd[0] != slices || sd[0] != slices || cd[1] != s_len))) {
+    return ffi::Error::InvalidArgument(std::string(name) + ": " + shapes + " expected");
   }
-  const int64_t s_len = cd[1];
-  const bool rows_ok = channel ? (s_len % group == 0 && sd[1] == s_len / group && sd[2] == h_len)
-                               : (h_len % group == 0 && sd[1] == s_len && sd[2] == h_len / group);
+  const int64_t rows = paged ? cd[2] : s_len;  // tokens per page, or per slice
+  const bool rows_ok = channel ? (rows % group == 0 && (!paged || s_len % group == 0) &&
+                                  sd[rank - 2] == rows / group && sd[rank - 1] == h_len)
+                               : (h_len % group == 0 && sd[rank - 2] == rows &&
+                                  sd[rank - 1] == h_len / group);
   if (!rows_ok) {
     return ffi::Error::InvalidArgument(std::string(name) + ": scales do not fit the codes");
   }
@@ -407,19 +444,23 @@ ffi::Error ReadPayload(const char* name, int64_t slices, int64_t h_len,
     return ffi::Error::InvalidArgument(std::string(name) + ": scales must be float32, " +
                                        "bfloat16 or float16");
   }
-  if (has_zero && (zero.element_type() != type || zd.size() != 3 || zd[0] != sd[0] ||
-                   zd[1] != sd[1] || zd[2] != sd[2])) {
+  bool zero_ok = zero.element_type() == type && zd.size() == sd.size();
+  for (size_t i = 0; zero_ok && i < sd.size(); ++i) zero_ok = zd[i] == sd[i];
+  if (has_zero && !zero_ok) {
     return ffi::Error::InvalidArgument(std::string(name) + ": zero points must match the scales");
   }
   const ScaleType scale_type = type == ffi::DataType::F32    ? ScaleType::kF32
                                : type == ffi::DataType::BF16 ? ScaleType::kBF16
                                                              : ScaleType::kF16;
-  *p = Payload{codes.typed_data(), scale.untyped_data(), zero.untyped_data(), s_len, h_len, cd[2],
-               Codes{bits, fp8 != 0, static_cast<float>(offset), channel != 0, group,
-                     has_zero != 0, scale_type}};
+  *p = Payload{codes.typed_data(), scale.untyped_data(), zero.untyped_data(), s_len, h_len,
+               cd[rank - 1], Codes{bits, fp8 != 0, static_cast<float>(offset), channel != 0,
+                                   group, has_zero != 0, scale_type}};
+  if (paged) {
+    p->table = table.typed_data();
+    p->heads = cd[0], p->pages = cd[1], p->per_page = cd[2], p->table_len = td[1];
+  }
   return ffi::Error::Success();
 }
-
 
 // Scratch of one work item: dequantized rows and converted scales (or folded queries).
 struct Scratch {
@@ -442,7 +483,7 @@ struct Scratch {
 // shifts zero - offset * scale (what a level of 0 stands for) into s.shift.
 void ConvertScales(const Payload& p, int64_t slice, int64_t first_row, int64_t rows,
                    Scratch& s) {
-  const int64_t groups = p.Groups(), first = (slice * p.ScaleRows() + first_row) * groups;
+  const int64_t groups = p.Groups(), first = p.ScaleEntry(slice, first_row);
   const int64_t n = rows * groups;
   ToFloat(p.scale, p.c.scale_type, first, n, s.scale.get());
   if (p.c.has_zero) {
@@ -563,7 +604,7 @@ void Rows(const uint8_t* codes, int64_t bytes, int64_t h_len, int64_t n, const f
 template <int kBits, bool kFp8>
 void BlockRows(const Payload& p, const TokenScales& token, int64_t slice, int64_t t, int64_t n,
                Scratch& s) {
-  const uint8_t* codes = p.codes + (slice * p.s_len + t) * p.bytes;
+  const uint8_t* codes = p.TokenCodes(slice, t);
   if (p.c.channel) {
     Rows<kBits, kFp8, false, true>(codes, p.bytes, p.h_len, n, nullptr, nullptr, 0, token,
                                    s.rows.get(), s.ld);
@@ -713,7 +754,7 @@ struct Direct {
 template <int kBits, bool kFp8, typename Run>
 void WithDirect(const Payload& p, const TokenScales& token, int64_t slice, int64_t t, int64_t n,
                 Scratch& s, Run run) {
-  const uint8_t* codes = p.codes + (slice * p.s_len + t) * p.bytes;
+  const uint8_t* codes = p.TokenCodes(slice, t);
   constexpr bool kPhased = kBits == 4;
   if (p.c.channel) {
     run(Direct<kBits, kFp8, false, kPhased>{{}, codes, p.bytes, nullptr, nullptr, 0, token,
@@ -763,7 +804,7 @@ void ScoresItem(const Payload& p, const float* q, int64_t m_len, int64_t slice, 
                 int64_t s1, float* out, const TokenScales& token) {
   Scratch s(p, m_len);
   for (int64_t t = s0; t < s1;) {
-    int64_t end = std::min(s1, t + s.block);
+    int64_t end = p.BlockEnd(t, std::min(s1, t + s.block));
     const float* query = q;
     int64_t ldq = p.h_len;
     if (p.c.channel) {
@@ -813,7 +854,7 @@ void WeightedItem(const Payload& p, const float* w, int64_t m_len, int64_t slice
     }
   };
   for (int64_t t = s0; t < s1;) {
-    int64_t end = std::min(s1, t + s.block);
+    int64_t end = p.BlockEnd(t, std::min(s1, t + s.block));
     const bool start = p.c.channel && (t == s0 || t % p.c.group == 0);
     if (p.c.channel) end = std::min(end, (t / p.c.group + 1) * p.c.group);
     const float* wt = w + t;
@@ -882,21 +923,21 @@ int64_t Limit(const ffi::Buffer<ffi::S32>& limit, int64_t s_len) {
 }
 
 ffi::Error QuantScores(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::U8> codes,
-                       ffi::AnyBuffer scale, ffi::AnyBuffer zero, ffi::Buffer<ffi::S32> limit,
-                       ffi::ResultBuffer<ffi::F32> out, int64_t bits, int64_t fp8, int64_t offset,
-                       int64_t channel, int64_t group, int64_t has_zero) {
+                       ffi::AnyBuffer scale, ffi::AnyBuffer zero, ffi::Buffer<ffi::S32> table,
+                       ffi::Buffer<ffi::S32> limit, ffi::ResultBuffer<ffi::F32> out, int64_t bits,
+                       int64_t fp8, int64_t offset, int64_t channel, int64_t group,
+                       int64_t has_zero, int64_t paged) {
   const auto qd = q.dimensions(), od = out->dimensions();
   if (qd.size() != 3 || od.size() != 3 || od[0] != qd[0] || od[1] != qd[1] ||
       limit.dimensions().size() != 0) {
     return ffi::Error::InvalidArgument("kvlab quant_scores: expects q [P, M, H] and a limit []");
   }
   Payload p;
-  if (auto error = ReadPayload("kvlab quant_scores", qd[0], qd[2], codes, scale, zero, bits, fp8,
-                               offset, channel, group, has_zero, &p);
+  if (auto error = ReadPayload("kvlab quant_scores", qd[0], od[2], qd[2], codes, scale, zero,
+                               table, bits, fp8, offset, channel, group, has_zero, paged, &p);
       error.failure()) {
     return error;
   }
-  if (od[2] != p.s_len) return ffi::Error::InvalidArgument("kvlab quant_scores: out [P, M, S]");
   const int64_t m_len = qd[1], s_len = p.s_len, end = Limit(limit, s_len);
   const float* qp = q.typed_data();
   float* op = out->typed_data();
@@ -912,9 +953,10 @@ ffi::Error QuantScores(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffe
 }
 
 ffi::Error QuantWeighted(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> w, ffi::Buffer<ffi::U8> codes,
-                         ffi::AnyBuffer scale, ffi::AnyBuffer zero, ffi::Buffer<ffi::S32> limit,
-                         ffi::ResultBuffer<ffi::F32> out, int64_t bits, int64_t fp8,
-                         int64_t offset, int64_t channel, int64_t group, int64_t has_zero) {
+                         ffi::AnyBuffer scale, ffi::AnyBuffer zero, ffi::Buffer<ffi::S32> table,
+                         ffi::Buffer<ffi::S32> limit, ffi::ResultBuffer<ffi::F32> out,
+                         int64_t bits, int64_t fp8, int64_t offset, int64_t channel,
+                         int64_t group, int64_t has_zero, int64_t paged) {
   const auto wd = w.dimensions(), od = out->dimensions();
   if (wd.size() != 3 || od.size() != 3 || od[0] != wd[0] || od[1] != wd[1] ||
       limit.dimensions().size() != 0) {
@@ -922,12 +964,12 @@ ffi::Error QuantWeighted(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> w, ffi::Buf
         "kvlab quant_weighted_sum: expects w [P, M, S], out [P, M, H] and a limit []");
   }
   Payload p;
-  if (auto error = ReadPayload("kvlab quant_weighted_sum", wd[0], od[2], codes, scale, zero, bits,
-                               fp8, offset, channel, group, has_zero, &p);
+  if (auto error = ReadPayload("kvlab quant_weighted_sum", wd[0], wd[2], od[2], codes, scale,
+                               zero, table, bits, fp8, offset, channel, group, has_zero, paged,
+                               &p);
       error.failure()) {
     return error;
   }
-  if (wd[2] != p.s_len) return ffi::Error::InvalidArgument("kvlab quant_weighted_sum: w [P, M, S]");
   const int64_t slices = wd[0], m_len = wd[1], s_len = p.s_len, size = m_len * p.h_len;
   const int64_t end = Limit(limit, s_len), span = Span(p);
   const int64_t per_slice = (end + span - 1) / span;
@@ -970,13 +1012,15 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(KvlabPanelMatmul, PanelMatmul, KVLAB_BINARY_F32);
       .Arg<ffi::AnyBuffer>()               \
       .Arg<ffi::AnyBuffer>()               \
       .Arg<ffi::Buffer<ffi::S32>>()        \
+      .Arg<ffi::Buffer<ffi::S32>>()        \
       .Ret<ffi::Buffer<ffi::F32>>()        \
       .Attr<int64_t>("bits")               \
       .Attr<int64_t>("fp8")                \
       .Attr<int64_t>("offset")             \
       .Attr<int64_t>("channel")            \
       .Attr<int64_t>("group")              \
-      .Attr<int64_t>("has_zero")
+      .Attr<int64_t>("has_zero")           \
+      .Attr<int64_t>("paged")
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(KvlabQuantScores, QuantScores, KVLAB_QUANT_BINDING);
 XLA_FFI_DEFINE_HANDLER_SYMBOL(KvlabQuantWeightedSum, QuantWeighted, KVLAB_QUANT_BINDING);

@@ -194,12 +194,15 @@ def test_pallas_kernels_give_the_xla_logits(config, cache):
         ("gqa.py:tiny", dict(k_bits=8, v_bits=4, k_format="fp8", scale_dtype="float16"), 8),
         ("gqa.py:tiny", dict(k_bits=2, v_bits=4, residual=8, group_size=4, window=24), 8),
         ("mla.py:tiny", dict(latent_bits=4, rope_bits=8, group_size=4), 8),
+        ("gqa.py:tiny", dict(kind="paged", k_bits=4, v_bits=2, group_size=4, page_size=8), 8),
+        ("gqa.py:tiny", dict(kind="paged", k_bits=8, v_bits=8, k_axis="token", page_size=8), 8),
     ],
 )
 def test_native_kernels_give_the_xla_logits(config, cache, stream_tokens, monkeypatch):
     """model.attention_impl='native' (kvlab.native's products for float32 arrays,
     here for any cache size, and for quantized payloads) decodes dense, streamed
-    16-bit, windowed, latent and quantized caches to the XLA path's logits;
+    16-bit, windowed, latent and quantized caches (rows' own or paged) to the
+    XLA path's logits;
     where the kernels are unavailable it is the XLA path."""
     monkeypatch.setattr(native, "ATTENTION_MIN_BYTES", 0)
     cfg = kvlab.load_config(f"{ROOT}/configs/{config}")
