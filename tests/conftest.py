@@ -1,3 +1,4 @@
+import gc
 import os
 
 import pytest
@@ -36,3 +37,16 @@ def _wandb_files_stay_in_tmp(tmp_path_factory, monkeypatch):
     """wandb stages logged tables for `wandb sync` under WANDB_DATA_DIR (default
     in the home directory); tests keep them in their temporary directory."""
     monkeypatch.setenv("WANDB_DATA_DIR", str(tmp_path_factory.getbasetemp() / "wandb-data"))
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _compiled_programs_are_freed_after_each_module():
+    """Every compiled XLA:CPU program holds memory mappings while JAX's caches
+    keep it; a whole run would keep thousands and reach the kernel's
+    vm.max_map_count (65,530 here), where a compile's mmap fails and XLA
+    crashes. Clearing the caches after each test module frees them."""
+    yield
+    import jax  # noqa: PLC0415 (XLA_FLAGS above is read when the backend starts)
+
+    jax.clear_caches()
+    gc.collect()

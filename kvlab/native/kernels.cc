@@ -12,6 +12,9 @@
 // KvlabScores and KvlabWeightedSum: decode attention's two products over P
 // slices (batch x KV head) of a cache, each slice's keys or values read once.
 //
+// KvlabQuantScores and KvlabQuantWeightedSum: the same over a quantized cache's
+// packed codes, a row's own or page pools (below, "over a quantized payload").
+//
 // Work is split into chunks of about kChunkBytes on XLA's intra-op thread pool;
 // the calling thread works too, and a call of one chunk never leaves it.
 #include <immintrin.h>
@@ -302,13 +305,16 @@ ffi::Error Weighted(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> w, ffi::Buffer<f
 // ---- The same two products over a quantized payload (kvlab/cache/quant.py's layout):
 // codes uint8[P, S, H * bits / 8], value j of a byte in bits j*bits.., and scales and zero
 // points [P, S, H / group] (token axis: a token's channels share one) or [P, S / group, H]
-// (channel axis: a channel's tokens share one) in float32, bfloat16 or float16. A number
-// is (level - offset) * scale (+ zero), level the integer code or the float8 e4m3 value.
-// Tokens are dequantized kBlock at a time into a float32 scratch that stays in the core's
-// caches and multiplied there, so the payload is read once and no widened copy is made.
-// Only the first `limit` tokens are read (the rest of the scores are 0); the work is split
-// into (slice, run of tokens) items of a fixed size, so sums run in the same order on any
-// number of threads.
+// (channel axis: a channel's tokens share one) in float32, bfloat16 or float16, or the
+// same as page pools read through block tables (Payload). A number is (level - offset) *
+// scale (+ zero), level the integer code or the float8 e4m3 value. On the channel axis a
+// group's scales fold into the queries and the sums, as quant.PayloadReader folds them.
+// Blocks of up to 64 tokens are dequantized into a float32 scratch that stays in the
+// core's caches and multiplied there, or, for one query row over whole 16-byte chunks,
+// read straight into the products (Direct); the payload is read once and no widened copy
+// is made. Only the first `limit` tokens are read (the rest of the scores are 0); the work
+// is split into (slice, run of tokens) items of a fixed size, so sums run in the same
+// order on any number of threads.
 
 constexpr int64_t kItemNumbers = int64_t{1} << 17;  // stored numbers per unit of parallel work
 
@@ -462,7 +468,8 @@ ffi::Error ReadPayload(const char* name, int64_t slices, int64_t s_len, int64_t 
   return ffi::Error::Success();
 }
 
-// Scratch of one work item: dequantized rows and converted scales (or folded queries).
+// Scratch of one work item: dequantized rows, converted scales and shifts, the folded
+// queries or a group's sums [M, H], their biases or weight totals [M], a permuted row.
 struct Scratch {
   int64_t block, ld;  // tokens per block (a multiple of 16) and the rows' stride
   std::unique_ptr<float[]> rows, scale, shift, folded, bias, spare;
@@ -474,7 +481,7 @@ struct Scratch {
     scale.reset(new float[scales]);
     shift.reset(new float[scales]);
     folded.reset(new float[m_len * ld]);
-    bias.reset(new float[std::max<int64_t>(m_len, 16) * std::max<int64_t>(ld, 16)]);
+    bias.reset(new float[m_len]);
     spare.reset(new float[ld]);
   }
 };
