@@ -132,8 +132,9 @@ def base_config(variant: str = "tiny") -> ml_collections.ConfigDict:
             #                        quantized and paged caches' stored tokens
             #                        (kvlab/attention/pallas.py; the Pallas interpreter on
             #                        CPU). native: kvlab.native's CPU kernels compute float32
-            #                        decode attention's products and read quantized
-            #                        payloads in place (XLA's where unavailable)
+            #                        decode attention's products, widening long 16-bit
+            #                        caches in registers and reading quantized payloads
+            #                        in place (XLA's where unavailable)
         )
     )
     # RoPE for contexts longer than the model was trained on, as Hugging Face

@@ -19,6 +19,7 @@ from tests.helpers import ROOT
 needs_native = pytest.mark.skipif(
     not native.available(), reason=f"kvlab.native unavailable: {native.unavailable_reason()}"
 )
+PRODUCTS = [target for target in native.TARGETS if target != "kvlab_write_tokens"]
 
 
 def reference(x, kernel):
@@ -129,22 +130,29 @@ assert float(jnp.abs(got - want).max()) < 1e-4, float(jnp.abs(got - want).max())
     rows=st.integers(1, native.MAX_ROWS + 2),
     length=st.integers(1, 40),
     width=st.integers(1, 70),
+    dtype=st.sampled_from(["float32", "bfloat16", "float16"]),
+    cut=st.integers(0, 41),
     seed=st.integers(0, 2**16),
 )
-def test_attention_products_are_the_einsums(slices, rows, length, width, seed):
+def test_attention_products_are_the_einsums(slices, rows, length, width, dtype, cut, seed):
     """Scores (16 keys a vector, then one by one) and weighted sums (64 columns a
-    pass) for every tail: lengths and widths not multiples of 16 or 64; the
-    kernels take any size here (ATTENTION_MIN_BYTES is a speed choice)."""
+    pass) for every tail: lengths and widths not multiples of 16 or 64, keys and
+    values stored in float32 or widened from 16 bits, up to a limit (past it
+    scores are 0 and weights, here NaN, are not read); the kernels take any
+    size here (ATTENTION_MIN_BYTES is a speed choice)."""
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(native, "ATTENTION_MIN_BYTES", 0)
-        check_attention_products(slices, rows, length, width, seed)
+        check_attention_products(slices, rows, length, width, seed, dtype, min(cut, length))
 
 
-def check_attention_products(slices, rows, length, width, seed):
+def check_attention_products(slices, rows, length, width, seed, dtype, seen):
     rng = np.random.default_rng(seed)
     q = rng.standard_normal((slices, 1, rows, width), np.float32)
-    k = rng.standard_normal((slices, 1, length, width), np.float32)
+    stored = jnp.asarray(rng.standard_normal((slices, 1, length, width)), dtype)
+    k = np.asarray(stored.astype(jnp.float32))  # the numbers the cache holds
     w = rng.standard_normal((slices, 1, rows, length), np.float32)
+    w_past = w.copy()
+    w_past[..., seen:] = np.nan
 
     def check(got, spec, a, b):
         """Within float32 rounding of each sum's terms (sums may cancel)."""
@@ -153,8 +161,11 @@ def check_attention_products(slices, rows, length, width, seed):
         assert got.shape == want.shape
         assert np.all(np.abs(np.asarray(got, np.float64) - want) <= 1e-5 * terms + 1e-30)
 
-    check(jax.jit(native.scores)(jnp.asarray(q), jnp.asarray(k)), "pqmh,pqsh->pqms", q, k)
-    check(jax.jit(native.weighted_sum)(jnp.asarray(w), jnp.asarray(k)), "pqms,pqsh->pqmh", w, k)
+    scores = jax.jit(native.scores)(jnp.asarray(q), stored, seen)
+    check(scores[..., :seen], "pqmh,pqsh->pqms", q, k[:, :, :seen])
+    assert np.all(np.asarray(scores[..., seen:]) == 0)
+    out = jax.jit(native.weighted_sum)(jnp.asarray(w_past), stored, seen)
+    check(out, "pqms,pqsh->pqmh", w[..., :seen], k[:, :, :seen])
     other = jnp.asarray(np.concatenate([k, k]))  # one more slice
     with pytest.raises(ValueError, match="do not match"):
         native.scores(jnp.asarray(q), other)
@@ -212,16 +223,16 @@ def test_a_quantized_cache_is_read_by_the_kernels(kind):
         tokens = jnp.zeros((2, length), jnp.int32)
         apply = kvlab.Transformer(model_cfg).apply
         text = str(jax.make_jaxpr(apply)({"params": params}, tokens, cache=cache))
-        return {target: text.count(target) for target in native.TARGETS}
+        return {target: text.count(target) for target in PRODUCTS}
 
     layers = cfg.model.num_layers
     step = calls(cfg.model, 1)
     assert step["kvlab_quant_scores"] == step["kvlab_quant_weighted_sum"] == layers
     assert step["kvlab_scores"] == step["kvlab_weighted_sum"] == 0  # small: XLA's
-    assert calls(cfg.model, 32) == {target: 0 for target in native.TARGETS}
+    assert calls(cfg.model, 32) == {target: 0 for target in PRODUCTS}
     xla = cfg.model.copy_and_resolve_references()
     xla.attention_impl = "xla"
-    assert calls(xla, 1) == {target: 0 for target in native.TARGETS}
+    assert calls(xla, 1) == {target: 0 for target in PRODUCTS}
 
 
 @needs_native
@@ -242,6 +253,83 @@ def test_codes_that_do_not_fit_are_refused():
     shifted = dataclasses.replace(codes, scale=codes.scale[:, :, :8])  # 8 tokens' scales
     with pytest.raises(Exception, match="scales do not fit the codes"):
         jax.block_until_ready(native.quant_scores(jnp.ones((2, 1, 1, 32)), shifted, 16))
+
+
+@needs_native
+@given(
+    lead=st.lists(st.integers(1, 3), min_size=1, max_size=3),
+    axis_at=st.integers(1, 3),
+    length=st.integers(1, 12),
+    tokens=st.integers(1, 4),
+    per_head=st.booleans(),
+    dtype=st.sampled_from(["bfloat16", "float16"]),
+    seed=st.integers(0, 2**16),
+)
+def test_16_bit_writes_in_place_equal_the_scatter(
+    lead, axis_at, length, tokens, per_head, dtype, seed
+):
+    """write_tokens on a 16-bit buffer (kvlab.native's in-place write on one CPU)
+    puts exactly what the scatter puts in a float32 copy of it, along any axis,
+    with slots per row or per head, and drops slots outside the buffer
+    (negative, or past its end) instead of wrapping them."""
+    from kvlab.cache.placement import write_tokens
+
+    rng = np.random.default_rng(seed)
+    axis = min(axis_at, len(lead) + 1)
+    shape = (2, *lead[: axis - 1], length, *lead[axis - 1 :])
+    buffer = jnp.asarray(rng.standard_normal(shape), dtype)
+    new_shape = list(shape)
+    new_shape[axis] = tokens
+    new = jnp.asarray(rng.standard_normal(new_shape), dtype)
+    heads = shape[1] if per_head and axis == 2 else None
+    slot_shape = (2, tokens) if heads is None else (2, heads, tokens)
+    # Distinct slots per row (and head), some outside the buffer on either side.
+    rows = [rng.permutation(np.arange(-2, length + 2))[:tokens] for _ in range(2 * (heads or 1))]
+    slots = jnp.asarray(np.stack(rows), jnp.int32).reshape(slot_shape)
+    assert native.writes_in_place(buffer)
+    got = jax.jit(write_tokens, static_argnums=3)(buffer, new, slots, axis)
+    want = write_tokens(buffer.astype(jnp.float32), new.astype(jnp.float32), slots, axis)
+    assert got.dtype == buffer.dtype
+    np.testing.assert_array_equal(np.asarray(got.astype(jnp.float32)), np.asarray(want))
+
+
+@needs_native
+def test_a_16_bit_cache_is_written_in_place_and_read_by_the_kernels(monkeypatch):
+    """A bfloat16 cache's decode step writes each layer's keys and values with
+    the in-place kernel (whatever attention_impl; XLA:CPU would rewrite the whole
+    buffer through float32, which the compiled step must not do) and, with
+    attention_impl='native', reads a cache long enough to stream (here from 16
+    slots) with the kernels widening 16 bits in registers; a prompt's products
+    stay XLA's."""
+    import kvlab
+    from kvlab.attention import core
+
+    monkeypatch.setattr(core, "STREAM_TOKENS", 8)
+
+    cfg = kvlab.load_config(f"{ROOT}/configs/gqa.py:tiny")
+    cfg.cache.dtype = "bfloat16"
+    cfg.model.attention_impl = "native"
+    cfg = kvlab.validate_config(cfg)
+    params = kvlab.init_params(cfg.model, jax.random.key(0))
+    cache = kvlab.init_cache(cfg.model, cfg.cache, batch_size=2, max_len=64)
+    apply = kvlab.Transformer(cfg.model).apply
+
+    def calls(length):
+        tokens = jnp.zeros((2, length), jnp.int32)
+        text = str(jax.make_jaxpr(apply)({"params": params}, tokens, cache=cache))
+        return {target: text.count(target) for target in native.TARGETS}
+
+    layers = cfg.model.num_layers
+    step = calls(1)
+    assert step["kvlab_write_tokens"] == 2 * layers
+    assert step["kvlab_scores"] == step["kvlab_weighted_sum"] == layers  # the stored block
+    prompt = calls(32)
+    assert prompt["kvlab_write_tokens"] == 2 * layers
+    assert prompt["kvlab_scores"] == prompt["kvlab_weighted_sum"] == 0
+    tokens = jnp.zeros((2, 1), jnp.int32)
+    compiled = jax.jit(apply).lower({"params": params}, tokens, cache=cache).compile().as_text()
+    whole = jax.tree_util.tree_leaves(cache)[0].shape  # [B, KH, S, H]
+    assert f"f32[{','.join(map(str, whole))}]" not in compiled
 
 
 def test_a_damaged_library_in_the_cache_is_built_again(tmp_path):

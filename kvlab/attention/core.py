@@ -39,6 +39,7 @@ scores, the softmax and the sums are float32.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 
@@ -246,30 +247,75 @@ def _kernel(block, folded, part_heads, scale: float, shape: tuple, fallback):
 
 
 def _native_block(block, rows: int):
-    """The block with its quantized payloads (a row's own, or page pools) read
-    by kvlab.native's kernels (model.attention_impl='native'), or None where
-    they cannot read them all.
+    """The block with its quantized payloads (a row's own, or page pools) and
+    long 16-bit arrays read by kvlab.native's kernels (model.attention_impl=
+    'native'), or None where they cannot read them all.
 
-    The kernels read a payload's packed codes in place, up to the last slot any
-    query sees, so the block is read whole instead of streamed. Its other
-    tensors must be float32 arrays (a 16-bit block keeps its streaming).
+    The kernels read a payload's packed codes in place, and 16-bit numbers
+    widened in registers, up to the last slot any query sees, so the block is
+    read whole instead of streamed. 16-bit arrays are theirs only in a block
+    XLA's path streams, whose products are float32 ones too (a short 16-bit
+    block's queries and weights are rounded to 16 bits there, and stay so).
+    Its other tensors must be float32 arrays (which `_scores` and
+    `_weighted_sum` give the kernels as they are).
     """
     from kvlab.cache import paged, quant  # noqa: PLC0415 (the cache package imports this one)
 
     k, v, mask = block
     tensors = (*_parts(k), v)
-    readers = [x for x in tensors if isinstance(x, Reader)]
     payloads = (quant.PayloadReader, paged.PagedPayloadReader)
-    if not readers or any(not isinstance(x, payloads) for x in readers):
+    arrays = [x for x in tensors if not isinstance(x, Reader)]
+    if (
+        not native.runs(rows)
+        or any(isinstance(x, Reader) and not isinstance(x, payloads) for x in tensors)
+        or any(x.dtype not in (jnp.float32, *native.HALF) for x in arrays)
+    ):
         return None
-    if any(x.dtype != jnp.float32 for x in tensors if not isinstance(x, Reader)):
+    widen = _streams(block, STREAM_TOKENS)  # never true of float32 arrays alone
+    if len(arrays) == len(tensors) and not widen:
         return None
     limit = jnp.max(jnp.where(mask, jnp.arange(1, mask.shape[-1] + 1), 0))  # one past the last seen
-    swapped = {id(x): x.native(limit, rows) for x in readers}  # a latent is keys and values
+
+    def swap(x):
+        if isinstance(x, Reader):
+            return x.native(limit, rows)
+        return NativeRows(x, limit) if widen and _narrow(x) else x
+
+    swapped = {id(x): swap(x) for x in tensors}  # a latent is keys and values
     if any(x is None for x in swapped.values()):
         return None
-    keys = tuple(swapped.get(id(x), x) for x in _parts(k))
+    keys = tuple(swapped[id(x)] for x in _parts(k))
     return (keys if isinstance(k, tuple) else keys[0], swapped[id(v)], mask)
+
+
+@dataclasses.dataclass(frozen=True)
+class NativeRows:
+    """A 16-bit array of keys or values read by kvlab.native's kernels, widened
+    to float32 in registers as they read it (no float32 copy), whole (`step` is
+    its length) and only up to `limit` tokens."""
+
+    array: Array
+    limit: Array
+
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        return self.array.shape
+
+    @property
+    def step(self) -> int:
+        return self.shape[2]
+
+    def scores(self, q: Array) -> Array:
+        return native.scores(q.astype(jnp.float32), self.array, self.limit)
+
+    def weighted_sum(self, w: Array) -> Array:
+        return native.weighted_sum(w.astype(jnp.float32), self.array, self.limit)
+
+    def dequantize(self) -> Array:
+        return self.array.astype(jnp.float32)
+
+    def chunk(self, start, size: int):
+        return self  # start 0 and size S: the one slice of `step` tokens
 
 
 def attend(
@@ -355,10 +401,11 @@ def attend(
 
     def apart(block) -> bool:
         """Blocks attended on their own and merged after: long stored blocks
-        (streamed) and, with the kernels, every block of stored data."""
+        (streamed) and, with the kernels, every block of stored data (so a
+        short 16-bit block beside it rounds its weights as on XLA's path)."""
         if observe is not None:
             return False
-        stored = impl == "pallas" and any(
+        stored = impl in ("pallas", "native") and any(
             isinstance(x, Reader) for x in (*_parts(block[0]), block[1])
         )
         return stored or _streams(block, STREAM_TOKENS)

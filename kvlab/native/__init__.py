@@ -2,10 +2,11 @@
 
 available() -> bool                 the kernels are built and registered
 panel_matmul(x [M, K], panels [N / 32, K, 32]) -> [M, N]        M rows of x @ W
-scores(q [..., M, H], k [..., S, H]) -> [..., M, S]             attention scores
-weighted_sum(w [..., M, S], v [..., S, H]) -> [..., M, H]       attention output
+scores(q [..., M, H], k [..., S, H], limit) -> [..., M, S]      attention scores
+weighted_sum(w [..., M, S], v [..., S, H], limit) -> [..., M, H] attention output
 quant_scores(q, codes: Codes, limit), quant_weighted_sum(w, codes: Codes, limit)
                                     the same over quantized codes, read in place
+write_tokens(buffer, new, slots) -> buffer     a 16-bit cache write, in place
 
 XLA:CPU runs a one-row product on one core and hands products of 2 to 16 rows
 to a general matrix routine that repacks the weights on every call, so a decode
@@ -17,7 +18,10 @@ XLA's intra-op threads, whatever the number of rows up to MAX_ROWS
 attention's products over a cache (model.attention_impl='native'), and
 `quant_scores` and `quant_weighted_sum` over a quantized cache's packed codes
 (kvlab/cache/quant.py), dequantizing a few tokens at a time in the core's own
-caches. Each takes float32 and up to MAX_ROWS rows; anything else goes to XLA.
+caches. Each takes float32 queries or weights and up to MAX_ROWS rows (caches
+in float32, or bfloat16 and float16 widened as they are read); anything else goes
+to XLA. XLA:CPU also updates a 16-bit buffer through a float32 copy of all of
+it, so `write_tokens` writes a 16-bit cache's new tokens in place.
 
 The source is built with the system C++ compiler (`$CXX`, else `c++`) for
 x86-64 CPUs with AVX-512F the first time a process asks for it, into
@@ -58,6 +62,7 @@ TARGETS = {
     "kvlab_weighted_sum": "KvlabWeightedSum",
     "kvlab_quant_scores": "KvlabQuantScores",
     "kvlab_quant_weighted_sum": "KvlabQuantWeightedSum",
+    "kvlab_write_tokens": "KvlabWriteTokens",
 }
 FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-mavx512f", "-mfma", "-w")
 
@@ -149,14 +154,18 @@ def available() -> bool:
     return _load() is None
 
 
+def _on_cpu() -> bool:
+    return jax.default_backend() == "cpu" and available()
+
+
+def runs(rows: int) -> bool:
+    """Whether the kernels run here (on CPU, available) for `rows` query rows."""
+    return rows <= MAX_ROWS and _on_cpu()
+
+
 def _native(*arrays: jax.Array, rows: int) -> bool:
     """Whether the kernels take these operands: float32, at most MAX_ROWS rows, on CPU."""
-    return (
-        rows <= MAX_ROWS
-        and all(a.dtype == jnp.float32 for a in arrays)
-        and jax.default_backend() == "cpu"
-        and available()
-    )
+    return all(a.dtype == jnp.float32 for a in arrays) and runs(rows)
 
 
 def _call(target: str, shape: tuple, *arrays: jax.Array) -> jax.Array:
@@ -177,48 +186,79 @@ def panel_matmul(x: jax.Array, panels: jax.Array) -> jax.Array:
     return jnp.einsum("mk,bkj->mbj", x, panels).reshape(rows, count * PANEL)
 
 
-# Attention's products take the kernels from 2 query rows and 1 MiB of keys or
-# values up (work for both threads at 512 KiB each): a single query row is XLA's
-# fused product, at memory speed; a smaller cache stays in XLA's multithreaded one.
+# Attention's products over a float32 cache take the kernels from 2 query rows
+# and 1 MiB of keys or values up (work for both threads at 512 KiB each): a
+# single query row is XLA's fused product, at memory speed; a smaller cache
+# stays in XLA's multithreaded one. A 16-bit cache takes them at any size: XLA:CPU
+# computes 16-bit products through float32 copies, several times slower.
 ATTENTION_MIN_BYTES = 1 << 20
+HALF = (jnp.bfloat16, jnp.float16)  # 16-bit storage the kernels widen as they read
 
 
 def _native_attention(a: jax.Array, b: jax.Array, rows: int) -> bool:
+    if b.dtype in HALF:
+        return a.dtype == jnp.float32 and runs(rows)
     return rows >= 2 and b.size * 4 >= ATTENTION_MIN_BYTES and _native(a, b, rows=rows)
 
 
-def _per_slice(target: str, a: jax.Array, b: jax.Array, out: tuple) -> jax.Array:
+def _per_slice(target: str, a: jax.Array, b: jax.Array, limit, out: tuple) -> jax.Array:
     """`target` over a [..., X, Y] and b [..., Y', Z] as [P, ...] slices, the
-    leading axes flattened to P, giving [..., *out]."""
+    leading axes flattened to P, up to token `limit` of b, giving [..., *out]."""
     lead = a.shape[:-2]
     slices = math.prod(lead)
     flat = (a.reshape(slices, *a.shape[-2:]), b.reshape(slices, *b.shape[-2:]))
-    return _call(target, (slices, *out), *flat).reshape(*lead, *out)
+    limit = jnp.asarray(b.shape[-2] if limit is None else limit, jnp.int32)
+    return _call(target, (slices, *out), *flat, limit).reshape(*lead, *out)
 
 
-def scores(q: jax.Array, k: jax.Array) -> jax.Array:
-    """Attention scores float32 [..., M, S] of queries [..., M, H] against keys
-    [..., S, H] (the same leading axes): one dot product per query and key, by
-    the native kernel for float32, 2 to MAX_ROWS queries and ATTENTION_MIN_BYTES
-    of keys on CPU (each slice's keys read once, slices spread over the
-    threads), else XLA's product."""
+def scores(q: jax.Array, k: jax.Array, limit=None) -> jax.Array:
+    """Attention scores float32 [..., M, S] of float32 queries [..., M, H] against
+    keys [..., S, H] (the same leading axes): one dot product per query and key,
+    by the native kernel on CPU for up to MAX_ROWS queries over float32 keys
+    (from 2 queries and ATTENTION_MIN_BYTES of keys) or bfloat16 or float16 keys
+    (widened as they are read), each slice's keys read once and slices spread
+    over the threads; else XLA's product. Only keys before `limit` (int32 [];
+    default all) are scored: the rest score 0, for the caller to mask."""
     lead, (rows, width), length = q.shape[:-2], q.shape[-2:], k.shape[-2]
     if k.shape[:-2] != lead or k.shape[-1] != width:
         raise ValueError(f"queries {q.shape} and keys {k.shape} do not match")
     if _native_attention(q, k, rows):
-        return _per_slice("kvlab_scores", q, k, (rows, length))
-    return jnp.einsum("...mh,...sh->...ms", q, k, preferred_element_type=jnp.float32)
+        return _per_slice("kvlab_scores", q, k, limit, (rows, length))
+    out = jnp.einsum("...mh,...sh->...ms", q, k, preferred_element_type=jnp.float32)
+    return out if limit is None else jnp.where(jnp.arange(length) < limit, out, 0.0)
 
 
-def weighted_sum(w: jax.Array, v: jax.Array) -> jax.Array:
-    """float32 [..., M, H]: weights [..., M, S] over values [..., S, H], by the
-    native kernel as `scores`, else XLA's product."""
+def weighted_sum(w: jax.Array, v: jax.Array, limit=None) -> jax.Array:
+    """float32 [..., M, H]: float32 weights [..., M, S] over values [..., S, H],
+    by the native kernel as `scores`, else XLA's product; values and weights
+    from `limit` on count as 0 (the kernel never reads them)."""
     lead, (rows, length), width = w.shape[:-2], w.shape[-2:], v.shape[-1]
     if v.shape[:-2] != lead or v.shape[-2] != length:
         raise ValueError(f"weights {w.shape} and values {v.shape} do not match")
     if _native_attention(w, v, rows):
-        return _per_slice("kvlab_weighted_sum", w, v, (rows, width))
+        return _per_slice("kvlab_weighted_sum", w, v, limit, (rows, width))
+    if limit is not None:
+        w = jnp.where(jnp.arange(length) < limit, w, 0.0)
     return jnp.einsum("...ms,...sh->...mh", w, v, preferred_element_type=jnp.float32)
+
+
+def writes_in_place(buffer: jax.Array) -> bool:
+    """Whether `write_tokens` takes this buffer: 16-bit floats (which XLA:CPU
+    updates through a float32 copy of the whole buffer) in a one-device CPU
+    process (XLA would replicate a sharded operand around the call)."""
+    return buffer.dtype in HALF and jax.device_count() == 1 and _on_cpu()
+
+
+def write_tokens(buffer: jax.Array, new: jax.Array, slots: jax.Array) -> jax.Array:
+    """buffer [B, X, S, Y] with token t of new [B, X, T, Y] at slot
+    slots[b, x or 0, t] (int32 [B, 1 or X, T]; slots outside 0..S-1 dropped),
+    written in place by the native kernel: the new buffer is the old one's
+    memory where XLA can donate it (kvlab/cache/placement.write_tokens)."""
+    result = jax.ShapeDtypeStruct(buffer.shape, buffer.dtype)
+    call = jax.ffi.ffi_call(
+        "kvlab_write_tokens", result, vmap_method="sequential", input_output_aliases={0: 0}
+    )
+    return call(buffer, new.astype(buffer.dtype), slots.astype(jnp.int32))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -277,11 +317,9 @@ def reads(codes: Codes, rows: int) -> bool:
     """Whether `quant_scores` and `quant_weighted_sum` take these codes and
     `rows` queries (at most MAX_ROWS, scales of a float dtype, on CPU)."""
     return (
-        rows <= MAX_ROWS
-        and codes.payload.dtype == jnp.uint8
+        codes.payload.dtype == jnp.uint8
         and codes.scale.dtype in (jnp.float32, jnp.bfloat16, jnp.float16)
-        and jax.default_backend() == "cpu"
-        and available()
+        and runs(rows)
     )
 
 

@@ -10,7 +10,11 @@
 // every call. Sums run in k order, one FMA each.
 //
 // KvlabScores and KvlabWeightedSum: decode attention's two products over P
-// slices (batch x KV head) of a cache, each slice's keys or values read once.
+// slices (batch x KV head) of a cache stored in float32, bfloat16 or float16
+// (widened in registers), each slice's keys or values read once, up to a limit.
+//
+// KvlabWriteTokens: the cache write, in place (XLA:CPU rewrites a whole 16-bit
+// buffer through float32 to update a few tokens of it).
 //
 // KvlabQuantScores and KvlabQuantWeightedSum: the same over a quantized cache's
 // packed codes, a row's own or page pools (below, "over a quantized payload").
@@ -183,6 +187,30 @@ struct FloatRows {
   }
 };
 
+// 16 numbers of 16 bits -> float32: float16 (kF16), else bfloat16 (the high half of a float).
+template <bool kF16>
+inline __m512 Widen(__m256i raw) {
+  if constexpr (kF16) return _mm512_cvtph_ps(raw);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+
+// Keys and values stored in 16 bits (bfloat16, or float16 with kF16) as float32 rows.
+// The mask is a Tail: its lanes are the first popcount(mask) numbers.
+template <bool kF16>
+struct HalfRows {
+  const uint16_t* base;
+  int64_t ld;
+  inline __m512 operator()(int64_t s, int64_t h, __mmask16 mask) const {
+    const uint16_t* from = base + s * ld + h;
+    if (mask == 0xFFFF) {
+      return Widen<kF16>(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(from)));
+    }
+    alignas(32) uint16_t tail[16] = {};
+    std::memcpy(tail, from, __builtin_popcount(mask) * sizeof(uint16_t));
+    return Widen<kF16>(_mm256_load_si256(reinterpret_cast<const __m256i*>(tail)));
+  }
+};
+
 // out[m * ldo + s] = q[m * ldq, :] . keys(s) for m < m_len, s < n (h_len numbers each).
 template <typename Keys>
 void ScoresKeys(const float* q, int64_t ldq, const Keys& keys, float* out, int64_t ldo,
@@ -261,44 +289,134 @@ void WeightedRows(const float* w, int64_t ldw, const Values& values, int64_t n, 
   }
 }
 
-bool SameSlices(const ffi::Buffer<ffi::F32>& a, const ffi::Buffer<ffi::F32>& b) {
-  return a.dimensions().size() == 3 && b.dimensions().size() == 3 &&
-         a.dimensions()[0] == b.dimensions()[0];
+// The stored keys or values [P, S, H] of Scores and Weighted: float32, bfloat16 or float16.
+struct Stored {
+  const void* data;
+  ffi::DataType type;
+  int64_t s_len, h_len;
+
+  // run(rows) with the rows source of slice p.
+  template <typename Run>
+  void Slice(int64_t p, Run run) const {
+    const int64_t first = p * s_len * h_len;
+    if (type == ffi::DataType::F32) {
+      run(FloatRows{static_cast<const float*>(data) + first, h_len});
+    } else if (type == ffi::DataType::F16) {
+      run(HalfRows<true>{static_cast<const uint16_t*>(data) + first, h_len});
+    } else {
+      run(HalfRows<false>{static_cast<const uint16_t*>(data) + first, h_len});
+    }
+  }
+};
+
+// Checks the queries or weights a [P, M, X], the stored tensor b [P, S, H] and the limit [];
+// `x_is_h`: X is H (scores) rather than S (weighted sums).
+ffi::Error ReadStored(const char* name, const ffi::Buffer<ffi::F32>& a, const ffi::AnyBuffer& b,
+                      const ffi::Buffer<ffi::S32>& limit, bool x_is_h, Stored* stored) {
+  const auto ad = a.dimensions(), bd = b.dimensions();
+  const ffi::DataType type = b.element_type();
+  if (ad.size() != 3 || bd.size() != 3 || ad[0] != bd[0] || ad[2] != bd[x_is_h ? 2 : 1] ||
+      limit.dimensions().size() != 0) {
+    return ffi::Error::InvalidArgument(std::string(name) +
+                                       (x_is_h ? ": expects q [P, M, H], k [P, S, H]"
+                                               : ": expects w [P, M, S], v [P, S, H]") +
+                                       " and a limit []");
+  }
+  if (type != ffi::DataType::F32 && type != ffi::DataType::BF16 && type != ffi::DataType::F16) {
+    return ffi::Error::InvalidArgument(std::string(name) +
+                                       ": stored tokens must be float32, bfloat16 or float16");
+  }
+  *stored = Stored{b.untyped_data(), type, bd[1], bd[2]};
+  return ffi::Error::Success();
 }
 
-ffi::Error Scores(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
-                  ffi::ResultBuffer<ffi::F32> out) {
-  const auto qd = q.dimensions(), kd = k.dimensions();
-  if (!SameSlices(q, k) || qd[2] != kd[2]) {
-    return ffi::Error::InvalidArgument("kvlab scores: expects q [P, M, H] and k [P, S, H]");
+int64_t Limit(const ffi::Buffer<ffi::S32>& limit, int64_t s_len) {
+  return std::clamp<int64_t>(limit.typed_data()[0], 0, s_len);
+}
+
+// Work per slice in bytes, for the chunks of parallel work.
+int64_t SliceChunk(const Stored& k, int64_t end) {
+  const int64_t bytes = end * k.h_len * (k.type == ffi::DataType::F32 ? 4 : 2);
+  return std::max<int64_t>(1, kChunkBytes / std::max<int64_t>(1, bytes));
+}
+
+// Scores of the first `limit` tokens; those past it are 0 (the caller masks them).
+ffi::Error Scores(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k,
+                  ffi::Buffer<ffi::S32> limit, ffi::ResultBuffer<ffi::F32> out) {
+  Stored keys;
+  if (auto error = ReadStored("kvlab scores", q, k, limit, true, &keys); error.failure()) {
+    return error;
   }
-  const int64_t m_len = qd[1], s_len = kd[1], h_len = kd[2];
-  const float *qp = q.typed_data(), *kp = k.typed_data();
+  const int64_t m_len = q.dimensions()[1], s_len = keys.s_len, h_len = keys.h_len;
+  const int64_t end = Limit(limit, s_len);
+  const float* qp = q.typed_data();
   float* op = out->typed_data();
-  const int64_t chunk = std::max<int64_t>(1, kChunkBytes / std::max<int64_t>(1, s_len * h_len * 4));
-  Parallel(pool, qd[0], chunk, [=](int64_t first, int64_t last) {
-    for (int64_t p = first; p < last; ++p)
-      ScoresKeys(qp + p * m_len * h_len, h_len, FloatRows{kp + p * s_len * h_len, h_len},
-                 op + p * m_len * s_len, s_len, m_len, s_len, h_len);
+  Parallel(pool, q.dimensions()[0], SliceChunk(keys, end), [=](int64_t first, int64_t last) {
+    for (int64_t p = first; p < last; ++p) {
+      float* scores = op + p * m_len * s_len;
+      keys.Slice(p, [&](const auto& rows) {
+        ScoresKeys(qp + p * m_len * h_len, h_len, rows, scores, s_len, m_len, end, h_len);
+      });
+      for (int64_t m = 0; m < m_len; ++m)
+        std::fill(scores + m * s_len + end, scores + (m + 1) * s_len, 0.0f);
+    }
   });
   return ffi::Error::Success();
 }
 
-ffi::Error Weighted(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> w, ffi::Buffer<ffi::F32> v,
-                    ffi::ResultBuffer<ffi::F32> out) {
-  const auto wd = w.dimensions(), vd = v.dimensions();
-  if (!SameSlices(w, v) || wd[2] != vd[1]) {
-    return ffi::Error::InvalidArgument("kvlab weighted_sum: expects w [P, M, S] and v [P, S, H]");
+// Sums over the first `limit` tokens; weights past it are never read.
+ffi::Error Weighted(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> w, ffi::AnyBuffer v,
+                    ffi::Buffer<ffi::S32> limit, ffi::ResultBuffer<ffi::F32> out) {
+  Stored values;
+  if (auto error = ReadStored("kvlab weighted_sum", w, v, limit, false, &values);
+      error.failure()) {
+    return error;
   }
-  const int64_t m_len = wd[1], s_len = vd[1], h_len = vd[2];
-  const float *wp = w.typed_data(), *vp = v.typed_data();
+  const int64_t m_len = w.dimensions()[1], s_len = values.s_len, h_len = values.h_len;
+  const int64_t end = Limit(limit, s_len);
+  const float* wp = w.typed_data();
   float* op = out->typed_data();
-  const int64_t chunk = std::max<int64_t>(1, kChunkBytes / std::max<int64_t>(1, s_len * h_len * 4));
-  Parallel(pool, wd[0], chunk, [=](int64_t first, int64_t last) {
-    for (int64_t p = first; p < last; ++p)
-      WeightedRows(wp + p * m_len * s_len, s_len, FloatRows{vp + p * s_len * h_len, h_len},
-                   s_len, op + p * m_len * h_len, m_len, h_len, false);
+  Parallel(pool, w.dimensions()[0], SliceChunk(values, end), [=](int64_t first, int64_t last) {
+    for (int64_t p = first; p < last; ++p) {
+      float* sums = op + p * m_len * h_len;
+      values.Slice(p, [&](const auto& rows) {
+        WeightedRows(wp + p * m_len * s_len, s_len, rows, end, sums, m_len, h_len, false);
+      });
+    }
   });
+  return ffi::Error::Success();
+}
+
+// ---- The one cache write (kvlab/cache/placement.py's write_tokens) done in place:
+// buffer [B, X, S, Y] takes fresh [B, X, T, Y], token t of row b (and group x) at slot
+// slots[b, x or 0, t] (slots [B, E, T], E = X or 1); slots outside 0..S-1 are dropped.
+// Entries are copied as bytes, any element type. XLA:CPU updates a 16-bit float buffer
+// through a float32 copy of all of it; this writes only the new tokens.
+ffi::Error WriteTokens(ffi::AnyBuffer buffer, ffi::AnyBuffer fresh, ffi::Buffer<ffi::S32> slots,
+                       ffi::Result<ffi::AnyBuffer> out) {
+  const auto bd = buffer.dimensions(), fd = fresh.dimensions(), sd = slots.dimensions();
+  if (bd.size() != 4 || fd.size() != 4 || sd.size() != 3 || fd[0] != bd[0] || fd[1] != bd[1] ||
+      fd[3] != bd[3] || sd[0] != bd[0] || sd[2] != fd[2] || (sd[1] != 1 && sd[1] != bd[1]) ||
+      fresh.element_type() != buffer.element_type() || out->size_bytes() != buffer.size_bytes()) {
+    return ffi::Error::InvalidArgument(
+        "kvlab write_tokens: expects buffer [B, X, S, Y], fresh [B, X, T, Y] of its type and "
+        "slots [B, 1 or X, T]");
+  }
+  uint8_t* to = static_cast<uint8_t*>(out->untyped_data());
+  if (to != buffer.untyped_data()) std::memcpy(to, buffer.untyped_data(), buffer.size_bytes());
+  const int64_t b_len = bd[0], x_len = bd[1], s_len = bd[2], t_len = fd[2];
+  const int64_t count = b_len * x_len * s_len * bd[3];
+  const int64_t row = count == 0 ? 0 : buffer.size_bytes() / count * bd[3];  // bytes per token
+  const uint8_t* from = static_cast<const uint8_t*>(fresh.untyped_data());
+  const int32_t* slot = slots.typed_data();
+  for (int64_t b = 0; b < b_len; ++b)
+    for (int64_t x = 0; x < x_len; ++x)
+      for (int64_t t = 0; t < t_len; ++t) {
+        const int64_t s = slot[(b * sd[1] + (sd[1] == 1 ? 0 : x)) * t_len + t];
+        if (s < 0 || s >= s_len) continue;
+        std::memcpy(to + ((b * x_len + x) * s_len + s) * row,
+                    from + ((b * x_len + x) * t_len + t) * row, row);
+      }
   return ffi::Error::Success();
 }
 
@@ -383,10 +501,7 @@ void ToFloat(const void* src, ScaleType type, int64_t first, int64_t n, float* d
         from = tail;
       }
       const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(from));
-      const __m512 x = type == ScaleType::kF16
-                           ? _mm512_cvtph_ps(raw)
-                           : _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-      _mm512_storeu_ps(dst + i, x);
+      _mm512_storeu_ps(dst + i, type == ScaleType::kF16 ? Widen<true>(raw) : Widen<false>(raw));
     }
     i = n;
   }
@@ -925,10 +1040,6 @@ int64_t Span(const Payload& p) {
   return std::max<int64_t>(1, kItemNumbers / p.h_len / unit) * unit;
 }
 
-int64_t Limit(const ffi::Buffer<ffi::S32>& limit, int64_t s_len) {
-  return std::clamp<int64_t>(limit.typed_data()[0], 0, s_len);
-}
-
 ffi::Error QuantScores(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::U8> codes,
                        ffi::AnyBuffer scale, ffi::AnyBuffer zero, ffi::Buffer<ffi::S32> table,
                        ffi::Buffer<ffi::S32> limit, ffi::ResultBuffer<ffi::F32> out, int64_t bits,
@@ -1007,9 +1118,24 @@ ffi::Error QuantWeighted(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> w, ffi::Buf
       .Arg<ffi::Buffer<ffi::F32>>()        \
       .Ret<ffi::Buffer<ffi::F32>>()
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(KvlabScores, Scores, KVLAB_BINARY_F32);
-XLA_FFI_DEFINE_HANDLER_SYMBOL(KvlabWeightedSum, Weighted, KVLAB_BINARY_F32);
 XLA_FFI_DEFINE_HANDLER_SYMBOL(KvlabPanelMatmul, PanelMatmul, KVLAB_BINARY_F32);
+
+#define KVLAB_STORED_BINDING               \
+  ffi::Ffi::Bind()                         \
+      .Ctx<ffi::ThreadPool>()              \
+      .Arg<ffi::Buffer<ffi::F32>>()        \
+      .Arg<ffi::AnyBuffer>()               \
+      .Arg<ffi::Buffer<ffi::S32>>()        \
+      .Ret<ffi::Buffer<ffi::F32>>()
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(KvlabScores, Scores, KVLAB_STORED_BINDING);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(KvlabWeightedSum, Weighted, KVLAB_STORED_BINDING);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(KvlabWriteTokens, WriteTokens,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::AnyBuffer>());
 
 #define KVLAB_QUANT_BINDING                \
   ffi::Ffi::Bind()                         \
