@@ -1,5 +1,8 @@
+import atexit
 import gc
 import os
+import shutil
+import tempfile
 
 import pytest
 from hypothesis import settings
@@ -20,6 +23,17 @@ os.environ["XLA_FLAGS"] = " ".join(
         ],
     )
 )
+
+# Many tests, in both xdist workers and in the scripts' subprocesses, compile the
+# same tiny models: one compilation cache for this run (JAX's persistent cache,
+# every program kept) lets each be compiled once. The process that creates it
+# removes it at exit; a run started with JAX_COMPILATION_CACHE_DIR set uses that.
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    _cache = tempfile.mkdtemp(prefix="kvlab-test-jax-cache-")
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache
+    os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+    os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "-1"
+    atexit.register(shutil.rmtree, _cache, ignore_errors=True)
 
 # Model tests compile a fresh program per example, so keep example counts small;
 # KVLAB_HYPOTHESIS_EXAMPLES raises them for a longer local run.
