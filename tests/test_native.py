@@ -288,6 +288,9 @@ def test_16_bit_writes_in_place_equal_the_scatter(
     slots = jnp.asarray(np.stack(rows), jnp.int32).reshape(slot_shape)
     assert native.writes_in_place(buffer)
     got = jax.jit(write_tokens, static_argnums=3)(buffer, new, slots, axis)
+    with pytest.raises(ValueError, match="write_tokens takes"):  # a slot more than tokens
+        flat, fresh = buffer.reshape(2, 1, length, -1), new.reshape(2, 1, tokens, -1)
+        native.write_tokens(flat, fresh, jnp.zeros((2, 1, tokens + 1), jnp.int32))
     want = write_tokens(buffer.astype(jnp.float32), new.astype(jnp.float32), slots, axis)
     assert got.dtype == buffer.dtype
     np.testing.assert_array_equal(np.asarray(got.astype(jnp.float32)), np.asarray(want))

@@ -254,6 +254,21 @@ def write_tokens(buffer: jax.Array, new: jax.Array, slots: jax.Array) -> jax.Arr
     slots[b, x or 0, t] (int32 [B, 1 or X, T]; slots outside 0..S-1 dropped),
     written in place by the native kernel: the new buffer is the old one's
     memory where XLA can donate it (kvlab/cache/placement.write_tokens)."""
+    b, x, _, y = buffer.shape if buffer.ndim == 4 else (None,) * 4
+    fits = (
+        b is not None
+        and new.ndim == 4
+        and (new.shape[0], new.shape[1], new.shape[3]) == (b, x, y)
+        and slots.ndim == 3
+        and slots.shape[0] == b
+        and slots.shape[1] in (1, x)
+        and slots.shape[2] == new.shape[2]
+    )
+    if not fits:
+        raise ValueError(
+            f"write_tokens takes buffer [B, X, S, Y], new [B, X, T, Y] and slots "
+            f"[B, 1 or X, T]; got {buffer.shape}, {new.shape} and {slots.shape}"
+        )
     result = jax.ShapeDtypeStruct(buffer.shape, buffer.dtype)
     call = jax.ffi.ffi_call(
         "kvlab_write_tokens", result, vmap_method="sequential", input_output_aliases={0: 0}
