@@ -133,8 +133,9 @@ def base_config(variant: str = "tiny") -> ml_collections.ConfigDict:
             #                        (kvlab/attention/pallas.py; the Pallas interpreter on
             #                        CPU). native: kvlab.native's CPU kernels compute float32
             #                        decode attention's products, widening long 16-bit
-            #                        caches in registers and reading quantized payloads
-            #                        in place (XLA's where unavailable)
+            #                        caches in registers, reading page pools through
+            #                        their tables and quantized payloads in place (XLA's
+            #                        where unavailable)
         )
     )
     # RoPE for contexts longer than the model was trained on, as Hugging Face

@@ -236,6 +236,32 @@ def test_a_quantized_cache_is_read_by_the_kernels(kind):
 
 
 @needs_native
+def test_a_paged_cache_is_read_through_its_tables():
+    """With attention_impl='native', a decode step reads each layer's float32
+    page pools with the kernels a page at a time at any length (nothing
+    gathered); a prompt takes XLA's products."""
+    import kvlab
+
+    cfg = kvlab.load_config(f"{ROOT}/configs/gqa.py:tiny")
+    cfg.model.attention_impl = "native"
+    cfg.cache.kind = "paged"
+    cfg = kvlab.validate_config(cfg)
+    params = kvlab.init_params(cfg.model, jax.random.key(0))
+    cache = kvlab.init_cache(cfg.model, cfg.cache, batch_size=2, max_len=64)
+    apply = kvlab.Transformer(cfg.model).apply
+
+    def calls(length):
+        tokens = jnp.zeros((2, length), jnp.int32)
+        text = str(jax.make_jaxpr(apply)({"params": params}, tokens, cache=cache))
+        return {target: text.count(target) for target in PRODUCTS}
+
+    layers = cfg.model.num_layers
+    step = calls(1)
+    assert step["kvlab_scores"] == step["kvlab_weighted_sum"] == layers  # the pools
+    assert calls(32) == {target: 0 for target in PRODUCTS}
+
+
+@needs_native
 def test_codes_that_do_not_fit_are_refused():
     """Queries of another width, weights of another length, and scales that do
     not fit the codes (which only the kernel sees) are errors, not reads past
@@ -253,6 +279,55 @@ def test_codes_that_do_not_fit_are_refused():
     shifted = dataclasses.replace(codes, scale=codes.scale[:, :, :8])  # 8 tokens' scales
     with pytest.raises(Exception, match="scales do not fit the codes"):
         jax.block_until_ready(native.quant_scores(jnp.ones((2, 1, 1, 32)), shifted, 16))
+
+
+@given(
+    batch=st.integers(1, 3),
+    heads=st.integers(1, 3),
+    rows=st.integers(1, native.MAX_ROWS + 2),
+    per_page=st.integers(1, 9),
+    width=st.integers(1, 70),
+    dtype=st.sampled_from(["float32", "bfloat16", "float16"]),
+    cut=st.floats(0, 1),
+    seed=st.integers(0, 2**16),
+)
+def test_pool_products_are_those_of_the_gathered_tokens(
+    batch, heads, rows, per_page, width, dtype, cut, seed
+):
+    """Scores and weighted sums over a page pool through shuffled block tables
+    (entries -1 and past the pool read the nearest page, as gather_pages
+    clips them) equal the products over the gathered tokens, up to a limit;
+    more rows than MAX_ROWS take XLA's product over the gathered tokens."""
+    from kvlab.cache.paged import gather_pages
+
+    rng = np.random.default_rng(seed)
+    n = int(rng.integers(1, 5))
+    length = int(rng.integers(1, n * per_page + 1))
+    seen = int(cut * length)
+    pool = jnp.asarray(rng.standard_normal((heads, batch * n + 2, per_page, width)), dtype)
+    pages = rng.permutation(pool.shape[1])[: batch * n].reshape(batch, n)
+    pages[rng.random(pages.shape) < 0.2] = -1
+    pages[rng.random(pages.shape) < 0.1] = pool.shape[1] + 3
+    pages = jnp.asarray(pages, jnp.int32)
+    tokens = np.asarray(gather_pages(pool, pages, length).astype(jnp.float32), np.float64)
+    q = rng.standard_normal((batch, heads, rows, width), np.float32)
+    w = rng.standard_normal((batch, heads, rows, length), np.float32)
+    w_past = w.copy()
+    w_past[..., seen:] = np.nan
+
+    def check(got, spec, a, b):
+        want = np.einsum(spec, a.astype(np.float64), b)
+        terms = np.einsum(spec, np.abs(a).astype(np.float64), np.abs(b))
+        assert got.shape == want.shape
+        assert np.all(np.abs(np.asarray(got, np.float64) - want) <= 1e-5 * terms + 1e-30)
+
+    scores = jax.jit(native.pool_scores, static_argnums=3)(q, pool, pages, length, seen)
+    check(scores[..., :seen], "bkmh,bksh->bkms", q, tokens[:, :, :seen])
+    assert np.all(np.asarray(scores[..., seen:]) == 0)
+    out = jax.jit(native.pool_weighted_sum)(jnp.asarray(w_past), pool, pages, seen)
+    check(out, "bkms,bksh->bkmh", w[..., :seen], tokens[:, :, :seen])
+    with pytest.raises(ValueError, match="do not match"):  # more tokens than the tables hold
+        native.pool_scores(q, pool, pages, n * per_page + 1, seen)
 
 
 @needs_native

@@ -247,27 +247,27 @@ def _kernel(block, folded, part_heads, scale: float, shape: tuple, fallback):
 
 
 def _native_block(block, rows: int):
-    """The block with its quantized payloads (a row's own, or page pools) and
-    long 16-bit arrays read by kvlab.native's kernels (model.attention_impl=
-    'native'), or None where they cannot read them all.
+    """The block with its quantized payloads and float page pools (through
+    their block tables) and long 16-bit arrays read by kvlab.native's kernels
+    (model.attention_impl='native'), or None where they cannot read them all.
 
-    The kernels read a payload's packed codes in place, and 16-bit numbers
-    widened in registers, up to the last slot any query sees, so the block is
-    read whole instead of streamed. 16-bit arrays are theirs only in a block
-    XLA's path streams, whose products are float32 ones too (a short 16-bit
-    block's queries and weights are rounded to 16 bits there, and stay so).
-    Its other tensors must be float32 arrays (which `_scores` and
-    `_weighted_sum` give the kernels as they are).
+    The kernels read a payload's packed codes in place, pools a page at a
+    time, and 16-bit numbers widened in registers, up to the last slot any
+    query sees, so the block is read whole instead of streamed. 16-bit arrays
+    and pools are theirs only in a block XLA's path streams, whose products
+    are float32 ones too (a short 16-bit block's queries and weights are
+    rounded to 16 bits there, and stay so). Its other tensors must be float32
+    arrays (which `_scores` and `_weighted_sum` give the kernels as they are).
     """
     from kvlab.cache import paged, quant  # noqa: PLC0415 (the cache package imports this one)
 
     k, v, mask = block
     tensors = (*_parts(k), v)
-    payloads = (quant.PayloadReader, paged.PagedPayloadReader)
+    readable = (quant.PayloadReader, paged.PagedPayloadReader, paged.PagedReader)
     arrays = [x for x in tensors if not isinstance(x, Reader)]
     if (
         not native.runs(rows)
-        or any(isinstance(x, Reader) and not isinstance(x, payloads) for x in tensors)
+        or any(isinstance(x, Reader) and not isinstance(x, readable) for x in tensors)
         or any(x.dtype not in (jnp.float32, *native.HALF) for x in arrays)
     ):
         return None
@@ -277,6 +277,8 @@ def _native_block(block, rows: int):
     limit = jnp.max(jnp.where(mask, jnp.arange(1, mask.shape[-1] + 1), 0))  # one past the last seen
 
     def swap(x):
+        if isinstance(x, paged.PagedReader) and x.dtype != jnp.float32 and not widen:
+            return x  # a short 16-bit pool: XLA's products, as for a short 16-bit array
         if isinstance(x, Reader):
             return x.native(limit, rows)
         return NativeRows(x, limit) if widen and _narrow(x) else x

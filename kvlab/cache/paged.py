@@ -25,6 +25,7 @@ import jax.numpy as jnp
 from flax import struct
 from jaxtyping import Array, Int
 
+from kvlab import native
 from kvlab.cache import quant
 from kvlab.cache.dense import Cache, DenseLayer
 from kvlab.cache.placement import Placement, write_tokens
@@ -126,6 +127,44 @@ class PagedReader:
 
     def chunk(self, start, size: int) -> Array:
         return gather_span(self.pool, self.pages, start, size)
+
+    def native(self, limit, rows: int) -> NativePool | None:
+        """This pool read whole by kvlab.native's kernels through the block
+        tables, its first `limit` tokens (an int32 scalar: where the block's
+        mask ends), for `rows` queries per head; None where they cannot."""
+        return NativePool(self, limit) if native.reads_pool(self.pool, rows) else None
+
+
+@dataclasses.dataclass(frozen=True)
+class NativePool:
+    """A pool (float32, or 16 bits widened in registers) whose products are
+    kvlab.native's kernels (model.attention_impl='native'), a page at a time
+    through the block tables: nothing is gathered, the pool is read whole
+    (`step` is the view's length) and only up to `limit` tokens."""
+
+    reader: PagedReader
+    limit: Array
+
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        return self.reader.shape
+
+    @property
+    def step(self) -> int:
+        return self.shape[2]
+
+    def scores(self, q: Array) -> Array:
+        r = self.reader
+        return native.pool_scores(q, r.pool, r.pages, r.length, self.limit)
+
+    def weighted_sum(self, w: Array) -> Array:
+        return native.pool_weighted_sum(w, self.reader.pool, self.reader.pages, self.limit)
+
+    def dequantize(self) -> Array:
+        return self.reader.dequantize()
+
+    def chunk(self, start, size: int):
+        return self  # start 0 and size S: the one slice of `step` tokens
 
 
 @dataclasses.dataclass(frozen=True)

@@ -4,6 +4,8 @@ available() -> bool                 the kernels are built and registered
 panel_matmul(x [M, K], panels [N / 32, K, 32]) -> [M, N]        M rows of x @ W
 scores(q [..., M, H], k [..., S, H], limit) -> [..., M, S]      attention scores
 weighted_sum(w [..., M, S], v [..., S, H], limit) -> [..., M, H] attention output
+pool_scores(q, pool, pages, length, limit), pool_weighted_sum(w, pool, pages, limit)
+                                    the same over page pools through block tables
 quant_scores(q, codes: Codes, limit), quant_weighted_sum(w, codes: Codes, limit)
                                     the same over quantized codes, read in place
 write_tokens(buffer, new, slots) -> buffer     a 16-bit cache write, in place
@@ -208,7 +210,8 @@ def _per_slice(target: str, a: jax.Array, b: jax.Array, limit, out: tuple) -> ja
     slices = math.prod(lead)
     flat = (a.reshape(slices, *a.shape[-2:]), b.reshape(slices, *b.shape[-2:]))
     limit = jnp.asarray(b.shape[-2] if limit is None else limit, jnp.int32)
-    return _call(target, (slices, *out), *flat, limit).reshape(*lead, *out)
+    no_table = jnp.zeros((0, 0), jnp.int32)
+    return _call(target, (slices, *out), *flat, no_table, limit).reshape(*lead, *out)
 
 
 def scores(q: jax.Array, k: jax.Array, limit=None) -> jax.Array:
@@ -242,6 +245,79 @@ def weighted_sum(w: jax.Array, v: jax.Array, limit=None) -> jax.Array:
     return jnp.einsum("...ms,...sh->...mh", w, v, preferred_element_type=jnp.float32)
 
 
+def reads_pool(pool: jax.Array, rows: int) -> bool:
+    """Whether `pool_scores` and `pool_weighted_sum` take this page pool
+    (float32, bfloat16 or float16) and `rows` queries per KV head."""
+    return pool.dtype in (jnp.float32, *HALF) and runs(rows)
+
+
+def _pool_call(target: str, a: jax.Array, pool: jax.Array, pages: jax.Array, limit, out: tuple):
+    """`target` over a [B, KH, M, .] and a pool [KH, P, L, H] read through block
+    tables pages [B, n], giving [B, KH, M, *out]."""
+    batch, heads, rows = a.shape[:3]
+    flat = a.astype(jnp.float32).reshape(batch * heads, rows, a.shape[3])
+    limit = jnp.asarray(limit, jnp.int32)
+    shape = (batch * heads, rows, *out)
+    called = _call(target, shape, flat, pool, pages.astype(jnp.int32), limit)
+    return called.reshape(batch, heads, rows, *out)
+
+
+def _check_pool(a: jax.Array, pool: jax.Array, pages: jax.Array, length: int, width: int):
+    batch, heads = a.shape[:2]
+    fits = (
+        a.ndim == 4
+        and pool.ndim == 4
+        and pool.shape[0] == heads
+        and pages.ndim == 2
+        and pages.shape[0] == batch
+        and length <= pages.shape[1] * pool.shape[2]
+        and width == pool.shape[3]
+    )
+    if not fits:
+        raise ValueError(
+            f"queries or weights {a.shape}, pool {pool.shape} and block tables {pages.shape} "
+            f"do not match: expected [B, KH, M, H or S], [KH, P, L, H] and [B, n], "
+            f"with S = {length} <= n * L"
+        )
+
+
+def _gathered(pool: jax.Array, pages: jax.Array, length: int) -> jax.Array:
+    """[B, KH, S, H]: the pool's tokens as the block tables order them."""
+    per_page, tokens = pool.shape[2], jnp.arange(length)
+    page = pages[:, tokens // per_page]  # [B, S]
+    page = jnp.clip(page, 0, pool.shape[1] - 1)
+    return jnp.moveaxis(pool[:, page, tokens % per_page], 0, 1)
+
+
+def pool_scores(q: jax.Array, pool: jax.Array, pages: jax.Array, length: int, limit) -> jax.Array:
+    """Scores float32 [B, KH, M, S] (S = `length`) of queries [B, KH, M, H]
+    against a page pool [KH, P, L, H] (float32, or 16 bits widened as read) seen
+    through block tables [B, n] (row b's token t in page pages[b, t // L]; an
+    entry outside the pool reads the nearest page, clipped as
+    kvlab.cache.paged.gather_pages clips it), by the native kernel a page at a
+    time where reads_pool, else XLA's product over the gathered tokens; tokens
+    from `limit` on score 0."""
+    _check_pool(q, pool, pages, length, q.shape[-1])
+    if reads_pool(pool, q.shape[2]):
+        return _pool_call("kvlab_scores", q, pool, pages, limit, (length,))
+    keys = _gathered(pool, pages, length).astype(jnp.float32)
+    out = jnp.einsum("bkmh,bksh->bkms", q.astype(jnp.float32), keys)
+    return jnp.where(jnp.arange(length) < limit, out, 0.0)
+
+
+def pool_weighted_sum(w: jax.Array, pool: jax.Array, pages: jax.Array, limit) -> jax.Array:
+    """float32 [B, KH, M, H]: weights [B, KH, M, S] over the pool's tokens as
+    pool_scores sees them; weights from `limit` on count as 0 (the kernel never
+    reads them)."""
+    length = w.shape[-1]
+    _check_pool(w, pool, pages, length, pool.shape[-1])
+    if reads_pool(pool, w.shape[2]):
+        return _pool_call("kvlab_weighted_sum", w, pool, pages, limit, (pool.shape[-1],))
+    values = _gathered(pool, pages, length).astype(jnp.float32)
+    w = jnp.where(jnp.arange(length) < limit, w.astype(jnp.float32), 0.0)
+    return jnp.einsum("bkms,bksh->bkmh", w, values)
+
+
 def writes_in_place(buffer: jax.Array) -> bool:
     """Whether `write_tokens` takes this buffer: 16-bit floats (which XLA:CPU
     updates through a float32 copy of the whole buffer) in a one-device CPU
@@ -254,6 +330,8 @@ def write_tokens(buffer: jax.Array, new: jax.Array, slots: jax.Array) -> jax.Arr
     slots[b, x or 0, t] (int32 [B, 1 or X, T]; slots outside 0..S-1 dropped),
     written in place by the native kernel: the new buffer is the old one's
     memory where XLA can donate it (kvlab/cache/placement.write_tokens)."""
+    if unavailable_reason() is not None:
+        raise RuntimeError(f"native.write_tokens needs the kernels: {unavailable_reason()}")
     b, x, _, y = buffer.shape if buffer.ndim == 4 else (None,) * 4
     fits = (
         b is not None
@@ -290,7 +368,7 @@ class Codes:
     With `pages` (block tables int32 [B, n]) they are page pools instead,
     payload [KH, P, L, H * bits / 8] and scale, zero [KH, P, L or L / group, .],
     row b's token t in page pages[b, t // L] (kvlab/cache/paged.py; a table
-    entry outside the pool reads page 0, as gather_pages does), `length` (S)
+    entry outside the pool reads the nearest page, as gather_pages clips it), `length` (S)
     tokens per row.
     """
 

@@ -11,7 +11,8 @@
 //
 // KvlabScores and KvlabWeightedSum: decode attention's two products over P
 // slices (batch x KV head) of a cache stored in float32, bfloat16 or float16
-// (widened in registers), each slice's keys or values read once, up to a limit.
+// (widened in registers), rows' own or page pools through block tables, each
+// slice's keys or values read once, up to a limit.
 //
 // KvlabWriteTokens: the cache write, in place (XLA:CPU rewrites a whole 16-bit
 // buffer through float32 to update a few tokens of it).
@@ -289,16 +290,36 @@ void WeightedRows(const float* w, int64_t ldw, const Values& values, int64_t n, 
   }
 }
 
-// The stored keys or values [P, S, H] of Scores and Weighted: float32, bfloat16 or float16.
+// The stored keys or values of Scores and Weighted, float32, bfloat16 or float16: [P, S, H],
+// or page pools [KH, pages, L, H] read through block tables [B, n] (P = B * KH), slice
+// b * KH + kh's token t in page table[b, t / L] (an entry outside the pool reads the
+// nearest page, clipped as gather_pages clips it: what it holds is masked).
 struct Stored {
   const void* data;
   ffi::DataType type;
   int64_t s_len, h_len;
+  const int32_t* table = nullptr;
+  int64_t heads = 1, pages = 1, per_page = 1, table_len = 0;
 
-  // run(rows) with the rows source of slice p.
+  // run(rows, t, n) for each run of tokens [t, t + n) of slice p below `end` that lies
+  // contiguously in memory (one run, or one per page), in order.
   template <typename Run>
-  void Slice(int64_t p, Run run) const {
-    const int64_t first = p * s_len * h_len;
+  void Runs(int64_t p, int64_t end, Run run) const {
+    if (table == nullptr) {
+      Rows(p * s_len * h_len, [&](const auto& rows) { run(rows, 0, end); });
+      return;
+    }
+    for (int64_t t = 0; t < end; t += per_page) {
+      int64_t page = table[p / heads * table_len + t / per_page];
+      page = std::clamp<int64_t>(page, 0, pages - 1);
+      const int64_t first = ((p % heads * pages + page) * per_page) * h_len;
+      // The run's rows source starts at token t.
+      Rows(first, [&](const auto& rows) { run(rows, t, std::min(per_page, end - t)); });
+    }
+  }
+
+  template <typename Run>
+  void Rows(int64_t first, Run run) const {
     if (type == ffi::DataType::F32) {
       run(FloatRows{static_cast<const float*>(data) + first, h_len});
     } else if (type == ffi::DataType::F16) {
@@ -309,24 +330,48 @@ struct Stored {
   }
 };
 
-// Checks the queries or weights a [P, M, X], the stored tensor b [P, S, H] and the limit [];
-// `x_is_h`: X is H (scores) rather than S (weighted sums).
+// Checks the queries or weights a [P, M, X], the stored tensor b ([P, S, H], or pools
+// [KH, pages, L, H] with a table [B, n], P = B * KH and S <= n * L), the limit [] and the
+// output [P, M, Y]; S is X (weighted sums) or Y (scores).
 ffi::Error ReadStored(const char* name, const ffi::Buffer<ffi::F32>& a, const ffi::AnyBuffer& b,
-                      const ffi::Buffer<ffi::S32>& limit, bool x_is_h, Stored* stored) {
-  const auto ad = a.dimensions(), bd = b.dimensions();
+                      const ffi::Buffer<ffi::S32>& table, const ffi::Buffer<ffi::S32>& limit,
+                      ffi::ResultBuffer<ffi::F32>& out, bool scores, Stored* stored) {
+  const auto ad = a.dimensions(), bd = b.dimensions(), td = table.dimensions();
+  const auto od = out->dimensions();
   const ffi::DataType type = b.element_type();
-  if (ad.size() != 3 || bd.size() != 3 || ad[0] != bd[0] || ad[2] != bd[x_is_h ? 2 : 1] ||
-      limit.dimensions().size() != 0) {
-    return ffi::Error::InvalidArgument(std::string(name) +
-                                       (x_is_h ? ": expects q [P, M, H], k [P, S, H]"
-                                               : ": expects w [P, M, S], v [P, S, H]") +
-                                       " and a limit []");
+  const bool paged = bd.size() == 4;
+  bool fits = ad.size() == 3 && od.size() == 3 && od[0] == ad[0] && od[1] == ad[1] &&
+              (bd.size() == 3 || paged) && limit.dimensions().size() == 0 && td.size() == 2;
+  int64_t s_len = 0, h_len = 0;
+  if (fits) {
+    s_len = scores ? od[2] : ad[2];
+    h_len = bd[bd.size() - 1];
+    fits = (scores ? ad[2] : od[2]) == h_len;
+    if (paged) {
+      fits = fits && td[0] * bd[0] == ad[0] && s_len <= td[1] * bd[2] && bd[2] > 0;
+    } else {
+      fits = fits && bd[0] == ad[0] && bd[1] == s_len;
+    }
+  }
+  if (!fits) {
+    return ffi::Error::InvalidArgument(
+        std::string(name) +
+        (scores ? ": expects q [P, M, H], out [P, M, S]" : ": expects w [P, M, S], out [P, M, H]") +
+        ", keys or values [P, S, H] (or pools [KH, pages, L, H] with a table [B, n], "
+        "P = B * KH, S <= n * L) and a limit []");
   }
   if (type != ffi::DataType::F32 && type != ffi::DataType::BF16 && type != ffi::DataType::F16) {
     return ffi::Error::InvalidArgument(std::string(name) +
                                        ": stored tokens must be float32, bfloat16 or float16");
   }
-  *stored = Stored{b.untyped_data(), type, bd[1], bd[2]};
+  *stored = Stored{b.untyped_data(), type, s_len, h_len};
+  if (paged) {
+    stored->table = table.typed_data();
+    stored->heads = bd[0];
+    stored->pages = bd[1];
+    stored->per_page = bd[2];
+    stored->table_len = td[1];
+  }
   return ffi::Error::Success();
 }
 
@@ -342,9 +387,11 @@ int64_t SliceChunk(const Stored& k, int64_t end) {
 
 // Scores of the first `limit` tokens; those past it are 0 (the caller masks them).
 ffi::Error Scores(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k,
-                  ffi::Buffer<ffi::S32> limit, ffi::ResultBuffer<ffi::F32> out) {
+                  ffi::Buffer<ffi::S32> table, ffi::Buffer<ffi::S32> limit,
+                  ffi::ResultBuffer<ffi::F32> out) {
   Stored keys;
-  if (auto error = ReadStored("kvlab scores", q, k, limit, true, &keys); error.failure()) {
+  if (auto error = ReadStored("kvlab scores", q, k, table, limit, out, true, &keys);
+      error.failure()) {
     return error;
   }
   const int64_t m_len = q.dimensions()[1], s_len = keys.s_len, h_len = keys.h_len;
@@ -354,8 +401,8 @@ ffi::Error Scores(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer 
   Parallel(pool, q.dimensions()[0], SliceChunk(keys, end), [=](int64_t first, int64_t last) {
     for (int64_t p = first; p < last; ++p) {
       float* scores = op + p * m_len * s_len;
-      keys.Slice(p, [&](const auto& rows) {
-        ScoresKeys(qp + p * m_len * h_len, h_len, rows, scores, s_len, m_len, end, h_len);
+      keys.Runs(p, end, [&](const auto& rows, int64_t t, int64_t n) {
+        ScoresKeys(qp + p * m_len * h_len, h_len, rows, scores + t, s_len, m_len, n, h_len);
       });
       for (int64_t m = 0; m < m_len; ++m)
         std::fill(scores + m * s_len + end, scores + (m + 1) * s_len, 0.0f);
@@ -366,9 +413,10 @@ ffi::Error Scores(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer 
 
 // Sums over the first `limit` tokens; weights past it are never read.
 ffi::Error Weighted(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> w, ffi::AnyBuffer v,
-                    ffi::Buffer<ffi::S32> limit, ffi::ResultBuffer<ffi::F32> out) {
+                    ffi::Buffer<ffi::S32> table, ffi::Buffer<ffi::S32> limit,
+                    ffi::ResultBuffer<ffi::F32> out) {
   Stored values;
-  if (auto error = ReadStored("kvlab weighted_sum", w, v, limit, false, &values);
+  if (auto error = ReadStored("kvlab weighted_sum", w, v, table, limit, out, false, &values);
       error.failure()) {
     return error;
   }
@@ -379,8 +427,9 @@ ffi::Error Weighted(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> w, ffi::AnyBuffe
   Parallel(pool, w.dimensions()[0], SliceChunk(values, end), [=](int64_t first, int64_t last) {
     for (int64_t p = first; p < last; ++p) {
       float* sums = op + p * m_len * h_len;
-      values.Slice(p, [&](const auto& rows) {
-        WeightedRows(wp + p * m_len * s_len, s_len, rows, end, sums, m_len, h_len, false);
+      std::fill(sums, sums + m_len * h_len, 0.0f);
+      values.Runs(p, end, [&](const auto& rows, int64_t t, int64_t n) {
+        WeightedRows(wp + p * m_len * s_len + t, s_len, rows, n, sums, m_len, h_len, true);
       });
     }
   });
@@ -456,7 +505,7 @@ struct Payload {
   Codes c;
   // Page pools (table set): codes [KH, pages, L, bytes] and scales [KH, pages, L or L / group,
   // groups]; slice b * KH + kh reads token t from page table[b, t / L], an entry outside
-  // the pool reading page 0 as gather_pages does (what it holds is masked).
+  // the pool reading the nearest page, clipped as gather_pages clips it (masked).
   const int32_t* table = nullptr;
   int64_t heads = 1, pages = 1, per_page = 1, table_len = 0;
 
@@ -467,7 +516,7 @@ struct Payload {
   int64_t Row(int64_t slice, int64_t row, int64_t per_slice, int64_t rows_per_page) const {
     if (table == nullptr) return slice * per_slice + row;
     int64_t page = table[slice / heads * table_len + row / rows_per_page];
-    page = page < 0 || page >= pages ? 0 : page;
+    page = std::clamp<int64_t>(page, 0, pages - 1);
     return (slice % heads * pages + page) * rows_per_page + row % rows_per_page;
   }
   const uint8_t* TokenCodes(int64_t slice, int64_t t) const {
@@ -1125,6 +1174,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(KvlabPanelMatmul, PanelMatmul, KVLAB_BINARY_F32);
       .Ctx<ffi::ThreadPool>()              \
       .Arg<ffi::Buffer<ffi::F32>>()        \
       .Arg<ffi::AnyBuffer>()               \
+      .Arg<ffi::Buffer<ffi::S32>>()        \
       .Arg<ffi::Buffer<ffi::S32>>()        \
       .Ret<ffi::Buffer<ffi::F32>>()
 

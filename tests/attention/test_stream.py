@@ -191,6 +191,9 @@ def test_pallas_kernels_give_the_xla_logits(config, cache):
         ("gqa.py:tiny", dict(dtype="bfloat16"), 8),
         ("mla.py:tiny", dict(dtype="bfloat16"), 8),  # one latent, read as keys and values
         ("gqa.py:tiny", dict(dtype="float16", v_bits=4, group_size=4), 8),  # beside codes
+        # page pools, read through the block tables by the kernels
+        ("gqa.py:tiny", dict(kind="paged", page_size=8), 8),
+        ("gqa.py:tiny", dict(kind="paged", page_size=8, dtype="bfloat16", v_bits=4), 8),
         # quantized payloads, read in place by the kernels (streamed on XLA's path)
         ("gqa.py:tiny", dict(k_bits=4, v_bits=2, group_size=4), 8),  # KIVI, zero points
         ("gqa.py:tiny", dict(k_bits=8, v_bits=8, k_axis="token", symmetric=True), 8),
