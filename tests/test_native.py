@@ -26,6 +26,17 @@ def reference(x, kernel):
     return np.asarray(x, np.float64) @ np.asarray(kernel, np.float64)
 
 
+def check_products(got, spec: str, a, b, parts=None):
+    """got is einsum(spec, a, b) within float32 rounding of each sum's terms
+    (sums may cancel), or of the terms' parts when b's numbers are sums of
+    parts (`parts`: their magnitudes added)."""
+    want = np.einsum(spec, np.asarray(a, np.float64), b)
+    parts = np.abs(b) if parts is None else parts
+    terms = np.einsum(spec, np.abs(np.asarray(a, np.float64)), parts)
+    assert got.shape == want.shape
+    assert np.all(np.abs(np.asarray(got, np.float64) - want) <= 1e-5 * terms + 1e-30)
+
+
 def relative_error(got, want):
     return float(
         np.max(np.abs(np.asarray(got, np.float64) - want)) / max(np.abs(want).max(), 1e-30)
@@ -154,18 +165,11 @@ def check_attention_products(slices, rows, length, width, seed, dtype, seen):
     w_past = w.copy()
     w_past[..., seen:] = np.nan
 
-    def check(got, spec, a, b):
-        """Within float32 rounding of each sum's terms (sums may cancel)."""
-        want = np.einsum(spec, a.astype(np.float64), b)
-        terms = np.einsum(spec, np.abs(a).astype(np.float64), np.abs(b))
-        assert got.shape == want.shape
-        assert np.all(np.abs(np.asarray(got, np.float64) - want) <= 1e-5 * terms + 1e-30)
-
     scores = jax.jit(native.scores)(jnp.asarray(q), stored, seen)
-    check(scores[..., :seen], "pqmh,pqsh->pqms", q, k[:, :, :seen])
+    check_products(scores[..., :seen], "pqmh,pqsh->pqms", q, k[:, :, :seen])
     assert np.all(np.asarray(scores[..., seen:]) == 0)
     out = jax.jit(native.weighted_sum)(jnp.asarray(w_past), stored, seen)
-    check(out, "pqms,pqsh->pqmh", w[..., :seen], k[:, :, :seen])
+    check_products(out, "pqms,pqsh->pqmh", w[..., :seen], k[:, :, :seen])
     other = jnp.asarray(np.concatenate([k, k]))  # one more slice
     with pytest.raises(ValueError, match="do not match"):
         native.scores(jnp.asarray(q), other)
@@ -235,16 +239,15 @@ def test_a_quantized_cache_is_read_by_the_kernels(kind):
     assert calls(xla, 1) == {target: 0 for target in PRODUCTS}
 
 
-@needs_native
-def test_a_paged_cache_is_read_through_its_tables():
-    """With attention_impl='native', a decode step reads each layer's float32
-    page pools with the kernels a page at a time at any length (nothing
-    gathered); a prompt takes XLA's products."""
+def native_model(**cache_fields):
+    """gqa.py:tiny with attention_impl='native' and these cache fields: its
+    (apply, params, cache of 2 rows x 64 slots, layers, calls), calls(T) counting
+    each kernel's calls in the jaxpr of a T-token step."""
     import kvlab
 
     cfg = kvlab.load_config(f"{ROOT}/configs/gqa.py:tiny")
     cfg.model.attention_impl = "native"
-    cfg.cache.kind = "paged"
+    cfg.cache.update(cache_fields)
     cfg = kvlab.validate_config(cfg)
     params = kvlab.init_params(cfg.model, jax.random.key(0))
     cache = kvlab.init_cache(cfg.model, cfg.cache, batch_size=2, max_len=64)
@@ -253,12 +256,20 @@ def test_a_paged_cache_is_read_through_its_tables():
     def calls(length):
         tokens = jnp.zeros((2, length), jnp.int32)
         text = str(jax.make_jaxpr(apply)({"params": params}, tokens, cache=cache))
-        return {target: text.count(target) for target in PRODUCTS}
+        return {target: text.count(target) for target in native.TARGETS}
 
-    layers = cfg.model.num_layers
+    return apply, params, cache, cfg.model.num_layers, calls
+
+
+@needs_native
+def test_a_paged_cache_is_read_through_its_tables():
+    """With attention_impl='native', a decode step reads each layer's float32
+    page pools with the kernels a page at a time at any length (nothing
+    gathered); a prompt takes XLA's products."""
+    *_, layers, calls = native_model(kind="paged")
     step = calls(1)
     assert step["kvlab_scores"] == step["kvlab_weighted_sum"] == layers  # the pools
-    assert calls(32) == {target: 0 for target in PRODUCTS}
+    assert all(calls(32)[target] == 0 for target in PRODUCTS)
 
 
 @needs_native
@@ -315,17 +326,11 @@ def test_pool_products_are_those_of_the_gathered_tokens(
     w_past = w.copy()
     w_past[..., seen:] = np.nan
 
-    def check(got, spec, a, b):
-        want = np.einsum(spec, a.astype(np.float64), b)
-        terms = np.einsum(spec, np.abs(a).astype(np.float64), np.abs(b))
-        assert got.shape == want.shape
-        assert np.all(np.abs(np.asarray(got, np.float64) - want) <= 1e-5 * terms + 1e-30)
-
     scores = jax.jit(native.pool_scores, static_argnums=3)(q, pool, pages, length, seen)
-    check(scores[..., :seen], "bkmh,bksh->bkms", q, tokens[:, :, :seen])
+    check_products(scores[..., :seen], "bkmh,bksh->bkms", q, tokens[:, :, :seen])
     assert np.all(np.asarray(scores[..., seen:]) == 0)
     out = jax.jit(native.pool_weighted_sum)(jnp.asarray(w_past), pool, pages, seen)
-    check(out, "bkms,bksh->bkmh", w[..., :seen], tokens[:, :, :seen])
+    check_products(out, "bkms,bksh->bkmh", w[..., :seen], tokens[:, :, :seen])
     with pytest.raises(ValueError, match="do not match"):  # more tokens than the tables hold
         native.pool_scores(q, pool, pages, n * per_page + 1, seen)
 
@@ -379,25 +384,10 @@ def test_a_16_bit_cache_is_written_in_place_and_read_by_the_kernels(monkeypatch)
     attention_impl='native', reads a cache long enough to stream (here from 16
     slots) with the kernels widening 16 bits in registers; a prompt's products
     stay XLA's."""
-    import kvlab
     from kvlab.attention import core
 
     monkeypatch.setattr(core, "STREAM_TOKENS", 8)
-
-    cfg = kvlab.load_config(f"{ROOT}/configs/gqa.py:tiny")
-    cfg.cache.dtype = "bfloat16"
-    cfg.model.attention_impl = "native"
-    cfg = kvlab.validate_config(cfg)
-    params = kvlab.init_params(cfg.model, jax.random.key(0))
-    cache = kvlab.init_cache(cfg.model, cfg.cache, batch_size=2, max_len=64)
-    apply = kvlab.Transformer(cfg.model).apply
-
-    def calls(length):
-        tokens = jnp.zeros((2, length), jnp.int32)
-        text = str(jax.make_jaxpr(apply)({"params": params}, tokens, cache=cache))
-        return {target: text.count(target) for target in native.TARGETS}
-
-    layers = cfg.model.num_layers
+    apply, params, cache, layers, calls = native_model(dtype="bfloat16")
     step = calls(1)
     assert step["kvlab_write_tokens"] == 2 * layers
     assert step["kvlab_scores"] == step["kvlab_weighted_sum"] == layers  # the stored block
@@ -521,20 +511,14 @@ def test_quantized_products_are_those_of_the_dequantized_tokens(tensor, rows, cu
     w = rng.random((slices, 1, rows, length), np.float32)
     w[..., limit:] = np.nan
 
-    def check(got, spec, a, b):
-        """Within float32 rounding of each sum's terms and the numbers' parts."""
-        want = np.einsum(spec, a.astype(np.float64), b)
-        terms = np.einsum(spec, np.abs(a).astype(np.float64), parts)
-        assert np.all(np.abs(np.asarray(got, np.float64) - want) <= 1e-5 * terms + 1e-30)
-
     for read in (codes, in_pages(codes, per_page * (spec.group_size if codes.channel else 1), rng)):
         scores = np.asarray(jax.jit(lambda q, n, c=read: native.quant_scores(q, c, n))(q, limit))
         assert scores.shape == (slices, 1, rows, length)
-        check(scores[..., :limit], "pqmh,pqsh->pqms", q, dense)
+        check_products(scores[..., :limit], "pqmh,pqsh->pqms", q, dense, parts)
         assert np.all(scores[..., limit:] == 0)
         out = jax.jit(lambda w, n, c=read: native.quant_weighted_sum(w, c, n))(w, limit)
         assert out.shape == (slices, 1, rows, width)
-        check(out, "pqms,pqsh->pqmh", w[..., :limit], dense)
+        check_products(out, "pqms,pqsh->pqmh", w[..., :limit], dense, parts)
 
 
 def in_pages(codes, per_page: int, rng):

@@ -49,7 +49,7 @@ from einops import rearrange
 from jaxtyping import Array, Bool, Float
 
 from kvlab import native
-from kvlab.cache.protocols import Reader
+from kvlab.cache.protocols import Reader, ReadWhole
 
 # A finite "minus infinity": a fully masked row gives a uniform softmax, not NaN.
 MASKED = -0.7 * float(jnp.finfo(jnp.float32).max)
@@ -291,7 +291,7 @@ def _native_block(block, rows: int):
 
 
 @dataclasses.dataclass(frozen=True)
-class NativeRows:
+class NativeRows(ReadWhole):
     """A 16-bit array of keys or values read by kvlab.native's kernels, widened
     to float32 in registers as they read it (no float32 copy), whole (`step` is
     its length) and only up to `limit` tokens."""
@@ -303,10 +303,6 @@ class NativeRows:
     def shape(self) -> tuple[int, int, int, int]:
         return self.array.shape
 
-    @property
-    def step(self) -> int:
-        return self.shape[2]
-
     def scores(self, q: Array) -> Array:
         return native.scores(q.astype(jnp.float32), self.array, self.limit)
 
@@ -315,9 +311,6 @@ class NativeRows:
 
     def dequantize(self) -> Array:
         return self.array.astype(jnp.float32)
-
-    def chunk(self, start, size: int):
-        return self  # start 0 and size S: the one slice of `step` tokens
 
 
 def attend(

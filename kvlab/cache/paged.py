@@ -29,6 +29,7 @@ from kvlab import native
 from kvlab.cache import quant
 from kvlab.cache.dense import Cache, DenseLayer
 from kvlab.cache.placement import Placement, write_tokens
+from kvlab.cache.protocols import ReadWhole
 
 
 def gather_pages(pool: Array, pages: Int[Array, "B n"], length: int) -> Array:
@@ -136,7 +137,7 @@ class PagedReader:
 
 
 @dataclasses.dataclass(frozen=True)
-class NativePool:
+class NativePool(ReadWhole):
     """A pool (float32, or 16 bits widened in registers) whose products are
     kvlab.native's kernels (model.attention_impl='native'), a page at a time
     through the block tables: nothing is gathered, the pool is read whole
@@ -149,10 +150,6 @@ class NativePool:
     def shape(self) -> tuple[int, int, int, int]:
         return self.reader.shape
 
-    @property
-    def step(self) -> int:
-        return self.shape[2]
-
     def scores(self, q: Array) -> Array:
         r = self.reader
         return native.pool_scores(q, r.pool, r.pages, r.length, self.limit)
@@ -162,9 +159,6 @@ class NativePool:
 
     def dequantize(self) -> Array:
         return self.reader.dequantize()
-
-    def chunk(self, start, size: int):
-        return self  # start 0 and size S: the one slice of `step` tokens
 
 
 @dataclasses.dataclass(frozen=True)

@@ -53,6 +53,7 @@ from jaxtyping import Array
 
 from kvlab import native
 from kvlab.cache.placement import Placement, write_tokens
+from kvlab.cache.protocols import ReadWhole
 from kvlab.config import cached_tensors, dtype_of
 
 FP8 = jnp.float8_e4m3fn
@@ -376,7 +377,7 @@ def native_payload(reader, tensor: QuantizedTensor, limit, rows: int, pages=None
 
 
 @dataclasses.dataclass(frozen=True)
-class NativePayload:
+class NativePayload(ReadWhole):
     """A quantized payload whose products are kvlab.native's kernels
     (model.attention_impl='native'): they dequantize a few tokens at a time in
     the core's caches, so the payload is read whole (`step` is its length)
@@ -390,10 +391,6 @@ class NativePayload:
     def shape(self) -> tuple[int, int, int, int]:
         return self.reader.shape
 
-    @property
-    def step(self) -> int:
-        return self.shape[2]
-
     def scores(self, q: Array) -> Array:
         return native.quant_scores(q, self.codes, self.limit)
 
@@ -402,9 +399,6 @@ class NativePayload:
 
     def dequantize(self) -> Array:
         return self.reader.dequantize()
-
-    def chunk(self, start, size: int):
-        return self  # start 0 and size S: the one slice of `step` tokens
 
 
 def read_slice(tensor: QuantizedTensor, take, start, size: int):
