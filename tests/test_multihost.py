@@ -212,8 +212,14 @@ def test_two_processes_train_as_one_process_of_eight_devices(tmp_path):
     assert [r["cache"] for r in host0["sweep"]] == ["16bit", "k8v4"]
     for got, want in zip(host0["sweep"], alone["sweep"], strict=True):
         assert got.keys() == want.keys()
+        # Differences of near-equal numbers round on their operands' scale: KL on the
+        # float32 log-probabilities' (about log 256 = 5.5, so ~7e-7; 3e-9 seen), the
+        # perplexity change on the perplexities'.
+        atol = dict(kl_mean=1e-6, kl_p99=1e-6, delta_ppl=TOLERANCE * want["ppl"])
         for column in RESULT_COLUMNS:
-            np.testing.assert_allclose(got[column], want[column], rtol=TOLERANCE)
+            np.testing.assert_allclose(
+                got[column], want[column], rtol=TOLERANCE, atol=atol.get(column, 0), err_msg=column
+            )
     assert host1["written"] == [] and host0["written"] == alone["written"]
     assert host0["written"].count("results.csv") == 1
     assert sorted(os.listdir(two_sweep)) == sorted(os.listdir(one_sweep))
