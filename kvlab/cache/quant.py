@@ -543,8 +543,9 @@ class QuantizedLayer:
     def capacity(self) -> int:
         return self.layout.capacity
 
-    def _flush(self, fresh: tuple, placement: Placement) -> Flush:
-        """Gathers the tokens settled by this step and quantizes them."""
+    def _flush(self, fresh: tuple, placement: Placement) -> tuple[Flush, tuple]:
+        """Gathers the tokens settled by this step and quantizes them; also gives the
+        numbers they stand for (dequantized, [B, KH, F*g, Wd] per tensor)."""
         layout, lengths = self.layout, placement.lengths
         length = placement.positions.shape[1]
         g = layout.granularity
@@ -555,23 +556,35 @@ class QuantizedLayer:
         valid = positions < after[:, None]
         from_fresh = positions >= lengths[:, None]
         fresh_index = jnp.clip(positions - lengths[:, None], 0, length - 1)
-        payloads, scales, zeros = [], [], []
-        for tensor, new in zip(self.tensors, fresh, strict=True):
-            # [B, KH, F*g, Wd], full precision as the ring holds it
-            taken = jnp.take_along_axis(new, fresh_index[:, None, :, None], axis=2)
-            if tensor.ring is not None:
-                slot = positions % layout.ring_len
-                kept = jnp.take_along_axis(tensor.ring, slot[:, None, :, None], axis=2)
-                taken = jnp.where(from_fresh[:, None, :, None], taken, kept)
-            if tensor.spec.quantized:
-                payload, scale, zero = quantize_tokens(taken, tensor.spec)
-            else:
-                payload, scale, zero = taken, None, None
-            payloads.append(payload)
-            scales.append(scale)
-            zeros.append(zero)
+
+        def settle():
+            payloads, scales, zeros, values = [], [], [], []
+            for tensor, new in zip(self.tensors, fresh, strict=True):
+                # [B, KH, F*g, Wd], full precision as the ring holds it
+                taken = jnp.take_along_axis(new, fresh_index[:, None, :, None], axis=2)
+                if tensor.ring is not None:
+                    slot = positions % layout.ring_len
+                    kept = jnp.take_along_axis(tensor.ring, slot[:, None, :, None], axis=2)
+                    taken = jnp.where(from_fresh[:, None, :, None], taken, kept)
+                if tensor.spec.quantized:
+                    payload, scale, zero = quantize_tokens(taken, tensor.spec)
+                    value = dequantize_tokens(payload, scale, zero, tensor.spec)
+                else:
+                    payload, scale, zero, value = taken, None, None, taken
+                payloads.append(payload)
+                scales.append(scale)
+                zeros.append(zero)
+                values.append(value)
+            return tuple(payloads), tuple(scales), tuple(zeros), tuple(values)
+
+        # Decoding, a group settles in one step of g. The other steps, where no row
+        # settles one, skip the gather and the (de)quantization: their flush is zeros,
+        # all masked (positions -1), as the unused groups' numbers were before.
+        shapes = jax.eval_shape(settle)
+        nothing = lambda: jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), shapes)  # noqa: E731
+        payloads, scales, zeros, values = jax.lax.cond(jnp.any(valid), settle, nothing)
         positions = jnp.where(valid, positions, -1)  # -1: nothing settles there (dropped)
-        return Flush(positions, fresh, tuple(payloads), tuple(scales), tuple(zeros))
+        return Flush(positions, fresh, payloads, scales, zeros), values
 
     def read(self, fresh: tuple, placement: Placement, visible=None, readers=None):
         """Blocks to attend over and what `write` will store (see DenseLayer.read).
@@ -587,7 +600,7 @@ class QuantizedLayer:
             x.astype(t.ring.dtype if t.ring is not None else dtype_of(t.spec.dtype))
             for x, t in zip(fresh, self.tensors, strict=True)
         )
-        flush = self._flush(fresh, placement)
+        flush, settled_values = self._flush(fresh, placement)
         before = layout.settled(lengths)  # [B]
         # Per query at position p: tokens below settled(p + 1) are seen quantized.
         seen_settled = layout.settled(placement.positions + 1)[:, :, None]  # [B, T, 1]
@@ -617,12 +630,6 @@ class QuantizedLayer:
         fresh_positions = placement.positions[:, None, :]  # [B, 1, T]
         fresh_mask = placement.fresh_mask & (fresh_positions >= seen_settled)
         blocks.append((fresh, fresh_mask & rule(fresh_positions)))
-        settled_values = tuple(
-            dequantize_tokens(p, s, z, t.spec) if t.spec.quantized else p
-            for t, p, s, z in zip(
-                self.tensors, flush.payloads, flush.scales, flush.zeros, strict=True
-            )
-        )
         flushed = flush.positions[:, None, :]  # [B, 1, F*g]; -1 where nothing settles
         blocks.append((settled_values, (flushed >= 0) & (flushed < seen_settled) & rule(flushed)))
         return blocks, flush

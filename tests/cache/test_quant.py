@@ -363,6 +363,50 @@ def test_residual_window_holds_recent_tokens_in_full_precision():
         assert not np.array_equal(settled_values, true[:, :settled])
 
 
+def _primitives(jaxpr, inside=False):
+    """(primitive name, whether under a cond) of every equation of a jaxpr, nested ones too."""
+    for eqn in jaxpr.eqns:
+        yield eqn.primitive.name, inside
+        for param in eqn.params.values():
+            for sub in param if isinstance(param, (tuple, list)) else [param]:
+                sub = getattr(sub, "jaxpr", sub)  # a closed jaxpr's own
+                if hasattr(sub, "eqns"):
+                    yield from _primitives(sub, inside or eqn.primitive.name == "cond")
+
+
+@pytest.mark.parametrize("lengths", [(1, 6), (3, 6)])
+def test_steps_where_no_group_settles_quantize_nothing(lengths):
+    """A decode step settles a group in one step of g: quantizing happens only under
+    a cond taken when some row settles one, and otherwise the flush is empty."""
+    spec = Storage(4, "int", "channel", 4, False, "float32", "float32")
+    layout = Layout(capacity=16, residual=0, granularity=4)
+    layer = init_layer((spec, spec), layout, 2, [(2, 8)] * 2)
+    lengths = jnp.asarray(lengths, jnp.int32)
+    placement = kvlab.cache.dense.place_after(lengths, 16, 1, jnp.ones(2, jnp.int32))
+    rng = np.random.default_rng(0)
+    fresh = tuple(jnp.asarray(rng.standard_normal((2, 2, 1, 8)), jnp.float32) for _ in range(2))
+
+    def read(layer, fresh):
+        blocks, flush = layer.read(fresh, placement)
+        return blocks[-1][0], flush.positions
+
+    rounds = [
+        inside
+        for name, inside in _primitives(jax.make_jaxpr(read)(layer, fresh).jaxpr)
+        if name == "round"
+    ]
+    assert rounds and all(rounds)  # every rounding to a code is under the cond
+    values, positions = read(layer, fresh)
+    settles = np.asarray(lengths) + 1 == 4  # row 0 of (3, 6): tokens 0..3 settle
+    assert np.array_equal(np.asarray(positions[:, 0]) >= 0, settles)
+    if not settles.any():
+        assert all(not np.asarray(v).any() for v in values)  # the skipped branch: zeros
+    else:
+        # The settled tokens are the fresh one (position 3) and the ring's (zeros here).
+        step = float(jnp.abs(fresh[0]).max()) / 15  # one 4-bit level of the widest span
+        np.testing.assert_allclose(values[0][0, :, 3], fresh[0][0, :, 0], atol=step)
+
+
 def test_sixteen_bits_is_the_unquantized_cache_exactly():
     plain = tiny_config()
     sixteen = quantized_config(
