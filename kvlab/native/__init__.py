@@ -15,15 +15,16 @@ to a general matrix routine that repacks the weights on every call, so a decode
 step (a few rows against every weight of the model) reads its weights at a
 fraction of the memory bandwidth. `panel_matmul` reads weights stored as
 32-column panels (kvlab.panel_projections makes them) once per call on all of
-XLA's intra-op threads, whatever the number of rows up to MAX_ROWS
-(kernels.cc says how); `scores` and `weighted_sum` do the same for decode
+XLA's intra-op threads, whatever the number of rows (a prompt's too: kernels.cc
+says how); `scores` and `weighted_sum` do the same for decode
 attention's products over a cache (model.attention_impl='native'), and
 `quant_scores` and `quant_weighted_sum` over a quantized cache's packed codes
 (kvlab/cache/quant.py), dequantizing a few tokens at a time in the core's own
-caches. Each takes float32 queries or weights and up to MAX_ROWS rows (caches
-in float32, or bfloat16 and float16 widened as they are read); anything else goes
-to XLA. XLA:CPU also updates a 16-bit buffer through a float32 copy of all of
-it, so `write_tokens` writes a 16-bit cache's new tokens in place.
+caches. Each attention kernel takes float32 queries or weights and up to
+MAX_ROWS rows (caches in float32, or bfloat16 and float16 widened as they are
+read); anything else goes to XLA. XLA:CPU also updates a 16-bit buffer through
+a float32 copy of all of it, so `write_tokens` writes a 16-bit cache's new
+tokens in place.
 
 The source is built with the system C++ compiler (`$CXX`, else `c++`) for
 x86-64 CPUs with AVX-512F the first time a process asks for it, into
@@ -55,7 +56,7 @@ import jax.numpy as jnp
 import numpy as np
 
 PANEL = 32  # columns per panel
-MAX_ROWS = 16  # more rows (a prompt) go to XLA's product, which is fast there
+MAX_ROWS = 16  # attention's query rows per KV head; more (a prompt) go to XLA's product
 SOURCE = Path(__file__).with_name("kernels.cc")
 # FFI target name -> the library's handler symbol
 TARGETS = {
@@ -177,13 +178,12 @@ def _call(target: str, shape: tuple, *arrays: jax.Array) -> jax.Array:
 
 def panel_matmul(x: jax.Array, panels: jax.Array) -> jax.Array:
     """x [M, K] @ W for W stored as panels [N / 32, K, 32] (W[k, 32 b + j] =
-    panels[b, k, j]): the native kernel for up to MAX_ROWS rows of float32 on CPU
-    when available(), else one XLA product over the panels (any backend, dtype
-    or number of rows)."""
+    panels[b, k, j]): the native kernel for float32 on CPU when available(),
+    else one XLA product over the panels (any backend or dtype)."""
     (rows, depth), (count, panel_depth, width) = x.shape, panels.shape
     if panel_depth != depth or width != PANEL:
         raise ValueError(f"x {x.shape} and panels {panels.shape} do not multiply")
-    if _native(x, panels, rows=rows):
+    if x.dtype == panels.dtype == jnp.float32 and _on_cpu():
         return _call("kvlab_panel_matmul", (rows, count * PANEL), x, panels)
     return jnp.einsum("mk,bkj->mbj", x, panels).reshape(rows, count * PANEL)
 
