@@ -405,25 +405,45 @@ def attend(
         )
         return stored or _streams(block, STREAM_TOKENS)
 
+    def together(blocks, skipped=()):
+        """(peak, total, out, mass) of blocks under one softmax; with `observe`,
+        mass per block and per block of `skipped` (wholly masked: none)."""
+        scores = [block_scores(k, mask) for k, _, mask in blocks]
+        peak = jnp.full((*shape, 1), MASKED, jnp.float32)  # [B, K, T, G, 1]
+        for s in scores:
+            peak = jnp.maximum(peak, s.max(axis=-1, keepdims=True, initial=MASKED))
+        total = jnp.zeros_like(peak)
+        out = jnp.zeros((batch, num_kv_heads, length * groups, blocks[0][1].shape[3]), jnp.float32)
+        for s, (_, v, _) in zip(scores, blocks, strict=True):
+            weights = jnp.exp(s - peak)
+            total = total + weights.sum(axis=-1, keepdims=True)
+            out = out + weighted(weights, v)  # [B, K, M, Hv]
+        if observe is None:
+            return peak, total, out, None
+        query = observe.astype(jnp.float32) / groups
+        mass = [jnp.einsum("BKTGS,BT->BKS", jnp.exp(s - peak) / total, query) for s in scores]
+        none = [jnp.zeros((batch, num_kv_heads, v.shape[2]), jnp.float32) for _, v, _ in skipped]
+        return peak, total, out, none + mass
+
     separate = [block for block in blocks if apart(block)]
     blocks = [block for block in blocks if not apart(block)]
-    scores = [block_scores(k, mask) for k, _, mask in blocks]
-    peak = MASKED  # [B, K, T, G, 1] after the loop; `initial` admits empty blocks
-    for s in scores:
-        peak = jnp.maximum(peak, s.max(axis=-1, keepdims=True, initial=MASKED))
-
-    total = jnp.zeros(jnp.shape(peak), jnp.float32)  # [B, K, T, G, 1]
-    out = 0.0
-    for s, (_, v, _) in zip(scores, blocks, strict=True):
-        weights = jnp.exp(s - peak)
-        total = total + weights.sum(axis=-1, keepdims=True)
-        out = out + weighted(weights, v)  # [B, K, M, Hv]
+    if not blocks:
+        peak = jnp.full((*shape, 1), MASKED, jnp.float32)
+        total, out, mass = jnp.zeros_like(peak), 0.0, []
+    elif length > 1 and len(blocks) > 1:
+        # A prompt over a cache that holds nothing yet (every block but the last,
+        # the new tokens, wholly masked for every row) skips those blocks'
+        # products: their weights would be exactly 0. The two branches compile
+        # apart, so a row's output may differ in the last bit with other rows'
+        # caches (held or not); a decode step (one query) never takes the cond.
+        held = jnp.any(jnp.stack([jnp.any(mask) for _, _, mask in blocks[:-1]]))
+        peak, total, out, mass = jax.lax.cond(
+            held, lambda: together(blocks), lambda: together(blocks[-1:], blocks[:-1])
+        )
+    else:
+        peak, total, out, mass = together(blocks)
     for block in separate:  # merged into the others' softmax as in flash-decoding
         peak, total, out = _merge((peak, total, out), partial(block))
     out = out / total.reshape(batch, num_kv_heads, length * groups, 1)
     out = rearrange(out, "B K (T G) H -> B T (K G) H", T=length).astype(queries[0].dtype)
-    if observe is None:
-        return out
-    weights = observe.astype(jnp.float32) / groups
-    mass = [jnp.einsum("BKTGS,BT->BKS", jnp.exp(s - peak) / total, weights) for s in scores]
-    return out, mass
+    return out if observe is None else (out, mass)

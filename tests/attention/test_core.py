@@ -63,6 +63,57 @@ def test_grouped_attention_equals_repeated_kv_reference(
     np.testing.assert_allclose(jax.jit(attend)(q, blocks), expected, atol=1e-5)
 
 
+def dots(jaxpr) -> int:
+    return sum(e.primitive.name == "dot_general" for e in jaxpr.eqns)
+
+
+@given(
+    batch=st.integers(2, 3),
+    queries=st.integers(2, 5),
+    cached=st.integers(1, 6),
+    kv_heads=st.sampled_from([1, 2]),
+    groups=st.sampled_from([1, 3]),
+    seed=st.integers(0, 2**16),
+)
+def test_a_prompt_over_an_empty_cache_skips_its_products_alone(
+    batch, queries, cached, kv_heads, groups, seed
+):
+    """Several queries over a cache block and the new tokens: when no row sees a
+    cached slot, the cache's products are skipped (a cond's other branch), and
+    every row comes out as when some row sees the cache, up to the last bit (the
+    branches compile apart)."""
+    rng = np.random.default_rng(seed)
+    q = rng.standard_normal((batch, queries, kv_heads * groups, 8), np.float32)
+    k, v = (rng.standard_normal((batch, kv_heads, cached + queries, 8), np.float32) for _ in "kv")
+    fresh = np.tril(np.ones((queries, queries), bool))[None].repeat(batch, 0)
+
+    def blocks(seen, rows=fresh):
+        return [
+            (k[:, :, :cached], v[:, :, :cached], seen),
+            (k[:, :, cached:], v[:, :, cached:], rows),
+        ]
+
+    nobody = np.zeros((batch, 1, cached), bool)
+    first = nobody.copy()
+    first[0, 0, : rng.integers(1, cached + 1)] = True  # row 0 sees some of the cache
+
+    jaxpr = jax.make_jaxpr(lambda seen: attend(q, blocks(seen)))(nobody).jaxpr
+    (cond,) = [e for e in jaxpr.eqns if e.primitive.name == "cond"]
+    skip, held = (dots(branch.jaxpr) for branch in cond.params["branches"])
+    assert (skip, held) == (2, 4)  # the new tokens' products; and the cache's
+    step = jax.make_jaxpr(lambda seen: attend(q[:, -1:], blocks(seen, fresh[:, -1:])))(nobody)
+    assert "cond" not in str(step)  # a decode step never holds a cache in a cond
+
+    run = jax.jit(lambda seen: attend(q, blocks(seen)))
+    alone, some = np.asarray(run(nobody)), np.asarray(run(first))
+    np.testing.assert_allclose(alone[1:], some[1:], rtol=1e-6, atol=1e-6)  # rows seeing none
+    expected = reference_attention(
+        q, k, v, np.concatenate([first[:, 0, None].repeat(queries, 1), fresh], -1)
+    )
+    np.testing.assert_allclose(some, expected, atol=1e-5)
+    np.testing.assert_allclose(alone[1:], expected[1:], atol=1e-5)
+
+
 def test_fully_masked_row_gives_finite_output():
     q = jnp.ones((1, 1, 2, 4))
     kv = jnp.ones((1, 1, 3, 4))
