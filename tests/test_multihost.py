@@ -38,7 +38,10 @@ from kvlab.data import make_dataset
 from kvlab.sweep import RESULT_COLUMNS
 from tests.helpers import ROOT, run_config, write_corpus
 
-XLA_FLAGS = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+XLA_FLAGS = (
+    "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true "
+    "--xla_cpu_use_fusion_emitters=false"
+)
 TOLERANCE = 1e-5  # float32: gloo's all-reduce sums the hosts' gradients in another order
 
 

@@ -45,7 +45,7 @@ EIGHT = jax.device_count() >= 8
 on_eight = pytest.mark.skipif(not EIGHT, reason="runs in test_eight_host_devices_in_a_subprocess")
 CHILD_FLAGS = (
     "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0 "
-    "--xla_llvm_disable_expensive_passes=true"
+    "--xla_llvm_disable_expensive_passes=true --xla_cpu_use_fusion_emitters=false"
 )
 TOLERANCE = 1e-5  # float32: a sharded program sums in another order than one device
 
