@@ -461,9 +461,9 @@ def test_panel_projections_compute_the_same_model(cfg, option, seed):
     assert kvlab.tree_bytes(panels) == kvlab.tree_bytes(params)
     assert kvlab.panel_projections(panels).keys() == panels.keys()  # converted once
 
-    # A prompt (18 rows: XLA's product), then chunks of 8 rows and decode steps (2 rows:
-    # the native kernels, attention's too with attention_impl='native') through a cache
-    # with unwritten slots.
+    # A prompt (18 rows), then chunks of 8 rows and a decode step of 2 (the native
+    # kernels throughout where they run, attention's too with attention_impl='native'
+    # for the chunks and the step) through a cache with unwritten slots.
     tokens = random_tokens(cfg, (2, 9), seed)
     apply = jax.jit(model.apply)
     want, _ = apply({"params": params}, tokens)
