@@ -49,6 +49,25 @@ settings.register_profile(
 settings.load_profile("kvlab")
 
 
+# The slowest tests (15-50 s each on 2 cores: subprocesses of 8 devices and of two
+# hosts, whole sweeps and experiments) start first, so that neither of the two
+# xdist workers is left running one of them alone at the end of the run.
+SLOWEST_FIRST = (
+    "test_eight_host_devices_in_a_subprocess",
+    "test_two_processes_train_as_one_process_of_eight_devices",
+    "test_sliced_sweep_merges_into_table_plot_and_wandb",
+    "test_a_slice_of_the_experiment_runs_end_to_end",
+    "test_panel_projections_compute_the_same_model",
+    "test_sweep_slices_then_merge",
+    "test_train_then_eval_through_another_cache",
+    "test_uptrain_experiment",
+)
+
+
+def pytest_collection_modifyitems(items):
+    items.sort(key=lambda item: getattr(item, "originalname", item.name) not in SLOWEST_FIRST)
+
+
 @pytest.fixture(autouse=True)
 def _wandb_files_stay_in_tmp(tmp_path_factory, monkeypatch):
     """wandb stages logged tables for `wandb sync` under WANDB_DATA_DIR (default
