@@ -127,18 +127,21 @@ def _narrow(x) -> bool:
     return not isinstance(x, Reader) and jnp.dtype(x.dtype).itemsize < 4
 
 
-def _streams(block, size: int) -> bool:
+def _streams(block, size: int, queries: int = 1) -> bool:
     """Whether attention reads this block in steps of `size` tokens: stored data
     (a Reader: quantized payloads, page pools) or a 16-bit array, of at least
-    two steps. A float32 array is read whole: XLA:CPU reads one [M, H] x [H, S]
-    product per head at memory bandwidth, faster than a loop over its slices;
-    16-bit products are several times slower than widening a slice to float32
-    (whose products are then float32 ones: the queries and weights are not
-    rounded to 16 bits as a short 16-bit block's are)."""
+    two steps; a float32 array too when several queries read it (a prompt's
+    chunk), so that the loop stops at the last slot any of them sees instead
+    of scoring a long buffer's unwritten slots. For one query a float32 array
+    is read whole: XLA:CPU reads one [M, H] x [H, S] product per head at memory
+    bandwidth, faster than a loop over its slices. 16-bit products are several
+    times slower than widening a slice to float32 (whose products are then
+    float32 ones: the queries and weights are not rounded to 16 bits as a short
+    16-bit block's are)."""
     k, v, _ = block
     tensors = (*_parts(k), v)
     readers = [x for x in tensors if isinstance(x, Reader)]
-    if not readers and not any(_narrow(x) for x in tensors):
+    if not readers and not any(_narrow(x) for x in tensors) and queries == 1:
         return False
     return v.shape[2] >= 2 * max([size, *(r.step for r in readers)])
 
@@ -384,7 +387,7 @@ def attend(
 
     def partial(block):
         """(peak, total, out) of one stored block: by a kernel, streamed or whole."""
-        if _streams(block, STREAM_TOKENS):
+        if _streams(block, STREAM_TOKENS, length):
             fallback = lambda: _stream(*block, block_scores, weighted, STREAM_TOKENS, shape)  # noqa: E731
         else:
             fallback = lambda: whole(block)  # noqa: E731
@@ -403,7 +406,7 @@ def attend(
         stored = impl in ("pallas", "native") and any(
             isinstance(x, Reader) for x in (*_parts(block[0]), block[1])
         )
-        return stored or _streams(block, STREAM_TOKENS)
+        return stored or _streams(block, STREAM_TOKENS, length)
 
     def together(blocks, skipped=()):
         """(peak, total, out, mass) of blocks under one softmax; with `observe`,
