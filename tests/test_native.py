@@ -92,21 +92,6 @@ def test_mismatched_operands_are_refused():
         native.panel_matmul(jnp.ones((2, 8)), jnp.ones((1, 8, 16)))
 
 
-@needs_native
-def test_the_build_is_cached_and_leaves_no_partial_file(tmp_path):
-    killed, recent = tmp_path / ".kernels-killed.so", tmp_path / ".kernels-building.so"
-    killed.write_bytes(b"partial")  # a build killed two hours ago: removed
-    os.utime(killed, (killed.stat().st_atime, killed.stat().st_mtime - 7200))
-    recent.write_bytes(b"partial")  # another process's build under way: kept
-    library = native.build(tmp_path)
-    assert not killed.exists() and recent.exists()
-    recent.unlink()
-    assert library.parent == tmp_path and library.suffix == ".so"
-    built = library.stat().st_mtime_ns
-    assert native.build(tmp_path) == library and library.stat().st_mtime_ns == built
-    assert sorted(p.name for p in tmp_path.iterdir()) == [library.name]
-
-
 def test_a_failing_or_missing_compiler_is_reported(tmp_path, monkeypatch):
     monkeypatch.setenv("CXX", "false")  # runs, and fails
     with pytest.raises(RuntimeError, match="building kernels.cc failed"):
@@ -403,21 +388,33 @@ def test_a_16_bit_cache_is_written_in_place_and_read_by_the_kernels(monkeypatch)
     assert f"f32[{','.join(map(str, whole))}]" not in compiled
 
 
-def test_a_damaged_library_in_the_cache_is_built_again(tmp_path):
-    """A truncated file under the library's name (a disk that filled up, a
-    copy cut short) is replaced, not a reason to run without the kernels."""
+def test_a_damaged_library_is_built_again_once_and_cached(tmp_path):
+    """A truncated file under the library's name (a disk that filled up, a copy
+    cut short) is replaced, not a reason to run without the kernels. The build
+    writes through a temporary name, removes one a build killed long ago left,
+    and keeps one another process is writing; the next call finds it."""
     if native.unavailable_reason() == "KVLAB_NATIVE=0":
         pytest.skip("KVLAB_NATIVE=0")
     # The library's name is the same in any directory: this process's, built already.
-    name = (native.build() if native.available() else native.build(tmp_path)).name
+    name = (native.build() if native.available() else native.build(tmp_path / "own")).name
     cache = tmp_path / "fresh"
     cache.mkdir()
     (cache / name).write_bytes(b"\x7fELF truncated")
+    killed, recent = cache / ".kernels-killed.so", cache / ".kernels-building.so"
+    killed.write_bytes(b"partial")  # a build killed two hours ago: removed
+    os.utime(killed, (killed.stat().st_atime, killed.stat().st_mtime - 7200))
+    recent.write_bytes(b"partial")  # another process's build under way: kept
     code = "from kvlab import native; print(native.unavailable_reason())"
     env = {**os.environ, "KVLAB_NATIVE_CACHE": str(cache), "JAX_PLATFORMS": "cpu"}
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True)
-    assert done.stdout.decode().strip() == str(native.unavailable_reason())
-    assert (cache / name).stat().st_size > 1000
+    assert done.stdout.decode().strip() == str(native.unavailable_reason()), done.stderr[-2000:]
+    assert not killed.exists() and recent.exists()
+    recent.unlink()
+    library = cache / name
+    assert library.stat().st_size > 1000
+    built = library.stat().st_mtime_ns
+    assert native.build(cache) == library and library.stat().st_mtime_ns == built
+    assert sorted(p.name for p in cache.iterdir()) == [name]
 
 
 def test_panels_of_another_shape_are_refused():
