@@ -105,12 +105,25 @@ def absorbed_attention(q_nope, q_rope, blocks, key_up, value_up, scale, observe=
         out = attend((q_rope,), latent, scale, observe, impl)  # [B, T, N, R]
     else:
         # [B, T, N, R]: each head's query against the latent
-        q_latent = jnp.einsum("BTNH,RNH->BTNR", q_nope, key_up.astype(dtype))
+        q_latent = _per_head(q_nope, key_up.astype(dtype), 2)
         latent = [((c_kv, k_rope), c_kv, mask) for c_kv, k_rope, mask in blocks]
         out = attend((q_latent, q_rope), latent, scale, observe, impl)  # [B, T, N, R]
     out, mass = (out, None) if observe is None else out
-    out = jnp.einsum("BTNR,RNH->BTNH", out, value_up.astype(dtype))
+    out = _per_head(out, value_up.astype(dtype), 0)  # [B, T, N, Hv]
     return out if observe is None else (out, mass)
+
+
+def _per_head(x, up, contracted: int) -> jax.Array:
+    """x [B, T, N, I] times each head's matrix of `up` [R, N, H]: its R axis
+    (contracted=0, -> [B, T, N, H]) or its H axis (contracted=2, -> [B, T, N, R]).
+
+    The einsum of the same product lets XLA:CPU compute it transposed ([N, O,
+    B*T]) and then transpose it element by element: for a batch of prompts
+    ([8, 128, 12, 256]) 20 ms against 4 ms for this product over heads ([N, B,
+    T, O]) and a transpose that moves whole rows of O.
+    """
+    out = jax.lax.dot_general(x, up, (((3,), (contracted,)), ((2,), (1,))))  # [N, B, T, O]
+    return jnp.transpose(out, (1, 2, 0, 3))
 
 
 UP_AXES = ("latent", "heads", "head_dim")  # [R, N, .]: up projections from a latent
