@@ -25,7 +25,9 @@ One softmax runs over all blocks together (each block's scores are
 exponentiated against the running maximum and the sums combined), so a step
 reads the cache as it was and the new tokens beside it, without concatenating
 them: on XLA:CPU, writing the new tokens into the cache before reading it
-makes the compiler copy the whole cache every step.
+makes the compiler copy the whole cache every step. A prompt's chunk (several
+queries) takes the cache's blocks and its own tokens under two softmaxes merged
+as in flash-decoding, so that a cache that holds nothing yet is skipped.
 
 Keys and values are head-major ([B, K, S, H], the layout caches store) and may
 have different head widths (latent attention does). The T queries and the G
@@ -408,25 +410,37 @@ def attend(
         )
         return stored or _streams(block, STREAM_TOKENS, length)
 
-    def together(blocks, skipped=()):
-        """(peak, total, out, mass) of blocks under one softmax; with `observe`,
-        mass per block and per block of `skipped` (wholly masked: none)."""
+    def together(blocks):
+        """(peak, total, out, weights) of blocks under one softmax; the weights
+        (exp(score - peak), per block) only with `observe`."""
         scores = [block_scores(k, mask) for k, _, mask in blocks]
         peak = jnp.full((*shape, 1), MASKED, jnp.float32)  # [B, K, T, G, 1]
         for s in scores:
             peak = jnp.maximum(peak, s.max(axis=-1, keepdims=True, initial=MASKED))
         total = jnp.zeros_like(peak)
         out = jnp.zeros((batch, num_kv_heads, length * groups, blocks[0][1].shape[3]), jnp.float32)
+        kept = []
         for s, (_, v, _) in zip(scores, blocks, strict=True):
             weights = jnp.exp(s - peak)
             total = total + weights.sum(axis=-1, keepdims=True)
             out = out + weighted(weights, v)  # [B, K, M, Hv]
+            kept += [] if observe is None else [weights]
+        return peak, total, out, kept
+
+    def masses(weights, factor, total):
+        """Per block, the mass its keys got (weights x factor / total) from `observe`
+        (none without it: `together` keeps no weights then)."""
         if observe is None:
-            return peak, total, out, None
+            return []
         query = observe.astype(jnp.float32) / groups
-        mass = [jnp.einsum("BKTGS,BT->BKS", jnp.exp(s - peak) / total, query) for s in scores]
-        none = [jnp.zeros((batch, num_kv_heads, v.shape[2]), jnp.float32) for _, v, _ in skipped]
-        return peak, total, out, none + mass
+        return [jnp.einsum("BKTGS,BT->BKS", w * factor / total, query) for w in weights]
+
+    def nothing(blocks):
+        """An empty partial of these blocks: it merges to the other partial exactly."""
+        peak = jnp.full((*shape, 1), MASKED, jnp.float32)
+        out = jnp.zeros((batch, num_kv_heads, length * groups, blocks[0][1].shape[3]), jnp.float32)
+        kept = [jnp.zeros((*shape, v.shape[2]), jnp.float32) for _, v, _ in blocks]
+        return peak, jnp.zeros_like(peak), out, kept if observe is not None else []
 
     separate = [block for block in blocks if apart(block)]
     blocks = [block for block in blocks if not apart(block)]
@@ -434,17 +448,24 @@ def attend(
         peak = jnp.full((*shape, 1), MASKED, jnp.float32)
         total, out, mass = jnp.zeros_like(peak), 0.0, []
     elif length > 1 and len(blocks) > 1:
-        # A prompt over a cache that holds nothing yet (every block but the last,
-        # the new tokens, wholly masked for every row) skips those blocks'
-        # products: their weights would be exactly 0. The two branches compile
-        # apart, so a row's output may differ in the last bit with other rows'
-        # caches (held or not); a decode step (one query) never takes the cond.
-        held = jnp.any(jnp.stack([jnp.any(mask) for _, _, mask in blocks[:-1]]))
-        peak, total, out, mass = jax.lax.cond(
-            held, lambda: together(blocks), lambda: together(blocks[-1:], blocks[:-1])
-        )
+        # A prompt's chunk: the cache's blocks under one softmax, merged with the
+        # last (the new tokens) as in flash-decoding. Over a cache that holds
+        # nothing yet for any row, the cache's products are skipped: an empty
+        # partial merges to the new tokens' own exactly, as does a row's wholly
+        # masked one (weight exp(MASKED - peak) = 0), so no row's output depends
+        # on whether another row's cache holds tokens.
+        cached, fresh = blocks[:-1], blocks[-1:]
+        held = jnp.any(jnp.stack([jnp.any(mask) for _, _, mask in cached]))
+        old = jax.lax.cond(held, lambda: together(cached), lambda: nothing(cached))
+        new = together(fresh)
+        peak, total, out = _merge(old[:3], new[:3])
+        mass = [
+            *masses(old[3], jnp.exp(old[0] - peak), total),
+            *masses(new[3], jnp.exp(new[0] - peak), total),
+        ]
     else:
-        peak, total, out, mass = together(blocks)
+        peak, total, out, weights = together(blocks)
+        mass = masses(weights, 1.0, total)
     for block in separate:  # merged into the others' softmax as in flash-decoding
         peak, total, out = _merge((peak, total, out), partial(block))
     out = out / total.reshape(batch, num_kv_heads, length * groups, 1)
