@@ -410,15 +410,19 @@ def attend(
         )
         return stored or _streams(block, STREAM_TOKENS, length)
 
+    def empty(blocks):
+        """(peak, total, out) of no keys: merged with another partial, that one."""
+        peak = jnp.full((*shape, 1), MASKED, jnp.float32)  # [B, K, T, G, 1]
+        out = jnp.zeros((batch, num_kv_heads, length * groups, blocks[0][1].shape[3]), jnp.float32)
+        return peak, jnp.zeros_like(peak), out
+
     def together(blocks):
         """(peak, total, out, weights) of blocks under one softmax; the weights
         (exp(score - peak), per block) only with `observe`."""
         scores = [block_scores(k, mask) for k, _, mask in blocks]
-        peak = jnp.full((*shape, 1), MASKED, jnp.float32)  # [B, K, T, G, 1]
+        peak, total, out = empty(blocks)
         for s in scores:
             peak = jnp.maximum(peak, s.max(axis=-1, keepdims=True, initial=MASKED))
-        total = jnp.zeros_like(peak)
-        out = jnp.zeros((batch, num_kv_heads, length * groups, blocks[0][1].shape[3]), jnp.float32)
         kept = []
         for s, (_, v, _) in zip(scores, blocks, strict=True):
             weights = jnp.exp(s - peak)
@@ -436,11 +440,9 @@ def attend(
         return [jnp.einsum("BKTGS,BT->BKS", w * factor / total, query) for w in weights]
 
     def nothing(blocks):
-        """An empty partial of these blocks: it merges to the other partial exactly."""
-        peak = jnp.full((*shape, 1), MASKED, jnp.float32)
-        out = jnp.zeros((batch, num_kv_heads, length * groups, blocks[0][1].shape[3]), jnp.float32)
+        """In `together`'s form, blocks no query sees: an empty partial, and no mass."""
         kept = [jnp.zeros((*shape, v.shape[2]), jnp.float32) for _, v, _ in blocks]
-        return peak, jnp.zeros_like(peak), out, kept if observe is not None else []
+        return *empty(blocks), kept if observe is not None else []
 
     separate = [block for block in blocks if apart(block)]
     blocks = [block for block in blocks if not apart(block)]
