@@ -17,6 +17,14 @@ from hypothesis import strategies as st
 import kvlab
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def flags_with_devices(count: int) -> str:
+    """This run's XLA flags (tests/conftest.py's) with `count` host CPU devices
+    forced: a child process's, compiled as the tests compile."""
+    return f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={count}"
+
+
 TOLERANCE = 1e-4  # float32 max abs difference allowed between equal computations
 
 

@@ -36,12 +36,8 @@ import kvlab
 from kvlab import sharding, train
 from kvlab.data import make_dataset
 from kvlab.sweep import RESULT_COLUMNS
-from tests.helpers import ROOT, run_config, write_corpus
+from tests.helpers import ROOT, flags_with_devices, run_config, write_corpus
 
-XLA_FLAGS = (
-    "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true "
-    "--xla_cpu_use_fusion_emitters=false"
-)
 TOLERANCE = 1e-5  # float32: gloo's all-reduce sums the hosts' gradients in another order
 
 
@@ -128,7 +124,7 @@ def _start(corpus, workdir, devices: int, **env) -> subprocess.Popen:
             **inherited,
             "PYTHONPATH": str(ROOT),
             "JAX_PLATFORMS": "cpu",
-            "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices} {XLA_FLAGS}",
+            "XLA_FLAGS": flags_with_devices(devices),
             **env,
         },
     )

@@ -39,14 +39,18 @@ from kvlab import sharding, train
 from kvlab.cache.factory import cache_shardings
 from kvlab.config import frozen
 from kvlab.model import param_axes
-from tests.helpers import ROOT, count_compiles, mla_config, run_config, write_corpus
+from tests.helpers import (
+    ROOT,
+    count_compiles,
+    flags_with_devices,
+    mla_config,
+    run_config,
+    write_corpus,
+)
 
 EIGHT = jax.device_count() >= 8
 on_eight = pytest.mark.skipif(not EIGHT, reason="runs in test_eight_host_devices_in_a_subprocess")
-CHILD_FLAGS = (
-    "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0 "
-    "--xla_llvm_disable_expensive_passes=true --xla_cpu_use_fusion_emitters=false"
-)
+CHILD_FLAGS = flags_with_devices(8)
 TOLERANCE = 1e-5  # float32: a sharded program sums in another order than one device
 
 
