@@ -55,15 +55,13 @@ from __future__ import annotations
 import os
 from typing import Any
 
-import jax.numpy as jnp
 import ml_collections
 import numpy as np
 import tokenizers
-from flax import traverse_util
 
-from kvlab.config import base_config, dtype_of, validate_config
+from kvlab.config import base_config, validate_config
 from kvlab.data.tokenizer import Tokenizer
-from kvlab.hf import _check_params, _links, dtype_name
+from kvlab.hf import _links, dtype_name, imported_params, refuse_nonfinite
 
 ARCHITECTURE = "llama"
 # Tensor types kvlab dequantizes (through gguf.quants.dequantize).
@@ -283,7 +281,7 @@ def _dequantize(gguf, tensor, file: str) -> np.ndarray:
     )
 
 
-def _read_params(gguf, reader, file: str, model) -> dict:
+def _read_params(gguf, reader, file: str, model, allow_nonfinite: bool) -> dict:
     stored = {tensor.name: tensor for tensor in reader.tensors}
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, model.num_layers)
     heads = {"attn_q": model.num_heads, "attn_k": model.num_kv_heads}
@@ -308,6 +306,8 @@ def _read_params(gguf, reader, file: str, model) -> dict:
                     f"makes it {shape} (kvlab's {where}): the file is damaged"
                 )
             array = _dequantize(gguf, tensor, file)
+            if not allow_nonfinite:
+                refuse_nonfinite(array, f"tensor {name!r} in {file} (dequantized)")
             role = name.split(".")[-2]
             if role in heads:
                 array = unpermute_rope_rows(array, heads[role])
@@ -321,11 +321,7 @@ def _read_params(gguf, reader, file: str, model) -> dict:
             f"{file} holds tensors a llama model as its metadata describes has no place for: "
             f"{shown}; kvlab refuses rather than drop weights (check llama.block_count)"
         )
-    _check_params({path: v.shape for path, v in values.items()}, model, "the import")
-    param_dtype = dtype_of(model.param_dtype)
-    return traverse_util.unflatten_dict(
-        {path: jnp.asarray(value, param_dtype) for path, value in values.items()}
-    )
+    return imported_params(values, model, allow_nonfinite)
 
 
 # ---------------------------------------------------------------------------
@@ -405,7 +401,7 @@ def _tokenizer(meta: _Metadata, file: str) -> Tokenizer:
 
 
 def load_gguf(
-    path: str | os.PathLike, dtype: Any = None
+    path: str | os.PathLike, dtype: Any = None, *, allow_nonfinite: bool = False
 ) -> tuple[ml_collections.ConfigDict, dict, Tokenizer]:
     """(config, params, tokenizer) of the Llama-architecture GGUF file at `path`.
 
@@ -414,7 +410,10 @@ def load_gguf(
     `dtype` ('float32', 'bfloat16', 'float16' or a JAX/numpy dtype), float32
     by default. The params are jax arrays in that dtype, laid out as
     kvlab.init_params(cfg.model, key) lays them out. The tokenizer is a
-    kvlab.data.tokenizer.Tokenizer (end_token: tokenizer.ggml.eos_token_id).
+    kvlab.data.tokenizer.Tokenizer (end_token: tokenizer.ggml.eos_token_id);
+    `kvlab.save_hf(cfg, params, DIR, tokenizer=tokenizer)` makes a folder the
+    scripts' --hf reads. NaN or infinite weights (as dequantized, or from the
+    cast to `dtype`) are refused naming the tensor, unless allow_nonfinite.
     """
     gguf = _gguf()
     file = os.fspath(path)
@@ -434,5 +433,5 @@ def load_gguf(
     except ValueError as error:
         raise ValueError(f"{file} maps to a kvlab config that is not valid: {error}") from None
     tokenizer = _tokenizer(meta, file)
-    params = _read_params(gguf, reader, file, cfg.model)
+    params = _read_params(gguf, reader, file, cfg.model, allow_nonfinite)
     return cfg, params, tokenizer

@@ -1,14 +1,19 @@
 """Hugging Face transformers checkpoints in and out of kvlab.
 
     cfg, params = kvlab.load_hf("path/to/model", dtype=None)   # a local save_pretrained folder
-    kvlab.save_hf(cfg, params, "out/model")                    # transformers loads it back
+    kvlab.save_hf(cfg, params, "out/model", tokenizer=None)    # transformers loads it back
 
 A checkpoint is a folder as `save_pretrained` writes it: config.json and the
 weights in model.safetensors, or in shards named by model.safetensors.index.json.
 Nothing is downloaded (fetch a hub model first, e.g. `hf download NAME --local-dir
 DIR`). `load_hf` returns a validated kvlab config (the model section mapped from
 config.json, every other section at its defaults) and the parameter pytree of
-`kvlab.Transformer(cfg.model)`; `save_hf` writes config.json and model.safetensors.
+`kvlab.Transformer(cfg.model)`; `save_hf` writes config.json and model.safetensors
+(and tokenizer.json when given the tokenizer). Text for an imported model goes
+through the folder's tokenizer.json (data.tokenizer); a model whose vocabulary
+is not the 256 byte values never reads bytes: without a tokenizer.json it is
+refused. Weights holding NaN or infinity are refused naming the tensor
+(`allow_nonfinite=True` loads them), and so is a cast to `dtype` that overflows.
 
 Families (config.json's model_type) and what they become:
 
@@ -90,10 +95,18 @@ import ml_collections
 import numpy as np
 import safetensors.numpy
 from flax import traverse_util
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from kvlab.attention.rope import yarn_mscale
-from kvlab.config import DTYPES, base_config, dtype_of, validate_config, validate_model_config
+from kvlab.config import (
+    BYTE_VOCAB_SIZE,
+    DTYPES,
+    base_config,
+    dtype_of,
+    validate_config,
+    validate_model_config,
+)
+from kvlab.data.tokenizer import TOKENIZER_FILE, Tokenizer
 from kvlab.files import read_json, write_atomic
 from kvlab.model import init_params, unfuse_projections
 from kvlab.moe import uses_experts
@@ -743,7 +756,13 @@ class _Checkpoint(contextlib.ExitStack):
             file = os.path.join(folder, name)
             if not os.path.isfile(file):
                 raise ValueError(f"{INDEX_FILE} names {name}, which {folder!r} does not hold")
-            handle = self.enter_context(safe_open(file, framework="numpy"))
+            try:
+                handle = self.enter_context(safe_open(file, framework="numpy"))
+            except SafetensorError as error:
+                raise ValueError(
+                    f"{file} is not a safetensors file the safetensors library reads ({error}): "
+                    "it is damaged or was cut short; write or download it again"
+                ) from None
             for tensor in handle.keys():
                 if tensor in self.files:
                     raise ValueError(f"tensor {tensor!r} is stored twice in {folder!r}")
@@ -765,11 +784,10 @@ class _Checkpoint(contextlib.ExitStack):
         return self.files[name].get_tensor(name)
 
 
-def _read_params(checkpoint: _Checkpoint, hf: _HFConfig, model) -> dict:
+def _read_params(checkpoint: _Checkpoint, hf: _HFConfig, model, allow_nonfinite: bool):
     folder, family = checkpoint.folder, hf.family
     interleaved = family == "deepseek_v2" or bool(hf.get("rope_interleave", True))
     links = _links(model, interleaved)
-    param_dtype = dtype_of(model.param_dtype)
     values: dict[tuple[str, ...], np.ndarray] = {}
     used = set()
     for link in links:
@@ -788,7 +806,10 @@ def _read_params(checkpoint: _Checkpoint, hf: _HFConfig, model) -> dict:
                     f"config.json makes it {shape} (kvlab's {where}): the weights and "
                     "config.json do not belong together"
                 )
-            arrays.append(checkpoint.read(name))
+            array = checkpoint.read(name)
+            if not allow_nonfinite:
+                refuse_nonfinite(array, f"tensor {name!r} in {folder!r}")
+            arrays.append(array)
             used.add(name)
         values.update(zip(link.params, link.to_kvlab(*arrays), strict=True))
     if model.tie_embeddings and "lm_head.weight" in checkpoint:
@@ -807,10 +828,42 @@ def _read_params(checkpoint: _Checkpoint, hf: _HFConfig, model) -> dict:
             f"place for: {shown}; kvlab refuses rather than drop weights: check config.json "
             "(num_hidden_layers, tie_word_embeddings, attention_bias, ...) or remove them"
         )
-    _check_params({path: v.shape for path, v in values.items()}, model, "the import")
-    return traverse_util.unflatten_dict(
-        {path: jnp.asarray(value, param_dtype) for path, value in values.items()}
+    return imported_params(values, model, allow_nonfinite)
+
+
+def refuse_nonfinite(array: np.ndarray, what: str, fix: str = "") -> None:
+    """ValueError naming `what` when `array` holds NaN or infinite values."""
+    finite = np.isfinite(array)
+    if finite.all():
+        return
+    bad = finite.size - int(finite.sum())
+    first = np.unravel_index(int(np.argmin(finite)), array.shape)
+    raise ValueError(
+        f"{what} holds {bad} non-finite value(s) of {finite.size} ({array[first]} at index "
+        f"{tuple(map(int, first))} first): "
+        + (fix or "the weights are damaged; load them with allow_nonfinite=True to study them")
     )
+
+
+def imported_params(values: Mapping[tuple, np.ndarray], model, allow_nonfinite: bool) -> dict:
+    """The params tree of Transformer(model) from imported arrays by parameter path:
+    shapes checked (_check_params), cast to model.param_dtype; a finite value that
+    the cast overflows is refused naming the parameter, unless allow_nonfinite."""
+    _check_params({path: v.shape for path, v in values.items()}, model, "the import")
+    param_dtype = dtype_of(model.param_dtype)
+    params = {}
+    for path, value in values.items():
+        with np.errstate(over="ignore"):  # an overflow is refused below, naming the parameter
+            params[path] = jnp.asarray(value, param_dtype)
+        cast = np.dtype(value.dtype) != param_dtype
+        if cast and not allow_nonfinite and not bool(jnp.isfinite(params[path]).all()):
+            refuse_nonfinite(
+                np.asarray(params[path]),
+                f"parameter {'/'.join(path)} in {model.param_dtype}",
+                f"values beyond {model.param_dtype}'s range overflowed: load it in a wider "
+                "dtype (dtype='float32' or 'bfloat16')",
+            )
+    return traverse_util.unflatten_dict(params)
 
 
 def _check_params(shapes: Mapping[tuple, tuple], model, what: str) -> None:
@@ -836,34 +889,64 @@ def _check_params(shapes: Mapping[tuple, tuple], model, what: str) -> None:
         )
 
 
-def load_hf(path: str | os.PathLike, dtype: Any = None) -> tuple[ml_collections.ConfigDict, dict]:
+def load_hf(
+    path: str | os.PathLike, dtype: Any = None, *, allow_nonfinite: bool = False
+) -> tuple[ml_collections.ConfigDict, dict]:
     """(config, params) of the transformers checkpoint in the local folder `path`.
 
     The config is base_config()'s with the model section mapped from
-    config.json, then validated; model.dtype and model.param_dtype are `dtype`
+    config.json and data.tokenizer the folder when it holds a tokenizer.json,
+    then validated; model.dtype and model.param_dtype are `dtype`
     ('float32', 'bfloat16', 'float16' or a JAX/numpy dtype), by default the
     checkpoint's dtype (float32 when it names none). The params are jax arrays
     in that dtype, laid out as kvlab.init_params(cfg.model, key) lays them out.
+
+    Refused, naming the folder or tensor: a model whose vocabulary is not the
+    256 byte values in a folder without tokenizer.json (kvlab would read text
+    as bytes), and NaN or infinite weights (in the file, or from the cast to
+    `dtype`) unless allow_nonfinite.
     """
     folder = os.fspath(path)
-    hf, cfg = _mapped_config(folder, dtype)
+    hf, cfg = _mapped_config(folder, dtype, base_config())
     with _Checkpoint(folder) as checkpoint:
-        params = _read_params(checkpoint, hf, cfg.model)
+        params = _read_params(checkpoint, hf, cfg.model, allow_nonfinite)
     return cfg, params
 
 
-def _mapped_config(folder: str, dtype: Any) -> tuple[_HFConfig, ml_collections.ConfigDict]:
-    """config.json of `folder` read, and base_config() with the model section it maps to."""
+def _mapped_config(
+    folder: str, dtype: Any, cfg: ml_collections.ConfigDict
+) -> tuple[_HFConfig, ml_collections.ConfigDict]:
+    """config.json of `folder` read, and `cfg` (changed in place) with the model
+    section it maps to and the data section reading the folder's tokenizer, validated."""
     if not os.path.isdir(folder):
         raise ValueError(f"path={folder!r} is not a folder: pass a save_pretrained directory")
     hf = _HFConfig(folder)
-    cfg = base_config()
-    cfg.model = _model_section(hf, _dtype_name(dtype, hf))
+    model = _model_section(hf, _dtype_name(dtype, hf))
     try:
-        validate_config(cfg)
+        validate_model_config(model)
     except ValueError as error:
         raise ValueError(f"{hf.file} maps to a kvlab config that is not valid: {error}") from None
-    return hf, cfg
+    cfg.model = model
+    _read_with_tokenizer(cfg, folder)
+    return hf, validate_config(cfg)
+
+
+def _read_with_tokenizer(cfg: ml_collections.ConfigDict, folder: str) -> None:
+    """Text for the checkpoint in `folder` goes through its tokenizer.json: data.tokenizer
+    becomes the folder unless `cfg` names one or reads MQAR's ids. Without one, a
+    model whose vocabulary is not the byte values is refused: it never reads bytes."""
+    if cfg.data.tokenizer or cfg.data.source == "mqar":
+        return
+    if os.path.isfile(os.path.join(folder, TOKENIZER_FILE)):
+        cfg.data.tokenizer = folder
+    elif cfg.model.vocab_size != BYTE_VOCAB_SIZE:
+        raise ValueError(
+            f"{folder!r} holds no {TOKENIZER_FILE}, and its model's vocabulary of "
+            f"{cfg.model.vocab_size} token ids is not the {BYTE_VOCAB_SIZE} byte values kvlab "
+            f"reads text as without one: put the model's {TOKENIZER_FILE} in the folder "
+            "(kvlab.save_hf(cfg, params, folder, tokenizer=tokenizer) writes it), or name it "
+            "with data.tokenizer"
+        )
 
 
 def config_from_hf(
@@ -875,18 +958,15 @@ def config_from_hf(
     else of `cfg.model` kept), train.init_from becomes `path` (training starts
     from its weights; kvlab.train.initial_params(cfg) reads them), and when the
     folder holds a tokenizer.json and `cfg` names no data.tokenizer, text goes
-    through it (data.tokenizer = path; not for data.source='mqar'). Every other
-    section is `cfg`'s. The result is validated; no tensor is read.
+    through it (data.tokenizer = path; not for data.source='mqar'); a folder
+    without one whose model's vocabulary is not the 256 byte values is refused
+    (load_hf). Every other section is `cfg`'s. The result is validated; no
+    tensor is read.
     """
     folder = os.fspath(path)
-    _, source = _mapped_config(folder, None)
     cfg = cfg.copy_and_resolve_references()
-    cfg.model = source.model
     cfg.train.init_from = folder
-    tokenizer = os.path.join(folder, "tokenizer.json")
-    if not cfg.data.tokenizer and cfg.data.source != "mqar" and os.path.isfile(tokenizer):
-        cfg.data.tokenizer = folder
-    return validate_config(cfg)
+    return _mapped_config(folder, None, cfg)[1]
 
 
 # ---------------------------------------------------------------------------
@@ -1044,13 +1124,31 @@ def _hf_config(model, family: str) -> dict:
     return config
 
 
-def save_hf(cfg: ml_collections.ConfigDict, params: Mapping, path: str | os.PathLike) -> None:
+def save_hf(
+    cfg: ml_collections.ConfigDict,
+    params: Mapping,
+    path: str | os.PathLike,
+    tokenizer: Tokenizer | None = None,
+) -> None:
     """Writes `params` of the model `cfg.model` as a transformers checkpoint in the
-    folder `path` (created if needed): config.json and model.safetensors, each
-    replaced atomically. AutoModelForCausalLM.from_pretrained(path) computes the
-    same logits; tensors are written in model.param_dtype. `params` may be
-    fused (kvlab.model.fuse_projections)."""
+    folder `path` (created if needed): config.json and model.safetensors, and with
+    `tokenizer` (a kvlab.data.tokenizer.Tokenizer: load_gguf's, or load_tokenizer's)
+    its tokenizer.json and, when it has an end token, tokenizer_config.json naming
+    it as eos_token; each replaced atomically. AutoModelForCausalLM.from_pretrained(path)
+    computes the same logits; tensors are written in model.param_dtype. `params` may be
+    fused (kvlab.model.fuse_projections). A model whose vocabulary is not the 256 byte
+    values needs its tokenizer in the folder for kvlab to read text (load_hf)."""
     model = cfg.model
+    if tokenizer is not None and not isinstance(tokenizer, Tokenizer):
+        raise ValueError(
+            f"tokenizer={tokenizer!r} is not a kvlab.data.tokenizer.Tokenizer: pass the one "
+            "kvlab.load_gguf returns, or kvlab.data.load_tokenizer(path)"
+        )
+    if tokenizer is not None and tokenizer.vocab_size > model.vocab_size:
+        raise ValueError(
+            f"the tokenizer ({tokenizer.path}) makes {tokenizer.vocab_size} token ids but "
+            f"model.vocab_size={model.vocab_size}: pass the model's own tokenizer"
+        )
     validate_model_config(model)
     family = _export_family(model)
     flat = traverse_util.flatten_dict(unfuse_projections(params))
@@ -1073,6 +1171,11 @@ def save_hf(cfg: ml_collections.ConfigDict, params: Mapping, path: str | os.Path
         os.path.join(folder, SINGLE_FILE),
         safetensors.numpy.save(tensors, metadata={"format": "pt"}),
     )
+    if tokenizer is not None:
+        write_atomic(os.path.join(folder, TOKENIZER_FILE), tokenizer.backend.to_str())
+        eos = tokenizer.end_token
+        config = {} if eos is None else {"eos_token": tokenizer.backend.id_to_token(eos)}
+        write_atomic(os.path.join(folder, "tokenizer_config.json"), json.dumps(config) + "\n")
     write_atomic(
         os.path.join(folder, "config.json"),
         json.dumps(_hf_config(model, family), indent=2) + "\n",

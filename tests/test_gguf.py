@@ -13,7 +13,7 @@ from flax import traverse_util
 
 import kvlab
 from kvlab.gguf import permute_rope_rows, unpermute_rope_rows
-from kvlab.hf import _links
+from kvlab.hf import _links, config_from_hf
 from tests.helpers import TOLERANCE, build, tiny_config
 
 gguf = pytest.importorskip("gguf")
@@ -296,3 +296,38 @@ def test_refuses_a_file_that_is_not_gguf(tmp_path):
         kvlab.load_gguf(tmp_path / "m.gguf")
     with pytest.raises(ValueError, match="is not a file"):
         kvlab.load_gguf(tmp_path / "absent.gguf")
+
+
+def test_refuses_weights_that_decode_to_non_finite_values(tmp_path):
+    cfg = _model_cfg(True)
+    _, params, _ = build(cfg, seed=1)
+    flat = traverse_util.flatten_dict(params)
+    kernel = np.array(flat["block_0", "mlp", "up", "kernel"])
+    kernel[:2, :3] = 7e4  # beyond float16: stored as F16, these bytes decode to infinity
+    flat["block_0", "mlp", "up", "kernel"] = kernel
+    poisoned = traverse_util.unflatten_dict(flat)
+    with np.errstate(over="ignore"):  # the cast to float16 is the point
+        write_gguf(tmp_path / "m.gguf", cfg.model, poisoned, types={"blk.0.ffn_up.weight": Q.F16})
+    with pytest.raises(ValueError) as error:
+        kvlab.load_gguf(tmp_path / "m.gguf")
+    assert str(error.value).startswith(
+        f"tensor 'blk.0.ffn_up.weight' in {tmp_path / 'm.gguf'} (dequantized) holds 6 non-finite"
+    )
+    _, loaded, _ = kvlab.load_gguf(tmp_path / "m.gguf", allow_nonfinite=True)
+    assert np.isinf(np.asarray(loaded["block_0"]["mlp"]["up"]["kernel"])).sum() == 6
+
+
+def test_the_readme_recipe_keeps_the_tokenizer(tmp_path):
+    # load_gguf, then save_hf with its tokenizer: --hf (config_from_hf) reads text through it.
+    cfg = _model_cfg(True)
+    _, params, _ = build(cfg, seed=1)
+    write_gguf(tmp_path / "m.gguf", cfg.model, params)
+    loaded_cfg, loaded, tokenizer = kvlab.load_gguf(tmp_path / "m.gguf")
+    kvlab.save_hf(loaded_cfg, loaded, tmp_path / "without")
+    with pytest.raises(ValueError, match=r"holds no tokenizer.json, and its model's vocabulary"):
+        config_from_hf(kvlab.base_config(), tmp_path / "without")
+    kvlab.save_hf(loaded_cfg, loaded, tmp_path / "hf", tokenizer=tokenizer)
+    run_cfg = config_from_hf(kvlab.base_config(), tmp_path / "hf")
+    assert run_cfg.data.tokenizer == str(tmp_path / "hf")
+    again = kvlab.data.load_tokenizer(run_cfg.data.tokenizer)
+    assert again.encode(TEXT) == tokenizer.encode(TEXT) and again.end_token == tokenizer.end_token

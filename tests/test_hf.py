@@ -14,11 +14,13 @@ import jax
 import numpy as np
 import pytest
 import safetensors.numpy
+import tokenizers
 from flax import traverse_util
 
 import kvlab
 from kvlab import native
 from kvlab.convert import to_mla
+from kvlab.hf import config_from_hf
 from tests.helpers import TOLERANCE, run_in_chunks
 
 FIXTURES = pathlib.Path(__file__).parent / "fixtures" / "hf"
@@ -566,3 +568,116 @@ def test_import_refuses_folders_without_a_checkpoint(tmp_path):
     os.remove(sharded / "model-00002-of-00004.safetensors")
     with pytest.raises(ValueError, match=r"names model-00002-of-00004.safetensors, which"):
         kvlab.load_hf(sharded)
+
+
+@pytest.mark.parametrize("damage", ["truncated", "header"])
+def test_import_refuses_a_damaged_safetensors_file_naming_it(damage, tmp_path):
+    folder = copy_fixture("llama", tmp_path)
+    file = folder / "model.safetensors"
+    data = bytearray(file.read_bytes())
+    if damage == "truncated":
+        data = data[: len(data) // 2]
+    else:
+        data[10:30] = b"#" * 20  # inside the JSON header
+    file.write_bytes(bytes(data))
+    with pytest.raises(ValueError) as error:
+        kvlab.load_hf(folder)
+    message = str(error.value)
+    assert message.startswith(f"{file} is not a safetensors file") and "\n" not in message
+    assert message.endswith("it is damaged or was cut short; write or download it again")
+
+
+def test_import_refuses_non_finite_weights_unless_asked(tmp_path):
+    name = "model.layers.1.mlp.up_proj.weight"
+
+    def poison(tensors):
+        tensors[name] = tensors[name].copy()
+        tensors[name].flat[[3, 7, 11, 40, 41]] = [np.nan, np.nan, np.inf, -np.inf, np.nan]
+        return tensors
+
+    folder = copy_fixture("llama", tmp_path, tensors=poison)
+    with pytest.raises(ValueError) as error:
+        kvlab.load_hf(folder)
+    message = str(error.value)
+    assert message.startswith(f"tensor {name!r} in {str(folder)!r} holds 5 non-finite value(s)")
+    assert "(nan at index (0, 3) first)" in message and "allow_nonfinite=True" in message
+    _, params = kvlab.load_hf(folder, allow_nonfinite=True)  # for those who study them
+    kernel = np.asarray(params["block_1"]["mlp"]["up"]["kernel"])
+    assert np.isnan(kernel).sum() == 3 and np.isinf(kernel).sum() == 2
+
+
+def test_import_refuses_a_cast_that_overflows(tmp_path):
+    name = "model.norm.weight"
+    large = lambda t: dict(t, **{name: t[name] * 0 + 1e5})  # noqa: E731 (beyond float16)
+    folder = copy_fixture("llama", tmp_path, tensors=large)
+    with pytest.raises(ValueError, match=r"^parameter final_norm/scale in float16 holds 64 non"):
+        kvlab.load_hf(folder, dtype="float16")
+    cfg, params = kvlab.load_hf(folder, dtype="bfloat16")  # within bfloat16's range
+    assert float(params["final_norm"]["scale"][0]) == pytest.approx(1e5, rel=1e-2)
+
+
+def smaller_vocabulary(tmp_path, vocab_size):
+    """The llama fixture with its vocabulary cut to the first `vocab_size` ids."""
+
+    def cut(tensors):
+        cut = ("model.embed_tokens.weight", "lm_head.weight")
+        return {k: v[:vocab_size] if k in cut else v for k, v in tensors.items()}
+
+    return copy_fixture("llama", tmp_path, {"vocab_size": vocab_size}, tensors=cut)
+
+
+def word_tokenizer(words):
+    backend = tokenizers.Tokenizer(
+        tokenizers.models.WordLevel({w: i for i, w in enumerate(words)}, unk_token=words[0])
+    )
+    backend.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
+    return backend
+
+
+def test_imported_data_section_follows_the_tokenizer(tmp_path):
+    # Vocabulary 131: below the 256 byte values, so only its tokenizer can feed it.
+    folder = smaller_vocabulary(tmp_path, 131)
+    with pytest.raises(ValueError) as error:
+        kvlab.load_hf(folder)
+    assert str(error.value).startswith(
+        f"{str(folder)!r} holds no tokenizer.json, and its model's vocabulary of 131 token ids "
+        "is not the 256 byte values kvlab reads text as without one: put the model's "
+        "tokenizer.json in the folder (kvlab.save_hf(cfg, params, folder, tokenizer=tokenizer)"
+    )
+    word_tokenizer([f"w{i}" for i in range(131)]).save(str(folder / "tokenizer.json"))
+    cfg, params = kvlab.load_hf(folder)
+    assert cfg.model.vocab_size == 131 and cfg.data.tokenizer == str(folder)
+    assert params["embed"]["embedding"].shape == (131, 64)
+    # The byte vocabulary reads bytes; a tokenizer the config names is kept.
+    assert kvlab.load_hf(FIXTURES / "llama")[0].data.tokenizer == ""
+    named = kvlab.base_config()
+    named.data.tokenizer = str(folder)
+    assert config_from_hf(named, smaller_vocabulary(tmp_path / "other", 300)).data.tokenizer == (
+        str(folder)
+    )
+    mqar = kvlab.base_config()
+    mqar.data.source = "mqar"
+    assert config_from_hf(mqar, smaller_vocabulary(tmp_path / "mqar", 300)).data.tokenizer == ""
+
+
+def test_save_hf_writes_the_tokenizer_it_is_given(tmp_path):
+    source = smaller_vocabulary(tmp_path / "source", 131)
+    word_tokenizer(["<unk>", "</s>", *[f"w{i}" for i in range(129)]]).save(
+        str(source / "tokenizer.json")
+    )
+    cfg, params = kvlab.load_hf(source)
+    tokenizer = kvlab.data.load_tokenizer(str(source))
+    kvlab.save_hf(cfg, params, tmp_path / "out", tokenizer=tokenizer)
+    loaded, _ = kvlab.load_hf(tmp_path / "out")
+    assert loaded.data.tokenizer == str(tmp_path / "out")
+    copy = kvlab.data.load_tokenizer(loaded.data.tokenizer)
+    assert copy.encode("w5 w7 </s>") == tokenizer.encode("w5 w7 </s>") == [7, 9, 1]
+    assert copy.end_token == tokenizer.end_token == 1  # eos named in tokenizer_config.json
+    kvlab.save_hf(cfg, params, tmp_path / "bare")  # no tokenizer given: none written
+    assert not (tmp_path / "bare" / "tokenizer.json").exists()
+    word_tokenizer([f"w{i}" for i in range(300)]).save(str(tmp_path / "large.json"))
+    larger = kvlab.data.load_tokenizer(str(tmp_path / "large.json"))
+    with pytest.raises(ValueError, match=r"makes 300 token ids but model.vocab_size=131"):
+        kvlab.save_hf(cfg, params, tmp_path / "x", tokenizer=larger)
+    with pytest.raises(ValueError, match=r"tokenizer='tokenizer.json' is not a kvlab"):
+        kvlab.save_hf(cfg, params, tmp_path / "y", tokenizer="tokenizer.json")
