@@ -24,6 +24,11 @@ A step whose loss, gradient, updated weights or optimizer state is not finite
 leaves the state as it was and the run stops with `NonFiniteLoss` before
 anything else is saved, so the latest checkpoint is always the last good state.
 The files a later run reads are replaced atomically (kvlab/files.py).
+A checkpoint the OS refuses to save (disk full, a file-size limit, no
+permission) stops the run with `kvlab.files.WriteError`, one line naming the
+step, the folder and the reason; orbax writes a step into a temporary folder
+renamed when complete, so the checkpoints saved before are kept and the run
+started again resumes from the last of them.
 
 Every run is on the mesh of its config (`cfg.mesh`, kvlab/sharding.py; one
 device by default when there is one): the jitted step (`compiled_step`) keeps
@@ -34,11 +39,16 @@ restores them onto its own mesh, whatever mesh saved them.
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import glob
 import hashlib
 import json
+import logging
 import os
+import re
 import shutil
+import sys
 import time
 import warnings
 from collections.abc import Mapping
@@ -57,7 +67,7 @@ from jax.sharding import Mesh, NamedSharding
 from kvlab import sharding
 from kvlab.config import complete_config, dtype_of, frozen, validate_config
 from kvlab.data import make_dataset
-from kvlab.files import read_json, store_json, write_atomic
+from kvlab.files import WriteError, read_json, remedy, store_json, write_atomic, write_error
 from kvlab.logging import Run
 from kvlab.model import Transformer, param_axes, unfuse_projections
 
@@ -358,12 +368,141 @@ def state_checksum(state: TrainState) -> str:
 
 
 def save(manager: ocp.CheckpointManager, state: TrainState) -> None:
-    """Saves `state` at its step, its checksum in the step's orbax metadata."""
-    manager.save(
-        int(state.step),
-        args=ocp.args.StandardSave(state),
-        custom_metadata={CHECKSUM_KEY: state_checksum(state)},
+    """Saves `state` at its step, its checksum in the step's orbax metadata.
+
+    A save the OS refuses (disk full, a file-size limit, no permission) raises
+    WriteError naming the step, the folder, the reason and what to do, after
+    removing what it had written; the checkpoints saved before stay whole (orbax
+    writes a step into a temporary folder and renames it when complete).
+    """
+    step, checksum = int(state.step), state_checksum(state)
+    previous = manager.latest_step()
+    try:
+        with _quiet_orbax_echoes():
+            manager.save(
+                step, args=ocp.args.StandardSave(state), custom_metadata={CHECKSUM_KEY: checksum}
+            )
+    except Exception as error:  # orbax raises tensorstore's ValueError, or an OSError
+        reason = _os_reason(error)
+        if reason is None:
+            raise  # not the OS refusing: a bug, with its traceback
+        directory = os.fspath(manager.directory)
+        if sharding.is_primary():  # a partial step: free its space, as the message asks
+            pattern = os.path.join(glob.escape(directory), f"{step}.orbax-checkpoint-tmp*")
+            for partial in glob.glob(pattern):
+                shutil.rmtree(partial, ignore_errors=True)
+        raise _not_saved(directory, step, previous, *reason) from error
+
+
+def _not_saved(
+    directory: str, step: int, previous: int | None, code: int, reason: str, file: str | None
+) -> WriteError:
+    """The WriteError of step `step`'s save into `directory`, which the OS refused
+    (`_os_reason`'s code, reason and file); `previous` is the last complete step."""
+    if file is not None:
+        inside = os.path.commonpath([directory, os.path.abspath(file)]) == directory
+        reason += f", writing {os.path.relpath(file, directory) if inside else file}"
+    resumes = (
+        f"training resumes from the last complete checkpoint, step {previous}"
+        if previous is not None
+        else "no checkpoint was saved before it, so the run starts over"
     )
+    return WriteError(
+        code,
+        reason,
+        os.path.join(directory, str(step)),
+        f"checkpoint step {step} was not saved in {directory} ({reason}): "
+        f"{remedy(code, directory)}, then run again: {resumes}",
+    )
+
+
+# tensorstore's words for an OS failure, closing its message: '... Failed writing:
+# "<file>": Failed to write 7559 bytes to file 7: File too large [os_error_code='27']'.
+_TENSORSTORE_OS_ERROR = re.compile(r"\[os_error_code='(\d+)'\]")
+_QUOTED = re.compile(r'"([^"]+)"')
+
+
+def _innermost_line(error: BaseException) -> str:
+    """'<type>: <first line>' of the innermost exception behind `error` (its
+    cause's cause...), at most 300 characters: under orbax's wrappers ('Encountered
+    error while reading array index...'), tensorstore's words for what went wrong."""
+    while (inner := error.__cause__ or error.__context__) is not None:
+        error = inner
+    return f"{type(error).__name__}: {(str(error).splitlines() or [''])[0]}"[:300]
+
+
+def _os_reason(error: BaseException) -> tuple[int, str, str | None] | None:
+    """(errno, the OS's reason, the file or None) of the innermost OS failure
+    behind `error`: an OSError in its chain of causes, or one tensorstore
+    reports in its message (orbax raises it as a ValueError); None when the OS
+    refused nothing."""
+    found, seen = None, set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        if isinstance(error, OSError) and error.errno is not None:
+            filename = None if error.filename is None else os.fsdecode(error.filename)
+            found = (error.errno, error.strerror or os.strerror(error.errno), filename)
+        elif match := _TENSORSTORE_OS_ERROR.search(str(error)):
+            code = int(match.group(1))
+            files = _QUOTED.findall(str(error)[: match.start()])
+            found = (code, os.strerror(code), files[-1] if files else None)
+        error = error.__cause__ or error.__context__
+    return found
+
+
+@contextlib.contextmanager
+def _quiet_orbax_echoes():
+    """Keeps quiet the echoes of a failed orbax save or restore, whose error
+    reaches the caller anyway as the exception orbax raises: while it runs, its
+    worker threads' log of that error with its traceback (absl ERROR
+    '_SignalingThread.run() raised an exception'); from then on, what it leaves
+    behind (`_drop_orbax_leftovers`)."""
+    _drop_orbax_leftovers()
+    absl_logger = logging.getLogger("absl")
+    absl_logger.addFilter(_not_a_thread_echo)
+    try:
+        yield
+    finally:
+        absl_logger.removeFilter(_not_a_thread_echo)
+
+
+def _not_a_thread_echo(record: logging.LogRecord) -> bool:
+    return "_SignalingThread.run() raised an exception" not in str(record.msg)
+
+
+_ORBAX = f"{os.sep}orbax{os.sep}"  # in the path of orbax's source files
+
+
+def _drop_orbax_leftovers() -> None:
+    """Installs, once, a sys.unraisablehook and an asyncio log filter that drop
+    what a failed orbax call leaves behind, as late as the interpreter's exit;
+    everything else passes. Each is the error orbax raised, again:
+
+    - a tensorstore write finishing after orbax closed the event loop it reports
+      to ('Event loop is closed', unraisable);
+    - an orbax read abandoned when another failed, raising as it is collected
+      (unraisable, its object an orbax coroutine);
+    - an orbax task whose failure orbax raised from another, collected
+      unretrieved (asyncio ERROR 'Task exception was never retrieved').
+    """
+    logging.getLogger("asyncio").addFilter(_not_an_orbax_task)  # once: filters are a set
+    if getattr(sys.unraisablehook, "drops_orbax_leftovers", False):
+        return
+    previous_hook = sys.unraisablehook
+
+    def hook(unraisable) -> None:
+        value, code = unraisable.exc_value, getattr(unraisable.object, "cr_code", None)
+        closed = isinstance(value, RuntimeError) and str(value) == "Event loop is closed"
+        if not (closed or (code is not None and _ORBAX in code.co_filename)):
+            previous_hook(unraisable)
+
+    hook.drops_orbax_leftovers = True
+    sys.unraisablehook = hook
+
+
+def _not_an_orbax_task(record: logging.LogRecord) -> bool:
+    message = record.getMessage()
+    return not (message.startswith("Task exception was never retrieved") and _ORBAX in message)
 
 
 def restore(
@@ -387,13 +526,11 @@ def restore(
     where = f"checkpoint step {step} in {manager.directory}"
     abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, template)
     try:
-        state = manager.restore(step, args=ocp.args.StandardRestore(abstract))
+        with _quiet_orbax_echoes():
+            state = manager.restore(step, args=ocp.args.StandardRestore(abstract))
         saved = (manager.metadata(step).custom_metadata or {}).get(CHECKSUM_KEY)
     except Exception as error:  # orbax and tensorstore raise many kinds for damaged files
-        first_line = (str(error).splitlines() or [""])[0][:200]
-        raise DamagedCheckpoint(
-            f"{where} does not restore ({type(error).__name__}: {first_line})"
-        ) from error
+        raise DamagedCheckpoint(f"{where} does not restore ({_innermost_line(error)})") from error
     if saved is not None and saved != state_checksum(state):  # None: saved before checksums
         raise DamagedCheckpoint(f"{where} does not match the checksum saved with it")
     return state
@@ -461,7 +598,12 @@ def load_params(workdir: str, step: int | None = None):
                     f"workdir={workdir!r} holds no checkpoint: train a model there first"
                 )
         else:
-            state = restore(manager, template, step)
+            try:
+                state = restore(manager, template, step)
+            except DamagedCheckpoint as error:
+                raise DamagedCheckpoint(
+                    f"{error}: pass another step, or none for the newest that restores"
+                ) from error
     finally:
         manager.close()
     return cfg, state.params
@@ -596,8 +738,12 @@ class _Log:
     def record(self, step: int, metrics: dict) -> None:
         self.history.append({"step": step, **metrics})
         if self.path is not None:
-            with open(self.path, "a") as f:
-                f.write(json.dumps(self.history[-1]) + "\n")
+            try:
+                with open(self.path, "a") as f:
+                    f.write(json.dumps(self.history[-1]) + "\n")
+            except OSError as error:  # a torn last line is dropped when the run resumes
+                outcome = "training resumes from its last complete checkpoint"
+                raise write_error(self.path, error, outcome) from error
         self.run.log(metrics, step=step)
 
     def flush(self, step: int, manager: ocp.CheckpointManager) -> None:

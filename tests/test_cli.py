@@ -1,14 +1,18 @@
 """kvlab/cli.py: which errors reach the user as one line, and the words for a model's heads.
 
 The scripts' behaviour through it (exit status, quiet logs, a shadowing clone)
-is tested by running them, in tests/test_scripts.py.
+is tested by running them, in tests/test_scripts.py; a script on a full disk here.
 """
+
+import os
 
 import numpy as np
 import pytest
 
 import kvlab
 from kvlab import cli
+from kvlab.files import WriteError, write_atomic
+from tests.full_disk import run_python
 from tests.helpers import ROOT, tiny_config
 
 
@@ -22,6 +26,25 @@ def test_a_value_error_kvlab_raises_is_the_users():
     cfg = tiny_config()
     cfg.model.num_kv_heads = 3
     assert cli.raised_by_kvlab(caught(lambda: kvlab.validate_config(cfg)))
+
+
+def test_a_write_the_os_refuses_is_the_users(tmp_path):
+    with pytest.raises(WriteError) as caught:
+        write_atomic(tmp_path / "missing" / "results.csv", "a,b\n")
+    assert cli.raised_by_kvlab(caught.value)
+
+
+def test_a_script_on_a_full_disk_prints_one_line_naming_the_file(tmp_path):
+    """scripts/train.py's first write, the run's config.json, past a 1 KiB file-size limit."""
+    workdir = tmp_path / "run"
+    result = run_python(1024, "scripts/train.py", f"--workdir={workdir}")
+    assert result.returncode == cli.WRITE_ERROR_STATUS == 74, result.stderr[-3000:]
+    assert result.stderr.splitlines() == [
+        f"{workdir / 'config.json'} was not written (File too large): free space on the disk "
+        f"holding {workdir} or raise the file-size limit (ulimit -f), then run again; the file "
+        "is as it was and finished work is kept"
+    ]
+    assert os.listdir(workdir) == []  # no config.json, no temporary file
 
 
 def test_a_value_error_from_below_kvlab_is_a_bug():

@@ -1,15 +1,17 @@
-"""Atomic writes: a file is replaced whole or not at all; a working directory's
-stored JSON refuses a different run and is not rewritten when unchanged."""
+"""Atomic writes: a file is replaced whole or not at all, and one the OS refuses
+is named in one line with what to do; a working directory's stored JSON
+refuses a different run and is not rewritten when unchanged."""
 
+import errno
 import os
-import resource
-import signal
+import pickle
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvlab.files import read_json, store_json, write_atomic
+from kvlab.files import WriteError, read_json, store_json, write_atomic
+from tests.full_disk import file_size_limit
 
 
 @given(data=st.one_of(st.binary(max_size=2000), st.text(max_size=500)))
@@ -22,21 +24,50 @@ def test_write_atomic_replaces_the_file_and_leaves_nothing_else(tmp_path_factory
     assert os.listdir(folder) == ["out"]
 
 
-def test_a_write_that_fails_midway_leaves_the_old_file_and_no_temporary(tmp_path):
+def test_a_write_that_fails_midway_leaves_the_old_file_and_names_it(tmp_path):
     """A full disk, made real: the process may not grow a file past 1 KiB."""
     path = tmp_path / "results.csv"
     path.write_text("the old table\n")
-    limits = resource.getrlimit(resource.RLIMIT_FSIZE)
-    handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # EFBIG instead of a kill
-    resource.setrlimit(resource.RLIMIT_FSIZE, (1024, limits[1]))
-    try:
-        with pytest.raises(OSError):
-            write_atomic(path, "x" * 100_000)
-    finally:
-        resource.setrlimit(resource.RLIMIT_FSIZE, limits)
-        signal.signal(signal.SIGXFSZ, handler)
+    with file_size_limit(1024), pytest.raises(OSError) as caught:
+        write_atomic(path, "x" * 100_000)
+    error = caught.value
+    assert isinstance(error, WriteError)  # an OSError still, as callers catch
+    assert (error.errno, error.strerror, error.filename) == (
+        errno.EFBIG,
+        "File too large",
+        str(path),
+    )
+    assert str(error) == (
+        f"{path} was not written (File too large): free space on the disk holding {tmp_path} "
+        "or raise the file-size limit (ulimit -f), then run again; the file is as it was "
+        "and finished work is kept"
+    )
+    assert isinstance(error.__cause__, OSError) and error.__cause__.errno == errno.EFBIG
     assert path.read_text() == "the old table\n"
+    assert os.listdir(tmp_path) == ["results.csv"]  # no temporary file left
+    copied = pickle.loads(pickle.dumps(error))  # as multiprocessing sends it
+    assert (type(copied), str(copied), copied.errno) == (WriteError, str(error), errno.EFBIG)
+
+
+def test_a_missing_folder_or_a_folder_in_the_way_is_named(tmp_path):
+    # Creating the temporary file fails: there is no folder to hold it.
+    missing = tmp_path / "never_made" / "sweep.json"
+    with pytest.raises(WriteError) as caught:
+        write_atomic(missing, "{}")
+    assert caught.value.errno == errno.ENOENT and caught.value.filename == str(missing)
+    assert str(caught.value).startswith(
+        f"{missing} was not written (No such file or directory): create the folder "
+        f"{missing.parent}, then run again"
+    )
+    # Renaming fails: the target is a folder, which stays as it was.
+    in_the_way = tmp_path / "results.csv"
+    (in_the_way / "inside").mkdir(parents=True)
+    with pytest.raises(WriteError) as caught:
+        write_atomic(in_the_way, "a,b\n")
+    assert caught.value.errno == errno.EISDIR
+    assert str(caught.value).startswith(f"{in_the_way} was not written (Is a directory): ")
     assert os.listdir(tmp_path) == ["results.csv"]
+    assert os.listdir(in_the_way) == ["inside"]
 
 
 def test_store_json_refuses_another_run_and_rewrites_only_changes(tmp_path):

@@ -1,17 +1,21 @@
 """Training: the loss falls, checkpoints round-trip, a resumed run is the same
-run (even when its latest checkpoint is damaged), and a non-finite loss or
-update stops the run without touching the last good state."""
+run (even when its latest checkpoint is damaged), a non-finite loss or update
+stops the run without touching the last good state, and so does a full disk,
+in one line naming the file."""
 
+import errno
 import json
 import os
 import shutil
 
 import jax
+import jax.numpy as jnp
 import ml_collections
 import numpy as np
 import pytest
 
 from kvlab.config import base_config
+from kvlab.files import WriteError
 from kvlab.logging import read_offline_run
 from kvlab.train import (
     DamagedCheckpoint,
@@ -20,17 +24,11 @@ from kvlab.train import (
     load_params,
     load_run_config,
     restore,
+    save,
     train,
 )
+from tests.full_disk import file_size_limit, run_python
 from tests.helpers import run_config, write_corpus
-
-# When one array of a damaged checkpoint fails to read, orbax drops the reads of
-# the others unfinished; Python reports each when it collects it, during
-# whichever test runs then.
-pytestmark = pytest.mark.filterwarnings(
-    "ignore:Exception ignored in. <coroutine object _read_array_index_and_device_put"
-    ":pytest.PytestUnraisableExceptionWarning"
-)
 
 
 @pytest.fixture(scope="module")
@@ -195,8 +193,15 @@ def test_load_params_names_the_steps_there_are_and_refuses_a_damaged_one(finishe
     with pytest.raises(ValueError, match=r"step=5 has no checkpoint .* holds steps \[2, 4, 6\]"):
         load_params(workdir, step=5)
     flip_bytes(workdir / "checkpoints" / "4")
-    with pytest.raises(DamagedCheckpoint, match="step 4 .* does not match the checksum"):
+    with pytest.raises(DamagedCheckpoint, match="step 4 .* does not match the checksum") as error:
         load_params(workdir, step=4)
+    assert str(error.value).endswith(": pass another step, or none for the newest that restores")
+    # The reason is tensorstore's, under orbax's wrapper ('Encountered error while reading').
+    truncated = tmp_path / "truncated"
+    shutil.copytree(finished, truncated)
+    truncate(truncated / "checkpoints" / "2")
+    with pytest.raises(DamagedCheckpoint, match=r"step 2 .* does not restore \(ValueError: "):
+        load_params(truncated, step=2)
     _, params = load_params(workdir, step=6)
     assert_trees_equal(params, state.params)
 
@@ -285,6 +290,99 @@ def test_an_update_that_overflows_the_weights_is_not_kept(finished_run, tmp_path
     manager.close()
     _, params = load_params(workdir)
     assert all(bool(np.isfinite(p).all()) for p in jax.tree.leaves(params))
+
+
+# ---------------------------------------------------------------------------
+# A full disk
+
+
+RUN_CONFIG = """
+from kvlab.train import load_run_config
+
+
+def get_config(workdir):
+    return load_run_config(workdir)
+"""
+
+
+def test_a_checkpoint_the_disk_refuses_is_one_line_and_the_run_resumes(finished_run, tmp_path):
+    """scripts/train.py resumes at step 2 past a 128 KiB file-size limit: the
+    config and metrics fit, the arrays of checkpoint 4 do not."""
+    cfg, finished, state, metrics = finished_run
+    workdir = tmp_path / "run"
+    shutil.copytree(finished, workdir)
+    for step in ("4", "6"):  # as if killed after saving step 2
+        shutil.rmtree(workdir / "checkpoints" / step)
+    config = tmp_path / "run_config.py"
+    config.write_text(RUN_CONFIG)
+    # keep=1: orbax would delete step 2 once step 4 is saved, and must not before.
+    args = [f"--config={config}:{workdir}", f"--workdir={workdir}", "--config.train.keep=1"]
+    result = run_python(128 * 1024, "scripts/train.py", *args)
+    assert result.returncode == 74, result.stderr[-3000:]
+    # The lines besides the progress bar's (tqdm's, redrawn after each \r).
+    lines = [line for line in result.stderr.splitlines() if line and not line.startswith("run:")]
+    checkpoints = workdir / "checkpoints"
+    assert len(lines) == 1, result.stderr[-3000:]
+    assert lines[0].startswith(
+        f"checkpoint step 4 was not saved in {checkpoints} (File too large, writing "
+        "4.orbax-checkpoint-tmp/"
+    )
+    assert lines[0].endswith(
+        f"): free space on the disk holding {checkpoints} or raise the file-size limit "
+        "(ulimit -f), then run again: training resumes from the last complete checkpoint, step 2"
+    )
+    assert os.listdir(checkpoints) == ["2"]  # the partial step 4 removed, step 2 whole
+
+    resumed, history = train(cfg, workdir, progress=False)
+    assert history[0]["step"] == 3
+    assert read_metrics(workdir) == metrics
+    assert_trees_equal(resumed, state)
+
+
+def test_a_save_the_os_refuses_keeps_the_checkpoints_before(finished_run, tmp_path):
+    _, finished, state, _ = finished_run
+    workdir = tmp_path / "run"
+    shutil.copytree(finished, workdir)
+    checkpoints = workdir / "checkpoints"
+    manager = checkpoint_manager(workdir, finished_run[0].train)
+    try:
+        # No file may grow at all: orbax's own first write fails, in Python or tensorstore.
+        with file_size_limit(0), pytest.raises(WriteError) as caught:
+            save(manager, state.replace(step=jnp.asarray(8, jnp.int32)))
+        error = caught.value
+        assert (error.errno, error.filename) == (errno.EFBIG, str(checkpoints / "8"))
+        assert str(error).startswith(
+            f"checkpoint step 8 was not saved in {checkpoints} (File too large"
+        )
+        assert str(error).endswith("training resumes from the last complete checkpoint, step 6")
+    finally:
+        manager.close()
+    assert sorted(os.listdir(checkpoints)) == ["2", "4", "6"]
+    _, params = load_params(workdir)
+    assert_trees_equal(params, state.params)
+
+
+def test_a_metrics_line_the_disk_refuses_names_the_file(finished_run, tmp_path):
+    cfg, finished, state, metrics = finished_run
+    workdir = tmp_path / "run"
+    shutil.copytree(finished, workdir)
+    shutil.rmtree(workdir / "checkpoints" / "6")
+    # metrics.jsonl as the resume from step 4 leaves it, then not one byte more:
+    # the line of step 5 does not fit.
+    path = workdir / "metrics.jsonl"
+    lines = path.read_text().splitlines(keepends=True)
+    kept = "".join(line for line in lines if json.loads(line)["step"] <= 4)
+    with file_size_limit(len(kept.encode())), pytest.raises(WriteError) as caught:
+        train(cfg, workdir, progress=False)
+    assert str(caught.value) == (
+        f"{path} was not written (File too large): free space on the disk holding {workdir} "
+        "or raise the file-size limit (ulimit -f), then run again; training resumes from its "
+        "last complete checkpoint"
+    )
+    assert path.read_text() == kept
+    resumed, _ = train(cfg, workdir, progress=False)
+    assert read_metrics(workdir) == metrics
+    assert_trees_equal(resumed, state)
 
 
 # ---------------------------------------------------------------------------
