@@ -16,6 +16,13 @@
   the value and the fix) as one message on stderr, without a traceback, and
   exits with status 2. A `ValueError` raised inside JAX, NumPy or any other
   library is a bug, not a user's mistake, and keeps its traceback;
+- prints a `kvlab.files.WriteError` (a file or checkpoint the OS refused to
+  write: disk full, a file-size limit, no permission; the message names the
+  file, the reason and what to do) the same way, and exits with status 74,
+  sysexits.h's EX_IOERR, so a job runner can tell it from a usage error (2)
+  and from a crash (1) and run the job again once there is space;
+- prints a warning kvlab gives (e.g. fewer held-out windows than
+  eval.num_batches asks for) as one line, 'warning: ...';
 - refuses to start when `import kvlab` found a folder named kvlab (the
   repository clone itself, from the folder above it) instead of the package.
 
@@ -31,6 +38,7 @@ checkpoint"), `with_run` what scripts/train.py's `--init_from DIR` does,
 import os
 import sys
 import time
+import warnings
 from collections.abc import Callable, Mapping
 
 import jax
@@ -40,6 +48,7 @@ from absl import app, flags, logging
 
 from kvlab import native
 from kvlab.config import base_config, dtype_of, validate_config
+from kvlab.files import WriteError
 from kvlab.hf import config_from_hf
 from kvlab.model import fuse_projections, panel_projections
 from kvlab.sweep import family
@@ -48,6 +57,7 @@ from kvlab.sweep import family
 # from the real package even when `kvlab` itself resolved to another folder.
 PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 USER_ERROR_STATUS = 2  # as argparse and the shell report a usage error
+WRITE_ERROR_STATUS = 74  # sysexits.h's EX_IOERR: the OS refused a write (disk full, ...)
 
 
 def run(main: Callable[[list[str]], object]) -> None:
@@ -59,31 +69,49 @@ def run(main: Callable[[list[str]], object]) -> None:
 def _main(main: Callable[[list[str]], object], argv: list[str]) -> object:
     if not flags.FLAGS["verbosity"].present:
         logging.set_verbosity(logging.WARNING)
+    warnings.formatwarning = _one_line_warning
     try:
         return main(argv)
-    except ValueError as error:
+    except (ValueError, WriteError) as error:
         if not raised_by_kvlab(error):
             raise
         print(error, file=sys.stderr)
-        sys.exit(USER_ERROR_STATUS)
+        sys.exit(WRITE_ERROR_STATUS if isinstance(error, WriteError) else USER_ERROR_STATUS)
 
 
 def raised_by_kvlab(error: BaseException) -> bool:
     """Whether `error` was raised by the kvlab package or the running script.
 
-    kvlab raises `ValueError` on purpose, with a message for the user; the
-    innermost frame of the traceback is where the exception was raised.
+    kvlab raises `ValueError` and `WriteError` on purpose, with a message for
+    the user; the innermost frame of the traceback is where the exception was
+    raised.
     """
     frame = error.__traceback__
     if frame is None:
         return False
     while frame.tb_next is not None:
         frame = frame.tb_next
-    path = os.path.abspath(frame.tb_frame.f_code.co_filename)
+    return _ours(frame.tb_frame.f_code.co_filename)
+
+
+def _ours(path: str) -> bool:
+    """Whether the file at `path` is the kvlab package's or the running script."""
+    path = os.path.abspath(path)
     script = getattr(sys.modules["__main__"], "__file__", None)
     return path.startswith(PACKAGE_DIR + os.sep) or (
         script is not None and path == os.path.abspath(script)
     )
+
+
+_library_warning = warnings.formatwarning
+
+
+def _one_line_warning(message, category, filename, lineno, line=None) -> str:
+    """A warning kvlab gives (fewer evaluation windows than asked, ...) as one line,
+    'warning: <message>'; any other library's as Python words it."""
+    if _ours(filename):
+        return f"warning: {message}\n"
+    return _library_warning(message, category, filename, lineno, line)
 
 
 def check_package() -> None:
