@@ -449,6 +449,21 @@ def evaluate(
     return _results(model, cache_cfg, batches, scored, tokens, seq_len, rows_of)
 
 
+def check_finite(result: Mapping, what: str) -> Mapping:
+    """`result` (evaluate's) when its loss and, compared with a reference, its KL
+    are finite numbers; else ValueError naming `what` (the model and cache), so a
+    NaN is never reported or written as a measurement."""
+    bad = [key for key in ("loss", "kl_mean") if key in result and not np.isfinite(result[key])]
+    if bad:
+        shown = ", ".join(f"{key}={result[key]}" for key in bad)
+        raise ValueError(
+            f"{what}: the evaluation gave {shown} (ppl {result['ppl']}): the model's logits "
+            "were not finite numbers, so there is no result to report; check the weights "
+            "(non-finite values, or an overflow in model.dtype) and the cache's dtype"
+        )
+    return result
+
+
 def full_precision(cache_cfg: Mapping) -> ml_collections.ConfigDict:
     """The same cache with every tensor stored at 16 bits (the baseline)."""
     baseline = ml_collections.ConfigDict(cache_cfg)

@@ -93,6 +93,17 @@ def make_mesh(cfg: Mapping, devices: Sequence[jax.Device] | None = None) -> Mesh
     )
 
 
+def describe_mesh(mesh: Mesh) -> str:
+    """The mesh and its devices in words: 'mesh data=2 x fsdp=2 x tensor=2 over 8 cpu
+    devices' (and ', N hosts' past one)."""
+    devices = list(mesh.devices.flat)
+    kinds = sorted({d.platform for d in devices})
+    hosts = len({d.process_index for d in devices})
+    axes = " x ".join(f"{axis}={size}" for axis, size in mesh.shape.items())
+    where = f", {hosts} hosts" if hosts > 1 else ""
+    return f"mesh {axes} over {mesh.size} {'/'.join(kinds)} device{'s' * (mesh.size != 1)}{where}"
+
+
 def axis_rules(mesh_cfg: Mapping | None = None) -> tuple:
     """`mesh.rules` as flax's logical axis rules: ((logical, mesh axes | None), ...).
 

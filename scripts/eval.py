@@ -7,7 +7,6 @@
     python scripts/eval.py --hf path/to/hf_model --cache configs/kv_kivi2.py:tiny \
         --cache.data.source=text --cache.data.path=notes.txt      # your own checkpoint
     python scripts/eval.py --workdir runs/gqa --mesh.data=2 --mesh.tensor=4  # on 8 devices
-    python scripts/eval.py --workdir runs/gqa --cache configs/kv_k8v4.py:tiny --distribution
     python scripts/eval.py --workdir runs/gqa --seq_len 512 --rope_scaling type=yarn,factor=4
 
 The model, data and eval sections come from the run (workdir/config.json); the
@@ -18,12 +17,15 @@ the checkpoint, its tokenizer.json (if any) reads the text, and every other
 section (data, eval, train.seq_len, cache) from --cache (default:
 kvlab.base_config()'s). Every window of held-out
 text goes through the cache in prefill chunks (kvlab/eval.py), so the numbers
-are what generation with that cache sees. Prints ppl, bits per byte, cache
-bytes per token (analytic and measured) and the change against the same cache
-at 16 bits. --distribution also scores the cache against the model's full
-cache (kvlab.eval.full_cache: 16 bits, every token kept), token by token: the
-KL divergence of the next-token distributions (mean and 99th percentile, nats),
-top-1 agreement and the change in perplexity (kvlab/eval.py). Windows are
+are what generation with that cache sees. The baseline is the model's full
+cache (kvlab.eval.full_cache: 16 bits, every token kept), evaluated once with
+its logits kept: the cache is scored against it token by token as it runs
+(the KL divergence of the next-token distributions, mean and 99th percentile
+in nats, top-1 agreement, the change in perplexity), at no further forward
+pass. Prints both caches in full (bits, axes, groups, residual, layout,
+eviction), the windows evaluated, ppl, bits per byte, accuracy, cache bytes per
+token (analytic and measured) and the change against the full cache; a result
+that is not a finite number stops the script with an error instead. Windows are
 eval.seq_len tokens (0: train.seq_len), --seq_len overriding it; past the
 trained length, --rope_scaling sets model.rope_scaling for the evaluation
 (kvlab.config.parse_rope_scaling: 'linear', 'yarn', 'llama3', ... with factor=).
@@ -43,6 +45,7 @@ from absl import flags
 from ml_collections import config_flags
 
 from kvlab import cli, sharding
+from kvlab.cache import cache_label
 from kvlab.config import (
     base_config,
     check_count,
@@ -51,7 +54,7 @@ from kvlab.config import (
     validate_cache_config,
 )
 from kvlab.data import make_dataset
-from kvlab.eval import evaluate, evaluate_reference, full_cache, full_precision
+from kvlab.eval import check_finite, evaluate, evaluate_reference, full_cache
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "A training run's directory (scripts/train.py).")
 _HF = flags.DEFINE_string(
@@ -75,12 +78,6 @@ _ROPE = flags.DEFINE_string(
     "rope_scaling", None, "model.rope_scaling for the evaluation, e.g. type=yarn,factor=4."
 )
 _JSON = flags.DEFINE_bool("json", False, "Print one JSON object instead of a table.")
-_DISTRIBUTION = flags.DEFINE_bool(
-    "distribution",
-    False,
-    "Also score the cache against the model's full cache (16 bits, every token kept): KL of "
-    "the next-token distributions (mean, 99th percentile), top-1 agreement, change in ppl.",
-)
 _MESH = config_flags.DEFINE_config_dict(
     "mesh",
     base_config().mesh,
@@ -110,49 +107,55 @@ def main(argv):
     seq_len = eval_seq_len(cfg)
     data = make_dataset(cfg.data, split, seq_len)
     batches = data.eval_batches(cfg.eval.batch_size, cfg.eval.num_batches)
-    baseline_cache = full_precision(cache_cfg)
-    reference = None
-    if _DISTRIBUTION.value:  # its logits kept, so the cache's run compares as it goes
-        reference = evaluate_reference(cfg.model, full_cache(cache_cfg), params, batches, **on_mesh)
-    result = evaluate(cfg.model, cache_cfg, params, batches, **on_mesh, reference=reference)
-    if reference is not None and reference.cache_cfg.to_dict() == baseline_cache.to_dict():
-        baseline = reference.result  # nothing evicted: the full cache is the 16-bit one
+    full = full_cache(cache_cfg)
+    label, full_label = cache_label(cfg.model, cache_cfg), cache_label(cfg.model, full)
+    # once, its logits kept: the cache's run compares with them as it goes
+    reference = evaluate_reference(cfg.model, full, params, batches, **on_mesh)
+    baseline = check_finite(reference.result, f"{source} through the full cache {full_label}")
+    if cache_cfg.to_dict() == full.to_dict():
+        result = baseline
     else:
-        baseline = evaluate(cfg.model, baseline_cache, params, batches, **on_mesh)
+        result = evaluate(cfg.model, cache_cfg, params, batches, **on_mesh, reference=reference)
+        check_finite(result, f"{source} through the cache {label}")
     metric = data.metric
     report = {
         "workdir": _WORKDIR.value,
         "hf": _HF.value,
         "split": split,
         "seq_len": seq_len,
+        "windows": sum(len(b["inputs"]) for b in batches),
+        "batches": len(batches),
         "rope_scaling": cfg.model.rope_scaling.to_dict(),
         "metric": metric,
+        "cache": label,
         **result,
-        "baseline_16bit": baseline,
-        "delta_vs_16bit_pct": 100 * (result[metric] / baseline[metric] - 1),
+        "baseline_cache": full_label,
+        "baseline": baseline,
+        "delta_vs_full_pct": 100 * (result[metric] / baseline[metric] - 1),
     }
-    if reference is not None:
-        report["full_cache"] = reference.result
     if not sharding.is_primary():  # every host has the same numbers; process 0 reports them
         return
     if _JSON.value:
         print(json.dumps(report, indent=2))
         return
     print(
-        f"{source}: {split} split, windows of {seq_len} tokens, {result['targets']} targets, "
-        f"chunks of {chunk}"
+        f"{source}: {split} split, {report['windows']} windows of {seq_len} tokens in "
+        f"{cli.count(len(batches), 'batch')}, {result['targets']} targets, chunks of {chunk}"
     )
-    print(f"{'':>18} {'this cache':>12} {'16-bit':>12}")
+    if on_mesh["mesh"].size > 1:
+        print(sharding.describe_mesh(on_mesh["mesh"]))
+    print(f"{'this cache':>18} {label}")
+    print(f"{'full cache':>18} {full_label}")
+    print(f"{'':>18} {'this cache':>12} {'full cache':>12}")
     for key in ("ppl", "bits_per_byte", "accuracy", "cache_bytes_per_token"):
         print(f"{key:>18} {result[key]:>12.4f} {baseline[key]:>12.4f}")
     print(f"{'measured bytes/tok':>18} {result['cache_bytes_per_token_measured']:>12.4f}")
-    print(f"{metric} change against 16 bits: {report['delta_vs_16bit_pct']:+.3f}%")
-    if reference is not None:
-        print(
-            f"against the full cache: KL mean {result['kl_mean']:.5f} nats, "
-            f"p99 {result['kl_p99']:.5f}; top-1 agreement {100 * result['top1_agreement']:.2f}%; "
-            f"ppl {result['delta_ppl']:+.4f}"
-        )
+    print(f"{metric} change against the full cache: {report['delta_vs_full_pct']:+.3f}%")
+    print(
+        f"against the full cache: KL mean {result['kl_mean']:.5f} nats, "
+        f"p99 {result['kl_p99']:.5f}; top-1 agreement {100 * result['top1_agreement']:.2f}%; "
+        f"ppl {result['delta_ppl']:+.4f}"
+    )
 
 
 if __name__ == "__main__":

@@ -30,11 +30,13 @@ compiles; a length a task cannot fit is refused naming the field and the minimum
 
 import json
 import os
+import textwrap
 
 from absl import flags
 from ml_collections import config_flags
 
 from kvlab import cli, sharding
+from kvlab.cache import cache_label
 from kvlab.config import (
     EVAL_TASKS,
     base_config,
@@ -46,8 +48,8 @@ from kvlab.config import (
 )
 from kvlab.data import make_dataset
 from kvlab.data.tasks import evaluate_tasks, needle_matrix, plot_needle_grid
-from kvlab.eval import evaluate
-from kvlab.sweep import bits_label, family
+from kvlab.eval import check_finite, evaluate
+from kvlab.sweep import family
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "A training run's directory (scripts/train.py).")
 _HF = flags.DEFINE_string(
@@ -118,14 +120,16 @@ def configure(cfg):
     return cfg
 
 
-def perplexity(cfg, params, lengths, on_mesh):
+def perplexity(cfg, params, lengths, on_mesh, source):
     """Held-out perplexity (or MQAR accuracy) at each length: one row per length."""
     ev = cfg.eval
     data = [make_dataset(cfg.data, ev.split, length) for length in lengths]  # refusals first
+    label = cache_label(cfg.model, cfg.cache)
     rows = []
     for length, dataset in zip(lengths, data, strict=True):
         batches = dataset.eval_batches(ev.batch_size, ev.num_batches)
         result = evaluate(cfg.model, cfg.cache, params, batches, **on_mesh)
+        check_finite(result, f"{source} at {length} tokens through the cache {label}")
         rows.append(dict(seq_len=length, metric=dataset.metric, **result))
     return rows
 
@@ -141,9 +145,9 @@ def main(argv):
     on_mesh = dict(chunk=cfg.eval.chunk, mesh=sharding.make_mesh(cfg))
     on_mesh["rules"] = sharding.axis_rules(cfg.mesh)
     lengths = tuple(cfg.eval.task_lengths) or (eval_seq_len(cfg),)
-    ppl = perplexity(cfg, params, lengths, on_mesh) if _PPL.value else []
+    ppl = perplexity(cfg, params, lengths, on_mesh, source) if _PPL.value else []
     rows = evaluate_tasks(cfg, cfg.cache, params, lengths=lengths, **on_mesh)
-    label = bits_label(cfg)
+    label = cache_label(cfg.model, cfg.cache)
     plot = None
     if any(r["task"] == "needle" for r in rows):
         plot = _PLOT.value
@@ -151,7 +155,7 @@ def main(argv):
             plot = os.path.join(_WORKDIR.value or ".", "needle.png")
         if plot and sharding.is_primary():
             matrix, depths, needle_lengths = needle_matrix(rows)
-            title = f"needle accuracy: {family(cfg.model).upper()}, cache {label}"
+            title = textwrap.fill(f"needle accuracy: {family(cfg.model).upper()}, {label}", 90)
             plot_needle_grid(plot, matrix, depths, needle_lengths, title=title)
     if not sharding.is_primary():
         return
@@ -171,7 +175,10 @@ def main(argv):
         return
     scaling = cfg.model.rope_scaling
     rope = "plain RoPE" if scaling.type == "none" else f"RoPE {scaling.type} x{scaling.factor:g}"
-    print(f"{source}: cache {label}, {rope}, {cfg.eval.split} split")
+    print(f"{source}: {rope}, {cfg.eval.split} split")
+    if on_mesh["mesh"].size > 1:
+        print(sharding.describe_mesh(on_mesh["mesh"]))
+    print(f"cache: {label}")
     tasks = list(dict.fromkeys(r["task"] for r in rows))
     metric = ppl[0]["metric"] if ppl else None
     header = [f"{'length':>8}"] + ([f"{metric:>10}"] if ppl else []) + [f"{t:>10}" for t in tasks]

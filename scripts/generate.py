@@ -44,6 +44,7 @@ from ml_collections import config_flags
 import kvlab
 from kvlab import cli, sharding
 from kvlab.data import load_tokenizer
+from kvlab.data.text import decode_bytes
 from kvlab.sampling import place_params
 from kvlab.train import initial_params, load_params
 
@@ -109,9 +110,7 @@ def main(argv):
         tokenizer = load_tokenizer(cfg.data.tokenizer)
         encode, decode, default_end = tokenizer.encode, tokenizer.decode, tokenizer.end_token
     else:
-        encode = lambda text: list(text.encode())
-        decode = lambda tokens: bytes(tokens).decode(errors="replace")
-        default_end = ord("\n")
+        encode, decode, default_end = lambda text: list(text.encode()), decode_bytes, ord("\n")
     end = default_end if _END.value is None else _END.value
     end = None if end is None or end < 0 else end
     encoded = [encode(prompt) for prompt in _PROMPTS.value]
@@ -164,10 +163,11 @@ def main(argv):
         held = kvlab.cache_bytes(
             cfg.model, cfg.cache, batch, max_len, per_device=True, mesh=mesh, rules=rules
         )
-        on_mesh = f", {held:,} per device of the mesh {dict(mesh.shape)}"
+        on_mesh = f", {held:,} per device of the {sharding.describe_mesh(mesh)}"
     print(
-        f"cache: {cli.count(batch, 'row')} x {cli.count(max_len, 'token')} in "
-        f"{cfg.cache.dtype}: {analytic:,} bytes analytic, {measured:,} measured{on_mesh}"
+        f"cache {kvlab.cache.cache_label(cfg.model, cfg.cache)}: {cli.count(batch, 'row')} x "
+        f"{cli.count(max_len, 'token')}, {analytic:,} bytes analytic, {measured:,} "
+        f"measured{on_mesh}"
     )
     print(
         f"generated {cli.count(generated, 'token')} in {seconds * 1e3:.1f} ms "

@@ -47,6 +47,9 @@ def main(argv):
         cfg = cli.with_hf(cfg, _HF.value, init_from=_INIT_FROM.value)
     elif _INIT_FROM.value is not None:
         cfg = cli.with_run(cfg, _INIT_FROM.value)
+    mesh = sharding.make_mesh(cfg)  # train() makes the same one; a bad mesh fails here
+    if mesh.size > 1 and sharding.is_primary():
+        print(f"training on the {sharding.describe_mesh(mesh)}", flush=True)
     _, history = train(cfg, _WORKDIR.value)
     evals = [line for line in history if "eval/loss" in line]
     if evals:

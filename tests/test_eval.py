@@ -5,12 +5,13 @@ numpy computes from both caches' logits, and exactly nothing for the full cache.
 
 import numpy as np
 import pytest
+from flax import traverse_util
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import kvlab
 from kvlab.data import make_dataset
-from kvlab.eval import compare_logits, evaluate, evaluate_reference, full_cache
+from kvlab.eval import check_finite, compare_logits, evaluate, evaluate_reference, full_cache
 from kvlab.train import evaluate_forward
 from tests.helpers import build, mla_config, run_config, run_in_chunks, tiny_config, write_corpus
 
@@ -237,3 +238,21 @@ def test_a_reference_of_another_model_chunk_or_batches_is_refused(references, ba
         evaluate(cfg.model, cfg.cache, params, batches, chunk=4, reference=reference)
     with pytest.raises(ValueError, match=r"other batches \(tokens or weights\)"):
         evaluate(cfg.model, cfg.cache, params, batches[:1], chunk=8, reference=reference)
+
+
+def test_a_result_that_is_not_finite_is_refused_naming_what_ran(batches):
+    cfg = tiny_config(num_kv_heads=2)
+    _, params, _ = build(cfg)
+    good = evaluate(cfg.model, cfg.cache, params, batches, chunk=32)
+    assert check_finite(good, "model 'gqa', cache 'K32V32'") is good
+    flat = traverse_util.flatten_dict(params)  # a new tree: build's params are shared
+    kernel = ("block_0", "mlp", "up", "kernel")
+    flat[kernel] = flat[kernel].at[0, 0].set(np.nan)
+    bad = evaluate(cfg.model, cfg.cache, traverse_util.unflatten_dict(flat), batches, chunk=32)
+    with pytest.raises(ValueError) as error:
+        check_finite(bad, "model 'gqa', cache 'K32V32'")
+    assert str(error.value).startswith(
+        "model 'gqa', cache 'K32V32': the evaluation gave loss=nan (ppl nan)"
+    )
+    with pytest.raises(ValueError, match=r"gave kl_mean=inf \(ppl 2.0\)"):
+        check_finite({"loss": 0.7, "ppl": 2.0, "kl_mean": np.inf}, "x")

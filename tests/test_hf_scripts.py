@@ -71,14 +71,25 @@ def test_eval_hf_reports_perplexity_through_a_kivi_cache():
     report = json.loads(result.stdout)
     assert report["hf"] == str(LLAMA) and report["targets"] == 2 * 64
     assert report["seq_len"] == 64 and report["rope_scaling"]["type"] == "linear"
-    assert report["cache_bytes_per_token"] < report["baseline_16bit"]["cache_bytes_per_token"]
-    # The 16-bit baseline is the checkpoint's own perplexity on the same windows.
+    assert report["cache_bytes_per_token"] < report["baseline"]["cache_bytes_per_token"]
+    # The baseline is the checkpoint's own perplexity through its full cache, same windows.
     cfg, params = kvlab.load_hf(LLAMA)
     cfg.model.rope_scaling = kvlab.config.parse_rope_scaling("type=linear,factor=2", 128)
     data = make_dataset(cfg.data, "validation", 64)
     cache = full_precision(kvlab.load_config(f"{ROOT}/configs/kv_kivi2.py:tiny").cache)
     expected = evaluate(cfg.model, cache, params, data.eval_batches(2, 1), chunk=16)
-    assert report["baseline_16bit"]["ppl"] == pytest.approx(expected["ppl"], rel=1e-5)
+    assert report["baseline"]["ppl"] == pytest.approx(expected["ppl"], rel=1e-5)
+
+
+def test_scripts_refuse_a_checkpoint_whose_tokenizer_is_missing(tmp_path):
+    # A vocabulary other than the 256 bytes is never fed bytes: refused before anything runs.
+    folder = tmp_path / "llama"
+    shutil.copytree(LLAMA, folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "vocab_size": 300}))
+    for script in ("scripts/eval.py", "scripts/generate.py"):
+        message = user_error(run_script(script, f"--hf={folder}", check=False))
+        assert message.startswith(f"{str(folder)!r} holds no tokenizer.json, and its model's")
 
 
 def test_generate_hf_uses_the_checkpoint_and_its_tokenizer(llama_with_tokenizer):
@@ -205,3 +216,24 @@ def test_convert_to_latent_attention_then_uptrain_from_it(tmp_path):
 )
 def test_conflicting_or_invalid_flags_are_one_line(args, message):
     assert user_error(run_script(*args, check=False)).startswith(message)
+
+
+def test_eval_says_when_the_text_holds_fewer_windows_than_asked(tmp_path):
+    text = tmp_path / "notes.txt"
+    text.write_text("The KV cache holds keys and values. " * 60)  # 2,160 bytes: 108 held out
+    result = run_script(
+        "scripts/eval.py",
+        f"--hf={LLAMA}",
+        "--cache=configs/gqa.py:tiny",
+        "--cache.data.source=text",
+        f"--cache.data.path={text}",
+        "--cache.train.seq_len=32",
+        "--cache.eval.num_batches=8",
+        "--json",
+    )
+    assert result.stderr.splitlines() == [
+        "warning: eval.num_batches=8 x eval.batch_size=16 asks for 128 windows of 32 bytes, "
+        f"but the validation split of {str(text)!r} holds 3: evaluating 1 batch of 3 windows"
+    ]
+    report = json.loads(result.stdout)
+    assert report["windows"] == 3 and report["batches"] == 1 and report["targets"] == 3 * 32

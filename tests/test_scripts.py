@@ -281,7 +281,9 @@ def test_generate_demo_runs_quietly():
     )
     assert result.stdout.startswith("MQA: 1 KV head shared by 4 query heads; 2 layers")
     assert re.search(
-        r"cache: 2 rows x 7 tokens in float32: ([\d,]+) bytes analytic, \1 measured", result.stdout
+        r"cache K32V32 \(k and v in float32\), dense, every token kept: 2 rows x 7 tokens, "
+        r"([\d,]+) bytes analytic, \1 measured",
+        result.stdout,
     )
     assert not INFO_LINE.search(result.stderr), result.stderr
 
@@ -310,11 +312,33 @@ def test_train_then_eval_through_another_cache(tmp_path):
     )
     report = json.loads(result.stdout)
     assert report["targets"] == 2 * 32 and report["metric"] == "ppl"
-    assert report["baseline_16bit"]["cache_bytes_per_token"] > report["cache_bytes_per_token"]
-    assert report["delta_vs_16bit_pct"] == pytest.approx(
-        100 * (report["ppl"] / report["baseline_16bit"]["ppl"] - 1)
+    assert report["baseline"]["cache_bytes_per_token"] > report["cache_bytes_per_token"]
+    assert report["delta_vs_full_pct"] == pytest.approx(
+        100 * (report["ppl"] / report["baseline"]["ppl"] - 1)
     )
+    assert report["cache"].startswith("K4V4 (k int per token, v int per token; groups of 16")
+    assert report["baseline_cache"] == "K32V32 (k and v in float32), dense, every token kept"
+    assert report["kl_mean"] > 0 and report["windows"] == 2 and report["batches"] == 1
     assert not INFO_LINE.search(result.stderr)
+    # An evicting cache is compared with the full cache, not with itself at 16 bits.
+    evicting = run_script(
+        "scripts/eval.py",
+        f"--workdir={tmp_path}",
+        "--cache=configs/gqa.py:tiny",
+        "--cache.cache.evict.method=window",
+        "--cache.cache.evict.ratio=0.25",
+    )
+    lines = evicting.stdout.splitlines()
+    assert lines[0] == (
+        f"{tmp_path}: validation split, 2 windows of 32 tokens in 1 batch, 64 targets, chunks of 32"
+    )
+    assert lines[1] == (
+        "        this cache K32V32 (k and v in float32), dense, window keeping 25% of the "
+        "tokens per KV head"
+    )
+    assert lines[2] == "        full cache K32V32 (k and v in float32), dense, every token kept"
+    change = re.search(r"^ppl change against the full cache: ([-+][\d.]+)%$", evicting.stdout, re.M)
+    assert float(change.group(1)) != 0, evicting.stdout
     missing = run_script("scripts/eval.py", f"--workdir={tmp_path}", "--step=3", check=False)
     assert "step=3" in user_error(missing) and "[4]" in user_error(missing)
     # The trained model through generate.py: orbax's restore logs stay quiet too.

@@ -654,6 +654,12 @@ def test_the_scripts_take_the_mesh_section():
     rows = [f"--prompt={text}" for text in ("def ", "import ", "class ", "x = ")]
     mesh = ["--config.mesh.data=4", "--config.mesh.tensor=2", "--max_new_tokens=2"]
     on_eight = script("generate.py", mesh + rows, {**one, "XLA_FLAGS": CHILD_FLAGS})
+    small = [
+        "--cache=configs/gqa.py:tiny",
+        "--cache.eval.num_batches=1",
+        "--cache.train.seq_len=32",
+    ]
+    eval_on_eight = script("eval.py", SCRIPTS["eval.py"] + small, {**one, "XLA_FLAGS": CHILD_FLAGS})
     for name, run in runs.items():
         _, stderr = run.communicate(timeout=300)
         assert run.returncode == 2, (name, stderr[-3000:])
@@ -663,13 +669,15 @@ def test_the_scripts_take_the_mesh_section():
     stdout, stderr = on_eight.communicate(timeout=300)
     assert on_eight.returncode == 0, stderr[-3000:]
     # 4 rows over data, 2 KV heads over tensor: an eighth of the tensors on each device.
-    found = re.search(
-        r"([\d,]+) bytes analytic, .* ([\d,]+) per device of the mesh (\{.*\})", stdout
-    )
+    found = re.search(r"([\d,]+) bytes analytic, .* ([\d,]+) per device of the (mesh .*)", stdout)
     assert found, stdout
     whole, per_device = (int(found[i].replace(",", "")) for i in (1, 2))
-    assert found[3] == "{'data': 4, 'fsdp': 1, 'tensor': 2}"
+    assert found[3] == "mesh data=4 x fsdp=1 x tensor=2 over 8 cpu devices"
     assert per_device < whole / 4
+    # The evaluation says which mesh and devices it ran on.
+    stdout, stderr = eval_on_eight.communicate(timeout=300)
+    assert eval_on_eight.returncode == 0, stderr[-3000:]
+    assert stdout.splitlines()[1] == "mesh data=2 x fsdp=1 x tensor=4 over 8 cpu devices", stdout
 
 
 def script(name: str, args: list[str], env: dict) -> subprocess.Popen:

@@ -1,6 +1,6 @@
 """KV-cache storage and byte accounting (docs/design.md, "The cache pytree")."""
 
-from kvlab.cache.accounting import cache_bytes, tree_bytes
+from kvlab.cache.accounting import bits_label, cache_bytes, cache_label, tree_bytes
 from kvlab.cache.allocator import OutOfPages, PageAllocator
 from kvlab.cache.dense import Cache, CacheError, DenseLayer
 from kvlab.cache.evict import EvictingLayer
@@ -26,7 +26,9 @@ __all__ = [
     "QuantizedLayer",
     "QuantizedTensor",
     "Reader",
+    "bits_label",
     "cache_bytes",
+    "cache_label",
     "init_cache",
     "tree_bytes",
     "write_tokens",

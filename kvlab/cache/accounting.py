@@ -32,7 +32,13 @@ from jax.sharding import Mesh
 from kvlab import sharding
 from kvlab.cache import evict, paged
 from kvlab.cache.quant import quantized_layout, storages
-from kvlab.config import cached_tensors, dtype_of, validate_cache_config, validate_model_config
+from kvlab.config import (
+    cached_prefixes,
+    cached_tensors,
+    dtype_of,
+    validate_cache_config,
+    validate_model_config,
+)
 
 ROW_BYTES = 4 + 4  # per row: an int32 length and int32 error flags
 TABLE_ENTRY_BYTES = 4  # paged: one int32 page id per row and page
@@ -134,6 +140,84 @@ def _tensor_bytes(spec, heads: int, width: int, rows: int, ring: int) -> int:
     total += heads * rows * width * spec.bits // 8
     groups = rows * width // spec.group_size  # one scale per group, either axis
     return total + heads * groups * dtype_of(spec.scale_dtype).itemsize * (1 + spec.has_zero)
+
+
+def stored_bits(cache_cfg: Mapping, prefix: str) -> int:
+    """The bits each number of cached tensor `prefix` is stored in: cache.<prefix>_bits
+    when quantized, else the width of cache.dtype (32 for float32, 16 for bfloat16)."""
+    bits = cache_cfg[f"{prefix}_bits"]
+    return bits if bits < 16 else dtype_of(cache_cfg["dtype"]).itemsize * 8
+
+
+def bits_label(model_cfg: Mapping, cache_cfg: Mapping) -> str:
+    """'K8V4' for grouped-query models, 'L8R16' (latent, RoPE key) for MLA, by
+    the bits really stored: an unquantized float32 cache is 'K32V32'."""
+    return "".join(
+        f"{prefix[0].upper()}{stored_bits(cache_cfg, prefix)}"
+        for prefix in cached_prefixes(model_cfg)
+    )
+
+
+def cache_label(model_cfg: Mapping, cache_cfg: Mapping) -> str:
+    """The cache in words, every choice that sets what it stores: the bits
+    (bits_label), the quantized tensors' format, axis and groups, what is kept
+    in cache.dtype (the unquantized tensors, the full-precision residual), the
+    layout, and which tokens it keeps (eviction, or the model's sliding
+    window). E.g. 'K2V2 (k int per channel, v int per token; groups of 32;
+    residual 128 in bfloat16), dense, snapkv keeping 25% of the tokens per KV
+    head (recent 8, observation window 8, pooling 5)'."""
+    prefixes = cached_prefixes(model_cfg)
+    quantized = [p for p in prefixes if cache_cfg[f"{p}_bits"] < 16]
+    details = []
+    if quantized:
+        details.append(
+            ", ".join(
+                f"{p} {cache_cfg[f'{p}_format']} per {cache_cfg[f'{p}_axis']}" for p in quantized
+            )
+        )
+        details.append(f"groups of {cache_cfg['group_size']}, {cache_cfg['scale_dtype']} scales")
+        if cache_cfg["symmetric"]:
+            details.append("symmetric")
+    in_dtype = [p for p in prefixes if p not in quantized]
+    if quantized and cache_cfg["residual"]:
+        in_dtype.append(f"residual {cache_cfg['residual']}")
+    if in_dtype:
+        details.append(f"{' and '.join(in_dtype)} in {cache_cfg['dtype']}")
+    layout = "dense"
+    if cache_cfg["kind"] == "paged":
+        layout = f"paged ({cache_cfg['page_size']} tokens a page"
+        layout += ", prefix reuse)" if cache_cfg["prefix_caching"] else ")"
+    stored = f"{bits_label(model_cfg, cache_cfg)} ({'; '.join(details)})"
+    return f"{stored}, {layout}, {_kept_label(model_cfg, cache_cfg['evict'])}"
+
+
+def _kept_label(model_cfg: Mapping, evict_cfg: Mapping) -> str:
+    """Which tokens a cache keeps, in words (cache_label)."""
+    method = evict_cfg["method"]
+    if method == "none":
+        window = model_cfg["sliding_window"]
+        return f"the last {window} tokens (sliding window)" if window else "every token kept"
+    if evict_cfg["budget"]:
+        kept = f"{evict_cfg['budget']} tokens per KV head"
+    else:
+        kept = f"{100 * evict_cfg['ratio']:.4g}% of the tokens per KV head"
+    if method == "window":
+        return f"window keeping {kept}"
+    if method == "sinks":
+        return f"sinks keeping {kept} ({evict_cfg['sinks']} sinks)"
+    details = [f"recent {evict_cfg['recent']}"]
+    if method in ("snapkv", "pyramidkv", "adakv"):
+        details += [
+            f"observation window {evict_cfg['obs_window']}",
+            f"pooling {evict_cfg['kernel']}",
+        ]
+    if method == "pyramidkv":
+        details.append(f"pyramid beta {evict_cfg['pyramid_beta']:g}")
+    if method == "adakv":
+        details.append(f"floor {evict_cfg['adakv_floor']:g}")
+    if method == "random":
+        details.append(f"seed {evict_cfg['seed']}")
+    return f"{method} keeping {kept} ({', '.join(details)})"
 
 
 def elements_per_token_and_layer(model_cfg: Mapping) -> int:

@@ -40,7 +40,7 @@ so each byte after a file's first is a target exactly once; a tail shorter
 than T + 1 bytes is dropped). With more windows than batch_size * num_batches
 it keeps that many evenly spaced ones; with fewer it returns as many full
 batches as there are, or one smaller batch when there are fewer than
-batch_size windows.
+batch_size windows, and warns with the counts.
 
 Each corpus is read once per process (cached by source and path; edits to the
 files after that are not seen) and its splits are held as one uint8 array each,
@@ -56,7 +56,8 @@ import os
 import platform
 import stat
 import sysconfig
-from collections.abc import Mapping
+import warnings
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 
@@ -93,6 +94,20 @@ def batch_from_windows(windows: np.ndarray) -> Batch:
     windows = windows.astype(np.int32)
     inputs, targets = windows[:, :-1], windows[:, 1:]
     return dict(inputs=inputs, targets=targets, weights=np.ones(inputs.shape, np.float32))
+
+
+def decode_bytes(tokens: Sequence[int]) -> str:
+    """Byte tokens as UTF-8 text (errors='replace'); an id past the byte values (a
+    model whose vocabulary is larger than BYTE_VOCAB_SIZE reading bytes) has no
+    text and is shown as <id>, so nothing is dropped."""
+    text, run = [], bytearray()
+    for token in tokens:
+        if 0 <= token < BYTE_VOCAB_SIZE:
+            run.append(token)
+            continue
+        text.append(run.decode(errors="replace") + f"<{token}>")
+        run = bytearray()
+    return "".join(text) + run.decode(errors="replace")
 
 
 # ---------------------------------------------------------------------------
@@ -332,16 +347,29 @@ class ByteDataset:
         return self.files.offsets[files] + index_in_file * self.seq_len
 
     def eval_batches(self, batch_size: int, num_batches: int) -> list[Batch]:
-        """Deterministic held-out batches (how many: see the module docstring)."""
+        """Deterministic held-out batches (how many: see the module docstring); fewer
+        windows than asked for are evaluated with a warning that gives the counts."""
         starts = self.eval_starts()
-        wanted = batch_size * num_batches
-        if len(starts) > wanted:
-            starts = starts[np.arange(wanted) * len(starts) // wanted]  # evenly spaced
-        elif len(starts) >= batch_size:
-            starts = starts[: len(starts) // batch_size * batch_size]  # whole batches only
-        return [
+        held, wanted = len(starts), batch_size * num_batches
+        if held > wanted:
+            starts = starts[np.arange(wanted) * held // wanted]  # evenly spaced
+        elif held >= batch_size:
+            starts = starts[: held // batch_size * batch_size]  # whole batches only
+        batches = [
             self._windows(starts[i : i + batch_size]) for i in range(0, len(starts), batch_size)
         ]
+        if len(starts) < wanted:
+            rows = "" if len(starts) % batch_size == 0 else f" of {len(starts)} windows"
+            left = f", {held - len(starts)} left out to keep batches whole" * (held > len(starts))
+            where = "the standard library" if self.source == "stdlib" else repr(self.path)
+            warnings.warn(
+                f"eval.num_batches={num_batches} x eval.batch_size={batch_size} asks for "
+                f"{wanted} windows of {self.seq_len} {self.unit}, but the {self.split} split "
+                f"of {where} holds {held}: evaluating {len(batches)} "
+                f"batch{'es' * (len(batches) != 1)}{rows}{left}",
+                stacklevel=2,
+            )
+        return batches
 
     def describe(self) -> dict:
         facts = dict(

@@ -64,3 +64,86 @@ def test_tree_bytes_counts_params():
     params = kvlab.init_params(cfg.model, jax.random.key(0))
     count = sum(x.size for x in jax.tree_util.tree_leaves(params))
     assert kvlab.tree_bytes(params) == 4 * count
+
+
+CACHE_FIELDS = dict(
+    k_bits=st.sampled_from([16, 8, 4, 2]),
+    v_bits=st.sampled_from([16, 8, 4]),
+    k_format=st.sampled_from(["int", "fp8"]),
+    k_axis=st.sampled_from(["token", "channel"]),
+    v_axis=st.sampled_from(["token", "channel"]),
+    group_size=st.sampled_from([16, 32]),
+    residual=st.sampled_from([0, 32]),
+    symmetric=st.booleans(),
+    scale_dtype=st.sampled_from(["bfloat16", "float32"]),
+    dtype=st.sampled_from(["float32", "bfloat16", "float16"]),
+    kind=st.sampled_from(["dense", "paged"]),
+    page_size=st.sampled_from([8, 16]),
+    prefix_caching=st.booleans(),
+)
+EVICT_FIELDS = dict(
+    method=st.sampled_from(["none", "window", "sinks", "h2o", "snapkv", "adakv", "random"]),
+    budget=st.sampled_from([0, 64]),
+    ratio=st.sampled_from([0.25, 0.5]),
+    sinks=st.sampled_from([2, 4]),
+    recent=st.sampled_from([0, 8]),
+    obs_window=st.sampled_from([4, 8]),
+    adakv_floor=st.sampled_from([0.2, 0.5]),
+    seed=st.sampled_from([0, 1]),
+)
+caches = st.fixed_dictionaries({**CACHE_FIELDS, "evict": st.fixed_dictionaries(EVICT_FIELDS)})
+
+
+def stored_choices(cache: dict) -> tuple:
+    """What a cache stores and keeps, field by field: the fields that matter (a tensor's
+    format and axis only below 16 bits, the dtype where something is kept in it, ...)."""
+    quantized = [p for p in ("k", "v") if cache[f"{p}_bits"] < 16]
+    key = [cache["k_bits"], cache["v_bits"], cache["kind"]]
+    key += [(cache.get(f"{p}_format", "int"), cache[f"{p}_axis"]) for p in quantized]
+    if quantized:
+        key += [cache["group_size"], cache["symmetric"], cache["scale_dtype"], cache["residual"]]
+    if len(quantized) < 2 or cache["residual"]:
+        key.append(cache["dtype"])
+    if cache["kind"] == "paged":
+        key += [cache["page_size"], cache["prefix_caching"]]
+    evict = cache["evict"]
+    key.append(evict["method"])
+    if evict["method"] != "none":
+        key.append(evict["budget"] or evict["ratio"])
+    fields = {"sinks": ["sinks"], "random": ["recent", "seed"], "adakv": ["recent", "obs_window"]}
+    fields.update(h2o=["recent"], snapkv=["recent", "obs_window"])
+    key += [evict[f] for f in fields.get(evict["method"], [])]
+    if evict["method"] == "adakv":
+        key.append(evict["adakv_floor"])
+    return tuple(key)
+
+
+@given(first=caches, second=caches)
+def test_cache_label_names_every_choice_that_changes_the_cache(first, second):
+    cfg = tiny_config(num_kv_heads=2)
+    labels = []
+    for cache in (first, second):
+        cache_cfg = kvlab.config.base_config("tiny").cache
+        evict = cache.pop("evict")
+        cache_cfg.update(cache)
+        cache_cfg.evict.update(evict)
+        cache["evict"] = evict
+        labels.append(kvlab.cache.cache_label(cfg.model, cache_cfg))
+        assert labels[-1].startswith(kvlab.cache.bits_label(cfg.model, cache_cfg) + " (")
+    # One label per cache: equal labels only for caches that store and keep the same.
+    assert (labels[0] == labels[1]) == (stored_choices(first) == stored_choices(second))
+
+
+def test_cache_label_examples():
+    kivi = kvlab.load_config(f"{ROOT}/configs/kv_kivi2.py:tiny")
+    kivi.cache.evict.update(method="snapkv", ratio=0.25)
+    assert kvlab.cache.cache_label(kivi.model, kivi.cache) == (
+        "K2V2 (k int per channel, v int per token; groups of 16, bfloat16 scales; residual 32 "
+        "in float32), dense, snapkv keeping 25% of the tokens per KV head (recent 8, "
+        "observation window 8, pooling 5)"
+    )
+    mla = mla_config()
+    mla.model.sliding_window = 16
+    assert kvlab.cache.cache_label(mla.model, mla.cache) == (
+        "L32R32 (latent and rope in float32), dense, the last 16 tokens (sliding window)"
+    )

@@ -4,6 +4,7 @@ import os
 import platform
 import signal
 import sysconfig
+import warnings
 
 import numpy as np
 import pytest
@@ -12,7 +13,7 @@ from hypothesis import strategies as st
 
 import kvlab
 from kvlab.data import SPLITS, load_corpus, make_dataset
-from kvlab.data.text import split_bytes, split_files
+from kvlab.data.text import decode_bytes, split_bytes, split_files
 
 NUM_FILES = 12
 # File i holds only bytes [16 i, 16 i + 16), so a window across two files is in neither.
@@ -186,8 +187,9 @@ def test_windows_start_anywhere_a_window_fits(tmp_path):
 def test_eval_batches_are_deterministic_and_from_their_split(folder):
     root, contents = folder
     for split in ("validation", "test"):
-        first = make_dataset(text_config(root).data, split, 16).eval_batches(4, 3)
-        second = make_dataset(text_config(root).data, split, 16).eval_batches(4, 3)
+        with pytest.warns(UserWarning, match=r"asks for 12 windows .* evaluating 2 batches"):
+            first = make_dataset(text_config(root).data, split, 16).eval_batches(4, 3)
+            second = make_dataset(text_config(root).data, split, 16).eval_batches(4, 3)
         assert len(first) == len(second)
         for a, b in zip(first, second, strict=True):
             for key in a:
@@ -202,7 +204,8 @@ def test_eval_windows_stride_seq_len_from_each_file_start(folder):
     root, contents = folder
     seq_len = 16
     dataset = make_dataset(text_config(root).data, "train", seq_len)
-    batches = dataset.eval_batches(1, 10**6)
+    with pytest.warns(UserWarning, match=r"holds 128: evaluating 128 batches$"):
+        batches = dataset.eval_batches(1, 10**6)
     names = load_corpus("text", os.path.abspath(root))["train"].names
     expected = [
         np.frombuffer(contents[name], np.uint8)[i * seq_len : i * seq_len + seq_len + 1]
@@ -215,21 +218,35 @@ def test_eval_windows_stride_seq_len_from_each_file_start(folder):
 
 
 @pytest.mark.parametrize(
-    "batch_size, num_batches, sizes",
+    "batch_size, num_batches, sizes, said",
     [
-        (2, 3, [2, 2, 2]),  # more windows than asked for: evenly spaced ones
-        (5, 2, [5, 5]),  # exactly as many
-        (4, 5, [4, 4]),  # fewer: the full batches there are
-        (16, 2, [10]),  # fewer than one batch: one smaller batch
+        (2, 3, [2, 2, 2], None),  # more windows than asked for: evenly spaced ones
+        (5, 2, [5, 5], None),  # exactly as many
+        (4, 5, [4, 4], "evaluating 2 batches, 2 left out to keep batches whole"),  # fewer
+        (16, 2, [10], "evaluating 1 batch of 10 windows"),  # fewer than one batch
     ],
 )
-def test_eval_batch_count_follows_the_windows_available(tmp_path, batch_size, num_batches, sizes):
+def test_eval_batch_count_follows_the_windows_available(
+    tmp_path, batch_size, num_batches, sizes, said
+):
     rng = np.random.default_rng(1)
     for i in range(3):  # one file per split, each with 10 evaluation windows of 8 + 1 bytes
         write(tmp_path / f"{i}.txt", rng.integers(0, 256, 8 * 10 + 1, np.uint8).tobytes())
     dataset = make_dataset(text_config(tmp_path).data, "validation", 8)
     everything = full_windows(dataset.eval_batches(10, 1)[0])  # [10, 9], in file order
-    batches = dataset.eval_batches(batch_size, num_batches)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        batches = dataset.eval_batches(batch_size, num_batches)
+    # Fewer than asked for is said, with the counts; as many or more is not.
+    assert (
+        [str(w.message) for w in caught] == []
+        if said is None
+        else [
+            f"eval.num_batches={num_batches} x eval.batch_size={batch_size} asks for "
+            f"{batch_size * num_batches} windows of 8 bytes, but the validation split of "
+            f"{str(tmp_path)!r} holds 10: {said}"
+        ]
+    )
     assert [len(batch["inputs"]) for batch in batches] == sizes
     chosen = np.concatenate([full_windows(batch) for batch in batches])
     rows = [int(np.flatnonzero((everything == window).all(axis=1))[0]) for window in chosen]
@@ -338,3 +355,12 @@ def test_a_fifo_or_broken_link_inside_the_data_folder_is_refused(tmp_path, no_ha
     os.remove(tmp_path / "corpus" / "sub" / "link")
     os.mkfifo(tmp_path / "corpus" / "sub" / ".pipe")  # hidden files are skipped
     assert make_dataset(text_config(tmp_path / "corpus").data, "train", 16).seq_len == 16
+
+
+@given(st.lists(st.integers(0, 600), max_size=40))
+def test_decode_bytes_shows_every_id_past_the_bytes(tokens):
+    text = decode_bytes(tokens)
+    assert text.count("<") >= sum(t >= 256 for t in tokens)
+    if all(t < 256 for t in tokens):
+        assert text == bytes(tokens).decode(errors="replace")
+    assert decode_bytes([104, 105, 300, 33]) == "hi<300>!"

@@ -266,7 +266,7 @@ def test_generate_takes_and_prints_text_through_the_tokenizer(tokenizer_dir, tmp
     result = run_script(*args, f"--config.model.vocab_size={VOCAB_SIZE}")
     lines = result.stdout.splitlines()
     assert lines[1].startswith("  [0] 'the café' -> '") and lines[2].startswith("  [1] '日本' -> '")
-    assert "cache: 2 rows x" in result.stdout
+    assert "every token kept: 2 rows x" in result.stdout
     # The model must hold the tokenizer's ids: one line naming both numbers.
     refused = user_error(run_script(*args, check=False))
     assert refused.startswith("model.vocab_size=256 is below the 300 token ids")
