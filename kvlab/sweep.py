@@ -51,12 +51,26 @@ runs slice i of n (a contiguous run of units, so most slices train one or two
 models) on the mesh of the config's mesh section (kvlab.sharding.make_mesh:
 training through train(), evaluation through evaluate(mesh=); on several
 hosts a mesh spanning them, process 0 alone writing) and writes
-workdir/slices/<i>-of-<n>.csv, printing a line per unit (model 2/5, cache
-3/12, units done and the time left at the pace so far);
+workdir/slices/<i>-of-<n>.csv, printing a line per model's full cache and
+per unit (model 2/5, cache 3/12, units done and the time left: time_left,
+each model's training and full cache apart from each unit's evaluation);
 `merge(workdir)` joins the slices, checks each unit appears exactly once, and
 writes workdir/results.csv, workdir/summary.csv, workdir/pareto.png and a
 wandb run holding them. With one slice, run_sweep merges by itself. Files are
-replaced atomically (kvlab/files.py).
+replaced atomically (kvlab/files.py). The CSVs' cells are typed by their
+column (read_csv): names stay text, so a cache named "16" or a model named
+"nan" is a name; an empty name is refused (expand).
+
+A unit is written to workdir/units/<u>.json as it finishes (u: its place in
+sweep.json's units; its row, its per-window sums and its model's full
+cache's, under its key), so a slice killed halfway loses only the unit it
+was evaluating: a rerun skips the finished units (a model all of whose units
+are done is neither trained nor evaluated, one with some done evaluates its
+full cache and the rest) and writes the same slice, byte for byte. A rerun
+reuses them whatever changed since: delete workdir/units/ (or one unit's
+file) to recompute. A result whose loss or KL is not a finite number
+(kvlab.eval.check_finite) stops the slice with an error naming the model and
+cache; the units finished before it stay in units/.
 
 summary.csv holds one row per (model, cache) over its seeds: the mean of the
 metric (ppl or MQAR accuracy) with a 95% interval over seeds (every point is
@@ -71,11 +85,14 @@ fixed numpy seed, so a merge always gives the same intervals. The full
 cache's own delta is exactly 0 with a zero-width interval.
 
 pareto.png plots summary.csv: each (model, cache) at its mean with its
-interval as a bar, a colour per cache entry and a marker per model entry
-(legends, no labels over the points), against the evaluation window's bytes
-per token or (long_bytes, scripts/sweep.py --long_bytes) the bytes a token
-adds to a long cache; the frontier it draws passes through the points no
-cheaper point beats beyond both intervals (`interval_front`). `replot`
+interval as a bar (the title says what the bars are; with one seed there is
+no interval over seeds), a colour per cache entry and a marker per model
+entry (legends, no labels over the points), against the evaluation window's
+bytes per token or (long_bytes, scripts/sweep.py --long_bytes) the bytes a
+token adds to a long cache; points at equal bytes that would cover each
+other (K8V4 and K4V8) are drawn side by side (`dodge`, noted in the x
+label). The frontier it draws passes through the points no cheaper point
+beats beyond both intervals (`interval_front`, on the true bytes). `replot`
 redraws it from summary.csv. Working directory:
 
     workdir/sweep.json              the grid's units and the base config
@@ -83,6 +100,8 @@ redraws it from summary.csv. Working directory:
     workdir/models/<model>/seed<s>/ ... one per model and seed, with sweep.seeds > 1
     workdir/converted/gguf/<stem>/  a gguf file as a Hugging Face folder (not trained)
     workdir/converted/<model>/      a convert entry's model, a kvlab run at step 0
+    workdir/units/<u>.json          each finished unit (u: its place in sweep.json's units);
+                                    a rerun skips them: delete the folder to recompute
     workdir/slices/<i>-of-<n>.csv   each slice's rows
     workdir/windows/<i>-of-<n>.json each slice's per-window sums (and its models' full caches')
     workdir/results.csv             all rows, grid order
@@ -103,7 +122,7 @@ import math
 import os
 import shutil
 import time
-from collections.abc import Mapping
+from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 
 import ml_collections
 import numpy as np
@@ -120,11 +139,11 @@ from kvlab.config import (
 from kvlab.convert import convert, parse_target
 from kvlab.data import make_dataset
 from kvlab.data.tasks import evaluate_tasks, task_lengths
-from kvlab.eval import evaluate, evaluate_reference, full_cache, full_precision
+from kvlab.eval import check_finite, evaluate, evaluate_reference, full_cache, full_precision
 from kvlab.files import read_json, store_json, write_atomic
 from kvlab.hf import config_from_hf, save_hf
 from kvlab.logging import Run
-from kvlab.sharding import axis_rules, is_primary, make_mesh
+from kvlab.sharding import axis_rules, describe_mesh, is_primary, make_mesh
 from kvlab.train import initial_params, load_run_config, start_workdir, train
 
 # results.csv columns, in order. `bits` labels each cached tensor by the bits it
@@ -166,6 +185,15 @@ COLUMNS = (
     "eval_tokens",
     "train_steps",
 )
+
+# The CSVs' text and bool columns (results.csv's and summary.csv's); every
+# other column, the task columns included, holds numbers. read_csv types a
+# cell by its column, so a cache named "16" or a model named "nan" stays a name.
+TEXT_COLUMNS = frozenset(
+    ("sweep", "model", "family", "cache", "bits", "metric", "cache_dtype")
+    + ("k_axis", "v_axis", "evict_method")
+)
+BOOL_COLUMNS = frozenset(("significant",))
 
 # The columns `kvlab.eval.evaluate` reports; the sweep scores every cache
 # against its model's full cache (kvlab.eval.full_cache), which scores exactly
@@ -215,6 +243,13 @@ CONFIDENCE = 0.95
 # The plot: a marker per model entry (in grid order), a colour per cache entry.
 MODEL_MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*", "h", "<", ">", "p")
 BYTES_COLUMNS = {False: "cache_bytes_per_token", True: "cache_bytes_per_token_long"}
+# Points at equal bytes that would cover each other are drawn side by side
+# (dodge), DODGE of the x axis's decades apart: about a marker's width; a
+# marker covers about MARKER_HEIGHT of the y axis on either side of its point.
+DODGE = 0.015
+MARKER_HEIGHT = 0.02
+# The fields of a finished unit's record, workdir/units/<index>.json (evaluate_model).
+RECORD = frozenset(("key", "row", "window", "reference"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -251,6 +286,11 @@ def split_sweep_config(cfg: ml_collections.ConfigDict) -> tuple:
             "the sweep config has no sweep.name: add cfg.sweep = ConfigDict(dict(name=...)) "
             "in get_config (see configs/sweeps/cache_pareto.py)"
         )
+    if not isinstance(cfg.sweep.name, str) or not cfg.sweep.name:
+        raise ValueError(
+            f"sweep.name={cfg.sweep.name!r} must be non-empty text: it names the sweep's rows "
+            "and wandb runs, e.g. cfg.sweep.name = 'cache_pareto'"
+        )
     with cfg.unlocked():  # a config from --config flags comes locked
         cfg.sweep.seeds = check_count("sweep.seeds", cfg.sweep.get("seeds", 1))
     complete_config(cfg)
@@ -270,6 +310,17 @@ def _apply(cfg: ml_collections.ConfigDict, where: str, overrides: Mapping) -> No
                 f"'section.field', e.g. 'model.num_kv_heads' or 'cache.k_bits'"
             )
         section[field] = value
+
+
+def _check_name(where: str, name: object) -> None:
+    """An entry's name is non-empty text: it is a text cell of every CSV (where
+    an empty cell reads as None) and a key of sweep.json's units."""
+    if not isinstance(name, str) or not name:
+        shown = str(name) if name != "" else "base"
+        raise ValueError(
+            f"{where}: an entry's name must be non-empty text (it names results.csv's rows "
+            f"and sweep.json's units): name it {shown!r}"
+        )
 
 
 def _tensors_named(overrides: Mapping) -> set:
@@ -292,11 +343,7 @@ def convert_gguf(file: str, folder: str) -> str:
     if os.path.isfile(marker) and read_json(marker) == source:
         return folder
     cfg, params, tokenizer = load_gguf(file)
-    save_hf(cfg, params, folder)
-    write_atomic(os.path.join(folder, "tokenizer.json"), tokenizer.backend.to_str())
-    eos = tokenizer.end_token
-    config = {} if eos is None else {"eos_token": tokenizer.backend.id_to_token(eos)}
-    write_atomic(os.path.join(folder, "tokenizer_config.json"), json.dumps(config) + "\n")
+    save_hf(cfg, params, folder, tokenizer=tokenizer)
     write_atomic(marker, json.dumps(source) + "\n")  # last: the folder is complete
     return folder
 
@@ -348,10 +395,12 @@ def expand(
         gguf = model_overrides.pop("gguf", "")
         target = model_overrides.pop("convert", "")
         entry = f"models[{model_name!r}]"
-        if not model_name or os.sep in model_name or model_name in (".", ".."):
+        _check_name(entry, model_name)
+        if os.sep in model_name or model_name in (".", ".."):
+            suggestion = model_name.replace(os.sep, "-").strip(".") or "base"
             raise ValueError(
                 f"{entry}: a model's name names its folders (models/<model>, converted/<model>): "
-                f"use one without {os.sep!r}, e.g. {model_name.replace(os.sep, '-') or 'base'!r}"
+                f"use one without {os.sep!r}, e.g. {suggestion!r}"
             )
         if (gguf or target) and workdir is None:
             raise ValueError(
@@ -412,6 +461,7 @@ def _cache_units(grid, model_name, model_cfg, cached, hf, seed) -> list[Unit]:
     units = []
     for cache_name, cache_overrides in grid["caches"].items():
         where = f"caches[{cache_name!r}]"
+        _check_name(where, cache_name)
         outside = [axis for axis in cache_overrides if not axis.startswith("cache.")]
         if outside:
             raise ValueError(
@@ -432,15 +482,22 @@ def _cache_units(grid, model_name, model_cfg, cached, hf, seed) -> list[Unit]:
     return units
 
 
-def slice_units(units: list[Unit], index: int, count: int) -> list[Unit]:
-    """Slice `index` of `count`: contiguous, sizes differing by at most one."""
+def slice_range(total: int, index: int, count: int) -> range:
+    """The places, among the grid's `total` units, of slice `index` of `count`:
+    contiguous, sizes differing by at most one."""
     count = check_count("--sweep_count", count)
     index = check_count("--sweep_index", index, minimum=0)
     if index >= count:
         raise ValueError(
             f"--sweep_index={index!r} must be in [0, {count - 1}] for --sweep_count={count}"
         )
-    return units[index * len(units) // count : (index + 1) * len(units) // count]
+    return range(index * total // count, (index + 1) * total // count)
+
+
+def slice_units(units: list[Unit], index: int, count: int) -> list[Unit]:
+    """Slice `index` of `count` (slice_range): contiguous, sizes differing by at most one."""
+    span = slice_range(len(units), index, count)
+    return units[span.start : span.stop]
 
 
 # ---------------------------------------------------------------------------
@@ -534,26 +591,39 @@ def _write_csv(path: str, rows: list[dict], columns: tuple = COLUMNS) -> None:
 
 def read_csv(path: str, columns: tuple = COLUMNS) -> list[dict]:
     """The rows of a slice's or the merged results' CSV (or summary.csv, with
-    SUMMARY_COLUMNS), numbers as numbers, True/False as bools; a column it
-    lacks (a file written before the column joined `columns`) is None, and
-    columns beyond `columns` (the task columns) are kept."""
-    with open(path, newline="") as f:
+    SUMMARY_COLUMNS), each cell typed by its column: TEXT_COLUMNS as text,
+    BOOL_COLUMNS as True/False, every other column as the int or float it
+    spells (ValueError naming the cell when it spells none); an empty cell is
+    None. A column it lacks (a file written before the column joined
+    `columns`) is None, and columns beyond `columns` (the task columns) are kept."""
+    with open(path, newline="", encoding="utf-8") as f:
         rows = list(csv.DictReader(f))
-    return [{**dict.fromkeys(columns), **{k: _number(v) for k, v in r.items()}} for r in rows]
+    return [
+        {**dict.fromkeys(columns), **{k: _cell(path, n, k, v) for k, v in r.items()}}
+        for n, r in enumerate(rows, start=1)
+    ]
 
 
-def _number(text: str):
-    """A CSV cell as the int or float it spells, None when empty, else the text."""
+def _cell(path: str, row: int, column: str, text: str):
+    """A CSV cell as its column's type (read_csv); None when empty."""
     if text == "":
         return None
-    if text in ("True", "False"):
+    if column in TEXT_COLUMNS:
+        return text
+    if column in BOOL_COLUMNS and text in ("True", "False"):
         return text == "True"
-    for kind in (int, float):
-        try:
-            return kind(text)
-        except ValueError:
-            pass
-    return text
+    if column not in BOOL_COLUMNS:
+        for kind in (int, float):
+            try:
+                return kind(text)
+            except ValueError:
+                pass
+    kind = "True or False" if column in BOOL_COLUMNS else "a number"
+    raise ValueError(
+        f"{path}, row {row}, column {column!r}: {text!r} is not {kind}, which the column "
+        "holds: the file was changed by hand or by another program; restore it or rerun "
+        "the slice that wrote it"
+    )
 
 
 def model_dir(workdir: str, unit: Unit) -> str:
@@ -609,6 +679,153 @@ def _duration(seconds: float) -> str:
     return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
 
 
+def time_left(
+    model_seconds: Sequence[float],
+    unit_seconds: Sequence[float],
+    models_left: int,
+    units_left: int,
+    reference_seconds: Sequence[float] = (),
+) -> float | None:
+    """The seconds a slice has left (its progress lines' eta), from what it has
+    measured so far: the mean fixed cost of a model x `models_left` (models not
+    started that have units to evaluate) + the mean time of a unit x
+    `units_left` (units still to evaluate through a cache of their own).
+
+    model_seconds: each started model's fixed cost (training or loading, its
+    full cache's evaluation, and its units whose cache is that full cache, as
+    they reuse its result); unit_seconds: each evaluated unit's own time (its
+    cache's evaluation and its tasks). Units finished by an earlier run count
+    in neither. Until a unit is measured one is taken to cost what a full
+    cache's evaluation did (reference_seconds: the same windows through the
+    same model). None when something left has nothing to go by."""
+
+    def mean(values: Sequence[float]) -> float | None:
+        return sum(values) / len(values) if len(values) else None
+
+    per_model = mean(model_seconds)
+    per_unit = mean(unit_seconds) if len(unit_seconds) else mean(reference_seconds)
+    if (models_left and per_model is None) or (units_left and per_unit is None):
+        return None
+    return models_left * (per_model or 0.0) + units_left * (per_unit or 0.0)
+
+
+def _reuses_reference(unit: Unit, first: Unit) -> bool:
+    """Whether the unit's cache is its model's full cache (full_cache of the
+    first unit of the model in the slice), so its result is the reference's."""
+    return unit.cfg.cache.to_dict() == full_cache(first.cfg.cache).to_dict()
+
+
+def _named(unit: Unit) -> str:
+    """'model 'gqa'' or 'model 'gqa' (seed 1)': which trained model, in errors."""
+    return f"model {unit.model!r}" + ("" if unit.seed is None else f" (seed {unit.seed})")
+
+
+def _measured(row: Mapping) -> str:
+    """A row's numbers in its progress line: 'ppl=5.1234 kl=0.0012 bytes/token=96.0'
+    and its tasks' accuracies."""
+    metric = row["metric"]
+    tasks = (
+        f" {k[len(TASK_PREFIX) :]}={v:.4f}" for k, v in row.items() if k.startswith(TASK_PREFIX)
+    )
+    return (
+        f"{metric}={row[metric]:.4f} kl={row['kl_mean']:.4f} "
+        f"bytes/token={row['cache_bytes_per_token']:.1f}" + "".join(tasks)
+    )
+
+
+def _stored(value: dict) -> dict:
+    """`value` as JSON reads it back: what a rerun finds in workdir/units/, so
+    a resumed slice writes the same bytes as an uninterrupted one."""
+    return json.loads(json.dumps(value))
+
+
+def evaluate_model(
+    sweep_name: str,
+    units: Sequence[tuple[int, Unit]],
+    params,
+    skip: Collection[int] = (),
+) -> Iterator[tuple[int | None, dict]]:
+    """Evaluates one model's units of a slice with `params`, yielding each
+    result as it completes.
+
+    units: (its place in sweep.json's units, the unit) for the units of one
+    model entry and seed, in grid order; the first decides the evaluation
+    windows, the mesh and the full cache. Yields first (None, the full cache's
+    windows record), evaluated once (evaluate_reference), then (index, record)
+    for each unit whose index is not in `skip`. A record is what
+    workdir/units/<index>.json holds, as JSON reads it back: {"key": the unit's
+    key, "row": its results.csv row, "window": its windows record,
+    "reference": the full cache's}. A result whose loss or KL is not finite
+    (kvlab.eval.check_finite) raises ValueError naming the model and the cache
+    before anything of it is yielded."""
+    first = units[0][1]
+    cfg = first.cfg
+    data = make_dataset(cfg.data, cfg.eval.split, eval_seq_len(cfg))
+    batches = data.eval_batches(cfg.eval.batch_size, cfg.eval.num_batches)
+    mesh = make_mesh(cfg)  # a model entry may change the mesh or the heads it splits
+    on_mesh = dict(chunk=cfg.eval.chunk, mesh=mesh, rules=axis_rules(cfg.mesh))
+    # once per model: its logits are what every cache's KL is measured against
+    reference = evaluate_reference(
+        cfg.model, full_cache(cfg.cache), params, batches, **on_mesh, windows=True
+    )
+    baseline = check_finite(reference.result, f"{_named(first)}, its full cache")
+    full = _stored(_windows_record(first.model, cfg.train.seed, None, baseline))
+    yield None, full
+    for index, unit in units:
+        if index in skip:
+            continue
+        if _reuses_reference(unit, first):
+            result = baseline  # the full-precision entry: already evaluated
+        else:
+            result = evaluate(
+                unit.cfg.model,
+                unit.cfg.cache,
+                params,
+                batches,
+                **on_mesh,
+                reference=reference,
+                windows=True,
+            )
+            check_finite(result, f"{_named(unit)}, cache {unit.cache!r}")
+        tasks = _task_results(unit, params, on_mesh)
+        record = {
+            "key": list(unit.key),
+            "row": {**_row(sweep_name, unit, result, baseline, data.metric), **tasks},
+            "window": _windows_record(unit.model, cfg.train.seed, unit.cache, result),
+            "reference": full,
+        }
+        yield index, _stored(record)
+
+
+def read_units(workdir: str, units: Sequence[Unit], indices: Iterable[int]) -> dict[int, dict]:
+    """{index: record} of the units among `indices` (places in sweep.json's
+    units) that an earlier run finished: workdir/units/<index>.json, records
+    of evaluate_model. A file holding another unit (a folder of another grid)
+    is refused."""
+    finished = {}
+    for index in indices:
+        path = os.path.join(workdir, "units", f"{index}.json")
+        if not os.path.isfile(path):
+            continue
+        record = read_json(path)
+        key = list(units[index].key)
+        if not isinstance(record, dict) or record.get("key") != key or set(record) != RECORD:
+            held = record.get("key") if isinstance(record, dict) else record
+            raise ValueError(
+                f"{path} holds unit {held!r}, but unit {index} of sweep.json is {key!r}: "
+                "it was written for another grid; delete workdir/units/ (its units are then "
+                "evaluated again)"
+            )
+        finished[index] = record
+    return finished
+
+
+def _save_unit(workdir: str, index: int, record: dict) -> None:
+    folder = os.path.join(workdir, "units")
+    os.makedirs(folder, exist_ok=True)
+    write_atomic(os.path.join(folder, f"{index}.json"), json.dumps(record) + "\n")
+
+
 def run_sweep(
     sweep_cfg: ml_collections.ConfigDict,
     grid: Mapping,
@@ -621,70 +838,93 @@ def run_sweep(
 ) -> list[dict]:
     """Runs one slice of the sweep; returns its rows (and merges when it is the only one).
 
-    On several hosts (kvlab.sharding.initialize_distributed) every process runs
+    Each unit's record is written to workdir/units/ as it completes, and a
+    rerun skips the units found there (read_units): a model all of whose
+    units are done is neither trained nor evaluated, one with some done
+    evaluates its full cache and the rest. On several hosts
+    (kvlab.sharding.initialize_distributed) every process reads units/, runs
     the slice together, on meshes spanning them, and returns the same rows;
-    process 0 alone prints and writes sweep.json, the slice and the merge.
-    long_bytes: the merge's plot puts cache_bytes_per_token_long on x."""
+    process 0 alone prints and writes sweep.json, units/, the slice and the
+    merge. long_bytes: the merge's plot puts cache_bytes_per_token_long on x."""
     cfg, sweep = split_sweep_config(sweep_cfg)
     units = expand(cfg, grid, workdir, seeds=sweep.seeds)
-    mine = slice_units(units, sweep_index, sweep_count)
+    span = slice_range(len(units), sweep_index, sweep_count)
     primary = is_primary()
     if primary:
         os.makedirs(workdir, exist_ok=True)
     _write_plan(workdir, sweep_cfg, units)
+    name = f"{sweep_index}-of-{sweep_count}"
+    show = progress and primary
 
-    rows, windows = [], []
-    by_model = [list(g) for _, g in itertools.groupby(mine, lambda u: (u.model, u.seed))]
-    started = time.perf_counter()
-    for model_index, model_units in enumerate(by_model, start=1):
-        first = model_units[0].cfg
-        model_name = model_units[0].model
-        seed = model_units[0].seed
-        shown = model_name if seed is None else f"{model_name} seed {seed}"
-        params = _model_params(model_units[0], workdir, sweep.name, progress)
-        data = make_dataset(first.data, first.eval.split, eval_seq_len(first))
-        batches = data.eval_batches(first.eval.batch_size, first.eval.num_batches)
-        baseline_cache = full_cache(first.cache)
-        mesh = make_mesh(first)  # a model entry may change the mesh or the heads it splits
-        on_mesh = dict(chunk=first.eval.chunk, mesh=mesh, rules=axis_rules(first.mesh))
-        # once per model: its logits are what every cache's KL is measured against
-        reference = evaluate_reference(
-            first.model, baseline_cache, params, batches, **on_mesh, windows=True
+    mine = [(index, units[index]) for index in span]
+    finished = read_units(workdir, units, span)
+    by_model = [list(g) for _, g in itertools.groupby(mine, lambda pair: pair[1].key[:-1])]
+    if show and finished:
+        print(
+            f"slice {name}: {len(finished)} of {len(mine)} units finished before "
+            f"({os.path.join(workdir, 'units')}, delete it to recompute them), skipped",
+            flush=True,
         )
-        baseline = reference.result
-        windows.append(_windows_record(model_name, first.train.seed, None, baseline))
-        for cache_index, unit in enumerate(model_units, start=1):
-            if unit.cfg.cache.to_dict() == baseline_cache.to_dict():
-                result = baseline  # the full-precision entry: already evaluated
+    # What is left, for the eta (time_left): models to start, units to evaluate.
+    models_left = sum(any(i not in finished for i, _ in model) for model in by_model)
+    units_left = sum(
+        i not in finished and not _reuses_reference(unit, model[0][1])
+        for model in by_model
+        for i, unit in model
+    )
+    spent = {"model": [], "unit": [], "reference": []}
+    records, references, meshes = dict(finished), [], set()
+    for model_index, model in enumerate(by_model, start=1):
+        first = model[0][1]
+        if all(i in finished for i, _ in model):
+            references.append(finished[model[0][0]]["reference"])
+            continue
+        entry = first.model if first.seed is None else f"{first.model} seed {first.seed}"
+        shown = f"model {model_index}/{len(by_model)} ({entry})"
+        started = time.perf_counter()
+        mesh = make_mesh(first.cfg)  # as evaluate_model makes it; said once per mesh
+        if show and mesh.size > 1 and describe_mesh(mesh) not in meshes:
+            print(f"{shown} runs on the {describe_mesh(mesh)}", flush=True)
+            meshes.add(describe_mesh(mesh))
+        params = _model_params(first, workdir, sweep.name, progress)
+        models_left -= 1
+        loaded = last = time.perf_counter()
+        for index, record in evaluate_model(sweep.name, model, params, skip=finished):
+            if index is None:  # the full cache: the model's fixed cost so far
+                references.append(record)
+                now = time.perf_counter()
+                spent["reference"].append(now - loaded)
+                spent["model"].append(now - started)
+                line = (
+                    f"full cache of {shown}: {_duration(now - started)} to train or load "
+                    "the model and evaluate it"
+                )
             else:
-                result = evaluate(
-                    unit.cfg.model,
-                    unit.cfg.cache,
-                    params,
-                    batches,
-                    **on_mesh,
-                    reference=reference,
-                    windows=True,
+                if primary:
+                    _save_unit(workdir, index, record)
+                records[index] = record
+                now = time.perf_counter()
+                unit, row = units[index], record["row"]
+                if _reuses_reference(unit, first):  # its result is the full cache's
+                    spent["model"][-1] += now - last
+                else:
+                    spent["unit"].append(now - last)
+                    units_left -= 1
+                line = (
+                    f"{shown}, cache {index - model[0][0] + 1}/{len(model)} ({unit.cache}): "
+                    f"{_measured(row)}; {len(records)}/{len(mine)} units"
                 )
-            tasks = _task_results(unit, params, on_mesh)
-            rows.append({**_row(sweep.name, unit, result, baseline, data.metric), **tasks})
-            windows.append(_windows_record(model_name, first.train.seed, unit.cache, result))
-            if progress and primary:
-                elapsed = time.perf_counter() - started
-                left = elapsed / len(rows) * (len(mine) - len(rows))
-                print(
-                    f"model {model_index}/{len(by_model)} ({shown}), cache "
-                    f"{cache_index}/{len(model_units)} ({unit.cache}): "
-                    f"{data.metric}={result[data.metric]:.4f} "
-                    f"kl={result['kl_mean']:.4f} "
-                    f"bytes/token={result['cache_bytes_per_token']:.1f}"
-                    + "".join(f" {k[len(TASK_PREFIX) :]}={v:.4f}" for k, v in tasks.items())
-                    + "; "
-                    + f"{len(rows)}/{len(mine)} units, eta {_duration(left)}",
-                    flush=True,
+            last = now
+            if show:
+                left = time_left(
+                    spent["model"], spent["unit"], models_left, units_left, spent["reference"]
                 )
+                print(f"{line}, eta {'?' if left is None else _duration(left)}", flush=True)
+    rows = [records[index]["row"] for index, _ in mine]
     if primary:
-        name = f"{sweep_index}-of-{sweep_count}"
+        windows = []
+        for model, reference in zip(by_model, references, strict=True):
+            windows += [reference, *(records[index]["window"] for index, _ in model)]
         # the windows first: a slice whose CSV is there is complete
         text = json.dumps({"windows": windows}) + "\n"
         os.makedirs(os.path.join(workdir, "windows"), exist_ok=True)
@@ -1015,6 +1255,37 @@ def interval_front(
     return sorted(front, key=lambda i: (points[i][0], sign * points[i][1]))
 
 
+def dodge(
+    x: Sequence[float], low: Sequence[float], high: Sequence[float], log_y: bool = False
+) -> list[float]:
+    """Where pareto_plot draws each point on its log x axis so that none hides
+    another: points of equal x whose extents on the y axis overlap (interval
+    low..high, widened by MARKER_HEIGHT of the y axis's span on either side;
+    in log10 with `log_y`) are spread sideways around their x, in grid order,
+    DODGE of the x axis's decades apart (an axis of less than half a decade
+    taken as half a decade); every other point keeps its x. Only the drawing
+    moves: costs are compared on x."""
+    scale = math.log10 if log_y else float
+    bottom, top = [scale(v) for v in low], [scale(v) for v in high]
+    pad = MARKER_HEIGHT * (max(top) - min(bottom))
+    decades = math.log10(max(x) / min(x)) if min(x) > 0 else 0.0
+    step = DODGE * max(decades, 0.5)
+    drawn = [float(v) for v in x]
+    for value in dict.fromkeys(x):
+        clusters, reach = [], -math.inf  # overlapping extents, from the bottom up
+        for i in sorted((i for i, v in enumerate(x) if v == value), key=lambda i: bottom[i]):
+            if clusters and bottom[i] - pad <= reach + pad:
+                clusters[-1].append(i)
+                reach = max(reach, top[i])
+            else:
+                clusters.append([i])
+                reach = top[i]
+        for cluster in clusters:
+            for k, i in enumerate(sorted(cluster)):
+                drawn[i] = float(value) * 10 ** ((k - (len(cluster) - 1) / 2) * step)
+    return drawn
+
+
 def _palette(count: int) -> list:
     """`count` colours, distinct as far as possible: tab10, then tab20's light
     shades, then tab20b and tab20c (60), repeating beyond."""
@@ -1034,10 +1305,13 @@ def pareto_plot(summary: list[Mapping], path: str, title: str = "", long_bytes: 
     each (model, cache) at its mean over seeds with its 95% interval as a bar,
     a colour per cache entry (its name: K4V4 and K4V4-token differ), a marker
     per model entry, legends instead of labels, and the interval frontier
-    (interval_front) drawn and ringed. Log x; log y too when the metric spans
-    more than a factor of 3. long_bytes: x is cache_bytes_per_token_long (what
-    a token adds to a long cache) instead of the evaluation window's bytes.
-    Writes `path` (PNG) and returns the figure (closed) for inspection."""
+    (interval_front, on the true bytes) drawn and ringed. Points at equal bytes
+    that would cover each other are drawn side by side (dodge), as the x label
+    says. Log x; log y too when the metric spans more than a factor of 3.
+    long_bytes: x is cache_bytes_per_token_long (what a token adds to a long
+    cache) instead of the evaluation window's bytes. The title says what the
+    bars are: 95% intervals over seeds, none with one seed. Writes `path`
+    (PNG) and returns the figure (closed) for inspection."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -1063,8 +1337,11 @@ def pareto_plot(summary: list[Mapping], path: str, title: str = "", long_bytes: 
     colours = dict(zip(caches, _palette(len(caches)), strict=True))
     markers = {m: MODEL_MARKERS[i % len(MODEL_MARKERS)] for i, m in enumerate(models)}
 
+    log_y = min(low) > 0 and max(high) > 3 * min(low)  # a collapsed cache would flatten the rest
+    drawn = dodge(x, low, high, log_y)
+
     fig, ax = plt.subplots(figsize=(9, 5.5), dpi=120)
-    for r, xi, yi, lo, hi in zip(summary, x, y, low, high, strict=True):
+    for r, xi, yi, lo, hi in zip(summary, drawn, y, low, high, strict=True):
         ax.errorbar(
             xi,
             yi,
@@ -1080,9 +1357,11 @@ def pareto_plot(summary: list[Mapping], path: str, title: str = "", long_bytes: 
             zorder=3,
         )
     front = interval_front(list(zip(x, y, low, high, strict=True)), higher_is_better)
-    ax.plot([x[i] for i in front], [y[i] for i in front], color="black", lw=1, ls="--", zorder=2)
+    ax.plot(
+        [drawn[i] for i in front], [y[i] for i in front], color="black", lw=1, ls="--", zorder=2
+    )
     ax.scatter(
-        [x[i] for i in front],
+        [drawn[i] for i in front],
         [y[i] for i in front],
         s=150,
         facecolors="none",
@@ -1094,18 +1373,24 @@ def pareto_plot(summary: list[Mapping], path: str, title: str = "", long_bytes: 
     plain = matplotlib.ticker.FuncFormatter(lambda value, _: f"{value:g}")
     ax.xaxis.set_major_formatter(plain)
     ax.xaxis.set_minor_formatter(_minor_labels(ax.get_xlim))
-    if min(low) > 0 and max(high) > 3 * min(low):  # a collapsed cache would flatten the rest
+    if log_y:
         ax.set_yscale("log")
         ax.yaxis.set_major_formatter(plain)
         ax.yaxis.set_minor_formatter(_minor_labels(ax.get_ylim))
     ax.tick_params(axis="both", which="both", labelsize=8)  # one size, major and minor
     where = "per token of a long cache" if long_bytes else "per token of the evaluation window"
-    ax.set_xlabel(f"cache bytes {where} (all layers)", fontsize=9)
+    side = "; points of equal bytes drawn side by side" if drawn != x else ""
+    ax.set_xlabel(f"cache bytes {where} (all layers){side}", fontsize=9)
     better = " (higher is better)" if higher_is_better else " (lower is better)"
     ax.set_ylabel(metric + better, fontsize=9)
     seeds = sorted({r["seeds"] for r in summary})
-    seeds_text = "/".join(map(str, seeds)) + (" seed" if seeds == [1] else " seeds")
-    ax.set_title(f"{title} (mean of {seeds_text}; bars: 95% intervals over seeds)", fontsize=10)
+    if seeds == [1]:  # nothing varies between trainings: no interval to draw
+        bars = "one seed: no interval over seeds"
+    else:
+        counts = "/".join(map(str, seeds))
+        bars = f"mean of {counts} seeds; bars: {CONFIDENCE:.0%} intervals over seeds"
+        bars += " where a point has several" if 1 in seeds else ""
+    ax.set_title(f"{title} ({bars})", fontsize=10)
     ax.grid(True, which="both", alpha=0.3)
     model_handles = [
         Line2D([], [], marker=markers[m], ls="", color="grey", markeredgecolor="black", label=m)

@@ -4,13 +4,20 @@ sliced sweep merges into the table, the plot and a wandb run."""
 import csv
 import functools
 import json
+import math
+import os
 import shutil
+import signal
+import subprocess
+import sys
+import tempfile
 
 import jax
+import matplotlib.collections
 import ml_collections
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 import kvlab
@@ -21,8 +28,10 @@ from kvlab.sweep import (
     COLUMNS,
     SUMMARY_COLUMNS,
     Unit,
+    _write_csv,
     bits_label,
     bootstrap,
+    evaluate_model,
     expand,
     family,
     full_cache,
@@ -35,6 +44,7 @@ from kvlab.sweep import (
     run_sweep,
     slice_units,
     split_sweep_config,
+    time_left,
 )
 from kvlab.train import load_params
 from tests.helpers import ROOT, run_config, write_corpus
@@ -148,12 +158,77 @@ def test_cache_entries_reach_nested_fields_and_the_baseline_keeps_every_token(tm
         ({"models": {"a": {}}, "caches": {}, "seeds": [1]}, "'seeds'"),
         ({"models": {"mla-1/2": {}}, "caches": {"c": {}}}, "use one without '/', e.g. 'mla-1-2'"),
         ({"models": {"..": {}}, "caches": {"c": {}}}, r"models\['..'\]: a model's name"),
+        # An empty cell reads as None, and sweep.json's units are keyed by text.
+        ({"models": {"a": {}}, "caches": {"": {}}}, r"caches\[''\]: an entry's name must be"),
+        ({"models": {"": {}}, "caches": {"c": {}}}, r"models\[''\]: .* name it 'base'"),
+        ({"models": {16: {}}, "caches": {"c": {}}}, r"models\[16\]: .* name it '16'"),
+        ({"models": {"a": {}}, "caches": {4: {}}}, r"caches\[4\]: .* name it '4'"),
     ],
 )
 def test_unknown_or_misplaced_sweep_axes_are_refused(tmp_path, grid, match):
     cfg, _ = split_sweep_config(sweep_config(tmp_path))
     with pytest.raises(ValueError, match=match):
         expand(cfg, grid)
+
+
+NAMES = st.text(min_size=1)  # any entry name: digits, "nan", "True", "1e5", quotes, newlines
+NUMBERS = st.none() | st.integers() | st.floats(allow_nan=False)
+
+
+def typed(rows):
+    """Rows with each value beside its type: 16 and 16.0 and "16" differ."""
+    return [{k: (type(v).__name__, v) for k, v in row.items()} for row in rows]
+
+
+@settings(max_examples=50, deadline=None)
+@given(
+    names=st.lists(st.tuples(NAMES, NAMES, NAMES), min_size=1, max_size=4),
+    numbers=st.lists(st.tuples(NUMBERS, NUMBERS, st.booleans()), min_size=4, max_size=4),
+)
+@example(
+    names=[
+        ("1", "nan", "16"),
+        ("True", "1e5", "4"),
+        ('a,"b"', "x\ny\r", "K4V4 ü 量"),
+        ("-0", " ", "inf"),
+    ],
+    numbers=[(0, 1.0, True), (None, math.inf, False), (2**70, -0.0, True), (-3, 1e-300, False)],
+)
+def test_names_stay_text_and_numbers_numbers_through_the_csvs(names, numbers):
+    """read_csv types a cell by its column: a name that spells a number, a
+    bool or NaN reads back as the text it is; numbers and bools as they were."""
+    rows, summary = [], []
+    for (sweep, model, cache), (seed, ppl, significant) in zip(
+        names, numbers[: len(names)], strict=True
+    ):
+        text = dict(sweep=sweep, model=model, cache=cache, bits=cache, metric="ppl")
+        rows.append(
+            dict.fromkeys(COLUMNS)
+            | text
+            | dict(seed=seed, ppl=ppl, cache_dtype=model, evict_method=cache, task_mqar_32=ppl)
+        )
+        summary.append(
+            dict.fromkeys(SUMMARY_COLUMNS) | text | dict(mean=ppl, significant=significant)
+        )
+    with tempfile.TemporaryDirectory() as folder:
+        _write_csv(os.path.join(folder, "results.csv"), rows)
+        _write_csv(os.path.join(folder, "summary.csv"), summary, SUMMARY_COLUMNS)
+        assert typed(read_csv(os.path.join(folder, "results.csv"))) == typed(rows)
+        assert typed(read_csv(os.path.join(folder, "summary.csv"), SUMMARY_COLUMNS)) == typed(
+            summary
+        )
+
+
+def test_a_cell_that_is_not_its_columns_type_is_refused_naming_it(tmp_path):
+    nan = dict.fromkeys(COLUMNS) | dict(model="nan", cache="16", ppl=math.nan, seed=0)
+    _write_csv(str(tmp_path / "results.csv"), [nan])
+    (row,) = read_csv(str(tmp_path / "results.csv"))
+    assert (row["model"], row["cache"], row["seed"]) == ("nan", "16", 0)
+    assert math.isnan(row["ppl"])  # a number column's NaN is a number
+    text = (tmp_path / "results.csv").read_text().replace(",0,", ",zero,")
+    (tmp_path / "results.csv").write_text(text)
+    with pytest.raises(ValueError, match="row 1, column 'seed': 'zero' is not a number"):
+        read_csv(str(tmp_path / "results.csv"))
 
 
 @given(points=st.lists(st.tuples(st.integers(1, 9), st.integers(1, 9)), min_size=1, max_size=12))
@@ -290,6 +365,60 @@ def test_the_plot_has_a_colour_per_cache_a_marker_per_model_and_one_font(tmp_pat
         r["cache_bytes_per_token_long"] for r in summary
     ]
     assert "long cache" in long.get_xlabel()
+    assert "side by side" not in long.get_xlabel()  # no two points cover each other
+
+
+def summary_row(model, cache, mean, spread, bytes_per_token, seeds=1):
+    return (
+        dict.fromkeys(SUMMARY_COLUMNS)
+        | dict(model=model, cache=cache, metric="ppl", seeds=seeds, mean=mean)
+        | dict(ci_low=mean - spread, ci_high=mean + spread)
+        | dict(cache_bytes_per_token=bytes_per_token, cache_bytes_per_token_long=bytes_per_token)
+    )
+
+
+@pytest.mark.parametrize(
+    "seeds, title",
+    [
+        ((1, 1), "t (one seed: no interval over seeds)"),
+        ((3, 3), "t (mean of 3 seeds; bars: 95% intervals over seeds)"),
+        ((1, 3), "t (mean of 1/3 seeds; bars: 95% intervals over seeds where a point has several)"),
+    ],
+)
+def test_the_plot_title_says_what_its_bars_are(tmp_path, seeds, title):
+    summary = [
+        summary_row("m", cache, 6 + i, 0.1 * (n > 1), 100 / (i + 1), seeds=n)
+        for i, (cache, n) in enumerate(zip(["16bit", "K4V4"], seeds, strict=True))
+    ]
+    (ax,) = pareto_plot(summary, str(tmp_path / "p.png"), title="t").axes
+    assert ax.get_title() == title
+
+
+def test_points_at_equal_bytes_are_drawn_side_by_side_in_their_own_colours(tmp_path):
+    """K4V8 and K8V4 store the same bytes: drawn at one x, one colour would hide
+    the other, so they are drawn apart on the log axis (the x label says so).
+    The frontier still compares the true bytes: K8V4, better at the same cost,
+    beats K4V8 though K4V8 is drawn to its left."""
+    summary = [
+        summary_row("m", "16bit", 5.5, 0.0, 200.0),
+        summary_row("m", "K4V8", 6.01, 0.0, 100.0),
+        summary_row("m", "K8V4", 6.0, 0.0, 100.0),
+        summary_row("m", "K2V2", 7.0, 0.0, 25.0),  # alone at its bytes: stays there
+    ]
+    fig = pareto_plot(summary, str(tmp_path / "p.png"), title="t")
+    (ax,) = fig.axes
+    xs = [c.lines[0].get_xdata()[0] for c in ax.containers]
+    assert xs[0] == 200.0 and xs[3] == 25.0
+    assert xs[1] < 100.0 < xs[2] and xs[2] / 100.0 == pytest.approx(100.0 / xs[1])
+    assert xs[2] / xs[1] < 1.1  # a small step: still at its bytes to the eye
+    colours = [tuple(c.lines[0].get_color()) for c in ax.containers]
+    _, caches = fig.legends
+    assert [tuple(h.get_color()) for h in caches.legend_handles] == colours
+    assert len(set(colours)) == 4
+    assert "points of equal bytes drawn side by side" in ax.get_xlabel()
+    # The frontier's rings, in order of bytes: K2V2, K8V4 (where it is drawn), 16bit.
+    (rings,) = [c for c in ax.collections if isinstance(c, matplotlib.collections.PathCollection)]
+    assert rings.get_offsets()[:, 0].tolist() == [25.0, xs[2], 200.0]
 
 
 # The MLA entry also scores MQAR recall at the evaluation window (eval.tasks);
@@ -491,6 +620,7 @@ def test_seeds_train_each_model_once_per_seed_and_the_summary_pairs_them(tmp_pat
     [
         ({"name": "s", "seeds": 0}, "sweep.seeds=0 is below 1"),
         ({"name": "s", "seeds": 1.5}, "sweep.seeds=1.5 is not an integer"),
+        ({"name": ""}, "sweep.name='' must be non-empty text"),
     ],
 )
 def test_bad_sweep_sections_are_refused(tmp_path, sweep, match):
@@ -558,3 +688,150 @@ def test_a_hugging_face_model_entry_is_evaluated_without_training(tmp_path):
     refused = {"models": {"llama": {"hf": str(llama), "model.num_kv_heads": 1}}, "caches": caches}
     with pytest.raises(ValueError, match="'model.num_kv_heads' in models\\['llama'\\] is decided"):
         expand(base, refused)
+
+
+def test_entries_named_like_numbers_sweep_and_merge(tmp_path):
+    """A model named "nan" and caches named "16" and "4" are names: the merge
+    finds their rows and writes results.csv."""
+    llama = str(ROOT / "tests" / "fixtures" / "hf" / "llama")
+    cfg = sweep_config(write_corpus(tmp_path / "corpus", files=4))
+    grid = {
+        "models": {"nan": {"hf": llama}},
+        "caches": {"16": {}, "4": {"cache.k_bits": 4, "cache.v_bits": 4}},
+    }
+    workdir = tmp_path / "sweep"
+    rows = run_sweep(cfg, grid, str(workdir), progress=False)
+    assert [(r["model"], r["cache"]) for r in rows] == [("nan", "16"), ("nan", "4")]
+    merged = read_csv(str(workdir / "results.csv"))
+    assert [(r["model"], r["cache"], r["bits"]) for r in merged] == [
+        ("nan", "16", "K32V32"),
+        ("nan", "4", "K4V4"),
+    ]
+    summary = read_csv(str(workdir / "summary.csv"), SUMMARY_COLUMNS)
+    assert [(r["model"], r["cache"]) for r in summary] == [("nan", "16"), ("nan", "4")]
+
+
+def test_the_eta_counts_each_model_once_and_each_unit_at_its_own_pace():
+    """A first model trained for 10 minutes and a unit evaluated in 30 s: the
+    time left is one more model's training and nine units, not ten minutes
+    per unit (what elapsed / units done * units left said)."""
+    assert time_left([600.0], [30.0], models_left=1, units_left=9) == 600 + 9 * 30
+    assert time_left([600.0, 300.0], [30.0, 50.0], models_left=2, units_left=4) == 900 + 160
+    # No unit measured yet: a full cache's evaluation (the same windows) stands in for one.
+    assert time_left([620.0], [], models_left=0, units_left=5, reference_seconds=[20.0]) == 100
+    assert time_left([620.0], [40.0], 0, 5, reference_seconds=[20.0]) == 200  # refined
+    assert time_left([620.0], [], 0, 0) == 0  # nothing left
+    assert time_left([], [], models_left=1, units_left=0) is None  # nothing to go by
+    assert time_left([600.0], [], models_left=0, units_left=1) is None
+
+
+# A trained model and a checkpoint, each through its full cache and an 8/4-bit
+# one: units 0-1 train `mqa`, units 2-3 read `llama`.
+RESUMED_GRID = {
+    "models": {
+        "mqa": {"model.num_kv_heads": 1},
+        "llama": {"hf": str(ROOT / "tests" / "fixtures" / "hf" / "llama")},
+    },
+    "caches": {"16bit": {}, "K8V4": {"cache.k_bits": 8, "cache.v_bits": 4}},
+}
+# A slice killed (SIGKILL, as a crash or a preempted job does) right after
+# workdir/units/2.json is written: mqa's units and llama's first are finished.
+KILLED = """
+import os, signal, sys
+from kvlab import sweep
+from tests.test_sweep import RESUMED_GRID, sweep_config
+
+corpus, workdir = sys.argv[1:]
+write = sweep.write_atomic
+def write_then_die(path, data):
+    write(path, data)
+    if path == os.path.join(workdir, "units", "2.json"):
+        os.kill(os.getpid(), signal.SIGKILL)
+sweep.write_atomic = write_then_die
+sweep.run_sweep(sweep_config(corpus), RESUMED_GRID, workdir)
+"""
+
+
+def test_a_killed_slice_resumes_from_its_finished_units_and_writes_the_same_files(tmp_path, capsys):
+    corpus = write_corpus(tmp_path / "corpus")
+    workdir = tmp_path / "killed"
+    child = subprocess.run(
+        [sys.executable, "-c", KILLED, str(corpus), str(workdir)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert child.returncode == -signal.SIGKILL, child.stderr[-3000:]
+    units = workdir / "units"
+    assert sorted(p.name for p in units.glob("*.json")) == ["0.json", "1.json", "2.json"]
+    assert not (workdir / "slices").exists()
+    written = {p.name: p.stat().st_mtime_ns for p in units.glob("*.json")}
+    stored = json.loads((units / "2.json").read_text())
+    assert stored["key"] == ["llama", "16bit"] and stored["row"]["cache"] == "16bit"
+
+    # The rerun: mqa is neither trained nor evaluated, llama's full cache is
+    # evaluated again for K8V4's KL, and K8V4 alone is computed.
+    rows = run_sweep(sweep_config(corpus), RESUMED_GRID, str(workdir), progress=True)
+    printed = capsys.readouterr().out.splitlines()
+    assert printed[0].startswith("slice 0-of-1: 3 of 4 units finished before")
+    progress = [line.split(":")[0] for line in printed if line.startswith(("model", "full"))]
+    assert progress == ["full cache of model 2/2 (llama)", "model 2/2 (llama), cache 2/2 (K8V4)"]
+    assert printed[-1].endswith("; 4/4 units, eta 0s")
+    assert {p.name: p.stat().st_mtime_ns for p in units.glob("*.json") if p.name != "3.json"} == (
+        written
+    )
+    assert json.loads((units / "3.json").read_text())["row"] == rows[3]
+
+    # The same bytes as a slice never interrupted.
+    again = tmp_path / "uninterrupted"
+    assert run_sweep(sweep_config(corpus), RESUMED_GRID, str(again), progress=False) == rows
+    for name in ("slices/0-of-1.csv", "windows/0-of-1.json", "results.csv", "summary.csv"):
+        assert (workdir / name).read_bytes() == (again / name).read_bytes(), name
+
+    # A rerun of a finished slice evaluates nothing; a unit file of another grid is refused.
+    run_sweep(sweep_config(corpus), RESUMED_GRID, str(workdir), progress=True)
+    printed = capsys.readouterr().out.splitlines()
+    assert printed == [
+        f"slice 0-of-1: 4 of 4 units finished before ({units}, delete it to recompute "
+        "them), skipped"
+    ]
+    shutil.copy(units / "0.json", units / "1.json")
+    with pytest.raises(ValueError, match=r"units/1.json holds unit \['mqa', '16bit'\], but unit 1"):
+        run_sweep(sweep_config(corpus), RESUMED_GRID, str(workdir), progress=False)
+
+
+def huge_values_checkpoint(folder):
+    """The llama fixture with its last layer's value projection scaled by 1e7:
+    finite in float32, past float16's range (65504) in a float16 cache."""
+    cfg, params = kvlab.load_hf(ROOT / "tests" / "fixtures" / "hf" / "llama")
+    value = params["block_1"]["attention"]["value"]
+    value["kernel"] = value["kernel"] * 1e7
+    kvlab.save_hf(cfg, params, folder)
+    return str(folder)
+
+
+def test_a_result_that_is_not_a_number_is_refused_and_the_units_before_it_kept(tmp_path):
+    cfg = sweep_config(write_corpus(tmp_path / "corpus", files=4))
+    grid = {
+        "models": {"huge": {"hf": huge_values_checkpoint(tmp_path / "huge")}},
+        "caches": {"16bit": {}, "F16": {"cache.dtype": "float16"}},
+    }
+    workdir = tmp_path / "sweep"
+    with pytest.raises(
+        ValueError, match=r"model 'huge', cache 'F16': the evaluation gave loss=nan"
+    ):
+        run_sweep(cfg, grid, str(workdir), progress=False)
+    assert [p.name for p in (workdir / "units").glob("*.json")] == ["0.json"]
+    assert not (workdir / "slices").exists() and not (workdir / "results.csv").exists()
+
+    # Weights holding a NaN: the model's full cache is refused, before any unit.
+    base, _ = split_sweep_config(sweep_config(tmp_path))
+    llama = {"hf": str(ROOT / "tests" / "fixtures" / "hf" / "llama")}
+    units = expand(base, {"models": {"llama": llama}, "caches": {"16bit": {}}})
+    _, params = kvlab.load_hf(llama["hf"])
+    query = params["block_0"]["attention"]["query"]
+    query["kernel"] = query["kernel"].at[0, 0, 0].set(np.nan)
+    results = evaluate_model("s", list(enumerate(units)), params)
+    with pytest.raises(ValueError, match=r"model 'llama', its full cache: the evaluation gave"):
+        next(results)
