@@ -127,12 +127,12 @@ from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 import ml_collections
 import numpy as np
 
+from kvlab.cache import bits_label
 from kvlab.config import (
     CACHED_PREFIXES,
     cached_prefixes,
     check_count,
     complete_config,
-    dtype_of,
     eval_seq_len,
     validate_config,
 )
@@ -512,20 +512,6 @@ def family(model_cfg: Mapping) -> str:
     return "mqa" if model_cfg.num_kv_heads == 1 else "gqa"
 
 
-def stored_bits(cache_cfg: Mapping, prefix: str) -> int:
-    """The bits each number of cached tensor `prefix` is stored in: cache.<prefix>_bits
-    when quantized, else the width of cache.dtype (32 for float32, 16 for bfloat16)."""
-    bits = cache_cfg[f"{prefix}_bits"]
-    return bits if bits < 16 else dtype_of(cache_cfg["dtype"]).itemsize * 8
-
-
-def bits_label(cfg: ml_collections.ConfigDict) -> str:
-    """'K8V4' for grouped-query models, 'L8R16' (latent, RoPE key) for MLA, by
-    the bits really stored: an unquantized float32 cache is 'K32V32'."""
-    k, v = cached_prefixes(cfg.model)
-    return f"{k[0].upper()}{stored_bits(cfg.cache, k)}{v[0].upper()}{stored_bits(cfg.cache, v)}"
-
-
 def _row(sweep_name: str, unit: Unit, result: Mapping, baseline: Mapping, metric: str) -> dict:
     cfg = unit.cfg
     cached = cached_prefixes(cfg.model)
@@ -535,7 +521,7 @@ def _row(sweep_name: str, unit: Unit, result: Mapping, baseline: Mapping, metric
         "family": family(cfg.model),
         "cache": unit.cache,
         "seed": cfg.train.seed,
-        "bits": bits_label(cfg),
+        "bits": bits_label(cfg.model, cfg.cache),
         "cache_dtype": cfg.cache.dtype,
         "group_size": cfg.cache.group_size,
         "residual": cfg.cache.residual,

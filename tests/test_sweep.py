@@ -21,7 +21,8 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 import kvlab
-from kvlab.config import import_config_file, validate_config
+from kvlab.cache import bits_label
+from kvlab.config import import_config_file
 from kvlab.data.tasks import evaluate_tasks
 from kvlab.logging import read_offline_run
 from kvlab.sweep import (
@@ -29,7 +30,6 @@ from kvlab.sweep import (
     SUMMARY_COLUMNS,
     Unit,
     _write_csv,
-    bits_label,
     bootstrap,
     evaluate_model,
     expand,
@@ -94,25 +94,6 @@ def test_bad_slices_are_refused():
     with pytest.raises(ValueError, match="--sweep_count=True is not an integer"):
         slice_units([], 0, True)
     assert slice_units(list("abcd"), np.int64(1), np.int32(2)) == ["c", "d"]
-
-
-@pytest.mark.parametrize(
-    "attention, dtype, bits, label",
-    [
-        ("gqa", "float32", {}, "K32V32"),
-        ("gqa", "bfloat16", {}, "K16V16"),
-        ("gqa", "float16", {"k_bits": 8}, "K8V16"),
-        ("gqa", "float32", {"k_bits": 4, "v_bits": 2}, "K4V2"),
-        ("mla", "float32", {"latent_bits": 4}, "L4R32"),
-        ("mla", "bfloat16", {"rope_bits": 8}, "L16R8"),
-    ],
-)
-def test_the_bits_label_counts_the_bits_really_stored(attention, dtype, bits, label):
-    cfg = ml_collections.ConfigDict({"model": {"attention": attention}, "cache": {"dtype": dtype}})
-    if attention == "mla":
-        cfg.model.update(num_kv_heads=4, head_dim=24)
-    cfg.cache.update(bits)
-    assert bits_label(validate_config(cfg)) == label
 
 
 def test_cache_entries_apply_to_the_models_that_cache_their_tensors(tmp_path):
@@ -669,7 +650,11 @@ def test_the_recall_sweep_trains_four_designs_at_one_parameter_budget():
     assert {family(u.cfg.model) for u in units} == {"mha", "gqa", "mqa", "mla"}
     assert max(counts.values()) <= 1.02 * min(counts.values())
     for model in counts:
-        bits = [bits_label(u.cfg) for u in units if u.model == model and u.cfg.train.seed == 0]
+        bits = [
+            bits_label(u.cfg.model, u.cfg.cache)
+            for u in units
+            if u.model == model and u.cfg.train.seed == 0
+        ]
         assert len(bits) == 4 and bits[0] in ("K16V16", "L16R16")
         assert {b[1] for b in bits[1:]} == {"8", "4", "2"}
 

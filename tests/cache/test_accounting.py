@@ -1,4 +1,6 @@
 import jax
+import ml_collections
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -147,3 +149,23 @@ def test_cache_label_examples():
     assert kvlab.cache.cache_label(mla.model, mla.cache) == (
         "L32R32 (latent and rope in float32), dense, the last 16 tokens (sliding window)"
     )
+
+
+@pytest.mark.parametrize(
+    "attention, dtype, bits, label",
+    [
+        ("gqa", "float32", {}, "K32V32"),
+        ("gqa", "bfloat16", {}, "K16V16"),
+        ("gqa", "float16", {"k_bits": 8}, "K8V16"),
+        ("gqa", "float32", {"k_bits": 4, "v_bits": 2}, "K4V2"),
+        ("mla", "float32", {"latent_bits": 4}, "L4R32"),
+        ("mla", "bfloat16", {"rope_bits": 8}, "L16R8"),
+    ],
+)
+def test_the_bits_label_counts_the_bits_really_stored(attention, dtype, bits, label):
+    cfg = ml_collections.ConfigDict({"model": {"attention": attention}, "cache": {"dtype": dtype}})
+    if attention == "mla":
+        cfg.model.update(num_kv_heads=4, head_dim=24)
+    cfg.cache.update(bits)
+    cfg = kvlab.validate_config(cfg)
+    assert kvlab.cache.bits_label(cfg.model, cfg.cache) == label
