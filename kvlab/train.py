@@ -483,9 +483,18 @@ def _drop_orbax_leftovers() -> None:
     - an orbax read abandoned when another failed, raising as it is collected
       (unraisable, its object an orbax coroutine);
     - an orbax task whose failure orbax raised from another, collected
-      unretrieved (asyncio ERROR 'Task exception was never retrieved').
+      unretrieved, and a tensorstore future of its failed write (asyncio ERROR
+      'Task exception was never retrieved', 'Future exception ...');
+    - orbax's writes of the step that were never started (RuntimeWarning
+      'coroutine ... was never awaited', as the interpreter exits).
     """
     logging.getLogger("asyncio").addFilter(_not_an_orbax_task)  # once: filters are a set
+    # orbax's writes of a failed save, never started, collected at the interpreter's exit
+    warnings.filterwarnings(
+        "ignore",
+        message=r"coroutine 'async_serialize_from_host\.<locals>\.\w+' was never awaited",
+        category=RuntimeWarning,
+    )
     if getattr(sys.unraisablehook, "drops_orbax_leftovers", False):
         return
     previous_hook = sys.unraisablehook
@@ -501,8 +510,13 @@ def _drop_orbax_leftovers() -> None:
 
 
 def _not_an_orbax_task(record: logging.LogRecord) -> bool:
+    """False for asyncio's report of an orbax task or future collected with its
+    failure unretrieved: its text names orbax's code or its temporary step folder."""
     message = record.getMessage()
-    return not (message.startswith("Task exception was never retrieved") and _ORBAX in message)
+    unretrieved = message.startswith(
+        ("Task exception was never retrieved", "Future exception was never retrieved")
+    )
+    return not (unretrieved and (_ORBAX in message or ".orbax-checkpoint-tmp" in message))
 
 
 def restore(
