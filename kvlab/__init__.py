@@ -6,7 +6,6 @@ The public API (docs/design.md):
     model = kvlab.Transformer(cfg.model)
     params = kvlab.init_params(cfg.model, jax.random.key(0))
     params = kvlab.fuse_projections(params)   # optional: q/k/v and gate/up in one product each
-    params = kvlab.panel_projections(params)  # optional, one CPU: weights in 32-column panels
     cache = kvlab.init_cache(cfg.model, cfg.cache, batch_size=2, max_len=256)
     logits, cache = model.apply({"params": params}, tokens, cache=cache)
     out = kvlab.generate(model, params, prompts, cache_cfg=cfg.cache, max_new_tokens=32)
@@ -17,11 +16,15 @@ The public API (docs/design.md):
     kvlab.save_hf(cfg, params, "out/hf_model")           # and back
     cfg, params, tokenizer = kvlab.load_gguf("model.gguf")   # llama.cpp's files (extra 'real')
 
-Training, evaluation through a cache and sweeps: kvlab.train, kvlab.eval, kvlab.sweep.
+Training, evaluation through a cache and sweeps: kvlab.train, kvlab.eval (kvlab.eval_tasks
+for the long-context tasks), kvlab.sweep.
+Kernels beyond plain JAX are backends chosen by model.attention_impl (kvlab.backends:
+kvlab/kernels/pallas, kvlab/kernels/native).
 """
 
 from kvlab.cache import Cache, cache_bytes, init_cache, tree_bytes
-from kvlab.config import base_config, load_config, validate_config
+from kvlab.config import base_config
+from kvlab.data import load_config, validate_config
 from kvlab.engine import Engine
 from kvlab.gguf import load_gguf
 from kvlab.hf import load_hf, save_hf
@@ -29,7 +32,6 @@ from kvlab.model import (
     Transformer,
     fuse_projections,
     init_params,
-    panel_projections,
     unfuse_projections,
 )
 from kvlab.sampling import Greedy, Temperature, TopK, TopP, decode_step, generate, prefill
@@ -52,7 +54,6 @@ __all__ = [
     "load_config",
     "load_gguf",
     "load_hf",
-    "panel_projections",
     "prefill",
     "save_hf",
     "tree_bytes",

@@ -31,8 +31,8 @@
 `best_time` times the benchmarks' compiled calls;
 `with_hf` is what every script's `--hf DIR` does (docs/design.md, "Your own
 checkpoint"), `with_run` what scripts/train.py's `--init_from DIR` does,
-`evaluated_weights` what the evaluation scripts' `--workdir`/`--hf` and
-`--cache` load.
+`refuse_other_weights` what both refuse beside them, `evaluated_weights` what
+the evaluation scripts' `--workdir`/`--hf` and `--cache` load.
 """
 
 import os
@@ -46,12 +46,14 @@ import jax.numpy as jnp
 import ml_collections
 from absl import app, flags, logging
 
-from kvlab import native
-from kvlab.config import base_config, dtype_of, validate_config
+from kvlab import backends
+from kvlab.config import base_config, dtype_of
+from kvlab.data import validate_config
 from kvlab.files import WriteError
 from kvlab.hf import config_from_hf
-from kvlab.model import fuse_projections, panel_projections
+from kvlab.model import fuse_projections
 from kvlab.sweep import family
+from kvlab.train import initial_params, load_params, load_run_config
 
 # The package's own folder, found through this file: kvlab.cli is imported
 # from the real package even when `kvlab` itself resolved to another folder.
@@ -148,7 +150,7 @@ def with_hf(
     `--<config_flag>.model.*` or `--<config_flag>.train.init_from`, which the
     checkpoint decides.
     """
-    _refuse_other_weights(f"--hf={path}", config_flag, others)
+    refuse_other_weights(f"--hf={path}", config_flag, others)
     return config_from_hf(cfg, path)
 
 
@@ -159,9 +161,7 @@ def with_run(
     workdir, or a conversion's output, scripts/convert.py): a script's
     `--init_from DIR`. The model section and data.tokenizer come from the run's
     config.json, train.init_from=path; refusals as `with_hf`'s."""
-    from kvlab.train import load_run_config  # the scripts that take --init_from train anyway
-
-    _refuse_other_weights(f"--init_from={path}", config_flag, others)
+    refuse_other_weights(f"--init_from={path}", config_flag, others)
     source = load_run_config(path)
     cfg = cfg.copy_and_resolve_references()
     cfg.model = source.model
@@ -182,8 +182,6 @@ def evaluated_weights(
     latest), its cache section replaced by `cache_file`'s when given; or a Hugging
     Face checkpoint (`with_hf`) with every other section from `cache_file`
     (default kvlab.base_config())."""
-    from kvlab.train import initial_params, load_params  # as with_run: loading reads weights
-
     if hf is None:
         if workdir is None:
             raise ValueError(
@@ -199,8 +197,10 @@ def evaluated_weights(
     return cfg, initial_params(cfg), hf
 
 
-def _refuse_other_weights(flag: str, config_flag: str, others: Mapping[str, object]) -> None:
-    """ValueError when flags besides `flag` name the weights or the model section."""
+def refuse_other_weights(flag: str, config_flag: str, others: Mapping[str, object]) -> None:
+    """ValueError when flags besides `flag` (e.g. '--hf=DIR') name the weights: any of
+    `others` (flag name -> value) that is set, or a command-line override of
+    `--<config_flag>.model.*` or `--<config_flag>.train.init_from`."""
     for name, value in others.items():
         if value is not None and value is not False:
             raise ValueError(
@@ -218,24 +218,26 @@ def _refuse_other_weights(flag: str, config_flag: str, others: Mapping[str, obje
 
 def decode_params(model: Mapping, params, devices: int | None = None, native_kernels=True):
     """(model config, params, layout name) the scripts decode with: the
-    projections fused (`kvlab.fuse_projections`, "fused"); on one CPU device
-    (`devices`, default all of them) with float32 weights and compute, unless
-    `native_kernels` is False or the kernels are unavailable (the reason goes
-    to the log), also in 32-column panels (`kvlab.panel_projections`, "panels")
-    and, where the config asked for 'xla', with model.attention_impl='native'
-    (a copy of `model`: kvlab.native's kernels for decode attention)."""
+    projections fused (`kvlab.fuse_projections`, "fused"); on a CPU host with
+    one device (`devices`, default all of them) and float32 weights and
+    compute, unless `native_kernels` is False or they are unavailable here (the
+    reason goes to the log), the backend of kvlab/kernels/native too: a copy of
+    `model` with attention_impl='native' where the config asked for 'xla', and
+    its decode layout (32-column panels, "panels"). Resolved here, at the entry
+    point: its kernels are built before anything is traced."""
     params = fuse_projections(params)
     float32 = dtype_of(model.dtype) == dtype_of(model.param_dtype) == jnp.float32
     devices = jax.device_count() if devices is None else devices
     if not (native_kernels and float32 and devices == 1 and jax.default_backend() == "cpu"):
         return model, params, "fused"
-    if not native.available():
-        logging.warning("decoding without kvlab.native: %s", native.unavailable_reason())
+    native = backends.get("native")
+    if native.unavailable_reason() is not None:
+        logging.warning("decoding without kvlab.kernels.native: %s", native.unavailable_reason())
         return model, params, "fused"
     model = model.copy_and_resolve_references()
     if model.attention_impl == "xla":
         model.attention_impl = "native"
-    return model, panel_projections(params), "panels"
+    return model, native.decode_params(params), "panels"
 
 
 def attention_label(model: ml_collections.ConfigDict) -> str:

@@ -8,10 +8,13 @@ sections (docs/design.md): `model`, `cache`, `train`, `data`, `eval`, `wandb`,
     cfg.model.num_kv_heads = 1
     kvlab.validate_config(cfg)                       # re-checks after edits
 
-`validate_config` first fills the fields a config omits with `base_config()`'s
+`validate_sections` first fills the fields a config omits with `base_config()`'s
 defaults (`complete_config`: a grouped-query model needs no `mla` section), then
 raises `ValueError` naming the field, its value and the fix for every unknown,
-inconsistent or out-of-range field, before anything is compiled.
+inconsistent or out-of-range field. What only the files a config names can tell
+(data.tokenizer's token ids, the length of eval.tasks' samples) is checked by
+kvlab.data, which reads them: `kvlab.validate_config` and `kvlab.load_config`
+(kvlab/data/__init__.py) run both, before anything is compiled.
 """
 
 from __future__ import annotations
@@ -26,12 +29,13 @@ from typing import Any, NamedTuple
 import jax.numpy as jnp
 import ml_collections
 
+from kvlab import backends
+
 # Names a config may use for `model.dtype`, `model.param_dtype`, `cache.dtype`
 # and `cache.scale_dtype`.
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
 ATTENTION_KINDS = ("gqa", "mla")
-ATTENTION_IMPLS = ("xla", "pallas", "native")  # model.attention_impl
 MOE_ROUTINGS = ("softmax", "sigmoid")  # model.moe.routing: DeepSeek-V2, DeepSeek-V3
 ROPE_SCALINGS = ("none", "linear", "llama3", "yarn")  # model.rope_scaling.type
 CACHE_KINDS = ("dense", "paged")
@@ -128,14 +132,11 @@ def base_config(variant: str = "tiny") -> ml_collections.ConfigDict:
             sliding_window=0,  # 0 = full causal attention; W = each query sees the last W
             #                    positions, itself included (Mistral, Gemma); its cache is a
             #                    ring of W slots (kvlab/cache/evict.py)
-            attention_impl="xla",  # 'xla', 'pallas' or 'native'. pallas: Pallas kernels read
-            #                        quantized and paged caches' stored tokens
-            #                        (kvlab/attention/pallas.py; the Pallas interpreter on
-            #                        CPU). native: kvlab.native's CPU kernels compute float32
-            #                        decode attention's products, widening long 16-bit
-            #                        caches in registers, reading page pools through
-            #                        their tables and quantized payloads in place (XLA's
-            #                        where unavailable)
+            attention_impl="xla",  # the backend (kvlab.backends) whose kernels attend over
+            #                        stored blocks and write caches: 'xla' (plain JAX, any
+            #                        platform), 'pallas' (kvlab/kernels/pallas: Triton on
+            #                        CUDA, the interpreter on CPU), 'native' (kvlab/kernels/
+            #                        native: C++ CPU kernels), or one registered
         )
     )
     # RoPE for contexts longer than the model was trained on, as Hugging Face
@@ -463,7 +464,7 @@ def validate_model_config(model: Mapping) -> None:
     _check_choice("model", model, "dtype", tuple(DTYPES))
     _check_choice("model", model, "param_dtype", tuple(DTYPES))
     _check_choice("model", model, "attention", ATTENTION_KINDS)
-    _check_choice("model", model, "attention_impl", ATTENTION_IMPLS)
+    _check_choice("model", model, "attention_impl", backends.names())
     for name in ("tie_embeddings", "qkv_bias", "qk_norm"):
         if not isinstance(model[name], bool):
             _fail(f"model.{name}", model[name], "is not a bool", "set True or False")
@@ -867,11 +868,11 @@ def complete_config(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict
     A config may leave out what does not apply to it (the model.mla section of a
     grouped-query model, cache fields it keeps at their defaults), and a run saved
     before a field joined the schema loads with that field at its default. Given
-    fields are never changed; unknown ones stay, for validate_config to refuse.
+    fields are never changed; unknown ones stay, for validate_sections to refuse.
     Defaults are the tiny variant's: a config sized for an accelerator sets its sizes.
     """
     if isinstance(cfg, ml_collections.FrozenConfigDict):
-        return cfg  # immutable: validate_config names what it lacks
+        return cfg  # immutable: validate_sections names what it lacks
     with cfg.unlocked():  # a config from --config flags comes locked
         _fill(cfg, base_config())
     return cfg
@@ -886,8 +887,10 @@ def _fill(given, defaults: ml_collections.ConfigDict) -> None:
             _fill(given[key], default)
 
 
-def validate_config(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
-    """Completes `cfg` (complete_config) and checks every section; returns it when valid."""
+def validate_sections(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+    """Completes `cfg` (complete_config) and checks every section, alone and against
+    the others; returns it when valid. What the files it names hold (data.tokenizer,
+    eval.tasks' samples) kvlab.data.validate_config checks after this."""
     schema = base_config()
     if isinstance(cfg, ml_collections.ConfigDict):
         complete_config(cfg)
@@ -964,9 +967,7 @@ def validate_config(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict
         )
     if cfg.data.source == "mqar":
         _validate_mqar(cfg)
-    elif tokenizer:
-        _validate_tokenizer_vocab(cfg)
-    elif cfg.model.vocab_size < BYTE_VOCAB_SIZE:
+    elif not tokenizer and cfg.model.vocab_size < BYTE_VOCAB_SIZE:  # tokens: kvlab.data
         _fail(
             "model.vocab_size",
             cfg.model.vocab_size,
@@ -990,8 +991,9 @@ def eval_seq_len(cfg: Mapping) -> int:
 
 def validate_eval_config(cfg: ml_collections.ConfigDict) -> None:
     """Raises ValueError naming the first bad field of the `eval` section: sizes, the
-    window, and tasks that fit their lengths and the model and data sections. Turns
-    the tuple fields given as lists (config.json) into tuples."""
+    window, the tasks' names. Turns the tuple fields given as lists (config.json)
+    into tuples. Whether the tasks' samples fit their lengths, the model and the
+    data section is kvlab.data.tasks.check_tasks' to say."""
     schema = base_config().eval
     ev = cfg.eval
     _check_known_fields("eval", ev, schema)
@@ -1046,56 +1048,6 @@ def validate_eval_config(cfg: ml_collections.ConfigDict) -> None:
             f"needs {4 * cfg.data.mqar.num_pairs - 1}",
             f"set eval.seq_len >= {4 * cfg.data.mqar.num_pairs - 1} (or 0: train.seq_len)",
         )
-    _validate_tasks(cfg)
-
-
-def _validate_tasks(cfg: ml_collections.ConfigDict) -> None:
-    """eval.tasks' lengths hold their samples, and the model reads their token ids."""
-    ev = cfg.eval
-    if not ev.tasks:
-        return
-    from kvlab.data.tasks import WORDS, longest_sample_bytes  # kvlab.data imports this module
-
-    if "multikey" in ev.tasks and ev.task_params.num_keys > len(WORDS):
-        _fail(
-            "eval.task_params.num_keys",
-            ev.task_params.num_keys,
-            f"exceeds the {len(WORDS)} distinct words multikey draws its keys from",
-            f"set eval.task_params.num_keys <= {len(WORDS)}",
-        )
-    if ev.task_lengths:
-        field, value, lengths = "eval.task_lengths", tuple(ev.task_lengths), ev.task_lengths
-    else:  # the tasks run at the evaluation window
-        field, value, lengths = "eval.seq_len", ev.seq_len, (eval_seq_len(cfg),)
-    for task in ev.tasks:
-        if task == "mqar":
-            needed = 4 * cfg.data.mqar.num_pairs - 1
-            if cfg.data.mqar.vocab_size > cfg.model.vocab_size:
-                _fail(
-                    "data.mqar.vocab_size",
-                    cfg.data.mqar.vocab_size,
-                    f"exceeds model.vocab_size={cfg.model.vocab_size} (eval.tasks holds 'mqar')",
-                    f"set data.mqar.vocab_size <= {cfg.model.vocab_size}",
-                )
-        else:
-            needed = longest_sample_bytes(task, ev.task_params) - 1
-            if cfg.data.source == "mqar" and cfg.model.vocab_size < BYTE_VOCAB_SIZE:
-                _fail(
-                    "eval.tasks",
-                    tuple(ev.tasks),
-                    f"holds {task!r}, which reads stdlib bytes, but model.vocab_size="
-                    f"{cfg.model.vocab_size} is below {BYTE_VOCAB_SIZE}",
-                    "keep only 'mqar' in eval.tasks for this model",
-                )
-        short = [length for length in lengths if length < needed]
-        if short:
-            _fail(
-                field,
-                value,
-                f"gives {task!r} {short[0]} tokens, but its samples need up to {needed} "
-                "(statements, question and answer)",
-                f"give lengths >= {needed} in eval.task_lengths, or shrink eval.task_params",
-            )
 
 
 def validate_mesh_config(cfg: ml_collections.ConfigDict) -> None:
@@ -1183,21 +1135,6 @@ def check_mesh_shape(cfg: Mapping, shape: Mapping[str, int]) -> None:
             )
 
 
-def _validate_tokenizer_vocab(cfg: ml_collections.ConfigDict) -> None:
-    """model.vocab_size must hold every id of data.tokenizer (read here: a missing or
-    unreadable tokenizer is refused, naming data.tokenizer)."""
-    from kvlab.data.tokenizer import load_tokenizer  # kvlab.data imports this module
-
-    needed = load_tokenizer(cfg.data.tokenizer).vocab_size
-    if cfg.model.vocab_size < needed:
-        _fail(
-            "model.vocab_size",
-            cfg.model.vocab_size,
-            f"is below the {needed} token ids of data.tokenizer={cfg.data.tokenizer!r}",
-            f"set model.vocab_size >= {needed}",
-        )
-
-
 def _validate_mqar(cfg: ml_collections.ConfigDict) -> None:
     mqar = cfg.data.mqar
     _check_int("data.mqar", mqar, "num_pairs")
@@ -1246,14 +1183,6 @@ def import_config_file(path: str):
     if not hasattr(module, "get_config"):
         raise ValueError(f"config file {path!r} has no get_config(arg) function: add one")
     return module
-
-
-def load_config(spec: str) -> ml_collections.ConfigDict:
-    """Loads `path/to/file.py[:arg]` through its `get_config(arg)`, completes and validates it."""
-    path, _, arg = spec.partition(":")
-    module = import_config_file(path)
-    cfg = module.get_config(arg) if arg else module.get_config()
-    return validate_config(cfg)
 
 
 def dtype_of(name: str) -> jnp.dtype:

@@ -56,8 +56,9 @@ import ml_collections
 import numpy as np
 
 from kvlab.attention.rope import softmax_mscale
-from kvlab.config import check_count, validate_config
-from kvlab.model import unfuse_projections
+from kvlab.config import check_count
+from kvlab.data import make_dataset, validate_config
+from kvlab.model import Transformer, unfuse_projections
 
 SELECTIONS = ("norm", "uniform", "high", "low")
 FACTORS = ("weights", "activations")
@@ -107,8 +108,6 @@ def convert(
     if kind == "gqa":
         return to_gqa(cfg, params, **options)
     if options["select"] == "norm" or options.get("factor") == "activations":
-        from kvlab.data import make_dataset  # only calibration reads text
-
         data = make_dataset(cfg.data, "train", cfg.train.seq_len)
         count = check_count("calibration", calibration)
         options["tokens"] = data.batch(0, count, cfg.train.seed)["inputs"]
@@ -278,8 +277,6 @@ def _kept_pairs(cfg, count: int, select: str, captured) -> np.ndarray:
 def _calibration(cfg, params, tokens) -> Mapping:
     """What the source computes on the calibration `tokens`, per block: its
     attention input (`attention_norm`) and its queries and keys before RoPE."""
-    from kvlab.model import Transformer  # the model imports nothing from here
-
     names = ("attention_norm", "query", "key")
     _, variables = Transformer(cfg.model).apply(
         {"params": params},

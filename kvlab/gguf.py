@@ -59,9 +59,9 @@ import ml_collections
 import numpy as np
 import tokenizers
 
-from kvlab.config import base_config, validate_config
-from kvlab.data.tokenizer import Tokenizer
-from kvlab.hf import _links, dtype_name, imported_params, refuse_nonfinite
+from kvlab.config import base_config
+from kvlab.data import Tokenizer, validate_config
+from kvlab.hf import dtype_name, imported_params, refuse_nonfinite, tensor_links
 
 ARCHITECTURE = "llama"
 # Tensor types kvlab dequantizes (through gguf.quants.dequantize).
@@ -287,7 +287,7 @@ def _read_params(gguf, reader, file: str, model, allow_nonfinite: bool) -> dict:
     heads = {"attn_q": model.num_heads, "attn_k": model.num_kv_heads}
     values: dict[tuple[str, ...], np.ndarray] = {}
     used = set()
-    for link in _links(model):
+    for link in tensor_links(model):
         arrays = []
         for hf_name, shape in link.tensors:
             name = names.get_name(hf_name, try_suffixes=(".weight",))

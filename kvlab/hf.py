@@ -103,9 +103,9 @@ from kvlab.config import (
     DTYPES,
     base_config,
     dtype_of,
-    validate_config,
     validate_model_config,
 )
+from kvlab.data import validate_config
 from kvlab.data.tokenizer import TOKENIZER_FILE, Tokenizer
 from kvlab.files import read_json, write_atomic
 from kvlab.model import init_params, unfuse_projections
@@ -494,7 +494,7 @@ def _latent_fields(hf: _HFConfig, model: ml_collections.ConfigDict) -> None:
 
 
 @dataclasses.dataclass(frozen=True)
-class _Link:
+class TensorLink:
     """Checkpoint tensors <-> kvlab parameters, and how values move between them."""
 
     tensors: tuple[tuple[str, tuple[int, ...]], ...]  # checkpoint names and shapes
@@ -503,14 +503,14 @@ class _Link:
     to_hf: Callable[..., tuple[np.ndarray, ...]]  # parameter arrays -> checkpoint arrays
 
 
-def _same(name: str, path: tuple, shape: tuple) -> _Link:
+def _same(name: str, path: tuple, shape: tuple) -> TensorLink:
     """A tensor kvlab keeps as it is (norm scales, the embedding, a router bias)."""
-    return _Link(((name, shape),), (path,), lambda w: (w,), lambda p: (p,))
+    return TensorLink(((name, shape),), (path,), lambda w: (w,), lambda p: (p,))
 
 
-def _flat(name: str, path: tuple, shape: tuple) -> _Link:
+def _flat(name: str, path: tuple, shape: tuple) -> TensorLink:
     """A bias [N*H] kept per head [N, H]."""
-    return _Link(
+    return TensorLink(
         ((name, (math.prod(shape),)),),
         (path,),
         lambda w: (w.reshape(shape),),
@@ -527,7 +527,9 @@ def _halves_order(width: int, rope: int) -> np.ndarray:
     )
 
 
-def _linear(name: str, path: tuple, kernel_shape: tuple, inputs: int = 1, rope: int = 0) -> _Link:
+def _linear(
+    name: str, path: tuple, kernel_shape: tuple, inputs: int = 1, rope: int = 0
+) -> TensorLink:
     """nn.Linear weight [out, in] <-> kernel [in..., out...] (`inputs` leading axes
     are the input); `rope` > 0 reorders the last rope channels of every output group."""
     fan_in, fan_out = math.prod(kernel_shape[:inputs]), math.prod(kernel_shape[inputs:])
@@ -540,10 +542,10 @@ def _linear(name: str, path: tuple, kernel_shape: tuple, inputs: int = 1, rope: 
     def to_hf(kernel):
         return (kernel[..., inverse].reshape(fan_in, fan_out).T,)
 
-    return _Link(((name, (fan_out, fan_in)),), (path,), to_kvlab, to_hf)
+    return TensorLink(((name, (fan_out, fan_in)),), (path,), to_kvlab, to_hf)
 
 
-def _latent_and_rope_key(name: str, path: tuple, model, rope: int) -> _Link:
+def _latent_and_rope_key(name: str, path: tuple, model, rope: int) -> TensorLink:
     """kv_a_proj_with_mqa [R + Hr, D], rows [latent; rope key] <-> kv_down/kernel
     [D, R] and key_rope/kernel [D, 1, Hr]."""
     rank, rope_dim = model.mla.kv_rank, model.mla.rope_dim
@@ -556,7 +558,7 @@ def _latent_and_rope_key(name: str, path: tuple, model, rope: int) -> _Link:
     def to_hf(kv_down, key_rope):
         return (np.concatenate([kv_down.T, key_rope[:, 0, inverse].T]),)
 
-    return _Link(
+    return TensorLink(
         ((name, (rank + rope_dim, model.embed_dim)),),
         ((*path, "kv_down", "kernel"), (*path, "key_rope", "kernel")),
         to_kvlab,
@@ -564,7 +566,7 @@ def _latent_and_rope_key(name: str, path: tuple, model, rope: int) -> _Link:
     )
 
 
-def _key_value_up(name: str, path: tuple, model) -> _Link:
+def _key_value_up(name: str, path: tuple, model) -> TensorLink:
     """kv_b_proj [N * (nope + Hv), R], rows per head [nope key; value] <->
     key_up [R, N, nope] and value_up [R, N, Hv]."""
     heads, mla = model.num_heads, model.mla
@@ -578,7 +580,7 @@ def _key_value_up(name: str, path: tuple, model) -> _Link:
         w = np.concatenate([key_up, value_up], axis=-1)  # [R, N, nope + Hv]
         return (w.transpose(1, 2, 0).reshape(heads * (nope + value), rank),)
 
-    return _Link(
+    return TensorLink(
         ((name, (heads * (nope + value), rank)),),
         ((*path, "key_up"), (*path, "value_up")),
         to_kvlab,
@@ -586,10 +588,10 @@ def _key_value_up(name: str, path: tuple, model) -> _Link:
     )
 
 
-def _experts(names: Sequence[str], path: tuple, shape: tuple) -> _Link:
+def _experts(names: Sequence[str], path: tuple, shape: tuple) -> TensorLink:
     """One weight [out, in] per expert <-> the experts' kernels stacked [E, in, out]."""
     fan_in, fan_out = shape
-    return _Link(
+    return TensorLink(
         tuple((name, (fan_out, fan_in)) for name in names),
         (path,),
         lambda *ws: (np.stack([w.T for w in ws]),),
@@ -597,7 +599,7 @@ def _experts(names: Sequence[str], path: tuple, shape: tuple) -> _Link:
     )
 
 
-def _mlp(prefix: str, path: tuple, embed_dim: int, hidden_dim: int) -> list[_Link]:
+def _mlp(prefix: str, path: tuple, embed_dim: int, hidden_dim: int) -> list[TensorLink]:
     return [
         _linear(prefix + "gate_proj.weight", (*path, "gate", "kernel"), (embed_dim, hidden_dim)),
         _linear(prefix + "up_proj.weight", (*path, "up", "kernel"), (embed_dim, hidden_dim)),
@@ -605,7 +607,7 @@ def _mlp(prefix: str, path: tuple, embed_dim: int, hidden_dim: int) -> list[_Lin
     ]
 
 
-def _grouped_attention(prefix: str, path: tuple, model) -> list[_Link]:
+def _grouped_attention(prefix: str, path: tuple, model) -> list[TensorLink]:
     embed, heads, kv_heads, width = (
         model.embed_dim,
         model.num_heads,
@@ -633,7 +635,7 @@ def _grouped_attention(prefix: str, path: tuple, model) -> list[_Link]:
     return links
 
 
-def _latent_attention(prefix: str, path: tuple, model, interleaved: bool) -> list[_Link]:
+def _latent_attention(prefix: str, path: tuple, model, interleaved: bool) -> list[TensorLink]:
     mla, heads, embed = model.mla, model.num_heads, model.embed_dim
     rope = mla.rope_dim if interleaved else 0
     width = mla.nope_dim + mla.rope_dim
@@ -669,7 +671,7 @@ def _latent_attention(prefix: str, path: tuple, model, interleaved: bool) -> lis
     ]
 
 
-def _feed_forward(prefix: str, path: tuple, model, index: int) -> list[_Link]:
+def _feed_forward(prefix: str, path: tuple, model, index: int) -> list[TensorLink]:
     embed = model.embed_dim
     if not uses_experts(model, index):
         return _mlp(prefix, path, embed, model.mlp_dim)
@@ -693,8 +695,9 @@ def _feed_forward(prefix: str, path: tuple, model, index: int) -> list[_Link]:
     return links
 
 
-def _links(model, interleaved: bool = True) -> list[_Link]:
-    """Every checkpoint tensor of `model` and the kvlab parameters it holds."""
+def tensor_links(model, interleaved: bool = True) -> list[TensorLink]:
+    """Every checkpoint tensor of `model` and the kvlab parameters it holds (load_hf,
+    save_hf and kvlab.gguf map tensors through these)."""
     vocab, embed = model.vocab_size, model.embed_dim
     links = [_same("model.embed_tokens.weight", ("embed", "embedding"), (vocab, embed))]
     for i in range(model.num_layers):
@@ -787,7 +790,7 @@ class _Checkpoint(contextlib.ExitStack):
 def _read_params(checkpoint: _Checkpoint, hf: _HFConfig, model, allow_nonfinite: bool):
     folder, family = checkpoint.folder, hf.family
     interleaved = family == "deepseek_v2" or bool(hf.get("rope_interleave", True))
-    links = _links(model, interleaved)
+    links = tensor_links(model, interleaved)
     values: dict[tuple[str, ...], np.ndarray] = {}
     used = set()
     for link in links:
@@ -1163,7 +1166,7 @@ def save_hf(
         )
     param_dtype = dtype_of(model.param_dtype)
     tensors = {}
-    for link in _links(model):
+    for link in tensor_links(model):
         arrays = [np.asarray(flat[p]).astype(param_dtype, copy=False) for p in link.params]
         for (name, _), array in zip(link.tensors, link.to_hf(*arrays), strict=True):
             tensors[name] = np.ascontiguousarray(array)

@@ -1,6 +1,7 @@
 """Building blocks shared by the attention variants and the model.
 
 projection(config, features, name, axis=-1, bias=False, axes=None) -> Projection
+Embedding(config)(tokens [B, T]) -> [B, T, D];  (x [B, T, D], head=True) -> [B, T, V]
 RMSNorm(config, eps=None)(x [..., D]) -> [..., D]      (arXiv:1910.07467)
 logical(init, names) -> init; with logical_axes(): ... (parameters' logical axis names)
 
@@ -16,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import math
 from collections.abc import Callable, Iterator, Sequence
 
 import flax.linen as nn
@@ -25,7 +25,6 @@ import jax.numpy as jnp
 from flax.linen.linear import default_kernel_init
 from ml_collections import FrozenConfigDict
 
-from kvlab import native
 from kvlab.config import dtype_of
 
 _NAMED = contextvars.ContextVar("kvlab_logical_axes", default=False)
@@ -76,41 +75,39 @@ def projection(
 
 
 class Projection(nn.DenseGeneral):
-    """nn.DenseGeneral over trailing input axes that also reads its kernel as
-    `panels` [N / 32, K, 32], the kernel [K..., N...] flattened to [K, N] in
-    32-column panels (kvlab.model.panel_projections): then one
-    kvlab.native.panel_matmul, which a decode step's few rows run at memory
-    speed on CPU. With a `kernel` it is nn.DenseGeneral unchanged."""
+    """A linear map over trailing input axes (nn.DenseGeneral): kvlab's own class,
+    so a backend can recognise its projections (kvlab/kernels/native stores
+    their kernels in panels)."""
 
-    def __call__(self, inputs):
-        if not self.has_variable("params", "panels"):
-            return super().__call__(inputs)
-        features = (self.features,) if isinstance(self.features, int) else tuple(self.features)
-        axes = (self.axis,) if isinstance(self.axis, int) else tuple(self.axis)
-        inputs_axes = sorted(a % inputs.ndim for a in axes)
-        if inputs_axes != list(range(inputs.ndim - len(axes), inputs.ndim)):
-            raise ValueError(f"{self.name}: panels contract trailing axes, not {self.axis}")
-        lead = inputs.shape[: inputs.ndim - len(axes)]
-        panels, bias = self.get_variable("params", "panels"), self.get_variable("params", "bias")
-        depth, width = math.prod(inputs.shape[len(lead) :]), math.prod(features)
-        if panels.shape[1] != depth or panels.shape[0] * panels.shape[2] != width:
-            raise ValueError(
-                f"{self.name}: panels {panels.shape} do not map {depth} inputs to {width} "
-                "outputs: pass the panel_projections of this model's parameters"
-            )
-        x, panels, bias = self.promote_dtype(
-            inputs.reshape(-1, panels.shape[1]), panels, bias, dtype=self.dtype
+
+class Embedding(nn.Module):
+    """The token embedding E [V, D] (nn.Embed's parameter `embedding`, its
+    initialiser and dtypes), used both ways: `embed(tokens)` looks rows up
+    ([...] -> [..., D] in model.dtype), `embed(x, head=True)` is the tied output
+    head x E^T ([..., D] -> [..., V]). One compact method, so a backend may
+    intercept both (kvlab/kernels/native reads the table from panels)."""
+
+    config: FrozenConfigDict  # the model section
+
+    @property
+    def dtype(self):
+        return dtype_of(self.config.dtype)
+
+    @nn.compact
+    def __call__(self, inputs: jax.Array, head: bool = False) -> jax.Array:
+        cfg = self.config
+        init = nn.initializers.normal(stddev=cfg.embed_dim**-0.5)
+        table = self.param(
+            "embedding",
+            logical(init, ("vocab", "embed")),
+            (cfg.vocab_size, cfg.embed_dim),
+            dtype_of(cfg.param_dtype),
         )
-        out = native.panel_matmul(x, panels).reshape(*lead, *features)
-        return out if bias is None else out + bias
-
-
-def to_panels(kernel: jax.Array, num_inputs: int = 1) -> jax.Array:
-    """A kernel [K..., N...] (`num_inputs` input axes) as 32-column panels
-    [N / 32, K, 32]; N must be a multiple of 32."""
-    depth = math.prod(kernel.shape[:num_inputs])
-    flat = kernel.reshape(depth, -1, native.PANEL)
-    return jnp.transpose(flat, (1, 0, 2))
+        if head:  # as nn.Embed.attend
+            query, table = nn.dtypes.promote_dtype(inputs, table, dtype=self.dtype)
+            return jnp.dot(query, table.T)
+        (table,) = nn.dtypes.promote_dtype(table, dtype=self.dtype, inexact=False)
+        return jnp.take(table, inputs, axis=0)  # as nn.Embed.__call__
 
 
 class RMSNorm(nn.Module):

@@ -45,6 +45,7 @@ from pathlib import Path
 from typing import Any
 
 from kvlab.config import WANDB_MODES
+from kvlab.sharding import is_primary
 
 # Settings that keep wandb's console output out of training progress bars.
 # `silent` still prints warnings (e.g. a dropped out-of-order step); online runs
@@ -101,11 +102,8 @@ class Run:
             raise ValueError(
                 f"wandb.mode={mode!r} is not supported: use one of {', '.join(WANDB_MODES)}"
             )
-        if mode != "disabled":
-            from kvlab.sharding import is_primary
-
-            if not is_primary():  # several hosts: only process 0 logs
-                mode = "disabled"
+        if mode != "disabled" and not is_primary():  # several hosts: only process 0 logs
+            mode = "disabled"
         self.mode = mode
         self.dir: str | None = None
         self._run = None

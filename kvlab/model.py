@@ -39,14 +39,14 @@ import numpy as np
 from jax.sharding import PartitionSpec
 from ml_collections import FrozenConfigDict
 
-from kvlab import native, sharding
+from kvlab import backends, sharding
 from kvlab.attention.gqa import GroupedQueryAttention
 from kvlab.attention.mla import MultiHeadLatentAttention
 from kvlab.cache.dense import BAD_COUNT, BAD_TOKEN, OVERFLOW, Cache
 from kvlab.cache.evict import EvictingLayer, PagedEvictingLayer
 from kvlab.cache.placement import Placement, place_without_cache
-from kvlab.config import cached_tensors, dtype_of, frozen, validate_model_config
-from kvlab.layers import RMSNorm, logical, logical_axes, projection, to_panels
+from kvlab.config import cached_tensors, frozen, validate_model_config
+from kvlab.layers import Embedding, RMSNorm, logical_axes, projection
 from kvlab.moe import MLP, MoE, uses_experts
 
 EVICTING = (EvictingLayer, PagedEvictingLayer)  # layers whose budgets may differ by layer
@@ -213,7 +213,13 @@ class Transformer(nn.Module):
         """Logits float32[B, T, V] (and the cache). `logits_at` int32[B]: only the
         logits after each row's token at that index, [B, 1, V] (generation needs
         the last prompt token's alone; the output projection of every position
-        would cost more than the rest of a long prompt's prefill)."""
+        would cost more than the rest of a long prompt's prefill). The forward
+        runs under the backend model.attention_impl names (kvlab.backends.running)."""
+        with backends.running(backends.get(self.config.attention_impl)):
+            return self._forward(tokens, cache, num_tokens, logits_at)
+
+    @nn.nowrap  # part of the compact __call__: its submodules are the model's
+    def _forward(self, tokens, cache, num_tokens, logits_at):
         cfg = self.config
         check_inputs(cfg, tokens, cache, num_tokens)
         batch, length = tokens.shape
@@ -230,23 +236,8 @@ class Transformer(nn.Module):
             placement = cache.place(length, num_tokens)
             layers = cache.layers
 
-        embed = nn.Embed(
-            cfg.vocab_size,
-            cfg.embed_dim,
-            name="embed",
-            embedding_init=logical(
-                nn.initializers.normal(stddev=cfg.embed_dim**-0.5), ("vocab", "embed")
-            ),
-            dtype=dtype_of(cfg.dtype),
-            param_dtype=dtype_of(cfg.param_dtype),
-        )
-        # kvlab.model.panel_projections' tied table: the panels of its transpose
-        table = self.get_variable("params", "embed_panels")  # [V / 32, D, 32]
-        if table is None:
-            x = embed(tokens)  # [B, T, D]
-        else:  # row v of the table is column v of its transpose
-            x = table[tokens // native.PANEL, :, tokens % native.PANEL]
-            x = x.astype(dtype_of(cfg.dtype))
+        embed = Embedding(cfg, name="embed")
+        x = embed(tokens)  # [B, T, D]
         new_layers = []
         for i, layer in enumerate(layers):
             x, layer = Block(cfg, index=i, name=f"block_{i}")(x, placement, layer)
@@ -254,11 +245,8 @@ class Transformer(nn.Module):
         if logits_at is not None:
             x = jnp.take_along_axis(x, logits_at.astype(jnp.int32)[:, None, None], axis=1)
         x = RMSNorm(cfg, name="final_norm")(x)
-        if table is not None:
-            flat = native.panel_matmul(x.reshape(-1, cfg.embed_dim), table.astype(x.dtype))
-            logits = flat.reshape(*x.shape[:-1], cfg.vocab_size)
-        elif cfg.tie_embeddings:
-            logits = embed.attend(x)
+        if cfg.tie_embeddings:
+            logits = embed(x, head=True)
         else:
             logits = projection(cfg, cfg.vocab_size, "unembed", axes=("embed", "vocab"))(x)
         logits = logits.astype(jnp.float32)  # [B, T, V]
@@ -320,7 +308,6 @@ def fuse_projections(params: Mapping) -> dict:
     gives back the tree init_params, load_hf, the checkpoints and the
     conversions use; save_hf, kvlab.convert and train.start_workdir take either. A tree of
     PartitionSpecs (param_axes) is fused alike; a fused tree comes back as it is."""
-    check_unpanelled(params, "fuse_projections")
 
     def heads(q, k, v):
         if isinstance(k, PartitionSpec):  # [.., K, H] -> [.., K, None, H]
@@ -344,79 +331,29 @@ def fuse_projections(params: Mapping) -> dict:
             return node
         node = {name: fuse(child) for name, child in node.items()}
         if {"query", "key", "value"} <= node.keys():
-            q, k, v = (node.pop(name) for name in ("query", "key", "value"))
+            q, k, v = (
+                _kernels(node.pop(name), "fuse_projections") for name in ("query", "key", "value")
+            )
             node["qkv"] = {name: heads(q[name], k[name], v[name]) for name in q}
         if {"gate", "up"} <= node.keys() and isinstance(node["gate"], Mapping):  # not MoE's experts
-            gate, up = node.pop("gate"), node.pop("up")
+            gate, up = (_kernels(node.pop(name), "fuse_projections") for name in ("gate", "up"))
             node["gate_up"] = {name: pair(gate[name], up[name]) for name in gate}
         return node
 
     return fuse(params)
 
 
-def panel_projections(params: Mapping) -> dict:
-    """`params` (fused or not) for decode on one CPU: every projection kernel
-    whose output width N is a multiple of 32 stored as `panels` [N / 32, K, 32]
-    (kvlab.layers.to_panels), and a tied embedding table [V, D] as
-    `embed_panels` [V / 32, D, 32], the panels of its transpose, which serve
-    both the lookup and the output head. The model computes the same function
-    from it, each projection in one kvlab.native.panel_matmul: a decode step's
-    few rows read each weight once at memory speed on all cores (XLA:CPU runs a
-    one-row product on one core, and repacks the weights of a product of 2 to 16
-    rows on every call).
-
-    One way and for one device: convert a float32 tree at load (after
-    fuse_projections) and keep the original if it will be trained, saved,
-    exported, converted or sharded; those refuse a tree with panels. The MoE
-    router and routed experts stay as they are."""
-
-    def convert(node, name=None):
-        if not isinstance(node, Mapping):
-            return node
-        node = {key: convert(child, key) for key, child in node.items()}
-        kernel = node.get("kernel")
-        if name != "router" and kernel is not None and kernel.shape[-1] % native.PANEL == 0:
-            node["panels"] = to_panels(node.pop("kernel"), num_inputs=2 if name == "out" else 1)
-        return node
-
-    params = convert(params)
-    embed = params.get("embed", {})
-    if "embed_panels" in params or not ("embedding" in embed and "unembed" not in params):
-        return params  # converted already, or an untied table: the lookup reads it as it is
-    if embed["embedding"].shape[0] % native.PANEL:
-        return params
-    params["embed_panels"] = to_panels(params.pop("embed")["embedding"].T)
-    return params
-
-
-def panelled(params: Mapping) -> bool:
-    """Whether `params` holds panel_projections' layout."""
-    leaves = jax.tree_util.tree_flatten_with_path(params)[0]
-    names = {getattr(key, "key", None) for path, _ in leaves for key in path}
-    return bool({"panels", "embed_panels"} & names)
-
-
-def check_unpanelled(params: Mapping, use: str) -> None:
-    """Raises ValueError naming `use` when `params` holds panel_projections' layout."""
-    if panelled(params):
-        raise ValueError(
-            f"{use} takes the parameter tree, not kvlab.model.panel_projections' decode "
-            "layout (one way: pass the tree it was converted from)"
-        )
-
-
 def unfuse_projections(params: Mapping) -> dict:
     """The inverse of `fuse_projections`: separate query/key/value and gate/up
     kernels (the tree init_params makes); an unfused tree comes back as it is.
-    A panel_projections tree is refused (that conversion is one way)."""
-    check_unpanelled(params, "unfuse_projections")
+    A plug-in's decode layout is refused (`_kernels`)."""
 
     def unfuse(node):
         if not isinstance(node, Mapping):
             return node
         node = {name: unfuse(child) for name, child in node.items()}
         if "qkv" in node:
-            qkv = node.pop("qkv")  # [..., K, G + 2, H]
+            qkv = _kernels(node.pop("qkv"), "unfuse_projections")  # [..., K, G + 2, H]
             groups = qkv["kernel"].shape[-2] - 2
             node["query"], node["key"], node["value"] = {}, {}, {}
             for name, array in qkv.items():
@@ -425,9 +362,27 @@ def unfuse_projections(params: Mapping) -> dict:
                 node["key"][name] = array[..., groups, :]
                 node["value"][name] = array[..., groups + 1, :]
         if "gate_up" in node:
-            gate_up = node.pop("gate_up")  # [..., 2, F]
+            gate_up = _kernels(node.pop("gate_up"), "unfuse_projections")  # [..., 2, F]
             node["gate"] = {name: array[..., 0, :] for name, array in gate_up.items()}
             node["up"] = {name: array[..., 1, :] for name, array in gate_up.items()}
         return node
 
     return unfuse(params)
+
+
+def _kernels(projection: Mapping, use: str) -> Mapping:
+    """A projection's parameters when they are a kernel (and a bias), as
+    init_params lays them out; ValueError naming `use` otherwise (a plug-in's
+    decode layout, e.g. kvlab.kernels.native.panel_projections, is one way)."""
+    if (
+        not isinstance(projection, Mapping)
+        or "kernel" not in projection
+        or (set(projection) - {"kernel", "bias"})
+    ):
+        found = sorted(projection) if isinstance(projection, Mapping) else projection
+        raise ValueError(
+            f"{use} takes the parameter tree of kvlab.init_params, whose projections hold a "
+            f"kernel (and a bias), not {found}: a plug-in's decode layout (e.g. "
+            "kvlab.kernels.native.panel_projections) is one way; pass the tree it was made from"
+        )
+    return projection

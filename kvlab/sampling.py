@@ -38,14 +38,7 @@ from kvlab.cache.dense import Cache, check_errors
 from kvlab.cache.factory import compiled_builder
 from kvlab.cache.placement import write_tokens
 from kvlab.config import check_count, validate_cache_config
-from kvlab.model import (
-    Transformer,
-    check_inputs,
-    check_unpanelled,
-    fuse_projections,
-    panelled,
-    param_axes,
-)
+from kvlab.model import Transformer, check_inputs, fuse_projections, param_axes
 
 # ---------------------------------------------------------------------------
 # Samplers
@@ -133,15 +126,22 @@ def place_params(model_cfg: Mapping, params, mesh: Mesh | None, rules: tuple | N
     kvlab.sharding.axis_rules()); as they are without a mesh."""
     if mesh is None:
         return params
-    if mesh.size == 1 and panelled(params):  # panel_projections' layout: one device only
+    if mesh.size == 1:  # whatever the layout (a plug-in's decode layout too): whole
         return jax.device_put(params, NamedSharding(mesh, PartitionSpec()))
-    check_unpanelled(params, f"place_params on a mesh of {mesh.size} devices")
     rules = sharding.axis_rules() if rules is None else rules
     axes = param_axes(model_cfg)
-    if jax.tree.structure(axes, is_leaf=lambda x: isinstance(x, PartitionSpec)) != (
-        jax.tree.structure(params)
-    ):
-        axes = fuse_projections(axes)  # a fused tree, or shardings() names the mismatch
+
+    def structure(tree):
+        return jax.tree.structure(tree, is_leaf=lambda x: isinstance(x, PartitionSpec))
+
+    if structure(axes) != structure(params):
+        axes = fuse_projections(axes)  # a fused tree
+    if structure(axes) != structure(params):
+        raise ValueError(
+            f"place_params on a mesh of {mesh.size} devices takes the parameter tree of "
+            "kvlab.init_params for this model (fused or not), not another: a plug-in's decode "
+            "layout (e.g. kvlab.kernels.native.panel_projections) is for one device"
+        )
     return sharding.put_global(params, sharding.shardings(axes, params, mesh, rules))
 
 

@@ -45,7 +45,13 @@ import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
-from kvlab.config import MESH_AXES, check_mesh_shape, mesh_axes, validate_mesh_config
+from kvlab.config import (
+    MESH_AXES,
+    base_config,
+    check_mesh_shape,
+    mesh_axes,
+    validate_mesh_config,
+)
 
 # ---------------------------------------------------------------------------
 # The mesh
@@ -109,8 +115,6 @@ def axis_rules(mesh_cfg: Mapping | None = None) -> tuple:
 
     Without a mesh section, the defaults (kvlab.config.LOGICAL_AXIS_RULES).
     Hashable, so a jitted function may take it as a static argument."""
-    from kvlab.config import base_config
-
     rules = (mesh_cfg or base_config().mesh)["rules"]
     pairs = []
     for name in sorted(rules):

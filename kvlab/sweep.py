@@ -38,7 +38,7 @@ this cache's), top1_agreement and delta_ppl beside ppl and
 delta_vs_16bit_pct; the full cache's own row reads exactly 0, 0, 1, 0.
 
 A unit whose config sets eval.tasks is also scored on the long-context tasks
-(kvlab.data.tasks.evaluate_tasks through its cache, on the sweep's mesh): one
+(kvlab.eval_tasks.evaluate_tasks through its cache, on the sweep's mesh): one
 column per task and length, `task_<task>_<length>` (task_columns; the needle
 task's accuracy averages eval.depths), after COLUMNS in the order of
 eval.tasks and then eval.task_lengths; summary.csv gives their mean over
@@ -134,13 +134,14 @@ from kvlab.config import (
     check_count,
     complete_config,
     eval_seq_len,
-    validate_config,
 )
 from kvlab.convert import convert, parse_target
-from kvlab.data import make_dataset
-from kvlab.data.tasks import evaluate_tasks, task_lengths
+from kvlab.data import make_dataset, validate_config
+from kvlab.data.tasks import task_lengths
 from kvlab.eval import check_finite, evaluate, evaluate_reference, full_cache, full_precision
+from kvlab.eval_tasks import evaluate_tasks
 from kvlab.files import read_json, store_json, write_atomic
+from kvlab.gguf import load_gguf
 from kvlab.hf import config_from_hf, save_hf
 from kvlab.logging import Run
 from kvlab.sharding import axis_rules, describe_mesh, is_primary, make_mesh
@@ -332,8 +333,6 @@ def convert_gguf(file: str, folder: str) -> str:
     """`folder` as a Hugging Face checkpoint of the GGUF file (kvlab.load_gguf then
     kvlab.save_hf, float32) with its tokenizer.json and eos in tokenizer_config.json;
     written once: a folder whose source.json names the same file (size, mtime) is reused."""
-    from kvlab.gguf import load_gguf
-
     file = os.path.abspath(file)
     if not os.path.isfile(file):
         raise ValueError(f"gguf={file!r} is not a file: a gguf model entry names a .gguf file")
@@ -566,7 +565,9 @@ def _task_results(unit: Unit, params, on_mesh: Mapping) -> dict:
     return {task_column(r["task"], r["seq_len"]): r["accuracy"] for r in rows}
 
 
-def _write_csv(path: str, rows: list[dict], columns: tuple = COLUMNS) -> None:
+def write_csv(path: str, rows: list[dict], columns: tuple = COLUMNS) -> None:
+    """`rows` as a CSV of `columns` then their task columns (task_columns), written
+    atomically (read_csv reads it back)."""
     os.makedirs(os.path.dirname(path), exist_ok=True)
     text = io.StringIO(newline="")
     writer = csv.DictWriter(text, fieldnames=(*columns, *task_columns(rows)))
@@ -915,7 +916,7 @@ def run_sweep(
         text = json.dumps({"windows": windows}) + "\n"
         os.makedirs(os.path.join(workdir, "windows"), exist_ok=True)
         write_atomic(os.path.join(workdir, "windows", f"{name}.json"), text)
-        _write_csv(os.path.join(workdir, "slices", f"{name}.csv"), rows)
+        write_csv(os.path.join(workdir, "slices", f"{name}.csv"), rows)
         if sweep_count == 1:
             merge(workdir, long_bytes=long_bytes)
     return rows
@@ -980,8 +981,8 @@ def merge(workdir: str, long_bytes: bool = False) -> list[dict]:
     if not is_primary():
         return rows
     summary = summarize(rows, read_windows(workdir))
-    _write_csv(os.path.join(workdir, "results.csv"), rows)
-    _write_csv(os.path.join(workdir, "summary.csv"), summary, SUMMARY_COLUMNS)
+    write_csv(os.path.join(workdir, "results.csv"), rows)
+    write_csv(os.path.join(workdir, "summary.csv"), summary, SUMMARY_COLUMNS)
     plot = os.path.join(workdir, "pareto.png")
     pareto_plot(summary, plot, title=sweep.name, long_bytes=long_bytes)
     with Run(

@@ -65,9 +65,10 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding
 
 from kvlab import sharding
-from kvlab.config import complete_config, dtype_of, frozen, validate_config
-from kvlab.data import make_dataset
+from kvlab.config import complete_config, dtype_of, frozen
+from kvlab.data import make_dataset, validate_config
 from kvlab.files import WriteError, read_json, remedy, store_json, write_atomic, write_error
+from kvlab.hf import load_hf
 from kvlab.logging import Run
 from kvlab.model import Transformer, param_axes, unfuse_projections
 
@@ -183,8 +184,6 @@ def initial_params(cfg: ml_collections.ConfigDict):
     with open(os.path.join(path, "config.json")) as file:
         stored = json.load(file)
     if "model_type" in stored:
-        from kvlab.hf import load_hf  # only runs that start from a Hugging Face model need it
-
         source, params = load_hf(path)
     else:
         source, params = load_params(path)

@@ -34,7 +34,7 @@ from absl import flags
 from ml_collections import config_flags
 
 import kvlab
-from kvlab import cli, native
+from kvlab import backends, cli
 from kvlab.config import cached_prefixes
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/gqa.py:tiny", "kvlab config file.")
@@ -70,7 +70,7 @@ _NATIVE = flags.DEFINE_bool(
     "native_kernels",
     True,
     "With --fuse_projections, float32 on one CPU: weights in 32-column panels "
-    "(kvlab.panel_projections) and model.attention_impl='native' (kvlab.native's kernels).",
+    "(kvlab.kernels.native.panel_projections) and model.attention_impl='native'.",
 )
 _JSON = flags.DEFINE_bool("json", False, "Print one JSON object.")
 
@@ -260,7 +260,7 @@ def main(argv):
         backend=jax.default_backend(),
         batch_size=_BATCH.value,
         weight_layout=layout,
-        native_kernels=native.unavailable_reason() or "available",
+        native_kernels=backends.get("native").unavailable_reason() or "available",
         weight_bytes=weight_bytes,
         bandwidth_bytes_per_s=bandwidth,
         rows=rows,

@@ -13,7 +13,7 @@ so both sides compute the same model. For each batch size (--batch_sizes)
 both decode greedily --new_tokens tokens after the same random
 --prompt_len-token prompts: `kvlab.generate` (one compiled loop, float32
 cache, weights as kvlab.cli.decode_params lays them out: projections fused,
-in 32-column panels for kvlab.native's kernels, model.attention_impl='native') and
+in 32-column panels for kvlab/kernels/native, model.attention_impl='native') and
 `model.generate(do_sample=False)` (its default dynamic cache and attention),
 on torch.set_num_threads(--threads) threads.
 

@@ -14,8 +14,8 @@ cache section from --cache (a config file; its other sections are ignored; with
 scripts/eval.py reads them). For each length of --lengths (default
 eval.task_lengths, else eval.seq_len, else train.seq_len) it evaluates held-out
 perplexity over windows of that length (--ppl; kvlab/eval.py) and every task of
---tasks (default eval.tasks; kvlab/data/tasks.py) through the cache, and prints
-one line per length: the length sweep. The needle task runs at every depth of
+--tasks (default eval.tasks; kvlab/data/tasks.py, kvlab/eval_tasks.py) through the
+cache, and prints one line per length: the length sweep. The needle task runs at every depth of
 --depths (default eval.depths) and its depth x length accuracy is drawn as a
 heat map (--plot, default workdir/needle.png; '' for none).
 
@@ -47,8 +47,9 @@ from kvlab.config import (
     validate_model_config,
 )
 from kvlab.data import make_dataset
-from kvlab.data.tasks import evaluate_tasks, needle_matrix, plot_needle_grid
+from kvlab.data.tasks import check_tasks
 from kvlab.eval import check_finite, evaluate
+from kvlab.eval_tasks import evaluate_tasks, needle_matrix, plot_needle_grid
 from kvlab.sweep import family
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "A training run's directory (scripts/train.py).")
@@ -117,6 +118,7 @@ def configure(cfg):
     validate_model_config(cfg.model)
     validate_cache_config(cfg.cache, cfg.model)
     validate_eval_config(cfg)
+    check_tasks(cfg)
     return cfg
 
 

@@ -80,7 +80,7 @@ def with_workdir(cfg, workdir: str, **others: object):
     (the text must be read as it was trained), the rest from `cfg`. Refused,
     naming the flag: any of `others` that is set, --config.model.* overrides,
     a --config data.tokenizer the run does not read."""
-    cli._refuse_other_weights(f"--workdir={workdir}", "config", others)
+    cli.refuse_other_weights(f"--workdir={workdir}", "config", others)
     run = load_run_config(workdir)
     cfg = cfg.copy_and_resolve_references()
     if cfg.data.tokenizer and cfg.data.tokenizer != run.data.tokenizer:

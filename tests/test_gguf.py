@@ -13,7 +13,7 @@ from flax import traverse_util
 
 import kvlab
 from kvlab.gguf import permute_rope_rows, unpermute_rope_rows
-from kvlab.hf import _links, config_from_hf
+from kvlab.hf import config_from_hf, tensor_links
 from tests.helpers import TOLERANCE, build, tiny_config
 
 gguf = pytest.importorskip("gguf")
@@ -92,7 +92,7 @@ def write_gguf(
     writer.add_eos_token_id(vocabulary["<|endoftext|>"])
     flat = traverse_util.flatten_dict(params)
     heads = {"attn_q": model.num_heads, "attn_k": model.num_kv_heads}
-    for link in _links(model):
+    for link in tensor_links(model):
         arrays = link.to_hf(*[np.asarray(flat[p], np.float32) for p in link.params])
         for (hf_name, _), array in zip(link.tensors, arrays, strict=True):
             name = names.get_name(hf_name, try_suffixes=(".weight",))
@@ -205,7 +205,7 @@ def test_quantized_and_half_tensors_within_their_format(tmp_path):
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, cfg.model.num_layers)
     flat_params, flat_loaded = (traverse_util.flatten_dict(p) for p in (params, loaded))
     checked = set()
-    for link in _links(cfg.model):
+    for link in tensor_links(cfg.model):
         name = names.get_name(link.tensors[0][0], try_suffixes=(".weight",))
         if name not in types:
             continue

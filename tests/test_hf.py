@@ -18,9 +18,10 @@ import tokenizers
 from flax import traverse_util
 
 import kvlab
-from kvlab import native
+import kvlab.kernels.native as native
 from kvlab.convert import to_mla
 from kvlab.hf import config_from_hf
+from kvlab.kernels.native import ffi
 from tests.helpers import TOLERANCE, run_in_chunks
 
 FIXTURES = pathlib.Path(__file__).parent / "fixtures" / "hf"
@@ -114,11 +115,11 @@ def test_native_kernels_decode_transformers_logits_and_tokens(name, loaded, monk
     projections in 32-column panels, attention_impl='native', its kernels here
     for any cache size): token by token transformers' logits, and its greedy
     tokens."""
-    monkeypatch.setattr(native, "ATTENTION_MIN_BYTES", 0)
+    monkeypatch.setattr(ffi, "ATTENTION_MIN_BYTES", 0)
     cfg, params = loaded(name)
     model_cfg = cfg.model.copy_and_resolve_references()
     model_cfg.attention_impl = "native"
-    params = kvlab.panel_projections(kvlab.fuse_projections(params))
+    params = native.panel_projections(kvlab.fuse_projections(params))
     ref = reference(name)
     tokens = ref["tokens"]
     logits = token_by_token(model_cfg, cfg.cache, params, tokens, max_len=tokens.shape[1])

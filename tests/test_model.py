@@ -8,7 +8,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import kvlab
-from kvlab import native
 from tests.helpers import (
     TOLERANCE,
     VARIANTS,
@@ -394,96 +393,3 @@ def test_fusing_mismatched_projections_is_refused():
     attention["key"] = {"kernel": attention["key"]["kernel"][:, :1]}  # one head, value keeps two
     with pytest.raises(ValueError, match=r"do not fuse.*multiple of the key/value heads"):
         kvlab.fuse_projections(params)
-
-
-# ---------------------------------------------------------------------------
-# Weights in 32-column panels (kvlab.panel_projections, kvlab.native)
-
-
-def _kernels(params):
-    """{path: (kernel, number of input axes)} of every projection panel_projections converts."""
-    found = {}
-    for path, leaf in jax.tree_util.tree_leaves_with_path(params):
-        names = [k.key for k in path]
-        if names[-1] == "kernel" and names[-2] != "router" and leaf.shape[-1] % 32 == 0:
-            found["/".join(names[:-1])] = (leaf, 2 if names[-2] == "out" else 1)
-    return found
-
-
-@settings(max_examples=4)  # each example compiles two forwards and a decode step
-@given(
-    cfg=small_model_configs(),
-    option=st.sampled_from(["plain", "experts", "wide"]),
-    seed=st.integers(0, 3),
-)
-def test_panel_projections_compute_the_same_model(cfg, option, seed):
-    if option == "experts":  # 32 experts: the router could be panelled, and is not
-        cfg.model.moe.update(
-            num_experts=32, expert_dim=8, num_shared_experts=1, experts_per_token=2
-        )
-    elif option == "wide":  # every projection and the vocabulary a multiple of 32 wide
-        cfg.model.update(embed_dim=32, mlp_dim=32, vocab_size=64)
-        if cfg.model.attention == "gqa":
-            cfg.model.head_dim = 32
-    kvlab.config.validate_model_config(cfg.model)
-    model = kvlab.Transformer(cfg.model)
-    params = kvlab.fuse_projections(
-        _perturbed(kvlab.init_params(cfg.model, jax.random.key(seed)), seed)
-    )
-    panels = kvlab.panel_projections(params)
-
-    # Each kernel [K..., N...] with N % 32 == 0 became panels [N / 32, K, 32], where
-    # panels[b, k, j] is the kernel flattened to [K, N] at [k, 32 b + j].
-    converted = _kernels(params)
-    flat = {
-        "/".join(k.key for k in path[:-1]): leaf
-        for path, leaf in jax.tree_util.tree_leaves_with_path(panels)
-        if path[-1].key == "panels"
-    }
-    assert flat.keys() == converted.keys()
-    if option == "wide":
-        assert any(name.endswith("mlp/down") for name in flat)
-    for name, (kernel, inputs) in converted.items():
-        matrix = np.asarray(kernel).reshape(int(np.prod(kernel.shape[:inputs])), -1)
-        width = matrix.shape[1]
-        np.testing.assert_array_equal(
-            flat[name], matrix.reshape(-1, width // 32, 32).swapaxes(0, 1)
-        )
-    if option == "experts":
-        assert "kernel" in panels["block_0"]["mlp"]["router"]
-    table = params["embed"]["embedding"]
-    if cfg.model.tie_embeddings and cfg.model.vocab_size % 32 == 0:  # one table, both uses
-        assert "embed" not in panels
-        v = seed % cfg.model.vocab_size
-        np.testing.assert_array_equal(panels["embed_panels"][v // 32, :, v % 32], table[v])
-    else:
-        np.testing.assert_array_equal(panels["embed"]["embedding"], table)
-    assert kvlab.tree_bytes(panels) == kvlab.tree_bytes(params)
-    assert kvlab.panel_projections(panels).keys() == panels.keys()  # converted once
-
-    # A prompt (18 rows), then chunks of 8 rows and a decode step of 2 (the native
-    # kernels throughout where they run, attention's too with attention_impl='native'
-    # for the chunks and the step) through a cache with unwritten slots.
-    tokens = random_tokens(cfg, (2, 9), seed)
-    apply = jax.jit(model.apply)
-    want, _ = apply({"params": params}, tokens)
-    got, _ = apply({"params": panels}, tokens)
-    assert max_diff(got, want) <= TOLERANCE
-    cfg.model.attention_impl = "native"
-    native_apply = jax.jit(kvlab.Transformer(cfg.model).apply)
-    cache = kvlab.init_cache(cfg.model, cfg.cache, batch_size=2, max_len=16)
-    with pytest.MonkeyPatch.context() as patch:  # attention's kernels for any cache size
-        patch.setattr(native, "ATTENTION_MIN_BYTES", 0)
-        stepwise, _ = run_in_chunks(native_apply, panels, cache, tokens, [4, 1, 4])
-    assert max_diff(stepwise, want) <= TOLERANCE
-
-
-def test_a_panel_tree_is_refused_where_it_cannot_go():
-    cfg = tiny_config()
-    params = kvlab.init_params(cfg.model, jax.random.key(0))
-    panels = kvlab.panel_projections(params)
-    for convert in (kvlab.fuse_projections, kvlab.unfuse_projections):
-        with pytest.raises(ValueError, match="not kvlab.model.panel_projections' decode layout"):
-            convert(panels)
-    with pytest.raises(ValueError, match="save_hf|unfuse_projections"):
-        kvlab.save_hf(cfg, panels, "/nonexistent/never-written")

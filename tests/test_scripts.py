@@ -10,7 +10,7 @@ import jax
 import pytest
 
 import kvlab
-from kvlab import native
+import kvlab.kernels.native as native
 from kvlab.train import start_workdir
 from tests.helpers import ROOT
 

@@ -33,6 +33,7 @@ from jax.sharding import PartitionSpec as P
 
 import kvlab
 import kvlab.eval
+import kvlab.kernels.native as native
 import kvlab.probe
 import kvlab.sweep
 from kvlab import sharding, train
@@ -329,7 +330,7 @@ def test_on_mesh_fused_params_keep_the_head_and_mlp_layout(gqa):
 @on_eight
 def test_on_mesh_a_panel_tree_is_refused(gqa):
     cfg, mesh, rules, model, params, placed = gqa
-    panels = kvlab.panel_projections(kvlab.fuse_projections(params))
+    panels = native.panel_projections(kvlab.fuse_projections(params))
     with pytest.raises(ValueError, match="place_params on a mesh of 8 devices takes the param"):
         kvlab.sampling.place_params(cfg.model, panels, mesh, rules)
 

@@ -23,13 +23,12 @@ from hypothesis import strategies as st
 import kvlab
 from kvlab.cache import bits_label
 from kvlab.config import import_config_file
-from kvlab.data.tasks import evaluate_tasks
+from kvlab.eval_tasks import evaluate_tasks
 from kvlab.logging import read_offline_run
 from kvlab.sweep import (
     COLUMNS,
     SUMMARY_COLUMNS,
     Unit,
-    _write_csv,
     bootstrap,
     evaluate_model,
     expand,
@@ -45,6 +44,7 @@ from kvlab.sweep import (
     slice_units,
     split_sweep_config,
     time_left,
+    write_csv,
 )
 from kvlab.train import load_params
 from tests.helpers import ROOT, run_config, write_corpus
@@ -192,8 +192,8 @@ def test_names_stay_text_and_numbers_numbers_through_the_csvs(names, numbers):
             dict.fromkeys(SUMMARY_COLUMNS) | text | dict(mean=ppl, significant=significant)
         )
     with tempfile.TemporaryDirectory() as folder:
-        _write_csv(os.path.join(folder, "results.csv"), rows)
-        _write_csv(os.path.join(folder, "summary.csv"), summary, SUMMARY_COLUMNS)
+        write_csv(os.path.join(folder, "results.csv"), rows)
+        write_csv(os.path.join(folder, "summary.csv"), summary, SUMMARY_COLUMNS)
         assert typed(read_csv(os.path.join(folder, "results.csv"))) == typed(rows)
         assert typed(read_csv(os.path.join(folder, "summary.csv"), SUMMARY_COLUMNS)) == typed(
             summary
@@ -202,7 +202,7 @@ def test_names_stay_text_and_numbers_numbers_through_the_csvs(names, numbers):
 
 def test_a_cell_that_is_not_its_columns_type_is_refused_naming_it(tmp_path):
     nan = dict.fromkeys(COLUMNS) | dict(model="nan", cache="16", ppl=math.nan, seed=0)
-    _write_csv(str(tmp_path / "results.csv"), [nan])
+    write_csv(str(tmp_path / "results.csv"), [nan])
     (row,) = read_csv(str(tmp_path / "results.csv"))
     assert (row["model"], row["cache"], row["seed"]) == ("nan", "16", 0)
     assert math.isnan(row["ppl"])  # a number column's NaN is a number

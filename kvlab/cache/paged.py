@@ -25,11 +25,9 @@ import jax.numpy as jnp
 from flax import struct
 from jaxtyping import Array, Int
 
-from kvlab import native
 from kvlab.cache import quant
 from kvlab.cache.dense import Cache, DenseLayer
 from kvlab.cache.placement import Placement, write_tokens
-from kvlab.cache.protocols import ReadWhole
 
 
 def gather_pages(pool: Array, pages: Int[Array, "B n"], length: int) -> Array:
@@ -129,37 +127,6 @@ class PagedReader:
     def chunk(self, start, size: int) -> Array:
         return gather_span(self.pool, self.pages, start, size)
 
-    def native(self, limit, rows: int) -> NativePool | None:
-        """This pool read whole by kvlab.native's kernels through the block
-        tables, its first `limit` tokens (an int32 scalar: where the block's
-        mask ends), for `rows` queries per head; None where they cannot."""
-        return NativePool(self, limit) if native.reads_pool(self.pool, rows) else None
-
-
-@dataclasses.dataclass(frozen=True)
-class NativePool(ReadWhole):
-    """A pool (float32, or 16 bits widened in registers) whose products are
-    kvlab.native's kernels (model.attention_impl='native'), a page at a time
-    through the block tables: nothing is gathered, the pool is read whole
-    (`step` is the view's length) and only up to `limit` tokens."""
-
-    reader: PagedReader
-    limit: Array
-
-    @property
-    def shape(self) -> tuple[int, int, int, int]:
-        return self.reader.shape
-
-    def scores(self, q: Array) -> Array:
-        r = self.reader
-        return native.pool_scores(q, r.pool, r.pages, r.length, self.limit)
-
-    def weighted_sum(self, w: Array) -> Array:
-        return native.pool_weighted_sum(w, self.reader.pool, self.reader.pages, self.limit)
-
-    def dequantize(self) -> Array:
-        return self.reader.dequantize()
-
 
 @dataclasses.dataclass(frozen=True)
 class PagedPayloadReader:
@@ -202,10 +169,6 @@ class PagedPayloadReader:
     def chunk(self, start, size: int):
         take = lambda pool, first, count: gather_span(pool, self.pages, first, count)  # noqa: E731
         return quant.read_slice(self.tensor, take, start, size)
-
-    def native(self, limit, rows: int):
-        """As quant.PayloadReader.native: the pools read in place through the tables."""
-        return quant.native_payload(self, self.tensor, limit, rows, self.pages, self.rows)
 
 
 @struct.dataclass

@@ -11,13 +11,12 @@ row's length, slots are where its storage puts them.
 
 from __future__ import annotations
 
-import math
 from typing import NamedTuple
 
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Int, Shaped
 
-from kvlab import native
+from kvlab import backends
 
 
 def causal_mask(
@@ -84,11 +83,19 @@ def write_tokens(
     update wraps negative indices onto the end; a scatter in "drop" mode with
     negative slots moved past the end writes exactly the slots asked for and
     nothing else, so padding tokens (slot S) and overflowing tokens vanish
-    instead of overwriting real ones.
+    instead of overwriting real ones. The backend of the forward being traced
+    (kvlab.backends.writer) may write instead, with the same semantics (e.g.
+    kvlab/kernels/native: a 16-bit buffer in place on the CPU).
     """
     slots = jnp.where(slots < 0, buffer.shape[axis], slots)
-    if native.writes_in_place(buffer):  # 16-bit floats on one CPU (XLA rewrites all of them)
-        return _write_natively(buffer, new, slots, axis)
+    written = backends.writer().write(buffer, new, slots, axis)  # a backend's kernel, or None
+    return scatter_tokens(buffer, new, slots, axis) if written is None else written
+
+
+def scatter_tokens(buffer, new, slots, axis: int = 1):
+    """write_tokens' reference: one scatter in "drop" mode (slots of S and more,
+    negative ones moved there, are dropped)."""
+    slots = jnp.where(slots < 0, buffer.shape[axis], slots)
     if slots.ndim == 3:  # per head: slots [B, E, T] on a [B, KH, S, ...] buffer (E = 1 or KH)
         rows = jnp.arange(buffer.shape[0])[:, None, None]
         heads = jnp.arange(buffer.shape[1])[None, :, None]
@@ -99,13 +106,3 @@ def write_tokens(
     # Indexed this way the selected entries come out [B, T, (axes before `axis`), ...].
     values = jnp.moveaxis(new, axis, 1).astype(buffer.dtype)
     return buffer.at[index].set(values, mode="drop")
-
-
-def _write_natively(buffer, new, slots, axis: int):
-    """write_tokens by kvlab.native.write_tokens: the buffer seen as [B, X, S, Y]
-    (X the axes before `axis`, Y those after), only the new tokens written."""
-    lead, trail = buffer.shape[1:axis], buffer.shape[axis + 1 :]
-    shape = (buffer.shape[0], math.prod(lead), buffer.shape[axis], math.prod(trail))
-    fresh = new.reshape(shape[0], shape[1], new.shape[axis], shape[3])
-    slots = slots if slots.ndim == 3 else slots[:, None, :]  # [B, 1 or X, T]
-    return native.write_tokens(buffer.reshape(shape), fresh, slots).reshape(buffer.shape)

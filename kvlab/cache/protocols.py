@@ -30,19 +30,6 @@ Tensors = tuple  # one entry per cached tensor, in cached_tensors order: arrays 
 Block = tuple[Tensors, Bool[Array, "B T|1 S"]]  # (tensors, mask: which queries see which slots)
 
 
-class ReadWhole:
-    """A Reader that kvlab.native's kernels read whole (the native wrappers of
-    arrays, payloads and pools): its one slice is all S tokens (`step` is S,
-    `chunk` the reader itself), so attention never streams it."""
-
-    @property
-    def step(self) -> int:
-        return self.shape[2]
-
-    def chunk(self, start, size: int):
-        return self  # start 0 and size S: the one slice
-
-
 @runtime_checkable
 class Reader(Protocol):
     """Stored tokens that attention reads without materialising them as an array.

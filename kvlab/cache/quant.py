@@ -51,9 +51,7 @@ import jax.numpy as jnp
 from flax import struct
 from jaxtyping import Array
 
-from kvlab import native
 from kvlab.cache.placement import Placement, write_tokens
-from kvlab.cache.protocols import ReadWhole
 from kvlab.config import cached_tensors, dtype_of
 
 FP8 = jnp.float8_e4m3fn
@@ -349,56 +347,6 @@ class PayloadReader:
         if zero is not None:
             out = out + jnp.einsum("BKMJ,BKJd->BKMd", wg.sum(-1), zero)
         return out
-
-    def native(self, limit, rows: int) -> NativePayload | None:
-        """This payload read whole by kvlab.native's kernels, its first `limit`
-        tokens (an int32 scalar: where the block's mask ends), for `rows` queries
-        per head; None where the kernels cannot read it."""
-        return native_payload(self, self.tensor, limit, rows)
-
-
-def native_payload(reader, tensor: QuantizedTensor, limit, rows: int, pages=None, length=None):
-    """`reader` (of `tensor`'s payload, or of its page pools through block tables
-    `pages` with `length` tokens per row) as a NativePayload, or None."""
-    spec = tensor.spec
-    codes = native.Codes(
-        payload=tensor.payload,
-        scale=tensor.scale,
-        zero=tensor.zero,
-        bits=spec.bits,
-        fp8=spec.format == "fp8",
-        offset=2 ** (spec.bits - 1) if spec.format == "int" and spec.symmetric else 0,
-        channel=spec.axis == "channel",
-        group=spec.group_size,
-        pages=pages,
-        length=length,
-    )
-    return NativePayload(reader, codes, limit) if native.reads(codes, rows) else None
-
-
-@dataclasses.dataclass(frozen=True)
-class NativePayload(ReadWhole):
-    """A quantized payload whose products are kvlab.native's kernels
-    (model.attention_impl='native'): they dequantize a few tokens at a time in
-    the core's caches, so the payload is read whole (`step` is its length)
-    rather than in slices, and only its first `limit` tokens are read."""
-
-    reader: object  # the PayloadReader or PagedPayloadReader it replaces
-    codes: native.Codes
-    limit: Array
-
-    @property
-    def shape(self) -> tuple[int, int, int, int]:
-        return self.reader.shape
-
-    def scores(self, q: Array) -> Array:
-        return native.quant_scores(q, self.codes, self.limit)
-
-    def weighted_sum(self, w: Array) -> Array:
-        return native.quant_weighted_sum(w, self.codes, self.limit)
-
-    def dequantize(self) -> Array:
-        return self.reader.dequantize()
 
 
 def read_slice(tensor: QuantizedTensor, take, start, size: int):

@@ -22,17 +22,28 @@ text each target token adds (bits per byte; kvlab/train.py `summarize`).
 
 A dataset also has `metric` ('ppl' for text, 'accuracy' for MQAR), `vocab_size`,
 `seq_len` (T) and `describe()`, a small JSON-able dict of facts about it.
+
+A config is valid when its fields are (kvlab.config.validate_sections) and the
+data they name fits the model: `validate_config` (kvlab.validate_config) checks
+both, reading data.tokenizer, and `load_config` (kvlab.load_config) loads a
+config file and validates it:
+
+    cfg = load_config("configs/gqa.py:tiny")
+    cfg.data.tokenizer = "path/to/model"   # a folder holding tokenizer.json
+    validate_config(cfg)   # refused unless model.vocab_size holds its every token id
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 
-from kvlab.config import check_count
+import ml_collections
+
+from kvlab.config import check_count, import_config_file, validate_sections
 from kvlab.data.mqar import MqarDataset, mqar_batch
-from kvlab.data.tasks import TASKS, TaskDataset, evaluate_tasks, make_task
+from kvlab.data.tasks import TASKS, TaskDataset, check_tasks, make_task
 from kvlab.data.text import SPLITS, Batch, ByteDataset, load_corpus
-from kvlab.data.tokenizer import TokenDataset, Tokenizer, load_tokenizer
+from kvlab.data.tokenizer import TokenDataset, Tokenizer, check_vocab_size, load_tokenizer
 
 SOURCES = ("stdlib", "text", "mqar")
 
@@ -62,6 +73,27 @@ def make_dataset(
     return ByteDataset(data, split, seq_len)
 
 
+def validate_config(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+    """Completes and checks `cfg` as kvlab.config.validate_sections does, then what
+    the data it names says: model.vocab_size holds data.tokenizer's ids (the
+    tokenizer is read: a missing one is refused) and eval.tasks' samples fit their
+    lengths and the model. Returns `cfg`; raises ValueError naming the field, its
+    value and the fix, before anything is compiled."""
+    validate_sections(cfg)
+    if cfg.data.tokenizer:  # validate_sections refused one beside data.source='mqar'
+        check_vocab_size(cfg)
+    check_tasks(cfg)
+    return cfg
+
+
+def load_config(spec: str) -> ml_collections.ConfigDict:
+    """Loads `path/to/file.py[:arg]` through its `get_config(arg)`, completes and validates it."""
+    path, _, arg = spec.partition(":")
+    module = import_config_file(path)
+    cfg = module.get_config(arg) if arg else module.get_config()
+    return validate_config(cfg)
+
+
 __all__ = [
     "SOURCES",
     "SPLITS",
@@ -72,10 +104,11 @@ __all__ = [
     "TaskDataset",
     "TokenDataset",
     "Tokenizer",
-    "evaluate_tasks",
+    "load_config",
     "load_corpus",
     "load_tokenizer",
     "make_dataset",
     "make_task",
     "mqar_batch",
+    "validate_config",
 ]

@@ -43,7 +43,7 @@ from kvlab.data.text import SPLITS, Batch
 
 # The last word of every evaluation seed; training seeds end in a split index
 # (0, 1, 2), so no training batch shares a generator with an evaluation batch.
-_EVAL_STREAM = 2**32 - 1
+EVAL_STREAM = 2**32 - 1
 
 
 def num_keys(vocab_size: int) -> int:
@@ -139,7 +139,7 @@ class MqarDataset:
         """num_batches batches of the split's fixed evaluation sequences."""
         split_index = SPLITS.index(self.split)
         return [
-            self._generate(np.random.default_rng([split_index, i, _EVAL_STREAM]), batch_size)
+            self._generate(np.random.default_rng([split_index, i, EVAL_STREAM]), batch_size)
             for i in range(num_batches)
         ]
 

@@ -14,7 +14,7 @@ haystack's length, so depth 0 is the first token of the sequence and depth 1
 ends right before the question. The tasks (eval.task_params sizes them):
 
     needle      "\nThe pass key for <word> is <digits>.\n" at one depth (a dataset
-                per depth: evaluate_tasks runs eval.depths), then the question
+                per depth: kvlab.eval_tasks runs eval.depths), then the question
                 "\nWhat is the pass key for <word>? The pass key for <word> is "
                 and the answer <digits>
     multikey    num_keys such needles under distinct words at random depths; one asked
@@ -56,24 +56,23 @@ path, through data.tokenizer when set); under data.source='mqar' the text
 tasks read the 'stdlib' bytes. A row's haystack is a window of the split's files
 one after another (a haystack may cross a file boundary: it is only filler).
 
-Evaluation through a cache (kvlab/eval.py) at several lengths:
-
-    rows = evaluate_tasks(cfg, cache_cfg, params, ("needle", "vartrack"), (256, 512))
-    matrix, depths, lengths = needle_matrix(rows)  # accuracy float[D, L]: depths x lengths
-    plot_needle_grid("needle.png", matrix, depths, lengths, title="K4V4")
+`check_tasks(cfg)` refuses, naming the field, a config whose eval.tasks'
+samples do not fit their lengths or whose model cannot read their tokens
+(kvlab.validate_config runs it). Evaluation through a cache at several lengths
+is kvlab/eval_tasks.py's (`evaluate_tasks`).
 """
 
 from __future__ import annotations
 
-import io
 import os
 from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 
 from kvlab.config import BYTE_VOCAB_SIZE, EVAL_TASKS, check_count, eval_seq_len
-from kvlab.data.mqar import _EVAL_STREAM, MqarDataset
+from kvlab.data.mqar import EVAL_STREAM, MqarDataset
 from kvlab.data.text import SPLITS, Batch, load_corpus
+from kvlab.data.tokenizer import load_tokenizer, tokenized_split
 
 TASKS = EVAL_TASKS
 TEXT_TASKS = ("needle", "multikey", "multivalue", "vartrack")
@@ -220,6 +219,52 @@ def longest_sample_bytes(task: str, params: Mapping) -> int:
     return chains * (first + (hops - 1) * link) + len(QUESTION_VARIABLE.format(name=name)) + value
 
 
+def check_tasks(cfg: Mapping) -> None:
+    """Raises ValueError naming the field when eval.tasks' lengths (eval.task_lengths, or
+    the evaluation window) cannot hold their samples, or the model cannot read their
+    tokens: multikey's keys are distinct WORDS, MQAR's ids must be model ids, and the
+    text tasks' bytes need a model reading bytes. `cfg` has passed
+    kvlab.config.validate_sections."""
+    ev = cfg["eval"]
+    model, mqar = cfg["model"], cfg["data"]["mqar"]
+    if not ev["tasks"]:
+        return
+    num_keys = ev["task_params"]["num_keys"]
+    if "multikey" in ev["tasks"] and num_keys > len(WORDS):
+        raise ValueError(
+            f"eval.task_params.num_keys={num_keys!r} exceeds the {len(WORDS)} distinct words "
+            f"multikey draws its keys from: set eval.task_params.num_keys <= {len(WORDS)}"
+        )
+    if ev["task_lengths"]:
+        field, value, lengths = "eval.task_lengths", tuple(ev["task_lengths"]), ev["task_lengths"]
+    else:  # the tasks run at the evaluation window
+        field, value, lengths = "eval.seq_len", ev["seq_len"], (eval_seq_len(cfg),)
+    for task in ev["tasks"]:
+        if task == "mqar":
+            needed = 4 * mqar["num_pairs"] - 1
+            if mqar["vocab_size"] > model["vocab_size"]:
+                raise ValueError(
+                    f"data.mqar.vocab_size={mqar['vocab_size']!r} exceeds model.vocab_size="
+                    f"{model['vocab_size']} (eval.tasks holds 'mqar'): set data.mqar.vocab_size "
+                    f"<= {model['vocab_size']}"
+                )
+        else:
+            needed = longest_sample_bytes(task, ev["task_params"]) - 1
+            if cfg["data"]["source"] == "mqar" and model["vocab_size"] < BYTE_VOCAB_SIZE:
+                raise ValueError(
+                    f"eval.tasks={tuple(ev['tasks'])!r} holds {task!r}, which reads stdlib "
+                    f"bytes, but model.vocab_size={model['vocab_size']} is below "
+                    f"{BYTE_VOCAB_SIZE}: keep only 'mqar' in eval.tasks for this model"
+                )
+        short = [length for length in lengths if length < needed]
+        if short:
+            raise ValueError(
+                f"{field}={value!r} gives {task!r} {short[0]} tokens, but its samples need up to "
+                f"{needed} (statements, question and answer): give lengths >= {needed} in "
+                "eval.task_lengths, or shrink eval.task_params"
+            )
+
+
 # ---------------------------------------------------------------------------
 # Sequences: a sample encoded and placed in a haystack
 
@@ -313,8 +358,6 @@ class TaskDataset:
         key = os.path.abspath(path) if path else ""
         tokenizer = data.get("tokenizer", "") if self.source == data["source"] else ""
         if tokenizer:
-            from kvlab.data.tokenizer import load_tokenizer, tokenized_split
-
             self.tokenizer = load_tokenizer(tokenizer)
             self.vocab_size = self.tokenizer.vocab_size
             self.tokens = tokenized_split(self.source, key, self.tokenizer, split).tokens
@@ -359,7 +402,7 @@ class TaskDataset:
         """num_batches batches of the split's fixed sequences (the same on every call)."""
         split, task = SPLITS.index(self.split), TASKS.index(self.task)
         return [
-            self._generate(np.random.default_rng([split, i, _EVAL_STREAM, task]), batch_size)
+            self._generate(np.random.default_rng([split, i, EVAL_STREAM, task]), batch_size)
             for i in range(num_batches)
         ]
 
@@ -392,121 +435,3 @@ def make_task(
 def task_lengths(cfg: Mapping) -> tuple[int, ...]:
     """The lengths a config's tasks run at: eval.task_lengths, or eval.seq_len alone."""
     return tuple(cfg["eval"]["task_lengths"]) or (eval_seq_len(cfg),)
-
-
-# ---------------------------------------------------------------------------
-# Evaluation through a cache
-
-
-def evaluate_tasks(
-    cfg: Mapping,
-    cache_cfg: Mapping,
-    params,
-    tasks: Sequence[str] | None = None,
-    lengths: Sequence[int] | None = None,
-    *,
-    depths: Sequence[float] | None = None,
-    split: str | None = None,
-    chunk: int | None = None,
-    mesh=None,
-    rules=None,
-) -> list[dict]:
-    """One row per (task, length): the task's accuracy through `cache_cfg`.
-
-    Defaults from `cfg`: tasks eval.tasks, lengths task_lengths(cfg), depths
-    eval.depths, split eval.split, chunk eval.chunk; eval.batch_size x
-    eval.num_batches sequences per task, length and depth. A row holds task,
-    seq_len, accuracy, targets and the cache's bytes per token (kvlab.eval.evaluate);
-    a needle row averages its depths (each equally weighted) and keeps them in
-    `depths` and `depth_accuracy`. Every dataset is built (and every bad length
-    refused) before anything compiles.
-    """
-    from kvlab.eval import evaluate  # kvlab.eval -> kvlab.train -> kvlab.data
-
-    ev = cfg["eval"]
-    tasks = tuple(ev["tasks"] if tasks is None else tasks)
-    lengths = tuple(task_lengths(cfg) if lengths is None else lengths)
-    depths = tuple(ev["depths"] if depths is None else depths)
-    split = split or ev["split"]
-    on_mesh = dict(chunk=chunk or ev["chunk"], mesh=mesh, rules=rules)
-    for task in tasks:
-        if task not in TASKS:
-            raise ValueError(
-                f"eval.tasks holds {task!r}, which is not a task: use any of "
-                f"{', '.join(map(repr, TASKS))}"
-            )
-    plan = []  # (task, length, [(depth, batches)])
-    for task in tasks:
-        for length in lengths:
-            at = depths if task == "needle" else (None,)
-            made = [
-                (d, make_task(task, cfg, split, length, d).eval_batches(
-                    ev["batch_size"], ev["num_batches"]
-                ))
-                for d in at
-            ]  # fmt: skip
-            plan.append((task, length, made))
-    rows = []
-    for task, length, made in plan:
-        results = [(d, evaluate(cfg["model"], cache_cfg, params, b, **on_mesh)) for d, b in made]
-        first = results[0][1]
-        row = dict(
-            task=task,
-            seq_len=length,
-            accuracy=float(np.mean([r["accuracy"] for _, r in results])),
-            targets=sum(r["targets"] for _, r in results),
-            cache_bytes_per_token=first["cache_bytes_per_token"],
-            cache_bytes_per_token_long=first["cache_bytes_per_token_long"],
-        )
-        if task == "needle":
-            row.update(depths=list(depths), depth_accuracy=[r["accuracy"] for _, r in results])
-        rows.append(row)
-    return rows
-
-
-def needle_matrix(rows: Sequence[Mapping]) -> tuple[np.ndarray, list[float], list[int]]:
-    """(accuracy float[D, L], depths, lengths) from evaluate_tasks' needle rows."""
-    needle = sorted((r for r in rows if r["task"] == "needle"), key=lambda r: r["seq_len"])
-    if not needle:
-        raise ValueError("no needle rows: add 'needle' to eval.tasks (or --tasks)")
-    depths = list(needle[0]["depths"])
-    matrix = np.array([r["depth_accuracy"] for r in needle], np.float64).T  # [D, L]
-    return matrix, depths, [r["seq_len"] for r in needle]
-
-
-def plot_needle_grid(
-    path: str,
-    accuracy: np.ndarray,
-    depths: Sequence[float],
-    lengths: Sequence[int],
-    title: str = "",
-) -> None:
-    """A depth x length heat map of needle accuracy (red 0 to green 1), written atomically."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    from kvlab.files import write_atomic
-
-    accuracy = np.asarray(accuracy, np.float64)
-    if accuracy.shape != (len(depths), len(lengths)):
-        raise ValueError(
-            f"accuracy has shape {accuracy.shape}, not (depths, lengths) = "
-            f"({len(depths)}, {len(lengths)}): pass needle_matrix's outputs"
-        )
-    fig, ax = plt.subplots(figsize=(2.8 + 0.8 * len(lengths), 1.6 + 0.4 * len(depths)), dpi=120)
-    image = ax.imshow(accuracy, cmap="RdYlGn", vmin=0.0, vmax=1.0, aspect="auto")
-    for (i, j), value in np.ndenumerate(accuracy):
-        ax.text(j, i, f"{value:.2f}", ha="center", va="center", fontsize=8)
-    ax.set_xticks(range(len(lengths)), [str(n) for n in lengths], fontsize=8)
-    ax.set_yticks(range(len(depths)), [f"{100 * d:g}%" for d in depths], fontsize=8)
-    ax.set_xlabel("context length (tokens)")
-    ax.set_ylabel("needle depth")
-    ax.set_title(title, fontsize=9)
-    fig.colorbar(image, ax=ax, label="accuracy")
-    fig.tight_layout()
-    buffer = io.BytesIO()
-    fig.savefig(buffer, format="png")
-    plt.close(fig)
-    write_atomic(path, buffer.getvalue())

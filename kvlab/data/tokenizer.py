@@ -109,6 +109,19 @@ def load_tokenizer(path: str) -> Tokenizer:
     return _load(file, info.st_mtime_ns, info.st_size)
 
 
+def check_vocab_size(cfg: Mapping) -> None:
+    """Raises ValueError unless model.vocab_size holds every id of data.tokenizer
+    (read here: a missing or unreadable tokenizer is refused, naming data.tokenizer).
+    kvlab.validate_config runs it for a config with a tokenizer."""
+    needed = load_tokenizer(cfg["data"]["tokenizer"]).vocab_size
+    vocab_size = cfg["model"]["vocab_size"]
+    if vocab_size < needed:
+        raise ValueError(
+            f"model.vocab_size={vocab_size!r} is below the {needed} token ids of "
+            f"data.tokenizer={cfg['data']['tokenizer']!r}: set model.vocab_size >= {needed}"
+        )
+
+
 @functools.lru_cache(maxsize=4)
 def _load(file: str, mtime_ns: int, size: int) -> Tokenizer:
     del mtime_ns, size  # cache keys only: an edited file is read again

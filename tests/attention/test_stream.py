@@ -18,7 +18,6 @@ from hypothesis import strategies as st
 
 import kvlab
 import kvlab.attention.core as core
-from kvlab import native
 from kvlab.cache import quant
 from kvlab.cache.paged import PagedPayloadReader, PagedReader
 from tests.helpers import ROOT
@@ -160,72 +159,6 @@ def test_streamed_decode_equals_whole_decode_in_the_model(config, cache):
     tokens = np.random.default_rng(0).integers(0, cfg.model.vocab_size, (2, 40), np.int32)
     whole = decode_logits(cfg, params, tokens, 10**9)
     np.testing.assert_allclose(decode_logits(cfg, params, tokens, 8), whole, atol=1e-5)
-
-
-@pytest.mark.parametrize(
-    "config, cache",
-    [
-        ("gqa.py:tiny", dict(kind="paged", k_bits=4, v_bits=2, group_size=4, page_size=8)),
-        ("gqa.py:tiny", dict(kind="paged", page_size=8)),
-        ("mla.py:tiny", dict(latent_bits=8, rope_bits=4, group_size=4)),
-    ],
-)
-def test_pallas_kernels_give_the_xla_logits(config, cache):
-    """model.attention_impl='pallas' (the kernels in interpret mode on CPU) reads
-    paged KIVI, paged 16-bit and quantized latent caches to the XLA path's logits."""
-    cfg = kvlab.load_config(f"{ROOT}/configs/{config}")
-    cfg.cache.update(cache)
-    cfg.model.num_layers = 1
-    cfg = kvlab.validate_config(cfg)
-    params = kvlab.init_params(cfg.model, jax.random.key(0))
-    tokens = np.random.default_rng(0).integers(0, cfg.model.vocab_size, (2, 40), np.int32)
-    xla = decode_logits(cfg, params, tokens, 10**9)
-    cfg.model.attention_impl = "pallas"
-    np.testing.assert_allclose(decode_logits(cfg, params, tokens, 10**9), xla, atol=1e-5)
-
-
-@pytest.mark.parametrize(
-    "config, cache, stream_tokens",
-    [
-        ("gqa.py:tiny", dict(), 10**9),
-        ("gqa.py:tiny", dict(window=16), 10**9),  # a ring of 16 slots, masked as a band
-        ("mla.py:tiny", dict(), 10**9),
-        # 16-bit arrays, widened in registers by the kernels (streamed on XLA's path)
-        ("gqa.py:tiny", dict(dtype="bfloat16"), 8),
-        ("mla.py:tiny", dict(dtype="bfloat16"), 8),  # one latent, read as keys and values
-        ("gqa.py:tiny", dict(dtype="float16", v_bits=4, group_size=4), 8),  # beside codes
-        # page pools, read through the block tables by the kernels
-        ("gqa.py:tiny", dict(kind="paged", page_size=8), 8),
-        ("gqa.py:tiny", dict(kind="paged", page_size=8, dtype="bfloat16", v_bits=4), 8),
-        # quantized payloads, read in place by the kernels (streamed on XLA's path)
-        ("gqa.py:tiny", dict(k_bits=4, v_bits=2, group_size=4), 8),  # KIVI, zero points
-        ("gqa.py:tiny", dict(k_bits=8, v_bits=8, k_axis="token", symmetric=True), 8),
-        ("gqa.py:tiny", dict(k_bits=8, v_bits=4, k_format="fp8", scale_dtype="float16"), 8),
-        ("gqa.py:tiny", dict(k_bits=2, v_bits=4, residual=8, group_size=4, window=24), 8),
-        ("mla.py:tiny", dict(latent_bits=4, rope_bits=8, group_size=4), 8),
-        ("gqa.py:tiny", dict(kind="paged", k_bits=4, v_bits=2, group_size=4, page_size=8), 8),
-        ("gqa.py:tiny", dict(kind="paged", k_bits=8, v_bits=8, k_axis="token", page_size=8), 8),
-    ],
-)
-def test_native_kernels_give_the_xla_logits(config, cache, stream_tokens, monkeypatch):
-    """model.attention_impl='native' (kvlab.native's products for float32 arrays,
-    here for any cache size, 16-bit arrays and quantized payloads) decodes dense,
-    16-bit, windowed, latent and quantized caches (rows' own or paged) to the
-    XLA path's logits;
-    where the kernels are unavailable it is the XLA path."""
-    monkeypatch.setattr(native, "ATTENTION_MIN_BYTES", 0)
-    cfg = kvlab.load_config(f"{ROOT}/configs/{config}")
-    if "window" in cache:
-        cfg.model.sliding_window = cache.pop("window")
-    cfg.cache.update(cache)
-    cfg = kvlab.validate_config(cfg)
-    params = kvlab.init_params(cfg.model, jax.random.key(0))
-    tokens = np.random.default_rng(0).integers(0, cfg.model.vocab_size, (2, 40), np.int32)
-    xla = decode_logits(cfg, params, tokens, stream_tokens)
-    cfg.model.attention_impl = "native"
-    got = decode_logits(cfg, params, tokens, stream_tokens)
-    # float32 sums in another order (whole, not in slices): within 1e-5 plus 1e-4 of a logit
-    np.testing.assert_allclose(got, xla, atol=1e-5, rtol=1e-4)
 
 
 def test_attention_impl_is_checked():

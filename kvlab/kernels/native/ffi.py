@@ -1,6 +1,6 @@
-"""Native CPU kernels, compiled on first use and called through XLA's FFI.
+"""kvlab's C++ CPU kernels (kernels.cc): built on first use, called through XLA's FFI.
 
-available() -> bool                 the kernels are built and registered
+load() -> str | None                the reason they cannot run here, or None (built, registered)
 panel_matmul(x [M, K], panels [N / 32, K, 32]) -> [M, N]        M rows of x @ W
 scores(q [..., M, H], k [..., S, H], limit) -> [..., M, S]      attention scores
 weighted_sum(w [..., M, S], v [..., S, H], limit) -> [..., M, H] attention output
@@ -10,29 +10,31 @@ quant_scores(q, codes: Codes, limit), quant_weighted_sum(w, codes: Codes, limit)
                                     the same over quantized codes, read in place
 write_tokens(buffer, new, slots) -> buffer     a 16-bit cache write, in place
 
+Each function here is the kernel's call alone (`jax.ffi.ffi_call` of a
+target registered for the CPU): which operands it takes, and on which
+platform a program calls it, is the backend's choice (kvlab/kernels/native,
+jax.lax.platform_dependent), never checked here at trace time.
+
 XLA:CPU runs a one-row product on one core and hands products of 2 to 16 rows
 to a general matrix routine that repacks the weights on every call, so a decode
 step (a few rows against every weight of the model) reads its weights at a
 fraction of the memory bandwidth. `panel_matmul` reads weights stored as
-32-column panels (kvlab.panel_projections makes them) once per call on all of
-XLA's intra-op threads, whatever the number of rows (a prompt's too: kernels.cc
-says how); `scores` and `weighted_sum` do the same for decode
-attention's products over a cache (model.attention_impl='native'), and
+32-column panels once per call on all of XLA's intra-op threads, whatever the
+number of rows (a prompt's too: kernels.cc says how); `scores` and
+`weighted_sum` do the same for decode attention's products over a cache, and
 `quant_scores` and `quant_weighted_sum` over a quantized cache's packed codes
 (kvlab/cache/quant.py), dequantizing a few tokens at a time in the core's own
 caches. Each attention kernel takes float32 queries or weights and up to
 MAX_ROWS rows (caches in float32, or bfloat16 and float16 widened as they are
-read); anything else goes to XLA. XLA:CPU also updates a 16-bit buffer through
-a float32 copy of all of it, so `write_tokens` writes a 16-bit cache's new
-tokens in place.
+read). XLA:CPU also updates a 16-bit buffer through a float32 copy of all of
+it, so `write_tokens` writes a 16-bit cache's new tokens in place.
 
 The source is built with the system C++ compiler (`$CXX`, else `c++`) for
-x86-64 CPUs with AVX-512F the first time a process asks for it, into
+x86-64 CPUs with AVX-512F the first time a process loads it, into
 `$KVLAB_NATIVE_CACHE` (default ~/.cache/kvlab/native), named by a hash of the
 source, the flags and the jax and jaxlib versions, and written there
-atomically. Without a compiler, on another CPU, or with KVLAB_NATIVE=0,
-available() is False (the reason is in unavailable_reason()) and callers use
-XLA's products instead.
+atomically. Without a compiler, on another CPU, or with KVLAB_NATIVE=0, load()
+says why and nothing is registered.
 """
 
 from __future__ import annotations
@@ -124,7 +126,7 @@ def build(directory: Path | None = None) -> Path:
 
 
 @functools.cache
-def _load() -> str | None:
+def load() -> str | None:
     """Builds and registers the kernels once per process; the reason they are
     unavailable, or None."""
     if os.environ.get("KVLAB_NATIVE", "1") == "0":
@@ -148,27 +150,8 @@ def _load() -> str | None:
     return None
 
 
-def unavailable_reason() -> str | None:
-    """Why the kernels cannot run in this process, or None when they can."""
-    return _load()
-
-
 def available() -> bool:
-    return _load() is None
-
-
-def _on_cpu() -> bool:
-    return jax.default_backend() == "cpu" and available()
-
-
-def runs(rows: int) -> bool:
-    """Whether the kernels run here (on CPU, available) for `rows` query rows."""
-    return rows <= MAX_ROWS and _on_cpu()
-
-
-def _native(*arrays: jax.Array, rows: int) -> bool:
-    """Whether the kernels take these operands: float32, at most MAX_ROWS rows, on CPU."""
-    return all(a.dtype == jnp.float32 for a in arrays) and runs(rows)
+    return load() is None
 
 
 def _call(target: str, shape: tuple, *arrays: jax.Array) -> jax.Array:
@@ -177,14 +160,17 @@ def _call(target: str, shape: tuple, *arrays: jax.Array) -> jax.Array:
 
 
 def panel_matmul(x: jax.Array, panels: jax.Array) -> jax.Array:
-    """x [M, K] @ W for W stored as panels [N / 32, K, 32] (W[k, 32 b + j] =
-    panels[b, k, j]): the native kernel for float32 on CPU when available(),
-    else one XLA product over the panels (any backend or dtype)."""
+    """x [M, K] @ W for float32 x and W stored as panels [N / 32, K, 32]
+    (W[k, 32 b + j] = panels[b, k, j])."""
     (rows, depth), (count, panel_depth, width) = x.shape, panels.shape
     if panel_depth != depth or width != PANEL:
         raise ValueError(f"x {x.shape} and panels {panels.shape} do not multiply")
-    if x.dtype == panels.dtype == jnp.float32 and _on_cpu():
-        return _call("kvlab_panel_matmul", (rows, count * PANEL), x, panels)
+    return _call("kvlab_panel_matmul", (rows, count * PANEL), x, panels)
+
+
+def panel_einsum(x: jax.Array, panels: jax.Array) -> jax.Array:
+    """panel_matmul's product by XLA (any platform, any dtype)."""
+    rows, count = x.shape[0], panels.shape[0]
     return jnp.einsum("mk,bkj->mbj", x, panels).reshape(rows, count * PANEL)
 
 
@@ -197,10 +183,23 @@ ATTENTION_MIN_BYTES = 1 << 20
 HALF = (jnp.bfloat16, jnp.float16)  # 16-bit storage the kernels widen as they read
 
 
-def _native_attention(a: jax.Array, b: jax.Array, rows: int) -> bool:
+def _check_rows(rows: int) -> None:
+    if rows > MAX_ROWS:
+        raise ValueError(
+            f"the attention kernels take at most MAX_ROWS={MAX_ROWS} query rows per slice, "
+            f"not {rows}: leave more rows (a prompt) to XLA's product"
+        )
+
+
+def takes_attention(b: jax.Array, rows: int) -> bool:
+    """Whether `scores` and `weighted_sum` take keys or values `b` read by `rows`
+    float32 queries per slice where they beat XLA's product: 16-bit `b` at any
+    size, float32 from 2 rows and ATTENTION_MIN_BYTES."""
+    if rows > MAX_ROWS:
+        return False
     if b.dtype in HALF:
-        return a.dtype == jnp.float32 and runs(rows)
-    return rows >= 2 and b.size * 4 >= ATTENTION_MIN_BYTES and _native(a, b, rows=rows)
+        return True
+    return b.dtype == jnp.float32 and rows >= 2 and b.size * 4 >= ATTENTION_MIN_BYTES
 
 
 def _per_slice(target: str, a: jax.Array, b: jax.Array, limit, out: tuple) -> jax.Array:
@@ -216,45 +215,40 @@ def _per_slice(target: str, a: jax.Array, b: jax.Array, limit, out: tuple) -> ja
 
 def scores(q: jax.Array, k: jax.Array, limit=None) -> jax.Array:
     """Attention scores float32 [..., M, S] of float32 queries [..., M, H] against
-    keys [..., S, H] (the same leading axes): one dot product per query and key,
-    by the native kernel on CPU for up to MAX_ROWS queries over float32 keys
-    (from 2 queries and ATTENTION_MIN_BYTES of keys) or bfloat16 or float16 keys
-    (widened as they are read), each slice's keys read once and slices spread
-    over the threads; else XLA's product. Only keys before `limit` (int32 [];
-    default all) are scored: the rest score 0, for the caller to mask."""
+    keys [..., S, H] (the same leading axes; float32, bfloat16 or float16 keys,
+    widened as they are read; up to MAX_ROWS queries): one dot product per query
+    and key, each slice's keys read once and slices spread over the threads.
+    Only keys before `limit` (int32 []; default all) are scored: the rest score
+    0, for the caller to mask."""
     lead, (rows, width), length = q.shape[:-2], q.shape[-2:], k.shape[-2]
     if k.shape[:-2] != lead or k.shape[-1] != width:
         raise ValueError(f"queries {q.shape} and keys {k.shape} do not match")
-    if _native_attention(q, k, rows):
-        return _per_slice("kvlab_scores", q, k, limit, (rows, length))
-    out = jnp.einsum("...mh,...sh->...ms", q, k, preferred_element_type=jnp.float32)
-    return out if limit is None else jnp.where(jnp.arange(length) < limit, out, 0.0)
+    _check_rows(rows)
+    return _per_slice("kvlab_scores", q, k, limit, (rows, length))
 
 
 def weighted_sum(w: jax.Array, v: jax.Array, limit=None) -> jax.Array:
     """float32 [..., M, H]: float32 weights [..., M, S] over values [..., S, H],
-    by the native kernel as `scores`, else XLA's product; values and weights
-    from `limit` on count as 0 (the kernel never reads them)."""
+    as `scores` takes them; values and weights from `limit` on count as 0 (the
+    kernel never reads them)."""
     lead, (rows, length), width = w.shape[:-2], w.shape[-2:], v.shape[-1]
     if v.shape[:-2] != lead or v.shape[-2] != length:
         raise ValueError(f"weights {w.shape} and values {v.shape} do not match")
-    if _native_attention(w, v, rows):
-        return _per_slice("kvlab_weighted_sum", w, v, limit, (rows, width))
-    if limit is not None:
-        w = jnp.where(jnp.arange(length) < limit, w, 0.0)
-    return jnp.einsum("...ms,...sh->...mh", w, v, preferred_element_type=jnp.float32)
+    _check_rows(rows)
+    return _per_slice("kvlab_weighted_sum", w, v, limit, (rows, width))
 
 
 def reads_pool(pool: jax.Array, rows: int) -> bool:
     """Whether `pool_scores` and `pool_weighted_sum` take this page pool
     (float32, bfloat16 or float16) and `rows` queries per KV head."""
-    return pool.dtype in (jnp.float32, *HALF) and runs(rows)
+    return pool.dtype in (jnp.float32, *HALF) and rows <= MAX_ROWS
 
 
 def _pool_call(target: str, a: jax.Array, pool: jax.Array, pages: jax.Array, limit, out: tuple):
     """`target` over a [B, KH, M, .] and a pool [KH, P, L, H] read through block
     tables pages [B, n], giving [B, KH, M, *out]."""
     batch, heads, rows = a.shape[:3]
+    _check_rows(rows)
     flat = a.astype(jnp.float32).reshape(batch * heads, rows, a.shape[3])
     limit = jnp.asarray(limit, jnp.int32)
     shape = (batch * heads, rows, *out)
@@ -281,48 +275,30 @@ def _check_pool(a: jax.Array, pool: jax.Array, pages: jax.Array, length: int, wi
         )
 
 
-def _gathered(pool: jax.Array, pages: jax.Array, length: int) -> jax.Array:
-    """[B, KH, S, H]: the pool's tokens as the block tables order them."""
-    per_page, tokens = pool.shape[2], jnp.arange(length)
-    page = pages[:, tokens // per_page]  # [B, S]
-    page = jnp.clip(page, 0, pool.shape[1] - 1)
-    return jnp.moveaxis(pool[:, page, tokens % per_page], 0, 1)
-
-
 def pool_scores(q: jax.Array, pool: jax.Array, pages: jax.Array, length: int, limit) -> jax.Array:
     """Scores float32 [B, KH, M, S] (S = `length`) of queries [B, KH, M, H]
     against a page pool [KH, P, L, H] (float32, or 16 bits widened as read) seen
     through block tables [B, n] (row b's token t in page pages[b, t // L]; an
     entry outside the pool reads the nearest page, clipped as
-    kvlab.cache.paged.gather_pages clips it), by the native kernel a page at a
-    time where reads_pool, else XLA's product over the gathered tokens; tokens
-    from `limit` on score 0."""
+    kvlab.cache.paged.gather_pages clips it), a page at a time; tokens from
+    `limit` on score 0."""
     _check_pool(q, pool, pages, length, q.shape[-1])
-    if reads_pool(pool, q.shape[2]):
-        return _pool_call("kvlab_scores", q, pool, pages, limit, (length,))
-    keys = _gathered(pool, pages, length).astype(jnp.float32)
-    out = jnp.einsum("bkmh,bksh->bkms", q.astype(jnp.float32), keys)
-    return jnp.where(jnp.arange(length) < limit, out, 0.0)
+    return _pool_call("kvlab_scores", q, pool, pages, limit, (length,))
 
 
 def pool_weighted_sum(w: jax.Array, pool: jax.Array, pages: jax.Array, limit) -> jax.Array:
     """float32 [B, KH, M, H]: weights [B, KH, M, S] over the pool's tokens as
     pool_scores sees them; weights from `limit` on count as 0 (the kernel never
     reads them)."""
-    length = w.shape[-1]
-    _check_pool(w, pool, pages, length, pool.shape[-1])
-    if reads_pool(pool, w.shape[2]):
-        return _pool_call("kvlab_weighted_sum", w, pool, pages, limit, (pool.shape[-1],))
-    values = _gathered(pool, pages, length).astype(jnp.float32)
-    w = jnp.where(jnp.arange(length) < limit, w.astype(jnp.float32), 0.0)
-    return jnp.einsum("bkms,bksh->bkmh", w, values)
+    _check_pool(w, pool, pages, w.shape[-1], pool.shape[-1])
+    return _pool_call("kvlab_weighted_sum", w, pool, pages, limit, (pool.shape[-1],))
 
 
 def writes_in_place(buffer: jax.Array) -> bool:
     """Whether `write_tokens` takes this buffer: 16-bit floats (which XLA:CPU
-    updates through a float32 copy of the whole buffer) in a one-device CPU
-    process (XLA would replicate a sharded operand around the call)."""
-    return buffer.dtype in HALF and jax.device_count() == 1 and _on_cpu()
+    updates through a float32 copy of the whole buffer) in a one-device process
+    (XLA would replicate a sharded operand around the call)."""
+    return buffer.dtype in HALF and jax.device_count() == 1
 
 
 def write_tokens(buffer: jax.Array, new: jax.Array, slots: jax.Array) -> jax.Array:
@@ -330,8 +306,6 @@ def write_tokens(buffer: jax.Array, new: jax.Array, slots: jax.Array) -> jax.Arr
     slots[b, x or 0, t] (int32 [B, 1 or X, T]; slots outside 0..S-1 dropped),
     written in place by the native kernel: the new buffer is the old one's
     memory where XLA can donate it (kvlab/cache/placement.write_tokens)."""
-    if unavailable_reason() is not None:
-        raise RuntimeError(f"native.write_tokens needs the kernels: {unavailable_reason()}")
     b, x, _, y = buffer.shape if buffer.ndim == 4 else (None,) * 4
     fits = (
         b is not None
@@ -408,11 +382,11 @@ class Codes:
 
 def reads(codes: Codes, rows: int) -> bool:
     """Whether `quant_scores` and `quant_weighted_sum` take these codes and
-    `rows` queries (at most MAX_ROWS, scales of a float dtype, on CPU)."""
+    `rows` queries (at most MAX_ROWS, scales of a float dtype)."""
     return (
         codes.payload.dtype == jnp.uint8
         and codes.scale.dtype in (jnp.float32, jnp.bfloat16, jnp.float16)
-        and runs(rows)
+        and rows <= MAX_ROWS
     )
 
 
@@ -420,6 +394,7 @@ def _quant_call(target: str, x: jax.Array, codes: Codes, limit, out: tuple) -> j
     """`target` over x [B, KH, M, .] and the codes as [B * KH, ...] slices (or
     pools), giving [B, KH, M, *out]."""
     lead, rows = x.shape[:-2], x.shape[-2]
+    _check_rows(rows)
     slices = math.prod(lead)
 
     def flat(a):
@@ -438,7 +413,7 @@ def _quant_call(target: str, x: jax.Array, codes: Codes, limit, out: tuple) -> j
 def quant_scores(q: jax.Array, codes: Codes, limit) -> jax.Array:
     """float32 [B, KH, M, S]: queries [B, KH, M, H] against the first `limit`
     (an int32 scalar, may be traced) of the S stored tokens, 0 for the others;
-    the native kernel where `reads(codes, M)`, which the caller checks."""
+    where `reads(codes, M)`, which the caller checks."""
     b, kh, length, width = codes.shape
     if q.shape[:2] != (b, kh) or q.shape[-1] != width:
         raise ValueError(f"queries {q.shape} and codes of {codes.shape} do not match")

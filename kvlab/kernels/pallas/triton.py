@@ -652,6 +652,19 @@ def _run(queries, keys, values, lengths, tables, call: _Call, interpret: bool):
     return merge_partials(*splits)
 
 
+def compiles(q, keys, values, lengths, *, scale: float) -> bool:
+    """Whether the Triton kernel (interpret=False) takes these stored_attention
+    arguments: its tiles must be powers of two (module docstring, "Limits"),
+    which the interpreter does not ask."""
+    queries = tuple(q) if isinstance(q, (tuple, list)) else (q,)
+    keys = (keys,) if isinstance(keys, Stored) else tuple(keys)
+    try:
+        _plan(queries, keys, values, lengths, scale, None, 1, "float32", False)
+    except ValueError:
+        return False
+    return True
+
+
 def stored_attention(
     q: Float[Array, "B K M H"] | Sequence[Float[Array, "B K M _"]],
     keys: Stored | Sequence[Stored],

@@ -18,10 +18,13 @@ from einops import rearrange
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import kvlab
 from kvlab.attention.core import MASKED, attend
-from kvlab.attention.pallas import Stored, merge_partials, stored_attention
 from kvlab.cache.paged import gather_pages
 from kvlab.cache.quant import QuantizedTensor, Storage, dequantize_tokens, quantize_tokens
+from kvlab.kernels.pallas.triton import Stored, merge_partials, stored_attention
+from tests.attention.test_stream import decode_logits
+from tests.helpers import ROOT
 
 TOLERANCE = 1e-5  # relative to the largest |value| of what is compared
 # These programs are tiny and each compiles once: XLA's lowest optimization level halves
@@ -533,3 +536,25 @@ def test_bad_arguments_are_refused_with_the_fix(change, message):
     q, keys, values, lengths = (arguments.pop(n) for n in ("q", "keys", "values", "lengths"))
     with pytest.raises(ValueError, match=message):
         stored_attention(q, keys, values, lengths, **arguments)
+
+
+@pytest.mark.parametrize(
+    "config, cache",
+    [
+        ("gqa.py:tiny", dict(kind="paged", k_bits=4, v_bits=2, group_size=4, page_size=8)),
+        ("gqa.py:tiny", dict(kind="paged", page_size=8)),
+        ("mla.py:tiny", dict(latent_bits=8, rope_bits=4, group_size=4)),
+    ],
+)
+def test_pallas_kernels_give_the_xla_logits(config, cache):
+    """model.attention_impl='pallas' (the kernels in interpret mode on CPU) reads
+    paged KIVI, paged 16-bit and quantized latent caches to the XLA path's logits."""
+    cfg = kvlab.load_config(f"{ROOT}/configs/{config}")
+    cfg.cache.update(cache)
+    cfg.model.num_layers = 1
+    cfg = kvlab.validate_config(cfg)
+    params = kvlab.init_params(cfg.model, jax.random.key(0))
+    tokens = np.random.default_rng(0).integers(0, cfg.model.vocab_size, (2, 40), np.int32)
+    xla = decode_logits(cfg, params, tokens, 10**9)
+    cfg.model.attention_impl = "pallas"
+    np.testing.assert_allclose(decode_logits(cfg, params, tokens, 10**9), xla, atol=1e-5)

@@ -1,4 +1,5 @@
-"""kvlab.native: the panel kernel computes x @ W, and its build is cached and safe."""
+"""kvlab/kernels/native: the kernels compute the products XLA computes, the backend
+hands them the blocks and writes it takes, and the build is cached and safe."""
 
 import dataclasses
 import os
@@ -9,17 +10,29 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvlab import native
-from kvlab.layers import to_panels
-from tests.helpers import ROOT
+import kvlab
+import kvlab.kernels.native as native
+from kvlab.cache.placement import scatter_tokens
+from kvlab.kernels.native import ffi, to_panels
+from tests.attention.test_stream import decode_logits
+from tests.helpers import (
+    ROOT,
+    TOLERANCE,
+    random_tokens,
+    run_in_chunks,
+    small_model_configs,
+    tiny_config,
+)
+from tests.test_model import _perturbed, max_diff
 
 needs_native = pytest.mark.skipif(
-    not native.available(), reason=f"kvlab.native unavailable: {native.unavailable_reason()}"
+    not native.available(),
+    reason=f"kvlab.kernels.native unavailable: {native.unavailable_reason()}",
 )
-PRODUCTS = [target for target in native.TARGETS if target != "kvlab_write_tokens"]
+PRODUCTS = [target for target in ffi.TARGETS if target != "kvlab_write_tokens"]
 
 
 def reference(x, kernel):
@@ -44,7 +57,7 @@ def relative_error(got, want):
 
 
 @given(
-    rows=st.integers(1, 2 * native.MAX_ROWS + 3),
+    rows=st.integers(1, 2 * ffi.MAX_ROWS + 3),
     depth=st.integers(1, 70),
     panels=st.integers(1, 5),
     seed=st.integers(0, 2**16),
@@ -58,21 +71,21 @@ def test_panel_matmul_is_x_times_the_kernel(rows, depth, panels, seed):
     assert stored.shape == (panels, depth, native.PANEL)
     b, k, j = rng.integers(panels), rng.integers(depth), rng.integers(native.PANEL)
     assert stored[b, k, j] == kernel[k, native.PANEL * b + j]  # the layout's definition
-    got = jax.jit(native.panel_matmul)(jnp.asarray(x), stored)
+    got = jax.jit(native.panel_product)(jnp.asarray(x), stored)
     assert got.shape == (rows, panels * native.PANEL) and got.dtype == jnp.float32
     assert relative_error(got, reference(x, kernel)) < 1e-5
     # Under vmap each slice is one call.
     stacked = jnp.stack([jnp.asarray(x), 2 * jnp.asarray(x)])
-    both = jax.vmap(native.panel_matmul, in_axes=(0, None))(stacked, stored)
+    both = jax.vmap(native.panel_product, in_axes=(0, None))(stacked, stored)
     np.testing.assert_allclose(both[1], 2 * np.asarray(got), rtol=1e-5, atol=1e-5)
 
 
 @needs_native
 def test_the_native_kernel_runs_for_float32_only():
-    x, panels = jnp.ones((native.MAX_ROWS, 8)), jnp.ones((2, 8, native.PANEL))
+    x, panels = jnp.ones((ffi.MAX_ROWS, 8)), jnp.ones((2, 8, native.PANEL))
 
     def targets(x, panels):
-        return str(jax.make_jaxpr(native.panel_matmul)(x, panels)).count("kvlab_panel_matmul")
+        return str(jax.make_jaxpr(native.panel_product)(x, panels)).count("kvlab_panel_matmul")
 
     assert targets(x, panels) == 1
     assert targets(jnp.ones((1000, 8)), panels) == 1  # a prompt's rows too
@@ -81,25 +94,25 @@ def test_the_native_kernel_runs_for_float32_only():
     # Outside the compiled call the kernel's result is used as it is: no NaN, no garbage
     # in rows or columns a tile does not fill.
     x = jnp.arange(3 * 8, dtype=jnp.float32).reshape(3, 8)
-    got = native.panel_matmul(x, panels)
+    got = native.panel_product(x, panels)
     np.testing.assert_array_equal(got, np.tile(np.asarray(x).sum(1, keepdims=True), (1, 64)))
 
 
 def test_mismatched_operands_are_refused():
     with pytest.raises(ValueError, match=r"x \(2, 8\) and panels \(1, 9, 32\) do not multiply"):
-        native.panel_matmul(jnp.ones((2, 8)), jnp.ones((1, 9, 32)))
+        ffi.panel_matmul(jnp.ones((2, 8)), jnp.ones((1, 9, 32)))
     with pytest.raises(ValueError, match="do not multiply"):
-        native.panel_matmul(jnp.ones((2, 8)), jnp.ones((1, 8, 16)))
+        ffi.panel_matmul(jnp.ones((2, 8)), jnp.ones((1, 8, 16)))
 
 
 def test_a_failing_or_missing_compiler_is_reported(tmp_path, monkeypatch):
     monkeypatch.setenv("CXX", "false")  # runs, and fails
     with pytest.raises(RuntimeError, match="building kernels.cc failed"):
-        native.build(tmp_path)
+        ffi.build(tmp_path)
     assert list(tmp_path.iterdir()) == []  # the partial output is removed
     monkeypatch.setenv("CXX", "kvlab-no-such-compiler")
     with pytest.raises(FileNotFoundError, match=r"no C\+\+ compiler 'kvlab-no-such-compiler'"):
-        native.build(tmp_path)
+        ffi.build(tmp_path)
 
 
 def test_without_the_kernels_the_panel_layout_runs_on_xla():
@@ -107,24 +120,24 @@ def test_without_the_kernels_the_panel_layout_runs_on_xla():
     panel tree computes through XLA's product what the kernel tree computes."""
     code = """
 import jax, jax.numpy as jnp, kvlab
-from kvlab import native
+import kvlab.kernels.native as native
 assert not native.available() and native.unavailable_reason() == "KVLAB_NATIVE=0"
 cfg = kvlab.load_config("configs/gqa.py:tiny")
 params = kvlab.init_params(cfg.model, jax.random.key(0))
-panels = kvlab.panel_projections(kvlab.fuse_projections(params))
-model = kvlab.Transformer(cfg.model)
-tokens = jnp.arange(6, dtype=jnp.int32).reshape(2, 3)
-want = model.apply({"params": params}, tokens)[0]
-got = model.apply({"params": panels}, tokens)[0]
+panels = native.panel_projections(kvlab.fuse_projections(params))
+want = kvlab.Transformer(cfg.model).apply({"params": params}, tokens := jnp.ones((2, 3), int))[0]
+cfg.model.attention_impl = "native"
+got = kvlab.Transformer(cfg.model).apply({"params": panels}, tokens)[0]
 assert float(jnp.abs(got - want).max()) < 1e-4, float(jnp.abs(got - want).max())
 """
     env = {**os.environ, "KVLAB_NATIVE": "0", "JAX_PLATFORMS": "cpu"}
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, check=True)
 
 
+@needs_native
 @given(
     slices=st.integers(1, 5),
-    rows=st.integers(1, native.MAX_ROWS + 2),
+    rows=st.integers(1, ffi.MAX_ROWS + 2),
     length=st.integers(1, 40),
     width=st.integers(1, 70),
     dtype=st.sampled_from(["float32", "bfloat16", "float16"]),
@@ -136,10 +149,9 @@ def test_attention_products_are_the_einsums(slices, rows, length, width, dtype, 
     pass) for every tail: lengths and widths not multiples of 16 or 64, keys and
     values stored in float32 or widened from 16 bits, up to a limit (past it
     scores are 0 and weights, here NaN, are not read); the kernels take any
-    size here (ATTENTION_MIN_BYTES is a speed choice)."""
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(native, "ATTENTION_MIN_BYTES", 0)
-        check_attention_products(slices, rows, length, width, seed, dtype, min(cut, length))
+    size (ATTENTION_MIN_BYTES is the backend's speed choice), up to MAX_ROWS
+    query rows: more are refused (the backend leaves them to XLA)."""
+    check_attention_products(slices, rows, length, width, seed, dtype, min(cut, length))
 
 
 def check_attention_products(slices, rows, length, width, seed, dtype, seen):
@@ -151,16 +163,22 @@ def check_attention_products(slices, rows, length, width, seed, dtype, seen):
     w_past = w.copy()
     w_past[..., seen:] = np.nan
 
-    scores = jax.jit(native.scores)(jnp.asarray(q), stored, seen)
+    if rows > ffi.MAX_ROWS:
+        with pytest.raises(ValueError, match=f"at most MAX_ROWS={ffi.MAX_ROWS} query rows"):
+            ffi.scores(jnp.asarray(q), stored, seen)
+        with pytest.raises(ValueError, match=f"at most MAX_ROWS={ffi.MAX_ROWS} query rows"):
+            ffi.weighted_sum(jnp.asarray(w), stored, seen)
+        return
+    scores = jax.jit(ffi.scores)(jnp.asarray(q), stored, seen)
     check_products(scores[..., :seen], "pqmh,pqsh->pqms", q, k[:, :, :seen])
     assert np.all(np.asarray(scores[..., seen:]) == 0)
-    out = jax.jit(native.weighted_sum)(jnp.asarray(w_past), stored, seen)
+    out = jax.jit(ffi.weighted_sum)(jnp.asarray(w_past), stored, seen)
     check_products(out, "pqms,pqsh->pqmh", w[..., :seen], k[:, :, :seen])
     other = jnp.asarray(np.concatenate([k, k]))  # one more slice
     with pytest.raises(ValueError, match="do not match"):
-        native.scores(jnp.asarray(q), other)
+        ffi.scores(jnp.asarray(q), other)
     with pytest.raises(ValueError, match="do not match"):
-        native.weighted_sum(jnp.asarray(w), other)
+        ffi.weighted_sum(jnp.asarray(w), other)
 
 
 @needs_native
@@ -169,28 +187,26 @@ def test_a_decode_step_runs_on_the_kernels(monkeypatch):
     kernels' (not silently XLA's; attention's from ATTENTION_MIN_BYTES of cache,
     here 0); a prompt's projections too, its attention XLA's, and so is
     attention over a small cache."""
-    import kvlab
-
     cfg = kvlab.load_config(f"{ROOT}/configs/gqa.py:tiny")
     cfg.model.attention_impl = "native"
     model = kvlab.Transformer(cfg.model)
-    params = kvlab.panel_projections(kvlab.init_params(cfg.model, jax.random.key(0)))
+    params = native.panel_projections(kvlab.init_params(cfg.model, jax.random.key(0)))
     cache = kvlab.init_cache(cfg.model, cfg.cache, batch_size=2, max_len=64)
 
     def calls(length):
         tokens = jnp.zeros((2, length), jnp.int32)
         text = str(jax.make_jaxpr(model.apply)({"params": params}, tokens, cache=cache))
-        return {target: text.count(target) for target in native.TARGETS}
+        return {target: text.count(target) for target in ffi.TARGETS}
 
     layers = cfg.model.num_layers
     assert calls(1)["kvlab_scores"] == 0  # 64 slots: far below ATTENTION_MIN_BYTES
-    monkeypatch.setattr(native, "ATTENTION_MIN_BYTES", 0)
+    monkeypatch.setattr(ffi, "ATTENTION_MIN_BYTES", 0)
     step = calls(1)
     assert step["kvlab_scores"] == step["kvlab_weighted_sum"] == 2 * layers  # cache, new token
     paths = [p for p, _ in jax.tree_util.tree_leaves_with_path(params)]
-    panelled = sum(path[-1].key in ("panels", "embed_panels") for path in paths)
+    panelled = sum(path[-1].key == "panels" for path in paths)
     assert panelled > layers and step["kvlab_panel_matmul"] == panelled  # each once
-    prompt = {target: 0 for target in native.TARGETS} | {"kvlab_panel_matmul": panelled}
+    prompt = {target: 0 for target in ffi.TARGETS} | {"kvlab_panel_matmul": panelled}
     assert calls(32) == prompt
 
 
@@ -202,8 +218,6 @@ def test_a_quantized_cache_is_read_by_the_kernels(kind):
     any cache size, the other blocks' products staying XLA's for a small
     cache; a prompt (more rows than MAX_ROWS) takes XLA's products, and so
     does attention_impl='xla'."""
-    import kvlab
-
     cfg = kvlab.load_config(f"{ROOT}/configs/kv_kivi2.py:tiny")
     cfg.model.attention_impl = "native"
     cfg.cache.kind = kind
@@ -231,8 +245,6 @@ def native_model(**cache_fields):
     """gqa.py:tiny with attention_impl='native' and these cache fields: its
     (apply, params, cache of 2 rows x 64 slots, layers, calls), calls(T) counting
     each kernel's calls in the jaxpr of a T-token step."""
-    import kvlab
-
     cfg = kvlab.load_config(f"{ROOT}/configs/gqa.py:tiny")
     cfg.model.attention_impl = "native"
     cfg.cache.update(cache_fields)
@@ -244,7 +256,7 @@ def native_model(**cache_fields):
     def calls(length):
         tokens = jnp.zeros((2, length), jnp.int32)
         text = str(jax.make_jaxpr(apply)({"params": params}, tokens, cache=cache))
-        return {target: text.count(target) for target in native.TARGETS}
+        return {target: text.count(target) for target in ffi.TARGETS}
 
     return apply, params, cache, cfg.model.num_layers, calls
 
@@ -269,21 +281,21 @@ def test_codes_that_do_not_fit_are_refused():
 
     spec = quant.Storage(4, "int", "token", 8, False, "bfloat16", "float32")
     x = jnp.ones((2, 1, 16, 32), jnp.float32)
-    codes = quant.QuantizedTensor(*quant.quantize_tokens(x, spec), None, spec)
-    codes = codes.reader().native(jnp.int32(16), 1).codes
+    codes = native.codes(quant.QuantizedTensor(*quant.quantize_tokens(x, spec), None, spec))
     with pytest.raises(ValueError, match="do not match"):
-        native.quant_scores(jnp.ones((2, 1, 1, 16)), codes, 16)
+        ffi.quant_scores(jnp.ones((2, 1, 1, 16)), codes, 16)
     with pytest.raises(ValueError, match="do not match"):
-        native.quant_weighted_sum(jnp.ones((2, 1, 1, 15)), codes, 16)
+        ffi.quant_weighted_sum(jnp.ones((2, 1, 1, 15)), codes, 16)
     shifted = dataclasses.replace(codes, scale=codes.scale[:, :, :8])  # 8 tokens' scales
     with pytest.raises(Exception, match="scales do not fit the codes"):
-        jax.block_until_ready(native.quant_scores(jnp.ones((2, 1, 1, 32)), shifted, 16))
+        jax.block_until_ready(ffi.quant_scores(jnp.ones((2, 1, 1, 32)), shifted, 16))
 
 
+@needs_native
 @given(
     batch=st.integers(1, 3),
     heads=st.integers(1, 3),
-    rows=st.integers(1, native.MAX_ROWS + 2),
+    rows=st.integers(1, ffi.MAX_ROWS),
     per_page=st.integers(1, 9),
     width=st.integers(1, 70),
     dtype=st.sampled_from(["float32", "bfloat16", "float16"]),
@@ -295,8 +307,7 @@ def test_pool_products_are_those_of_the_gathered_tokens(
 ):
     """Scores and weighted sums over a page pool through shuffled block tables
     (entries -1 and past the pool read the nearest page, as gather_pages
-    clips them) equal the products over the gathered tokens, up to a limit;
-    more rows than MAX_ROWS take XLA's product over the gathered tokens."""
+    clips them) equal the products over the gathered tokens, up to a limit."""
     from kvlab.cache.paged import gather_pages
 
     rng = np.random.default_rng(seed)
@@ -314,13 +325,13 @@ def test_pool_products_are_those_of_the_gathered_tokens(
     w_past = w.copy()
     w_past[..., seen:] = np.nan
 
-    scores = jax.jit(native.pool_scores, static_argnums=3)(q, pool, pages, length, seen)
+    scores = jax.jit(ffi.pool_scores, static_argnums=3)(q, pool, pages, length, seen)
     check_products(scores[..., :seen], "bkmh,bksh->bkms", q, tokens[:, :, :seen])
     assert np.all(np.asarray(scores[..., seen:]) == 0)
-    out = jax.jit(native.pool_weighted_sum)(jnp.asarray(w_past), pool, pages, seen)
+    out = jax.jit(ffi.pool_weighted_sum)(jnp.asarray(w_past), pool, pages, seen)
     check_products(out, "bkms,bksh->bkmh", w[..., :seen], tokens[:, :, :seen])
     with pytest.raises(ValueError, match="do not match"):  # more tokens than the tables hold
-        native.pool_scores(q, pool, pages, n * per_page + 1, seen)
+        ffi.pool_scores(q, pool, pages, n * per_page + 1, seen)
 
 
 @needs_native
@@ -336,12 +347,10 @@ def test_pool_products_are_those_of_the_gathered_tokens(
 def test_16_bit_writes_in_place_equal_the_scatter(
     lead, axis_at, length, tokens, per_head, dtype, seed
 ):
-    """write_tokens on a 16-bit buffer (kvlab.native's in-place write on one CPU)
+    """The backend's write of a 16-bit buffer (the in-place kernel on one CPU)
     puts exactly what the scatter puts in a float32 copy of it, along any axis,
     with slots per row or per head, and drops slots outside the buffer
     (negative, or past its end) instead of wrapping them."""
-    from kvlab.cache.placement import write_tokens
-
     rng = np.random.default_rng(seed)
     axis = min(axis_at, len(lead) + 1)
     shape = (2, *lead[: axis - 1], length, *lead[axis - 1 :])
@@ -354,24 +363,28 @@ def test_16_bit_writes_in_place_equal_the_scatter(
     # Distinct slots per row (and head), some outside the buffer on either side.
     rows = [rng.permutation(np.arange(-2, length + 2))[:tokens] for _ in range(2 * (heads or 1))]
     slots = jnp.asarray(np.stack(rows), jnp.int32).reshape(slot_shape)
-    assert native.writes_in_place(buffer)
-    got = jax.jit(write_tokens, static_argnums=3)(buffer, new, slots, axis)
+    assert ffi.writes_in_place(buffer)
+    write = jax.jit(native.backend.write, static_argnums=3)
+    assert (
+        "kvlab_write_tokens"
+        in jax.jit(native.backend.write, static_argnums=3).lower(buffer, new, slots, axis).as_text()
+    )
+    got = write(buffer, new, slots, axis)
     with pytest.raises(ValueError, match="write_tokens takes"):  # a slot more than tokens
         flat, fresh = buffer.reshape(2, 1, length, -1), new.reshape(2, 1, tokens, -1)
-        native.write_tokens(flat, fresh, jnp.zeros((2, 1, tokens + 1), jnp.int32))
-    want = write_tokens(buffer.astype(jnp.float32), new.astype(jnp.float32), slots, axis)
+        ffi.write_tokens(flat, fresh, jnp.zeros((2, 1, tokens + 1), jnp.int32))
+    want = scatter_tokens(buffer.astype(jnp.float32), new.astype(jnp.float32), slots, axis)
     assert got.dtype == buffer.dtype
     np.testing.assert_array_equal(np.asarray(got.astype(jnp.float32)), np.asarray(want))
 
 
 @needs_native
 def test_a_16_bit_cache_is_written_in_place_and_read_by_the_kernels(monkeypatch):
-    """A bfloat16 cache's decode step writes each layer's keys and values with
-    the in-place kernel (whatever attention_impl; XLA:CPU would rewrite the whole
-    buffer through float32, which the compiled step must not do) and, with
-    attention_impl='native', reads a cache long enough to stream (here from 16
-    slots) with the kernels widening 16 bits in registers; a prompt's products
-    stay XLA's."""
+    """With attention_impl='native', a bfloat16 cache's decode step writes each
+    layer's keys and values with the in-place kernel (XLA:CPU would rewrite the
+    whole buffer through float32, which the compiled step must not do) and reads
+    a cache long enough to stream (here from 16 slots) with the kernels widening
+    16 bits in registers; a prompt's products stay XLA's."""
     from kvlab.attention import core
 
     monkeypatch.setattr(core, "STREAM_TOKENS", 8)
@@ -396,7 +409,7 @@ def test_a_damaged_library_is_built_again_once_and_cached(tmp_path):
     if native.unavailable_reason() == "KVLAB_NATIVE=0":
         pytest.skip("KVLAB_NATIVE=0")
     # The library's name is the same in any directory: this process's, built already.
-    name = (native.build() if native.available() else native.build(tmp_path / "own")).name
+    name = (ffi.build() if native.available() else ffi.build(tmp_path / "own")).name
     cache = tmp_path / "fresh"
     cache.mkdir()
     (cache / name).write_bytes(b"\x7fELF truncated")
@@ -404,7 +417,7 @@ def test_a_damaged_library_is_built_again_once_and_cached(tmp_path):
     killed.write_bytes(b"partial")  # a build killed two hours ago: removed
     os.utime(killed, (killed.stat().st_atime, killed.stat().st_mtime - 7200))
     recent.write_bytes(b"partial")  # another process's build under way: kept
-    code = "from kvlab import native; print(native.unavailable_reason())"
+    code = "from kvlab.kernels.native import ffi; print(ffi.load())"
     env = {**os.environ, "KVLAB_NATIVE_CACHE": str(cache), "JAX_PLATFORMS": "cpu"}
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True)
     assert done.stdout.decode().strip() == str(native.unavailable_reason()), done.stderr[-2000:]
@@ -413,7 +426,7 @@ def test_a_damaged_library_is_built_again_once_and_cached(tmp_path):
     library = cache / name
     assert library.stat().st_size > 1000
     built = library.stat().st_mtime_ns
-    assert native.build(cache) == library and library.stat().st_mtime_ns == built
+    assert ffi.build(cache) == library and library.stat().st_mtime_ns == built
     assert sorted(p.name for p in cache.iterdir()) == [name]
 
 
@@ -424,9 +437,10 @@ def test_panels_of_another_shape_are_refused():
 
     projection = Projection(64, name="proj")
     panels = to_panels(jnp.ones((8, 64)))
-    with pytest.raises(ValueError, match=r"proj: panels \(2, 8, 32\) do not map 24 inputs"):
-        projection.apply({"params": {"panels": panels}}, jnp.ones((3, 24)))
-    assert projection.apply({"params": {"panels": panels}}, jnp.ones((3, 8))).shape == (3, 64)
+    with native.backend.scope():  # as a forward under attention_impl='native'
+        with pytest.raises(ValueError, match=r"proj: panels \(2, 8, 32\) do not map 24 inputs"):
+            projection.apply({"params": {"panels": panels}}, jnp.ones((3, 24)))
+        assert projection.apply({"params": {"panels": panels}}, jnp.ones((3, 8))).shape == (3, 64)
 
 
 # ---------------------------------------------------------------------------
@@ -473,7 +487,7 @@ def quantized_tokens(draw):
 @needs_native
 @given(
     tensor=quantized_tokens(),
-    rows=st.one_of(st.just(1), st.integers(1, native.MAX_ROWS)),
+    rows=st.one_of(st.just(1), st.integers(1, ffi.MAX_ROWS)),
     cut=st.floats(0, 1),
     per_page=st.integers(1, 40),
     seed=st.integers(0, 2**16),
@@ -492,7 +506,7 @@ def test_quantized_products_are_those_of_the_dequantized_tokens(tensor, rows, cu
     rng = np.random.default_rng(seed)
     slices, _, length, width = tensor.reader().shape
     limit = round(cut * length)
-    codes = tensor.reader().native(jnp.int32(limit), rows).codes
+    codes = native.codes(tensor)
     dense = np.asarray(tensor.dequantize(), np.float64)[:, :, :limit]
     # The size of each number's parts, level * scale and zero: a sum may cancel them.
     spec = tensor.spec
@@ -512,11 +526,11 @@ def test_quantized_products_are_those_of_the_dequantized_tokens(tensor, rows, cu
     w[..., limit:] = np.nan
 
     for read in (codes, in_pages(codes, per_page * (spec.group_size if codes.channel else 1), rng)):
-        scores = np.asarray(jax.jit(lambda q, n, c=read: native.quant_scores(q, c, n))(q, limit))
+        scores = np.asarray(jax.jit(lambda q, n, c=read: ffi.quant_scores(q, c, n))(q, limit))
         assert scores.shape == (slices, 1, rows, length)
         check_products(scores[..., :limit], "pqmh,pqsh->pqms", q, dense, parts)
         assert np.all(scores[..., limit:] == 0)
-        out = jax.jit(lambda w, n, c=read: native.quant_weighted_sum(w, c, n))(w, limit)
+        out = jax.jit(lambda w, n, c=read: ffi.quant_weighted_sum(w, c, n))(w, limit)
         assert out.shape == (slices, 1, rows, width)
         check_products(out, "pqms,pqsh->pqmh", w[..., :limit], dense, parts)
 
@@ -550,3 +564,144 @@ def in_pages(codes, per_page: int, rng):
         pages=jnp.asarray(tables),
         length=length,
     )
+
+
+# ---------------------------------------------------------------------------
+# The backend in a model
+
+
+@pytest.mark.parametrize(
+    "config, cache, stream_tokens",
+    [
+        ("gqa.py:tiny", dict(), 10**9),
+        ("gqa.py:tiny", dict(window=16), 10**9),  # a ring of 16 slots, masked as a band
+        ("mla.py:tiny", dict(), 10**9),
+        # 16-bit arrays, widened in registers by the kernels (streamed on XLA's path)
+        ("gqa.py:tiny", dict(dtype="bfloat16"), 8),
+        ("mla.py:tiny", dict(dtype="bfloat16"), 8),  # one latent, read as keys and values
+        ("gqa.py:tiny", dict(dtype="float16", v_bits=4, group_size=4), 8),  # beside codes
+        # page pools, read through the block tables by the kernels
+        ("gqa.py:tiny", dict(kind="paged", page_size=8), 8),
+        ("gqa.py:tiny", dict(kind="paged", page_size=8, dtype="bfloat16", v_bits=4), 8),
+        # quantized payloads, read in place by the kernels (streamed on XLA's path)
+        ("gqa.py:tiny", dict(k_bits=4, v_bits=2, group_size=4), 8),  # KIVI, zero points
+        ("gqa.py:tiny", dict(k_bits=8, v_bits=8, k_axis="token", symmetric=True), 8),
+        ("gqa.py:tiny", dict(k_bits=8, v_bits=4, k_format="fp8", scale_dtype="float16"), 8),
+        ("gqa.py:tiny", dict(k_bits=2, v_bits=4, residual=8, group_size=4, window=24), 8),
+        ("mla.py:tiny", dict(latent_bits=4, rope_bits=8, group_size=4), 8),
+        ("gqa.py:tiny", dict(kind="paged", k_bits=4, v_bits=2, group_size=4, page_size=8), 8),
+        ("gqa.py:tiny", dict(kind="paged", k_bits=8, v_bits=8, k_axis="token", page_size=8), 8),
+    ],
+)
+def test_native_kernels_give_the_xla_logits(config, cache, stream_tokens, monkeypatch):
+    """model.attention_impl='native' (the kernels' products for float32 arrays,
+    here for any cache size, 16-bit arrays and quantized payloads) decodes dense,
+    16-bit, windowed, latent and quantized caches (rows' own or paged) to the
+    XLA path's logits;
+    where the kernels are unavailable it is the XLA path."""
+    monkeypatch.setattr(ffi, "ATTENTION_MIN_BYTES", 0)
+    cfg = kvlab.load_config(f"{ROOT}/configs/{config}")
+    if "window" in cache:
+        cfg.model.sliding_window = cache.pop("window")
+    cfg.cache.update(cache)
+    cfg = kvlab.validate_config(cfg)
+    params = kvlab.init_params(cfg.model, jax.random.key(0))
+    tokens = np.random.default_rng(0).integers(0, cfg.model.vocab_size, (2, 40), np.int32)
+    xla = decode_logits(cfg, params, tokens, stream_tokens)
+    cfg.model.attention_impl = "native"
+    got = decode_logits(cfg, params, tokens, stream_tokens)
+    # float32 sums in another order (whole, not in slices): within 1e-5 plus 1e-4 of a logit
+    np.testing.assert_allclose(got, xla, atol=1e-5, rtol=1e-4)
+
+
+# ---------------------------------------------------------------------------
+# Weights in 32-column panels (panel_projections)
+
+
+def _kernels(params):
+    """{path: (kernel, number of input axes)} of every projection panel_projections converts."""
+    found = {}
+    for path, leaf in jax.tree_util.tree_leaves_with_path(params):
+        names = [k.key for k in path]
+        if names[-1] == "kernel" and names[-2] != "router" and leaf.shape[-1] % 32 == 0:
+            found["/".join(names[:-1])] = (leaf, 2 if names[-2] == "out" else 1)
+    return found
+
+
+@settings(max_examples=4)  # each example compiles two forwards and a decode step
+@given(
+    cfg=small_model_configs(),
+    option=st.sampled_from(["plain", "experts", "wide"]),
+    seed=st.integers(0, 3),
+)
+def test_panel_projections_compute_the_same_model(cfg, option, seed):
+    if option == "experts":  # 32 experts: the router could be panelled, and is not
+        cfg.model.moe.update(
+            num_experts=32, expert_dim=8, num_shared_experts=1, experts_per_token=2
+        )
+    elif option == "wide":  # every projection and the vocabulary a multiple of 32 wide
+        cfg.model.update(embed_dim=32, mlp_dim=32, vocab_size=64)
+        if cfg.model.attention == "gqa":
+            cfg.model.head_dim = 32
+    kvlab.config.validate_model_config(cfg.model)
+    model = kvlab.Transformer(cfg.model)
+    params = kvlab.fuse_projections(
+        _perturbed(kvlab.init_params(cfg.model, jax.random.key(seed)), seed)
+    )
+    panels = native.panel_projections(params)
+
+    # Each kernel [K..., N...] with N % 32 == 0 became panels [N / 32, K, 32], where
+    # panels[b, k, j] is the kernel flattened to [K, N] at [k, 32 b + j].
+    converted = _kernels(params)
+    flat = {
+        "/".join(k.key for k in path[:-1]): leaf
+        for path, leaf in jax.tree_util.tree_leaves_with_path(panels)
+        if path[-1].key == "panels" and path[0].key != "embed"  # the table: below
+    }
+    assert flat.keys() == converted.keys()
+    if option == "wide":
+        assert any(name.endswith("mlp/down") for name in flat)
+    for name, (kernel, inputs) in converted.items():
+        matrix = np.asarray(kernel).reshape(int(np.prod(kernel.shape[:inputs])), -1)
+        width = matrix.shape[1]
+        np.testing.assert_array_equal(
+            flat[name], matrix.reshape(-1, width // 32, 32).swapaxes(0, 1)
+        )
+    if option == "experts":
+        assert "kernel" in panels["block_0"]["mlp"]["router"]
+    table = params["embed"]["embedding"]
+    if cfg.model.tie_embeddings and cfg.model.vocab_size % 32 == 0:  # one table, both uses
+        assert set(panels["embed"]) == {"panels"}
+        v = seed % cfg.model.vocab_size
+        np.testing.assert_array_equal(panels["embed"]["panels"][v // 32, :, v % 32], table[v])
+    else:
+        np.testing.assert_array_equal(panels["embed"]["embedding"], table)
+    assert kvlab.tree_bytes(panels) == kvlab.tree_bytes(params)
+    assert native.panel_projections(panels).keys() == panels.keys()  # converted once
+
+    # Under attention_impl='native': a prompt (18 rows), then chunks of 8 rows and a
+    # decode step of 2 (the kernels throughout where they run, attention's too for
+    # the chunks and the step) through a cache with unwritten slots.
+    tokens = random_tokens(cfg, (2, 9), seed)
+    want, _ = jax.jit(model.apply)({"params": params}, tokens)
+    cfg.model.attention_impl = "native"
+    native_apply = jax.jit(kvlab.Transformer(cfg.model).apply)
+    got, _ = native_apply({"params": panels}, tokens)
+    assert max_diff(got, want) <= TOLERANCE
+    cache = kvlab.init_cache(cfg.model, cfg.cache, batch_size=2, max_len=16)
+    with pytest.MonkeyPatch.context() as patch:  # attention's kernels for any cache size
+        patch.setattr(ffi, "ATTENTION_MIN_BYTES", 0)
+        stepwise, _ = run_in_chunks(native_apply, panels, cache, tokens, [4, 1, 4])
+    assert max_diff(stepwise, want) <= TOLERANCE
+
+
+def test_a_panel_tree_is_refused_where_it_cannot_go():
+    cfg = tiny_config(head_dim=32)  # query, key and value 32 wide: panelled
+    params = kvlab.init_params(cfg.model, jax.random.key(0))
+    panels = native.panel_projections(params)
+    fused = native.panel_projections(kvlab.fuse_projections(params))
+    for convert, tree in ((kvlab.fuse_projections, panels), (kvlab.unfuse_projections, fused)):
+        with pytest.raises(ValueError, match=r"projections hold a kernel .*, not \['panels'\]"):
+            convert(tree)
+    with pytest.raises(ValueError, match=r"params has no parameter block_0/attention/key/kernel"):
+        kvlab.save_hf(cfg, panels, "/nonexistent/never-written")

@@ -1,0 +1,142 @@
+"""Attention backends: the kernels behind attention over a stored block and the
+cache write, chosen by name (`model.attention_impl`).
+
+    backend = kvlab.backends.get("pallas")   # registered, or its plug-in imported now
+    kvlab.backends.register(MyKernels())     # a researcher's own, under MyKernels.name
+
+kvlab's core is plain JAX: `kvlab.attention.core.attend` is the reference
+(every block under one softmax, long stored blocks streamed a slice at a
+time) and `kvlab.cache.placement.write_tokens` the one cache write, and both
+run on any platform. A `Backend` may take over parts of them: `partial`
+computes the softmax partial of one block of stored tokens (its peak, sum and
+weighted sum, merged with the others' as flash-decoding merges them), `write`
+writes new tokens into a cache buffer, and `scope` wraps a model's forward
+(a plug-in may intercept the model's modules there, e.g. projections whose
+weights it stores in a layout of its own). Each returns None (or does
+nothing) for what it declines, and the reference runs instead, so a backend
+is exactly as general as the XLA path it falls back to.
+
+A backend must keep a program lowered for another platform free of its own
+platform's calls: wrap them in `jax.lax.platform_dependent` (the branch is
+picked when the program is lowered, so a program exported for TPU or CUDA
+from a CPU host holds no CPU-only call), never in a check of
+`jax.default_backend()` at trace time.
+
+Built in: "xla" (the reference: declines everything). Plug-ins, imported on
+first `get`: "pallas" (kvlab/kernels/pallas: Pallas kernels, the Triton
+backend on CUDA and the Pallas interpreter on CPU) and "native"
+(kvlab/kernels/native: C++ kernels for the CPU through XLA's FFI). Other
+packages register theirs through the entry-point group `kvlab.backends`
+(`name = "package.module:backend_object"`), or by calling `register`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import importlib
+import importlib.metadata
+from collections.abc import Iterator
+from typing import Any
+
+# Plug-ins shipped with kvlab: imported when first asked for (each registers itself).
+PLUGINS = {"pallas": "kvlab.kernels.pallas", "native": "kvlab.kernels.native"}
+ENTRY_POINTS = "kvlab.backends"
+
+
+class Backend:
+    """Kernels for attention over stored blocks and for cache writes. This base
+    declines everything: it is the XLA reference ("xla"). Subclasses override
+    what they compute.
+
+    claims(block, attention): whether `attend` should attend this block on its
+        own and ask `partial` for it (blocks not claimed, and claimed ones
+        partial declines, take the reference path).
+    partial(block, attention): (peak [B, K, T, G, 1], total [B, K, T, G, 1],
+        out [B, K, M, Hv]) of the block's keys and values under the queries
+        `attention` (kvlab.attention.core.Attention) holds, or None.
+    write(buffer, new, slots, axis): the buffer with the new tokens written
+        (kvlab.cache.placement.write_tokens' contract), or None.
+    scope(): a context around a model's forward (`kvlab.Transformer`).
+    decode_params(params): the weights in the backend's own layout for decode
+        (the same function, read faster by its kernels; one way), or as given.
+    unavailable_reason(): why its kernels cannot run in this process, or None.
+    """
+
+    name = "xla"
+
+    def unavailable_reason(self) -> str | None:
+        return None
+
+    def decode_params(self, params):
+        return params
+
+    def claims(self, block, attention) -> bool:
+        return False
+
+    def partial(self, block, attention) -> tuple | None:
+        return None
+
+    def write(self, buffer, new, slots, axis: int):
+        return None
+
+    @contextlib.contextmanager
+    def scope(self) -> Iterator[None]:
+        yield
+
+
+_REGISTERED: dict[str, Backend] = {"xla": Backend()}
+_ACTIVE = contextvars.ContextVar("kvlab_backend", default=_REGISTERED["xla"])
+
+
+def register(backend: Backend) -> Backend:
+    """Makes `backend` the one `get(backend.name)` returns; returns it."""
+    if not isinstance(backend, Backend) or not isinstance(backend.name, str) or not backend.name:
+        raise ValueError(
+            f"backend={backend!r} is not a kvlab.backends.Backend with a name: subclass "
+            "Backend and set its `name`"
+        )
+    _REGISTERED[backend.name] = backend
+    return backend
+
+
+def _entry_points() -> dict[str, Any]:
+    return {e.name: e for e in importlib.metadata.entry_points(group=ENTRY_POINTS)}
+
+
+def names() -> tuple[str, ...]:
+    """Every backend `get` can give: registered, shipped plug-ins and entry points."""
+    return tuple(dict.fromkeys([*_REGISTERED, *PLUGINS, *_entry_points()]))
+
+
+def get(name: str) -> Backend:
+    """The backend called `name`, importing its plug-in on first use; ValueError
+    naming model.attention_impl for a name no backend has."""
+    if name not in _REGISTERED:
+        if name in PLUGINS:
+            importlib.import_module(PLUGINS[name])  # registers itself
+        elif name in _entry_points():
+            register(_entry_points()[name].load())
+    if name not in _REGISTERED:
+        raise ValueError(
+            f"model.attention_impl={name!r} is not a backend kvlab knows: use one of "
+            f"{', '.join(map(repr, names()))}, or register yours (kvlab.backends.register)"
+        )
+    return _REGISTERED[name]
+
+
+@contextlib.contextmanager
+def running(backend: Backend) -> Iterator[None]:
+    """A model's forward under `backend` (kvlab.Transformer enters it): within,
+    `backend` writes the caches (`writer`) and its `scope` is open."""
+    token = _ACTIVE.set(backend)
+    try:
+        with backend.scope():
+            yield
+    finally:
+        _ACTIVE.reset(token)
+
+
+def writer() -> Backend:
+    """The backend of the forward being traced (`running`); the reference outside one."""
+    return _ACTIVE.get()

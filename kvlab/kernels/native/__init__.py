@@ -1,0 +1,357 @@
+"""kvlab's C++ CPU kernels as a backend: model.attention_impl='native'.
+
+    cfg.model.attention_impl = "native"                      # kvlab.backends.get("native")
+    params = kvlab.kernels.native.panel_projections(params)  # optional: decode weights in panels
+
+Importing this module builds the kernels (kvlab/kernels/native/ffi.py, once
+per machine, about 3 s) and registers the backend. What it computes where a
+program is lowered for the CPU (`jax.lax.platform_dependent`: a program
+lowered for TPU or CUDA, from any host, holds the reference path alone):
+
+- attention over a block it claims (kvlab.backends.Backend): quantized
+  payloads (`NativePayload`: packed codes and scales read in place, a few
+  tokens dequantized at a time in the core's caches), float page pools
+  through their block tables (`NativePool`), bfloat16/float16 arrays long
+  enough to be streamed (`NativeRows`, widened in registers) and float32
+  arrays of at least ATTENTION_MIN_BYTES read by 2 to 16 queries per head;
+  each block whole, up to one past the last slot any query sees, as one
+  partial merged with the others';
+- the cache write of a 16-bit buffer in a one-device process, in place
+  (XLA:CPU updates such a buffer through a float32 copy of all of it);
+- with `panel_projections(params)`, every projection whose output width is a
+  multiple of 32, and a tied embedding table, as 32-column panels read by
+  one kernel call each (XLA:CPU runs a one-row product on one core and
+  repacks the weights of a 2-16 row product on every call): the model's
+  projections (flax's nn.DenseGeneral) and its `kvlab.layers.Embedding` are
+  intercepted (`flax.linen.intercept_methods`) while a forward runs under
+  this backend (`scope`). The conversion is one way and for one device.
+
+Without the kernels (no C++ compiler, a CPU without AVX-512F, or
+KVLAB_NATIVE=0; `unavailable_reason()` says which) the backend declines
+everything and the model runs the reference path; a panel tree then runs
+XLA's product over the panels.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+from collections.abc import Iterator, Mapping
+
+import flax.linen as nn
+import jax.numpy as jnp
+from jax import Array
+
+from kvlab import backends
+from kvlab.attention.core import Attention, narrow, on_platforms, streamed_alone, tensors
+from kvlab.cache.paged import PagedPayloadReader, PagedReader
+from kvlab.cache.placement import scatter_tokens
+from kvlab.cache.protocols import Reader
+from kvlab.cache.quant import PayloadReader, QuantizedTensor
+from kvlab.kernels.native import ffi
+from kvlab.layers import Embedding
+
+PANEL = ffi.PANEL  # columns per panel
+_UNAVAILABLE = ffi.load()  # built and registered here, never while a program is traced
+
+
+def unavailable_reason() -> str | None:
+    """Why the kernels cannot run in this process, or None when they can."""
+    return _UNAVAILABLE
+
+
+def available() -> bool:
+    return _UNAVAILABLE is None
+
+
+# ---------------------------------------------------------------------------
+# Readers of stored blocks
+
+
+class ReadWhole:
+    """A Reader the kernels read whole: its one slice is all S tokens (`step`
+    is S, `chunk` the reader itself), so attention never streams it."""
+
+    @property
+    def step(self) -> int:
+        return self.shape[2]
+
+    def chunk(self, start, size: int):
+        return self  # start 0 and size S: the one slice
+
+
+@dataclasses.dataclass(frozen=True)
+class NativeRows(ReadWhole):
+    """An array of keys or values (float32, or 16 bits widened to float32 in
+    registers as it is read: no float32 copy) read whole and only up to `limit`
+    tokens."""
+
+    array: Array
+    limit: Array
+
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        return self.array.shape
+
+    def scores(self, q: Array) -> Array:
+        return ffi.scores(q.astype(jnp.float32), self.array, self.limit)
+
+    def weighted_sum(self, w: Array) -> Array:
+        return ffi.weighted_sum(w.astype(jnp.float32), self.array, self.limit)
+
+    def dequantize(self) -> Array:
+        return self.array.astype(jnp.float32)
+
+
+def codes(tensor: QuantizedTensor, pages=None, length=None) -> ffi.Codes:
+    """A quantized tensor's payload, scales and zero points (or their page pools,
+    read through block tables `pages` with `length` tokens per row) as the
+    kernels read them."""
+    spec = tensor.spec
+    return ffi.Codes(
+        payload=tensor.payload,
+        scale=tensor.scale,
+        zero=tensor.zero,
+        bits=spec.bits,
+        fp8=spec.format == "fp8",
+        offset=2 ** (spec.bits - 1) if spec.format == "int" and spec.symmetric else 0,
+        channel=spec.axis == "channel",
+        group=spec.group_size,
+        pages=pages,
+        length=length,
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class NativePayload(ReadWhole):
+    """A quantized payload (a row's, or page pools') whose products the kernels
+    compute, dequantizing a few tokens at a time in the core's caches: read
+    whole, only its first `limit` tokens."""
+
+    reader: Reader  # the PayloadReader or PagedPayloadReader it replaces
+    codes: ffi.Codes
+    limit: Array
+
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        return self.reader.shape
+
+    def scores(self, q: Array) -> Array:
+        return ffi.quant_scores(q, self.codes, self.limit)
+
+    def weighted_sum(self, w: Array) -> Array:
+        return ffi.quant_weighted_sum(w, self.codes, self.limit)
+
+    def dequantize(self) -> Array:
+        return self.reader.dequantize()
+
+
+@dataclasses.dataclass(frozen=True)
+class NativePool(ReadWhole):
+    """A page pool (float32, or 16 bits widened in registers) whose products the
+    kernels compute a page at a time through the block tables: nothing is
+    gathered, the pool is read whole and only up to `limit` tokens."""
+
+    reader: PagedReader
+    limit: Array
+
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        return self.reader.shape
+
+    def scores(self, q: Array) -> Array:
+        r = self.reader
+        return ffi.pool_scores(q, r.pool, r.pages, r.length, self.limit)
+
+    def weighted_sum(self, w: Array) -> Array:
+        return ffi.pool_weighted_sum(w, self.reader.pool, self.reader.pages, self.limit)
+
+    def dequantize(self) -> Array:
+        return self.reader.dequantize()
+
+
+def _read(x, limit, rows: int, long: bool):
+    """What the kernels read `x` (a block's keys or values) through, `x` itself
+    where XLA's product stays, or None where the block cannot be theirs."""
+    if isinstance(x, PayloadReader):
+        payload = codes(x.tensor)
+    elif isinstance(x, PagedPayloadReader):
+        payload = codes(x.tensor, x.pages, x.shape[2])
+    elif isinstance(x, PagedReader):
+        # 16-bit pools are theirs where the reference would stream them: its
+        # products are float32 ones there, as the kernels' are.
+        if not ffi.reads_pool(x.pool, rows) or (x.dtype != jnp.float32 and not long):
+            return x if ffi.reads_pool(x.pool, rows) else None
+        return NativePool(x, limit)
+    elif isinstance(x, Reader):
+        return None
+    elif narrow(x):  # a long 16-bit array, widened in registers as the reference widens it
+        return NativeRows(x, limit) if long and rows <= ffi.MAX_ROWS else x
+    else:
+        return NativeRows(x, limit) if ffi.takes_attention(x, rows) else x
+    return NativePayload(x, payload, limit) if ffi.reads(payload, rows) else None
+
+
+def native_block(block, attention: Attention):
+    """The block with what the kernels read swapped in (`_read`), or None when
+    they read none of it or cannot read all of its stored data."""
+    k, v, mask = block
+    long = streamed_alone(block)  # where the reference's products are float32 ones too
+    limit = jnp.max(jnp.where(mask, jnp.arange(1, mask.shape[-1] + 1), 0))  # one past the last
+    swapped = {id(x): _read(x, limit, attention.rows, long) for x in tensors(block)}  # a latent
+    if any(x is None for x in swapped.values()):  # is keys and values: swapped once
+        return None
+    if all(swapped[id(x)] is x for x in tensors(block)):
+        return None
+    parts = tuple(swapped[id(x)] for x in (k if isinstance(k, tuple) else (k,)))
+    return (parts if isinstance(k, tuple) else parts[0], swapped[id(v)], mask)
+
+
+# ---------------------------------------------------------------------------
+# Projections and the embedding in 32-column panels
+
+
+def to_panels(kernel: Array, num_inputs: int = 1) -> Array:
+    """A kernel [K..., N...] (`num_inputs` input axes) as 32-column panels
+    [N / 32, K, 32]: panels[b, k, j] is the kernel flattened to [K, N] at
+    [k, 32 b + j]. N must be a multiple of 32."""
+    depth = math.prod(kernel.shape[:num_inputs])
+    flat = kernel.reshape(depth, -1, PANEL)
+    return jnp.transpose(flat, (1, 0, 2))
+
+
+def panel_product(x: Array, panels: Array) -> Array:
+    """x [M, K] @ W for W as panels [N / 32, K, 32]: the kernel for float32 where
+    the program is lowered for the CPU, else one XLA product over the panels."""
+    if not (available() and x.dtype == panels.dtype == jnp.float32):
+        return ffi.panel_einsum(x, panels)
+    return on_platforms(
+        lambda _: ffi.panel_matmul(x, panels), lambda: ffi.panel_einsum(x, panels), cpu=True
+    )
+
+
+def panel_projections(params: Mapping) -> dict:
+    """`params` (fused or not, kvlab.fuse_projections) for decode on one CPU:
+    every projection kernel whose output width N is a multiple of 32 stored as
+    `panels` [N / 32, K, 32] (`to_panels`), and a tied embedding table [V, D]
+    as the embedding's `panels` [V / 32, D, 32], the panels of its transpose,
+    which serve both the lookup and the output head. The model computes the
+    same function from it under model.attention_impl='native' (module
+    docstring). One way and for one device: convert a float32 tree at load and
+    keep the original if it will be trained, saved, exported, converted or
+    sharded (each refuses this tree). The MoE router and routed experts stay
+    as they are."""
+
+    def convert(node, name=None):
+        if not isinstance(node, Mapping):
+            return node
+        node = {key: convert(child, key) for key, child in node.items()}
+        kernel = node.get("kernel")
+        if name != "router" and kernel is not None and kernel.shape[-1] % PANEL == 0:
+            node["panels"] = to_panels(node.pop("kernel"), num_inputs=2 if name == "out" else 1)
+        return node
+
+    params = convert(params)
+    embed = params.get("embed", {})
+    tied = "embedding" in embed and "unembed" not in params
+    if tied and embed["embedding"].shape[0] % PANEL == 0:  # untied: the lookup reads it as it is
+        params["embed"] = {"panels": to_panels(embed["embedding"].T)}
+    return params
+
+
+def _project(module: nn.DenseGeneral, inputs: Array) -> Array:
+    """A projection whose kernel is stored as panels: one panel_product."""
+    features = (module.features,) if isinstance(module.features, int) else tuple(module.features)
+    axes = (module.axis,) if isinstance(module.axis, int) else tuple(module.axis)
+    if sorted(a % inputs.ndim for a in axes) != list(range(inputs.ndim - len(axes), inputs.ndim)):
+        raise ValueError(f"{module.name}: panels contract trailing axes, not {module.axis}")
+    lead = inputs.shape[: inputs.ndim - len(axes)]
+    panels = module.get_variable("params", "panels")
+    bias = module.get_variable("params", "bias")
+    depth, width = math.prod(inputs.shape[len(lead) :]), math.prod(features)
+    if panels.shape[1] != depth or panels.shape[0] * panels.shape[2] != width:
+        raise ValueError(
+            f"{module.name}: panels {panels.shape} do not map {depth} inputs to {width} "
+            "outputs: pass the panel_projections of this model's parameters"
+        )
+    x, panels, bias = module.promote_dtype(
+        inputs.reshape(-1, depth), panels, bias, dtype=module.dtype
+    )
+    out = panel_product(x, panels).reshape(*lead, *features)
+    return out if bias is None else out + bias
+
+
+def _embed(module: Embedding, inputs: Array, head: bool = False) -> Array:
+    """The tied embedding stored as the panels of its transpose: row v of the
+    table is column v of the panels (the lookup), and the head is one product."""
+    table = module.get_variable("params", "panels")  # [V / 32, D, 32]
+    dtype = module.dtype
+    if not head:
+        return table[inputs // PANEL, :, inputs % PANEL].astype(dtype)
+    x = inputs.astype(dtype)
+    flat = panel_product(x.reshape(-1, x.shape[-1]), table.astype(dtype))
+    return flat.reshape(*x.shape[:-1], -1)
+
+
+def _panels(next_fun, args, kwargs, context):
+    """flax method interceptor: projections and the embedding stored as panels."""
+    module = context.module
+    if context.method_name == "__call__" and module.has_variable("params", "panels"):
+        if isinstance(module, Embedding):
+            return _embed(module, *args, **kwargs)
+        if isinstance(module, nn.DenseGeneral):
+            return _project(module, *args, **kwargs)
+    return next_fun(*args, **kwargs)
+
+
+# ---------------------------------------------------------------------------
+# The backend
+
+
+class Native(backends.Backend):
+    """model.attention_impl='native' (module docstring)."""
+
+    name = "native"
+
+    def unavailable_reason(self) -> str | None:
+        return unavailable_reason()
+
+    def decode_params(self, params):
+        return panel_projections(params)
+
+    def claims(self, block, attention: Attention) -> bool:
+        return available() and native_block(block, attention) is not None
+
+    def partial(self, block, attention: Attention):
+        swapped = native_block(block, attention)
+        return on_platforms(
+            lambda _: attention.whole(swapped), lambda: attention.partial(block), cpu=True
+        )
+
+    def write(self, buffer, new, slots, axis: int):
+        if not (available() and ffi.writes_in_place(buffer)):
+            return None
+        return on_platforms(
+            lambda _: _write_in_place(buffer, new, slots, axis),
+            lambda: scatter_tokens(buffer, new, slots, axis),
+            cpu=True,
+        )
+
+    @contextlib.contextmanager
+    def scope(self) -> Iterator[None]:
+        with nn.intercept_methods(_panels):
+            yield
+
+
+def _write_in_place(buffer, new, slots, axis: int):
+    """write_tokens by the kernel: the buffer seen as [B, X, S, Y] (X the axes
+    before `axis`, Y those after), only the new tokens written."""
+    lead, trail = buffer.shape[1:axis], buffer.shape[axis + 1 :]
+    shape = (buffer.shape[0], math.prod(lead), buffer.shape[axis], math.prod(trail))
+    fresh = new.reshape(shape[0], shape[1], new.shape[axis], shape[3])
+    slots = slots if slots.ndim == 3 else slots[:, None, :]  # [B, 1 or X, T]
+    return ffi.write_tokens(buffer.reshape(shape), fresh, slots).reshape(buffer.shape)
+
+
+backend = backends.register(Native())
