@@ -10,6 +10,7 @@ from kvlab.cache.placement import write_tokens
 from kvlab.cache.prefix import PrefixCache
 from kvlab.cache.protocols import CacheLayer, Reader
 from kvlab.cache.quant import QuantizedLayer, QuantizedTensor
+from kvlab.cache.serialization import PYTREES  # registers them with jax.export
 
 __all__ = [
     "Cache",
@@ -18,6 +19,7 @@ __all__ = [
     "DenseLayer",
     "EvictingLayer",
     "OutOfPages",
+    "PYTREES",
     "PageAllocator",
     "PagedCache",
     "PagedLayer",
