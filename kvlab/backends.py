@@ -27,17 +27,17 @@ first `get`: "pallas" (kvlab/kernels/pallas: Pallas kernels, the Triton
 backend on CUDA and the Pallas interpreter on CPU) and "native"
 (kvlab/kernels/native: C++ kernels for the CPU through XLA's FFI). Other
 packages register theirs through the entry-point group `kvlab.backends`
-(`name = "package.module:backend_object"`), or by calling `register`.
+(`name = "package.module:backend_object"`), or by calling `register`
+(`BACKENDS`, a kvlab.registry.Registry: `register`, `names`, `get`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
-import importlib
-import importlib.metadata
 from collections.abc import Iterator
-from typing import Any
+
+from kvlab.registry import Registry
 
 # Plug-ins shipped with kvlab: imported when first asked for (each registers itself).
 PLUGINS = {"pallas": "kvlab.kernels.pallas", "native": "kvlab.kernels.native"}
@@ -85,44 +85,12 @@ class Backend:
         yield
 
 
-_REGISTERED: dict[str, Backend] = {"xla": Backend()}
-_ACTIVE = contextvars.ContextVar("kvlab_backend", default=_REGISTERED["xla"])
-
-
-def register(backend: Backend) -> Backend:
-    """Makes `backend` the one `get(backend.name)` returns; returns it."""
-    if not isinstance(backend, Backend) or not isinstance(backend.name, str) or not backend.name:
-        raise ValueError(
-            f"backend={backend!r} is not a kvlab.backends.Backend with a name: subclass "
-            "Backend and set its `name`"
-        )
-    _REGISTERED[backend.name] = backend
-    return backend
-
-
-def _entry_points() -> dict[str, Any]:
-    return {e.name: e for e in importlib.metadata.entry_points(group=ENTRY_POINTS)}
-
-
-def names() -> tuple[str, ...]:
-    """Every backend `get` can give: registered, shipped plug-ins and entry points."""
-    return tuple(dict.fromkeys([*_REGISTERED, *PLUGINS, *_entry_points()]))
-
-
-def get(name: str) -> Backend:
-    """The backend called `name`, importing its plug-in on first use; ValueError
-    naming model.attention_impl for a name no backend has."""
-    if name not in _REGISTERED:
-        if name in PLUGINS:
-            importlib.import_module(PLUGINS[name])  # registers itself
-        elif name in _entry_points():
-            register(_entry_points()[name].load())
-    if name not in _REGISTERED:
-        raise ValueError(
-            f"model.attention_impl={name!r} is not a backend kvlab knows: use one of "
-            f"{', '.join(map(repr, names()))}, or register yours (kvlab.backends.register)"
-        )
-    return _REGISTERED[name]
+BACKENDS = Registry("attention backend", "model.attention_impl", PLUGINS, ENTRY_POINTS)
+register, names, get = BACKENDS.register, BACKENDS.names, BACKENDS.get
+REFERENCE = register(Backend())
+_ACTIVE: contextvars.ContextVar[Backend | None] = contextvars.ContextVar(
+    "kvlab_backend", default=None
+)
 
 
 @contextlib.contextmanager
@@ -139,4 +107,4 @@ def running(backend: Backend) -> Iterator[None]:
 
 def writer() -> Backend:
     """The backend of the forward being traced (`running`); the reference outside one."""
-    return _ACTIVE.get()
+    return _ACTIVE.get() or REFERENCE

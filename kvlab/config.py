@@ -30,6 +30,7 @@ import jax.numpy as jnp
 import ml_collections
 
 from kvlab import backends
+from kvlab.registry import SCORERS
 
 # Names a config may use for `model.dtype`, `model.param_dtype`, `cache.dtype`
 # and `cache.scale_dtype`.
@@ -39,19 +40,9 @@ ATTENTION_KINDS = ("gqa", "mla")
 MOE_ROUTINGS = ("softmax", "sigmoid")  # model.moe.routing: DeepSeek-V2, DeepSeek-V3
 ROPE_SCALINGS = ("none", "linear", "llama3", "yarn")  # model.rope_scaling.type
 CACHE_KINDS = ("dense", "paged")
-EVICT_METHODS = (
-    "none",
-    "window",
-    "sinks",
-    "h2o",
-    "snapkv",
-    "pyramidkv",
-    "adakv",
-    "knorm",
-    "random",
-)
-SCORED_METHODS = ("h2o", "snapkv", "pyramidkv", "adakv", "knorm", "random")  # keep `recent`
-OBSERVING_METHODS = ("h2o", "snapkv", "pyramidkv", "adakv")  # score by attention
+# cache.evict.method: the layouts that score nothing, then the scorers
+# (kvlab.registry.SCORERS: kvlab/cache/evict/scorers.py and the methods added beside it).
+UNSCORED_METHODS = ("none", "window", "sinks")
 BIT_WIDTHS = (16, 8, 4, 2)
 CODE_FORMATS = ("int", "fp8")
 GROUP_AXES = ("token", "channel")
@@ -131,7 +122,7 @@ def base_config(variant: str = "tiny") -> ml_collections.ConfigDict:
             qk_norm=False,  # RMSNorm over each head's query and key before RoPE (Qwen3); gqa only
             sliding_window=0,  # 0 = full causal attention; W = each query sees the last W
             #                    positions, itself included (Mistral, Gemma); its cache is a
-            #                    ring of W slots (kvlab/cache/evict.py)
+            #                    ring of W slots (kvlab/cache/evict/)
             attention_impl="xla",  # the backend (kvlab.backends) whose kernels attend over
             #                        stored blocks and write caches: 'xla' (plain JAX, any
             #                        platform), 'pallas' (kvlab/kernels/pallas: Triton on
@@ -233,11 +224,12 @@ def base_config(variant: str = "tiny") -> ml_collections.ConfigDict:
             scale_dtype="bfloat16",  # dtype of scales and zero points
         )
     )
-    # Token eviction (kvlab/cache/evict.py): each layer stores `budget` tokens per
+    # Token eviction (kvlab/cache/evict/): each layer stores `budget` tokens per
     # KV head and drops the rest physically. 'none' is the full cache.
     cfg.cache.evict = ml_collections.ConfigDict(
         dict(
-            method="none",  # none|window|sinks|h2o|snapkv|pyramidkv|adakv|knorm|random
+            method="none",  # none|window|sinks, or a scorer: h2o|snapkv|pyramidkv|adakv|knorm|
+            #                 random|tova|... (kvlab.config.evict_methods())
             budget=0,  # tokens kept per KV head and layer; 0 = ceil(ratio x max_len)
             ratio=1.0,  # with budget 0: the share of the cache's max_len kept, in (0, 1]
             sinks=4,  # 'sinks': the first tokens, always kept (StreamingLLM)
@@ -788,7 +780,7 @@ def _validate_evict(cache: Mapping) -> None:
     evict = cache["evict"]
     section = "cache.evict"
     _check_known_fields(section, evict, base_config().cache.evict)
-    _check_choice(section, evict, "method", EVICT_METHODS)
+    _check_choice(section, evict, "method", evict_methods())
     _check_int(section, evict, "budget", minimum=0)
     _check_number(section, evict, "ratio")
     if evict["ratio"] > 1:
@@ -806,17 +798,19 @@ def _validate_evict(cache: Mapping) -> None:
     if evict["adakv_floor"] > 1:
         _fail(f"{section}.adakv_floor", evict["adakv_floor"], "is above 1", "set a share in [0, 1]")
     method = evict["method"]
-    if method in ("h2o", "adakv") and cache["prefix_caching"]:
-        why = {
-            "h2o": "the attention a cached prefix's tokens accumulated is not in its pages",
-            "adakv": "its heads share one pool, so a prefix's tokens are not in slot order",
-        }[method]
+    why = None if method in UNSCORED_METHODS else SCORERS.get(method).prefix_unsafe
+    if why and cache["prefix_caching"]:
         _fail(
             "cache.prefix_caching",
             True,
             f"cannot combine with cache.evict.method={method!r}: {why}",
             "set cache.prefix_caching=False or another cache.evict.method",
         )
+
+
+def evict_methods() -> tuple[str, ...]:
+    """Every cache.evict.method: the unscored layouts, then the registered scorers."""
+    return (*UNSCORED_METHODS, *SCORERS.names())
 
 
 def _validate_cache_for_model(cache: Mapping, model: Mapping) -> None:

@@ -29,7 +29,7 @@ how many steps follow are traced (one program serves every step) and the
 cache is donated, so its pools are updated in place.
 
 With an evicting cache (cache.evict, model.sliding_window;
-kvlab/cache/evict.py) a slot holds pages for its budget only, and a second
+kvlab/cache/evict/) a slot holds pages for its budget only, and a second
 program (`start_rows`) clears the kept tokens of slots a request starts in
 and copies cached pages a request is about to overwrite (docs/design.md,
 "Evicting caches"). Every step attends over max_len positions per slot, so a

@@ -236,7 +236,7 @@ class Scheduler:
       prefix_caching: reuse and register cached full pages.
       end_token: a request finishes after emitting it (kept in its output).
       row_slots: the most tokens a slot's cache stores (an evicting cache's
-        budget, kvlab/cache/evict.py); default max_len. A request then holds
+        budget, kvlab/cache/evict/); default max_len. A request then holds
         pages for min(its tokens, row_slots), and a preempted request replays
         its generated tokens one per step, as it first fed them, so it keeps
         the tokens it kept before.

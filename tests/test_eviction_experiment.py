@@ -3,7 +3,7 @@ policy, ratio and family, and a two-model slice of it runs end to end."""
 
 import csv
 
-from kvlab.config import EVICT_METHODS, import_config_file
+from kvlab.config import evict_methods, import_config_file
 from kvlab.sweep import expand, split_sweep_config
 from tests.helpers import ROOT, run_experiment
 
@@ -23,7 +23,7 @@ def test_the_eviction_grid_spans_every_policy_ratio_and_family():
     assert by_model["mqar-mha"]["16bit"].data.source == "mqar"
     for model, caches in by_model.items():
         evicted = {(c.cache.evict.method, c.cache.evict.ratio) for c in caches.values()}
-        for method in EVICT_METHODS[1:]:
+        for method in evict_methods()[1:]:
             for ratio in module.RATIOS:
                 assert (method, ratio) in evicted, (model, method, ratio)
         assert caches["16bit"].cache.evict.method == "none"

@@ -83,7 +83,7 @@ def through_layer(layer, fresh: tuple, placement, attention):
     `attention(regions, observe)` attends over the layer's regions (pairs of
     tensors and mask) and returns the output, or (output, mass) when `observe`
     (float32[B, T]: query weights) is given. Layers that evict by attention
-    (kvlab/cache/evict.py) say which queries they observe (`layer.observe`)
+    (kvlab/cache/evict/) say which queries they observe (`layer.observe`)
     and receive the mass each of their tokens got from them.
     """
     regions, pending = layer.read(fresh, placement)

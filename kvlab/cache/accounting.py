@@ -13,7 +13,7 @@ packed payload (bits / 8 bytes a number), one scale (and zero point) per group
 and the full-precision ring of recent tokens, laid out as kvlab/cache/quant.py
 describes. A paged cache counts its page pools (num_pages x page_size token
 rows, shared by the rows) and each row's ring instead. An evicting cache counts its budget slots
-(kvlab/cache/evict.py), and per slot an int32 position (and h2o's float32
+(kvlab/cache/evict/), and per slot an int32 position (and h2o's float32
 score) unless it is a ring; one whose quantized tokens settle in groups (a
 residual, per-channel scales) counts slots of g tokens, its ring and (h2o) a
 float32 score per ring slot. Plus the bookkeeping the
@@ -43,7 +43,7 @@ from kvlab.config import (
 ROW_BYTES = 4 + 4  # per row: an int32 length and int32 error flags
 TABLE_ENTRY_BYTES = 4  # paged: one int32 page id per row and page
 SLOT_BYTES = 4  # evicting caches (scored methods): the int32 position of each slot's token
-SCORE_BYTES = 4  # h2o: the float32 attention each slot's token has accumulated
+SCORE_BYTES = 4  # a scorer that keeps: the float32 each slot carries (h2o's attention)
 
 
 def cache_bytes(
@@ -99,18 +99,19 @@ def cache_bytes(
                 per_layer += rows_held * sum(
                     _tensor_bytes(s, h, w, policy.rows, 0) for s, h, w in stored
                 )
-            if policy.settles:  # a ring per row and KV head (h2o: + a float32 score per slot)
+            keeps = policy.keeps  # a float32 per slot
+            if policy.settles:  # a ring per row and KV head (+ what the scorer keeps per slot)
                 ring = policy.layout.ring_len
                 per_layer += rows_held * sum(
                     _tensor_bytes(s, t.heads, t.width, 0, ring) for t, s in tensors
                 )
-                if policy.method == "h2o":
+                if keeps:
                     kv_heads = policy.kv_heads // split("cache_heads", policy.kv_heads)
                     per_layer += rows_held * kv_heads * ring * SCORE_BYTES
             if not policy.ring:
                 heads = evict.storage_heads(policy)
                 heads //= split("cache_heads", heads)
-                per_slot = SLOT_BYTES + (SCORE_BYTES if policy.method == "h2o" else 0)
+                per_slot = SLOT_BYTES + (SCORE_BYTES if keeps else 0)
                 per_layer += rows_held * heads * policy.slots * per_slot
         return per_layer + tables + ROW_BYTES * rows_held
     if cache_cfg["kind"] == "paged":
@@ -205,18 +206,16 @@ def _kept_label(model_cfg: Mapping, evict_cfg: Mapping) -> str:
         return f"window keeping {kept}"
     if method == "sinks":
         return f"sinks keeping {kept} ({evict_cfg['sinks']} sinks)"
-    details = [f"recent {evict_cfg['recent']}"]
-    if method in ("snapkv", "pyramidkv", "adakv"):
-        details += [
-            f"observation window {evict_cfg['obs_window']}",
-            f"pooling {evict_cfg['kernel']}",
-        ]
-    if method == "pyramidkv":
-        details.append(f"pyramid beta {evict_cfg['pyramid_beta']:g}")
-    if method == "adakv":
-        details.append(f"floor {evict_cfg['adakv_floor']:g}")
-    if method == "random":
-        details.append(f"seed {evict_cfg['seed']}")
+    words = {
+        "recent": "recent {}",
+        "obs_window": "observation window {}",
+        "kernel": "pooling {}",
+        "pyramid_beta": "pyramid beta {:g}",
+        "adakv_floor": "floor {:g}",
+        "seed": "seed {}",
+    }
+    options = evict.scorer_of(method).options
+    details = [words.get(name, name + " {}").format(evict_cfg[name]) for name in options]
     return f"{method} keeping {kept} ({', '.join(details)})"
 
 

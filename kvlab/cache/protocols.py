@@ -86,7 +86,7 @@ class CacheLayer(Protocol):
 
     def observe(self, placement: Placement) -> Float[Array, "B T"] | None:
         """Weights of the queries whose attention the layer wants to see (an
-        evicting layer scoring by attention, kvlab/cache/evict.py), or None."""
+        evicting layer scoring by attention, kvlab/cache/evict/), or None."""
 
     def write(self, pending: Any, placement: Placement, mass=None) -> CacheLayer:
         """The storage with the step's tokens written (`pending` from `read`;

@@ -1,4 +1,4 @@
-"""Evicting caches (kvlab/cache/evict.py): exactness, what they keep, their bytes, refusals."""
+"""Evicting caches (kvlab/cache/evict/): exactness, what they keep, their bytes, refusals."""
 
 from __future__ import annotations
 
@@ -13,10 +13,10 @@ from hypothesis import strategies as st
 
 import kvlab
 from kvlab.attention.rope import apply_rope
-from kvlab.config import EVICT_METHODS
+from kvlab.config import evict_methods
 from tests.helpers import VARIANTS, build, random_tokens, run_in_chunks
 
-METHODS = EVICT_METHODS[1:]
+METHODS = evict_methods()[1:]
 CHUNKS = [4, 1, 4]  # 9 tokens
 MAX_LEN = 16
 

@@ -71,6 +71,7 @@ from einops import rearrange
 from flax import struct
 from jaxtyping import Array, Float, Int
 
+from kvlab.cache.evict.scorers import Candidates, Scorer
 from kvlab.cache.paged import gather_pages, write_pages
 from kvlab.cache.placement import Placement, write_tokens
 from kvlab.cache.quant import (
@@ -82,7 +83,8 @@ from kvlab.cache.quant import (
     quantized_layout,
     write_ring,
 )
-from kvlab.config import OBSERVING_METHODS, SCORED_METHODS, dtype_of
+from kvlab.config import dtype_of
+from kvlab.registry import SCORERS
 
 RING_METHODS = ("window", "sinks")
 MAX_SCORED_LEN = 2**24 - 2**16  # positions (and a step's tokens) stay below 2**24: sort keys
@@ -117,6 +119,16 @@ class Policy:
         return self.method in RING_METHODS
 
     @property
+    def scorer(self) -> Scorer | None:
+        """The method's scorer (kvlab/cache/evict/scorers.py); None for a window."""
+        return scorer_of(self.method)
+
+    @property
+    def keeps(self) -> bool:
+        """Whether each slot carries a float32 of the scorer's (`Scorer.keeps`)."""
+        return self.scorer is not None and self.scorer.keeps
+
+    @property
     def ring(self) -> bool:
         """Slots in a ring whose positions follow from the length (a window over
         tokens stored one by one; over settling groups the newest groups stay)."""
@@ -136,6 +148,11 @@ class Policy:
     def layout(self) -> Layout:
         """The quantized layout whose settled(n) rule says when tokens leave the ring."""
         return Layout(self.max_len, self.residual, self.granularity)
+
+
+def scorer_of(method: str) -> Scorer | None:
+    """The scorer of cache.evict.method, None for the layouts that score nothing."""
+    return None if method in ("none", *RING_METHODS) else SCORERS.get(method)
 
 
 def resolve_budget(model_cfg: Mapping, cache_cfg: Mapping, max_len: int) -> int:
@@ -161,7 +178,8 @@ def layer_budgets(model_cfg: Mapping, cache_cfg: Mapping, max_len: int) -> tuple
             f"cache.evict.sinks={evict['sinks']} leaves no recent window in a budget of "
             f"{budget} ({source}): set cache.evict.sinks below the budget or a larger budget"
         )
-    if method not in SCORED_METHODS:
+    scorer = scorer_of(method)
+    if scorer is None:
         return (budget,) * layers
     if evict["recent"] >= budget:
         raise ValueError(
@@ -169,15 +187,7 @@ def layer_budgets(model_cfg: Mapping, cache_cfg: Mapping, max_len: int) -> tuple
             f"({source}), so nothing is scored: set cache.evict.recent below the budget, or "
             "use cache.evict.method='window'"
         )
-    if method != "pyramidkv" or layers == 1:
-        return (budget,) * layers
-    # PyramidKV: the scored part (budget - recent) falls linearly from 2m - m/beta in
-    # the first layer to m/beta in the last (mean m).
-    mean = budget - evict["recent"]
-    low = mean / evict["pyramid_beta"]
-    high = 2 * mean - low
-    step = (high - low) / (layers - 1)
-    return tuple(evict["recent"] + max(1, round(high - i * step)) for i in range(layers))
+    return scorer.budgets(budget, layers, evict)
 
 
 def policies(model_cfg: Mapping, cache_cfg: Mapping, max_len: int) -> tuple[Policy, ...] | None:
@@ -186,14 +196,15 @@ def policies(model_cfg: Mapping, cache_cfg: Mapping, max_len: int) -> tuple[Poli
     method = "window" if model_cfg["sliding_window"] else evict["method"]
     if method == "none":
         return None
-    if method in SCORED_METHODS and max_len > MAX_SCORED_LEN:
+    scorer = scorer_of(method)
+    if scorer is not None and max_len > MAX_SCORED_LEN:
         raise ValueError(
             f"max_len={max_len} is too long for cache.evict.method={method!r}: scored slots "
             f"key positions below 2**24 with their head; use max_len <= {MAX_SCORED_LEN}"
         )
     grouped = model_cfg["attention"] != "mla"
     kv_heads = model_cfg["num_kv_heads"] if grouped else 1
-    pooled = method == "adakv" and kv_heads > 1
+    pooled = scorer is not None and scorer.pooled and kv_heads > 1
     # Quantized with a residual window or per-channel scales (KIVI): tokens settle in
     # groups of g and only settled groups compete, for (budget - residual) // g slots.
     layout = quantized_layout(model_cfg, cache_cfg, max_len)
@@ -217,7 +228,7 @@ def policies(model_cfg: Mapping, cache_cfg: Mapping, max_len: int) -> tuple[Poli
                 query_heads=model_cfg["num_heads"],
                 pooled=pooled,
                 sinks=sinks,
-                recent=evict["recent"] if method in SCORED_METHODS else 0,
+                recent=evict["recent"] if scorer is not None else 0,
                 obs_window=evict["obs_window"],
                 kernel=evict["kernel"],
                 floor=math.floor(evict["adakv_floor"] * units) if pooled else 0,
@@ -332,44 +343,6 @@ def banded(q_positions: Array, k_positions: Array, sinks: int, span: int) -> Arr
 
 
 # ---------------------------------------------------------------------------
-# Scores
-
-
-def _pooled_max(score: Array, key: Array, valid: Array, head: Array, kernel: int) -> Array:
-    """Max of each candidate's score over the `kernel` nearest positions of its head.
-
-    score, key (sort key: head-major position), valid, head: [B, E, C].
-    """
-    if kernel == 1:
-        return score
-    order = jnp.argsort(jnp.where(valid, key, jnp.iinfo(jnp.int32).max), axis=-1)
-    take = lambda x: jnp.take_along_axis(x, order, axis=-1)  # noqa: E731
-    s, v, h = take(score), take(valid), take(head)
-    best = s
-    half = kernel // 2
-    for shift in range(1, half + 1):
-        for d in (shift, -shift):
-            moved = jnp.roll(s, d, axis=-1)
-            ok = jnp.roll(v, d, axis=-1) & (jnp.roll(h, d, axis=-1) == h)
-            edge = jnp.arange(s.shape[-1])
-            ok = ok & ((edge >= d) if d > 0 else (edge < s.shape[-1] + d))
-            best = jnp.where(ok & v, jnp.maximum(best, moved), best)
-    # Back to candidate order: a scatter through the permutation (no second sort).
-    b = jnp.arange(order.shape[0])[:, None, None]
-    e = jnp.arange(order.shape[1])[None, :, None]
-    return jnp.zeros_like(best).at[b, e, order].set(best)
-
-
-def _hash01(x: Array) -> Array:
-    """A pseudo-random float in [0, 1) per uint32 (a murmur3 finaliser)."""
-    x = x.astype(jnp.uint32)
-    x = (x ^ (x >> 16)) * jnp.uint32(0x7FEB352D)
-    x = (x ^ (x >> 15)) * jnp.uint32(0x846CA68B)
-    x = x ^ (x >> 16)
-    return (x >> 8).astype(jnp.float32) / float(1 << 24)
-
-
-# ---------------------------------------------------------------------------
 # The layer
 
 
@@ -388,14 +361,16 @@ def stored_tokens(positions: Array | None, policy: Policy, lengths: Array) -> Ar
 
 
 def observed_queries(policy: Policy, placement: Placement) -> Array | None:
-    """float32[B, T]: the queries whose attention scores a step's tokens (h2o: all
-    real ones; snapkv, pyramidkv, adakv: the last obs_window), or None."""
-    if policy.method not in OBSERVING_METHODS:
+    """float32[B, T]: the queries whose attention the scorer reads (`observes`:
+    "all" real ones, the last obs_window of a "window", the "last" one), or None."""
+    observes = None if policy.scorer is None else policy.scorer.observes
+    if observes is None:
         return None
     steps = jnp.arange(placement.positions.shape[1])[None, :]
     real = steps < placement.num_tokens[:, None]
-    if policy.method != "h2o":
-        real = real & (steps >= placement.num_tokens[:, None] - policy.obs_window)
+    if observes != "all":
+        window = policy.obs_window if observes == "window" else 1
+        real = real & (steps >= placement.num_tokens[:, None] - window)
     return real.astype(jnp.float32)
 
 
@@ -611,38 +586,47 @@ class EvictingLayer:
         return tags, jnp.concatenate([self.positions, tags], axis=2)
 
     def _score(self, pending, placement, candidates, valid, mass) -> Array:
-        """float32[B, E, C]: how much each candidate deserves to stay."""
+        """float32[B, E, C]: the scorer's score of each candidate token."""
         p = self.policy
         heads = candidates.shape[1]
-        if p.method in OBSERVING_METHODS:
-            # Mean over the query heads of each storage head (attention gives KV heads').
-            per_head = [m.reshape(m.shape[0], heads, -1, m.shape[-1]).mean(2) for m in mass]
-            score = jnp.concatenate(per_head, axis=2)
-            if p.method == "h2o":
-                return score.at[..., : self.scores.shape[2]].add(self.scores)
-            return self._snap(score, candidates, valid)
-        if p.method == "knorm":  # keys of small norm stay (the first cached tensor's)
-            stored = jnp.linalg.norm(_stored_values(self.tensors[0]), axis=-1)
+        per_head = None
+        if mass is not None:  # mean over the query heads of each storage head
+            per_head = jnp.concatenate(
+                [m.reshape(m.shape[0], heads, -1, m.shape[-1]).mean(2) for m in mass], axis=2
+            )[..., None]
+
+        def keys():  # the first cached tensor's, stored and new, as stored
+            stored = _stored_values(self.tensors[0])
             new = _as_stored(pending[0], self.tensors[0]).astype(jnp.float32)
-            new = jnp.linalg.norm(new, axis=-1)
-            return -jnp.concatenate([stored, new], axis=2)
-        return self._random(candidates)
+            if p.pooled:
+                (new,) = self._pool_tensors((new,))
+            return jnp.concatenate([stored, new], axis=2)[:, :, :, None]
 
-    def _snap(self, score: Array, candidates: Array, valid: Array) -> Array:
-        """snapkv's max-pool of `score` over `kernel` neighbouring positions of a head."""
-        p = self.policy
-        head = candidates % p.kv_heads if p.pooled else jnp.zeros_like(candidates)
-        position = candidates // p.kv_heads if p.pooled else candidates
-        key = head * (1 << 24) + position  # positions stay below 2**24
-        return _pooled_max(score, key, valid, head, p.kernel)
+        return p.scorer.score(self._candidates_of(candidates, valid, 1, per_head, keys))
 
-    def _random(self, candidates: Array) -> Array:
-        """random: a hash of seed, layer, head and (first) position."""
+    def _candidates_of(self, tags, valid, group: int, mass, keys) -> Candidates:
+        """What the scorer reads of candidates `tags` [B, E, C] (module docstring)."""
         p = self.policy
-        heads = candidates.shape[1]
-        e = jnp.arange(heads)[None, :, None]
-        salt = (p.seed * 0x9E3779B1 + p.layer * 0x85EBCA77) & 0xFFFFFFFF
-        return _hash01((candidates * heads + e).astype(jnp.uint32) ^ jnp.uint32(salt))
+        if p.pooled:
+            positions, heads = tags // p.kv_heads, tags % p.kv_heads
+        else:
+            positions = tags
+            heads = jnp.broadcast_to(jnp.arange(tags.shape[1])[None, :, None], tags.shape)
+        return Candidates(
+            tags=tags,
+            valid=valid,
+            positions=jnp.where(valid, positions, -1),
+            heads=heads,
+            held=self.positions.shape[2],
+            group=group,
+            mass=mass,
+            state=self.scores,
+            keys=keys,
+            kernel=p.kernel,
+            seed=p.seed,
+            layer=p.layer,
+            kv_heads=p.kv_heads,
+        )
 
     def _floor(self, score, candidates, valid) -> Array:
         """adakv: each head's `floor` best candidates (bool[B, 1, C])."""
@@ -751,27 +735,25 @@ class EvictingLayer:
             return jnp.where(candidates < p.sinks, KEPT, candidates.astype(jnp.float32))
         g = p.granularity
         batch, heads = candidates.shape[:2]
-        groups = lambda x: x.reshape(*x.shape[:2], -1, g)  # noqa: E731  [.., X g] -> [.., X, g]
-        per_storage = lambda x: x.reshape(batch, heads, -1)  # noqa: E731  [B, K, F]: head-major
-        if p.method in OBSERVING_METHODS:
+        groups = lambda x: x.reshape(*x.shape[:2], -1, g, *x.shape[3:])  # noqa: E731  [.., X g, ..]
+        per_storage = lambda x: x.reshape(batch, heads, -1, *x.shape[3:])  # noqa: E731  head-major
+        per_token = None
+        if mass is not None:  # the payload's groups, then the settling ones
             m = mass[0]
-            stored = groups(m.reshape(batch, heads, -1, m.shape[-1]).mean(2)).sum(-1)
-            if p.method == "h2o":
-                stored = stored + self.scores
-            new = per_storage(groups(settling_mass).sum(-1))
-            score = jnp.concatenate([stored, new], axis=2)
-            return score if p.method == "h2o" else self._snap(score, candidates, valid)
-        if p.method == "knorm":  # mean key norm of the group, as stored (quantized)
+            stored = groups(m.reshape(batch, heads, -1, m.shape[-1]).mean(2))
+            per_token = jnp.concatenate([stored, per_storage(groups(settling_mass))], axis=2)
+
+        def keys():  # the first cached tensor's groups, kept and settling, as stored
             key = self.tensors[0]
-            stored = groups(jnp.linalg.norm(_stored_values(key), axis=-1)).mean(-1)
             settled = flush.payloads[0].astype(jnp.float32)
             if key.spec.quantized:
                 settled = dequantize_tokens(
                     flush.payloads[0], flush.scales[0], flush.zeros[0], key.spec
                 )
-            new = per_storage(groups(jnp.linalg.norm(settled, axis=-1)).mean(-1))
-            return -jnp.concatenate([stored, new], axis=2)
-        return self._random(candidates)
+            stored = groups(_stored_values(key))
+            return jnp.concatenate([stored, per_storage(groups(settled))], axis=2)
+
+        return p.scorer.score(self._candidates_of(candidates, valid, g, per_token, keys))
 
 
 _POOLED = ("payload", "scale", "zero")  # the QuantizedTensor arrays that page
@@ -882,12 +864,12 @@ def _metadata(policy: Policy, batch: int):
     if policy.ring:
         return None, None
     shape = (batch, storage_heads(policy), policy.slots)
-    scores = jnp.zeros(shape, jnp.float32) if policy.method == "h2o" else None
+    scores = jnp.zeros(shape, jnp.float32) if policy.keeps else None
     return jnp.full(shape, -1, jnp.int32), scores
 
 
 def _ring_scores(policy: Policy, batch: int) -> Array | None:
-    if not (policy.settles and policy.method == "h2o"):
+    if not (policy.settles and policy.keeps):
         return None
     return jnp.zeros((batch, policy.kv_heads, policy.layout.ring_len), jnp.float32)
 

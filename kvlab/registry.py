@@ -1,0 +1,82 @@
+"""Registries of named plug-ins: how a method is added to kvlab in one file.
+
+    SCORERS.register(Tova())          # a class of kvlab/cache/evict/scorers.py's kind
+    SCORERS.get("tova")               # registered, or its shipped module imported now
+    SCORERS.names()                   # what cache.evict.method may name (with the layouts)
+
+Each registry holds objects of one kind under their `name`. A name is found
+among those registered, then among the modules shipped with kvlab (imported
+on first use: each registers what it defines), then in the entry-point group
+of installed packages (`name = "package.module:object"`). Config validation
+names a registry's names; nothing else is listed by hand, so a new method is
+its file, its test and one line in `shipped` (or an entry point, or a
+`register` call in the researcher's own code).
+
+This module imports nothing from kvlab, so every layer may read a registry;
+the shipped modules sit wherever their code belongs and are imported by name.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+from collections.abc import Mapping
+from typing import Any
+
+
+class Registry:
+    """Plug-ins of one kind. `field` is the config field that names one (for
+    errors), `shipped` maps a name to the kvlab module that registers it, and
+    `group` is the entry-point group other packages register theirs in."""
+
+    def __init__(self, kind: str, field: str, shipped: Mapping[str, str], group: str):
+        self.kind, self.field, self.group = kind, field, group
+        self.shipped = dict(shipped)
+        self._registered: dict[str, Any] = {}
+
+    def register(self, plugin: Any) -> Any:
+        """Makes `plugin` the one `get(plugin.name)` returns; returns it."""
+        name = getattr(plugin, "name", None)
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"{plugin!r} has no `name`: a {self.kind} is registered under it")
+        self._registered[name] = plugin
+        return plugin
+
+    def _entry_points(self) -> dict[str, Any]:
+        return {e.name: e for e in importlib.metadata.entry_points(group=self.group)}
+
+    def names(self) -> tuple[str, ...]:
+        """Every name `get` can give, registered ones first."""
+        return tuple(dict.fromkeys([*self._registered, *self.shipped, *self._entry_points()]))
+
+    def get(self, name: str) -> Any:
+        """The plug-in called `name`, importing its module on first use; ValueError
+        naming the config field for a name none has."""
+        if name not in self._registered:
+            if name in self.shipped:
+                importlib.import_module(self.shipped[name])  # registers it
+            elif name in self._entry_points():
+                self.register(self._entry_points()[name].load())
+        if name not in self._registered:
+            raise ValueError(
+                f"{self.field}={name!r} is not a {self.kind} kvlab knows: use one of "
+                f"{', '.join(map(repr, self.names()))}, or register yours "
+                f"(kvlab.registry, entry-point group {self.group!r})"
+            )
+        return self._registered[name]
+
+
+# Eviction scorers (kvlab/cache/evict/scorers.py): cache.evict.method, beside the
+# layouts that score nothing ('none', 'window', 'sinks').
+SCORERS = Registry(
+    "eviction scorer",
+    "cache.evict.method",
+    shipped={
+        **dict.fromkeys(
+            ("h2o", "snapkv", "pyramidkv", "adakv", "knorm", "random"),
+            "kvlab.cache.evict.scorers",
+        ),
+        "tova": "kvlab.cache.evict.tova",
+    },
+    group="kvlab.scorers",
+)
