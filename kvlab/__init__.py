@@ -1,6 +1,6 @@
 """kvlab: experiments on the transformer KV cache in JAX/Flax.
 
-The public API (docs/design.md):
+The public API (README.md, "The API"; docs/architecture.md for the rest):
 
     cfg = kvlab.load_config("configs/gqa.py:tiny")
     model = kvlab.Transformer(cfg.model)

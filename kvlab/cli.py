@@ -29,7 +29,7 @@
 `decode_params` is the parameter layout the scripts decode from;
 `attention_label` and `count` word what the scripts print about a model;
 `best_time` times the benchmarks' compiled calls;
-`with_hf` is what every script's `--hf DIR` does (docs/design.md, "Your own
+`with_hf` is what every script's `--hf DIR` does (docs/checkpoints.md, "Your own
 checkpoint"), `with_run` what scripts/train.py's `--init_from DIR` does,
 `refuse_other_weights` what both refuse beside them, `evaluated_weights` what
 the evaluation scripts' `--workdir`/`--hf` and `--cache` load.

@@ -1,7 +1,7 @@
 """Config schema, defaults, validation and loading.
 
 Every kvlab run is described by one `ml_collections.ConfigDict` with seven
-sections (docs/design.md): `model`, `cache`, `train`, `data`, `eval`, `wandb`,
+sections (docs/architecture.md, "Configs"): `model`, `cache`, `train`, `data`, `eval`, `wandb`,
 `mesh`. Config files in `configs/` start from `base_config(variant)` and change what they study.
 
     cfg = kvlab.load_config("configs/gqa.py:tiny")   # loads and validates
@@ -68,7 +68,7 @@ VARIANTS = tuple(_SIZES)
 
 MESH_AXES = ("data", "fsdp", "tensor")  # mesh.data, mesh.fsdp, mesh.tensor, in mesh order
 # mesh.rules' defaults: each logical axis and the mesh axes it is split over
-# (docs/design.md, "Scale-out"). Parameters: embed, heads, kv_heads, head_dim, mlp,
+# (docs/scale-out.md). Parameters: embed, heads, kv_heads, head_dim, mlp,
 # vocab, latent, experts, norm; activations: batch; caches: cache_batch,
 # cache_heads, cache_pages.
 LOGICAL_AXIS_RULES = (
@@ -346,7 +346,7 @@ class CachedTensor(NamedTuple):
 
 def cached_tensors(model: Mapping) -> tuple[CachedTensor, CachedTensor]:
     """What one layer of `model` caches per token: the one definition of each
-    attention kind's cache (docs/design.md, "The cache pytree").
+    attention kind's cache (docs/caches.md, "The cache pytree").
 
     Grouped-query attention (MHA, GQA, MQA): keys and values, num_kv_heads heads
     of head_dim. Latent attention (DeepSeek-V2, arXiv:2405.04434): the latent

@@ -31,14 +31,14 @@ cache is donated, so its pools are updated in place.
 With an evicting cache (cache.evict, model.sliding_window;
 kvlab/cache/evict/) a slot holds pages for its budget only, and a second
 program (`start_rows`) clears the kept tokens of slots a request starts in
-and copies cached pages a request is about to overwrite (docs/design.md,
+and copies cached pages a request is about to overwrite (docs/caches.md,
 "Evicting caches"). Every step attends over max_len positions per slot, so a
 max_len near the longest request makes steps cheaper than the default (all
 the pool holds).
 
-On a mesh (`Engine(..., mesh=kvlab.sharding.make_mesh(cfg))`, docs/design.md
-"Scale-out") the slots are the cache's rows: split over `cache_batch` (default
-data x fsdp, as far as max_slots divides), cached heads over tensor, the page
+On a mesh (`Engine(..., mesh=kvlab.sharding.make_mesh(cfg))`,
+docs/scale-out.md) the slots are the cache's rows: split over `cache_batch`
+(default data x fsdp, as far as max_slots divides), cached heads over tensor, the page
 pool replicated over data (any slot may hold any page), parameters by their
 logical axes. Each step's host-made inputs (tokens, counts, budgets, block
 tables, lengths) are placed by those rows, so the same program runs every

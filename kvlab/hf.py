@@ -38,7 +38,7 @@ left over is refused. Errors name the field or tensor, its value and what is
 supported.
 
 Layouts. transformers stores a linear map as weight [out, in]; kvlab's kernels
-are [in..., out...] (axis letters: docs/design.md):
+are [in..., out...] (axis letters: docs/architecture.md):
 
     embed_tokens [V, D]                   -> embed/embedding [V, D]
     q_proj [N*H, D], k_proj/v_proj [K*H, D] -> attention/{query,key,value}/kernel [D, N|K, H]

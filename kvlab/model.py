@@ -23,7 +23,7 @@ ValueError. Inside jit values cannot raise: a row given a token id outside the
 vocabulary, num_tokens outside 0..T or a negative length is flagged in
 `cache.errors`, nothing is written for it and its logits are NaN; a row given
 more tokens than fit is flagged and keeps a length above the capacity. Host
-loops call `cache.check()` (docs/design.md, "Invalid values inside compiled code").
+loops call `cache.check()` (docs/architecture.md, "Invalid values inside compiled code").
 Without a cache, rows with an invalid id get NaN logits.
 """
 

@@ -18,7 +18,7 @@ place the arrays and insert the communication. kvlab writes no collective.
     rows_array(local, rows, B, placed)             # the global batch from each host's rows
     put_global(params, shardings), fetch(array)    # host copies onto / back from every host
 
-Defaults (docs/design.md, "Scale-out"): weights' model-width side over `fsdp`;
+Defaults (docs/scale-out.md): weights' model-width side over `fsdp`;
 heads, key/value heads, MLP width and vocabulary over `tensor`; batches over
 `data` x `fsdp`, and so are cache rows; cached heads over `tensor`. A
 dimension whose size the mesh axes of its rule do not divide keeps the longest

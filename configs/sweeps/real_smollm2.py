@@ -10,8 +10,8 @@ kvlab/sweep.py's gguf model entries). The model is evaluated as it is, without
 training: perplexity of held-out standard-library files (data.source='stdlib',
 eval.split='test') in the model's own tokens, 16 windows of 512 tokens (8,192
 scored) through each of 11 caches: 11 min 19 s on 2 CPU cores shared with a
-test run (632 s of CPU time). Results and what they show: README.md, "The
-same caches on a real model"; experiments/results/real_smollm2/.
+test run (632 s of CPU time). Results and what they show:
+experiments/results/real_smollm2/README.md.
 
 SmolLM2-135M is already grouped-query (9 query heads, 3 KV heads, head_dim 64,
 30 layers), so the sweep varies only the cache: bits, key grouping axis

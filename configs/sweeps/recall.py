@@ -27,7 +27,7 @@ their queries spread over a window the model never trained on.
 tiny: 2-layer models of ~105k parameters, 64-token sequences of 8 pairs over
 31 keys and 32 values, queries at uniform gaps (data.mqar.power 1), 3,000
 steps; 12 trainings and 48 units, 23 minutes on two CPU cores shared with
-another sweep (README, "Recall at equal parameters").
+another sweep (experiments/results/recall_tiny/README.md).
 """
 
 import math

@@ -1,4 +1,4 @@
-"""KV-cache storage and byte accounting (docs/design.md, "The cache pytree")."""
+"""KV-cache storage and byte accounting (docs/caches.md, "The cache pytree")."""
 
 from kvlab.cache.accounting import bits_label, cache_bytes, cache_label, tree_bytes
 from kvlab.cache.allocator import OutOfPages, PageAllocator

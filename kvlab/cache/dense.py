@@ -5,7 +5,7 @@ returns a new one. Row b holds `lengths[b]` tokens at positions
 0..lengths[b]-1; the next tokens given to the model are written after them,
 so rows of a batch may hold different lengths (ragged batches). The fields,
 each storage kind's layout and the read/write contract are documented once,
-in docs/design.md ("The cache pytree"); `kvlab.cache.init_cache` builds one.
+in docs/caches.md ("The cache pytree"); `kvlab.cache.init_cache` builds one.
 
 This module holds the `Cache` itself and the contiguous storage,
 `DenseLayer`: each cached tensor as one [B, K, S, W] buffer in cache.dtype.

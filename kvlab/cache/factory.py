@@ -9,9 +9,9 @@ What each layer stores follows from the model (`kvlab.config.cached_tensors`)
 and the cache section: the tensors' widths and heads, their storage
 (`quant.storages`: 16-bit or quantized) and layout (`quant.quantized_layout`),
 and the kind (contiguous rows, or page pools with block tables). The layouts
-are documented in docs/design.md ("The cache pytree").
+are documented in docs/caches.md ("The cache pytree").
 
-On a mesh (kvlab/sharding.py, docs/design.md "Scale-out") every per-row array
+On a mesh (kvlab/sharding.py, docs/scale-out.md) every per-row array
 [B, KH, ...] (dense tensors; quantized payloads, scales, zero points and
 rings) is split by rows over `cache_batch` (default: mesh axes data x fsdp) and by
 heads over `cache_heads` (tensor), and page pools [KH, P, L, X] by heads and

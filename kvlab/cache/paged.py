@@ -4,7 +4,7 @@ PagedAttention (vLLM, arXiv:2309.06180): a row's tokens live in pages of
 `cache.page_size` (L) tokens taken from a shared pool, so memory is handed out
 as sequences grow instead of reserved at max_len for each. The pools are laid
 out as JAX's Pallas paged-attention kernels take them ([K, P, L, H]); the
-layout of each storage kind is in docs/design.md ("The cache pytree").
+layout of each storage kind is in docs/caches.md ("The cache pytree").
 
 Pages are handed out on the host (kvlab/cache/allocator.py, prefix.py). On CPU
 the pages a step reads are gathered into the dense layout and the one

@@ -4,7 +4,8 @@ layers.py holds the layers (the ring of a window, scored slots, settling
 groups of a quantized layout, AdaKV's pool, their paged twins) and the
 per-layer policies; scorers.py the scorers a method is (a registry,
 kvlab.registry.SCORERS: a new method is one file there, e.g. tova.py).
-docs/design.md, "Evicting caches", describes both.
+docs/caches.md, "Evicting caches", describes both; docs/adding-a-method.md
+how a scorer is added.
 """
 
 from kvlab.cache.evict.layers import (

@@ -3,7 +3,7 @@
 A layer of an evicting cache (`cache.evict.method` other than 'none', or a
 model with `model.sliding_window`) stores `budget` slots per KV head instead of
 the row's whole length; tokens it evicts are gone, so `cache_bytes` counts
-only the slots (docs/design.md, "Evicting caches"). Keys are stored after
+only the slots (docs/caches.md, "Evicting caches"). Keys are stored after
 RoPE, so a kept token keeps its position; `Cache.lengths` stays the number of
 tokens a row has seen (the next position), and `EvictingLayer.stored()` the
 number each head holds.

@@ -1,7 +1,7 @@
 """Pallas kernels for decode attention over one layer's stored tokens: dense, paged, quantized.
 
 Flash-decoding (FlashAttention-2, arXiv:2307.08691; split-K decoding) over the
-cache layouts of docs/design.md ("The cache pytree"): dense rows [B, K, S, X],
+cache layouts of docs/caches.md ("The cache pytree"): dense rows [B, K, S, X],
 page pools [K, P, L, X] read through block tables (PagedAttention,
 arXiv:2309.06180), and packed 8/4/2-bit or fp8 codes with their scales
 (KIVI, arXiv:2402.02750). The kernel reads the codes and scales as stored and
@@ -110,7 +110,7 @@ COMPUTE_DTYPES = ("float32", "bfloat16")
 
 @struct.dataclass
 class Stored:
-    """One cached tensor of a layer as it is stored (docs/design.md, "The cache pytree").
+    """One cached tensor of a layer as it is stored (docs/caches.md, "The cache pytree").
 
     data   dense [B, K, S, X] or a page pool [K, P, L, X]; X = width at 16 bits
            (the cache dtype), width * bits / 8 packed codes (uint8) below
