@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import ml_collections
 
 from kvlab import backends
-from kvlab.registry import SCORERS
+from kvlab.registry import SCORERS, TRANSFORMS
 
 # Names a config may use for `model.dtype`, `model.param_dtype`, `cache.dtype`
 # and `cache.scale_dtype`.
@@ -222,6 +222,10 @@ def base_config(variant: str = "tiny") -> ml_collections.ConfigDict:
             #              when a tensor groups along tokens)
             symmetric=False,  # int codes without a zero point (fp8 never has one)
             scale_dtype="bfloat16",  # dtype of scales and zero points
+            k_transform="none",  # an orthogonal map applied before a tensor is stored and
+            v_transform="none",  # folded into its reads: 'none', 'hadamard' or one registered
+            latent_transform="none",  # (kvlab/cache/transforms; kvlab.registry.TRANSFORMS)
+            rope_transform="none",
         )
     )
     # Token eviction (kvlab/cache/evict/): each layer stores `budget` tokens per
@@ -735,6 +739,7 @@ def validate_cache_config(cache: Mapping, model: Mapping | None = None) -> None:
     if not isinstance(cache["symmetric"], bool):
         _fail("cache.symmetric", cache["symmetric"], "is not a bool", "set True or False")
     for prefix in CACHED_PREFIXES:
+        _check_choice("cache", cache, f"{prefix}_transform", TRANSFORMS.names())
         _check_choice("cache", cache, f"{prefix}_bits", BIT_WIDTHS)
         _check_choice("cache", cache, f"{prefix}_format", CODE_FORMATS)
         _check_choice("cache", cache, f"{prefix}_axis", GROUP_AXES)
@@ -825,16 +830,19 @@ def _validate_cache_for_model(cache: Mapping, model: Mapping) -> None:
         )
     used = cached_prefixes(model)
     for prefix in CACHED_PREFIXES:
-        if prefix not in used and cache[f"{prefix}_bits"] != 16:
-            _fail(
-                f"cache.{prefix}_bits",
-                cache[f"{prefix}_bits"],
-                f"applies to a tensor model.attention={model['attention']!r} does not cache",
-                f"set cache.{used[0]}_bits / cache.{used[1]}_bits instead and leave "
-                f"cache.{prefix}_bits=16",
-            )
+        for field, unset in (("bits", 16), ("transform", "none")):
+            if prefix not in used and cache[f"{prefix}_{field}"] != unset:
+                _fail(
+                    f"cache.{prefix}_{field}",
+                    cache[f"{prefix}_{field}"],
+                    f"applies to a tensor model.attention={model['attention']!r} does not cache",
+                    f"set cache.{used[0]}_{field} / cache.{used[1]}_{field} instead and leave "
+                    f"cache.{prefix}_{field}={unset!r}",
+                )
     for tensor in cached_tensors(model):
         prefix, width, width_name = tensor.prefix, tensor.width, tensor.width_field
+        transform = TRANSFORMS.get(cache[f"{prefix}_transform"])
+        transform.check(width, f"cache.{prefix}_transform")
         bits = cache[f"{prefix}_bits"]
         if bits == 16:
             continue

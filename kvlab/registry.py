@@ -80,3 +80,16 @@ SCORERS = Registry(
     },
     group="kvlab.scorers",
 )
+
+
+# Key/value transforms (kvlab/cache/transforms/): cache.<prefix>_transform, applied
+# to a cached tensor before it is stored and folded into what reads it.
+TRANSFORMS = Registry(
+    "key/value transform",
+    "cache.<prefix>_transform",
+    shipped={
+        "none": "kvlab.cache.transforms",
+        "hadamard": "kvlab.cache.transforms.hadamard",
+    },
+    group="kvlab.transforms",
+)

@@ -33,8 +33,9 @@ CACHES = {
     "paged 4-bit": dict(kind="paged", k_bits=4, v_bits=4),
     "snapkv": dict(dtype="bfloat16", evict=dict(method="snapkv", ratio=0.5)),
     "sliding window": dict(window=16),
+    "rotated 4-bit": dict(k_bits=4, v_bits=4, k_axis="token", k_transform="hadamard"),
 }
-STORED = ("8-bit per token", "KIVI 2-bit", "paged", "paged 4-bit")  # Pallas reads these
+STORED = ("8-bit per token", "KIVI 2-bit", "paged", "paged 4-bit", "rotated 4-bit")  # Pallas
 TRITON = "__gpu$xla.gpu.triton"
 CUSTOM_CALL = re.compile(r"stablehlo\.custom_call @([\w$.]+)")
 

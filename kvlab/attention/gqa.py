@@ -14,8 +14,10 @@ before RoPE (Qwen3); `model.rope_scaling` stretches RoPE (kvlab/attention/rope.p
 
 With a cache layer (dense or quantized, kvlab/cache), the queries attend over
 what the layer holds and over the new keys and values as the layer will hold
-them; then the layer stores the new ones. Without one (the plain forward) they
-attend over the new tokens alone.
+them; then the layer stores the new ones. The cache's transforms
+(`placement.transforms`, kvlab/cache/transforms) rotate the keys and values
+before they are stored, the queries alike, and the output back. Without a
+cache (the plain forward) the queries attend over the new tokens alone.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from ml_collections import FrozenConfigDict
 from kvlab.attention.core import attend, through_layer
 from kvlab.attention.rope import apply_rope
 from kvlab.cache.placement import Placement
+from kvlab.cache.transforms import IDENTITY
 from kvlab.layers import RMSNorm, projection
 
 # The projections' logical axes (kvlab/sharding.py maps them to mesh axes)
@@ -60,13 +63,19 @@ class GroupedQueryAttention(nn.Module):
         if layer is None:
             return out_projection(attend(q, [(*fresh, placement.fresh_mask)])), None
 
+        # The cache's transforms: keys and values as it stores them, queries
+        # rotated alike, the output rotated back (kvlab/cache/transforms).
+        keys, values = placement.transforms or (IDENTITY, IDENTITY)
+        q = keys.forward(q)
+        fresh = (keys.forward(fresh[0]), values.forward(fresh[1]))
+
         # What the layer holds, and the new tokens as it will hold them.
         def attention(regions, observe):
             blocks = [(k, v, mask) for (k, v), mask in regions]
             return attend(q, blocks, observe=observe, impl=cfg.attention_impl)
 
         out, layer = through_layer(layer, fresh, placement, attention)
-        return out_projection(out), layer
+        return out_projection(values.inverse(out)), layer
 
 
 def _fused_qkv(cfg, x):

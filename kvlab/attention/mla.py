@@ -54,6 +54,7 @@ from kvlab.attention.gqa import KEY_AXES, OUT_AXES, QUERY_AXES
 from kvlab.attention.rope import rope_frequencies, rotate, softmax_mscale
 from kvlab.cache.placement import Placement
 from kvlab.cache.protocols import Reader
+from kvlab.cache.transforms import IDENTITY
 from kvlab.config import dtype_of
 from kvlab.layers import RMSNorm, logical, projection
 
@@ -63,7 +64,9 @@ def _dense(x) -> jax.Array:
     return x.dequantize() if isinstance(x, Reader) else x
 
 
-def expanded_attention(q_nope, q_rope, blocks, key_up, value_up, scale, observe=None, impl="xla"):
+def expanded_attention(
+    q_nope, q_rope, blocks, key_up, value_up, scale, observe=None, impl="xla", latent=IDENTITY
+):
     """Per-head K/V expanded from each block's latent, then multi-head attention.
 
     q_nope [B, T, N, nope], q_rope [B, T, N, Hr]; blocks: sequence of
@@ -71,12 +74,14 @@ def expanded_attention(q_nope, q_rope, blocks, key_up, value_up, scale, observe=
     key_up [R, N, nope] (None when nope is 0: keys are their RoPE part alone),
     value_up [R, N, Hv] -> [B, T, N, Hv]; with `observe`, also the mass each
     block's tokens received (kvlab.attention.core.attend), per query head.
+    `latent`: the transform the blocks' latents are stored under, undone before
+    the up-projections (kvlab/cache/transforms).
     """
     dtype = q_rope.dtype
     heads = q_rope.shape[2]
     expanded = []
     for c_kv, k_rope, mask in blocks:
-        c_kv = _dense(c_kv)[:, 0].astype(dtype)  # [B, S, R]
+        c_kv = latent.inverse(_dense(c_kv))[:, 0].astype(dtype)  # [B, S, R]
         # [B, N, S, Hv]
         v = jnp.einsum("BSR,RNH->BNSH", c_kv, value_up.astype(dtype))
         # Each head's RoPE key (one shared by all, or one per group): [B, N, S, Hr]
@@ -92,24 +97,27 @@ def expanded_attention(q_nope, q_rope, blocks, key_up, value_up, scale, observe=
     return attend(queries, expanded, scale, observe, impl)
 
 
-def absorbed_attention(q_nope, q_rope, blocks, key_up, value_up, scale, observe=None, impl="xla"):
+def absorbed_attention(
+    q_nope, q_rope, blocks, key_up, value_up, scale, observe=None, impl="xla", latent=IDENTITY
+):
     """Attention in latent space: W_UK folded into the query, W_UV applied after.
 
     Same arguments and result as `expanded_attention`. The latent is one KV
     head shared by all N query heads, read as both key part and value; the
-    RoPE keys are read by their groups of query heads.
+    RoPE keys are read by their groups of query heads. Under a `latent`
+    transform the latent-space query is transformed alike and the output back.
     """
     dtype = q_rope.dtype
     if key_up is None:  # no key part in the latent: scores are the RoPE part's
-        latent = [((k_rope,), c_kv, mask) for c_kv, k_rope, mask in blocks]
-        out = attend((q_rope,), latent, scale, observe, impl)  # [B, T, N, R]
+        read = [((k_rope,), c_kv, mask) for c_kv, k_rope, mask in blocks]
+        out = attend((q_rope,), read, scale, observe, impl)  # [B, T, N, R]
     else:
         # [B, T, N, R]: each head's query against the latent
-        q_latent = _per_head(q_nope, key_up.astype(dtype), 2)
-        latent = [((c_kv, k_rope), c_kv, mask) for c_kv, k_rope, mask in blocks]
-        out = attend((q_latent, q_rope), latent, scale, observe, impl)  # [B, T, N, R]
+        q_latent = latent.forward(_per_head(q_nope, key_up.astype(dtype), 2))
+        read = [((c_kv, k_rope), c_kv, mask) for c_kv, k_rope, mask in blocks]
+        out = attend((q_latent, q_rope), read, scale, observe, impl)  # [B, T, N, R]
     out, mass = (out, None) if observe is None else out
-    out = _per_head(out, value_up.astype(dtype), 0)  # [B, T, N, Hv]
+    out = _per_head(latent.inverse(out), value_up.astype(dtype), 0)  # [B, T, N, Hv]
     return out if observe is None else (out, mass)
 
 
@@ -195,12 +203,18 @@ class MultiHeadLatentAttention(nn.Module):
             return out_projection(out), None
 
         attend_latent = absorbed_attention if mla.absorb else expanded_attention
+        # The cache's transforms (kvlab/cache/transforms): the latent and RoPE keys
+        # as it stores them; the RoPE queries rotated alike (the latent's in attend_latent).
+        latent, rope = placement.transforms or (IDENTITY, IDENTITY)
+        q_rope = rope.forward(q_rope)
+        fresh = (latent.forward(fresh[0]), rope.forward(fresh[1]))
 
         def attention(regions, observe):
             blocks = [(c_kv, k_rope, mask) for (c_kv, k_rope), mask in regions]
             return attend_latent(
-                q_nope, q_rope, blocks, key_up, value_up, scale, observe, cfg.attention_impl
-            )
+                q_nope, q_rope, blocks, key_up, value_up, scale, observe, cfg.attention_impl,
+                latent,
+            )  # fmt: skip
 
         out, layer = through_layer(layer, fresh, placement, attention)
         return out_projection(out), layer

@@ -161,15 +161,20 @@ def bits_label(model_cfg: Mapping, cache_cfg: Mapping) -> str:
 
 def cache_label(model_cfg: Mapping, cache_cfg: Mapping) -> str:
     """The cache in words, every choice that sets what it stores: the bits
-    (bits_label), the quantized tensors' format, axis and groups, what is kept
-    in cache.dtype (the unquantized tensors, the full-precision residual), the
-    layout, and which tokens it keeps (eviction, or the model's sliding
-    window). E.g. 'K2V2 (k int per channel, v int per token; groups of 32;
-    residual 128 in bfloat16), dense, snapkv keeping 25% of the tokens per KV
-    head (recent 8, observation window 8, pooling 5)'."""
+    (bits_label), the transforms applied before storing, the quantized
+    tensors' format, axis and groups, what is kept in cache.dtype (the
+    unquantized tensors, the full-precision residual), the layout, and which
+    tokens it keeps (eviction, or the model's sliding window). E.g. 'K2V2 (k
+    int per channel, v int per token; groups of 32; residual 128 in bfloat16),
+    dense, snapkv keeping 25% of the tokens per KV head (recent 8, observation
+    window 8, pooling 5)'."""
     prefixes = cached_prefixes(model_cfg)
     quantized = [p for p in prefixes if cache_cfg[f"{p}_bits"] < 16]
-    details = []
+    transformed: dict[str, list] = {}  # transform -> the tensors it applies to
+    for p in prefixes:
+        if cache_cfg[f"{p}_transform"] != "none":
+            transformed.setdefault(cache_cfg[f"{p}_transform"], []).append(p)
+    details = [f"{name} on {' and '.join(ps)}" for name, ps in transformed.items()]
     if quantized:
         details.append(
             ", ".join(

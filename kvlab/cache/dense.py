@@ -20,6 +20,7 @@ from flax import struct
 from jaxtyping import Array, Int
 
 from kvlab import sharding
+from kvlab.cache import transforms
 from kvlab.cache.placement import Placement, causal_mask, write_tokens
 
 # Bits of Cache.errors: what a compiled step was given that it could not run.
@@ -96,12 +97,16 @@ class Cache:
                        steps; `check()` raises on the host when any is set
     tensors  static: what each layer caches (kvlab.config.cached_tensors), so a
              model refuses a cache made for another model
+    transforms  static: per cached tensor, the name of the transform applied before
+             it is stored (cache.<prefix>_transform; kvlab/cache/transforms), handed
+             to the attention modules with each step's placement
     """
 
     layers: tuple
     lengths: Int[Array, " B"]
     errors: Int[Array, " B"]
     tensors: tuple = struct.field(pytree_node=False)  # CachedTensor per cached tensor
+    transforms: tuple = struct.field(pytree_node=False)  # a transform's name per tensor
 
     @property
     def capacity(self) -> int:
@@ -125,8 +130,10 @@ class Cache:
         check_errors(self.errors)
 
     def place(self, length: int, num_tokens: Int[Array, " B"]) -> Placement:
-        """Places T new tokens per row (num_tokens[b] real) after the cached ones."""
-        return place_after(self.lengths, self.capacity, length, num_tokens)
+        """Places T new tokens per row (num_tokens[b] real) after the cached ones,
+        with the cache's transforms."""
+        placement = place_after(self.lengths, self.capacity, length, num_tokens)
+        return placement._replace(transforms=transforms.resolve(self.transforms))
 
 
 def place_after(

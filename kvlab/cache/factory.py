@@ -97,6 +97,7 @@ def init_cache(
         lengths=jnp.zeros((batch_size,), jnp.int32),
         errors=jnp.zeros((batch_size,), jnp.int32),
         tensors=tensors,
+        transforms=tuple(cache_cfg[f"{t.prefix}_transform"] for t in tensors),
     )
     plan = evict.policies(model_cfg, cache_cfg, max_len)
     if plan is not None and cache_cfg["kind"] == "paged":

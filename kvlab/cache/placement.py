@@ -43,6 +43,8 @@ class Placement(NamedTuple):
     num_tokens   int32[B]       real tokens among the T of each row
     pages        int32[B, n]    paged caches: the row's block table (page of each
                                 run of page_size slots; -1 where none is held)
+    transforms   per cached tensor, the kvlab.cache.transforms.Transform the cache
+                 applies before storing it (static; () without a cache: none)
     """
 
     positions: Int[Array, "B T"]
@@ -51,6 +53,7 @@ class Placement(NamedTuple):
     lengths: Int[Array, " B"] | None = None
     num_tokens: Int[Array, " B"] | None = None
     pages: Int[Array, "B n"] | None = None
+    transforms: tuple = ()
 
 
 def place_without_cache(batch: int, length: int, window: int = 0) -> Placement:

@@ -70,6 +70,8 @@ def test_tree_bytes_counts_params():
 
 CACHE_FIELDS = dict(
     k_bits=st.sampled_from([16, 8, 4, 2]),
+    k_transform=st.sampled_from(["none", "hadamard"]),
+    v_transform=st.sampled_from(["none", "hadamard"]),
     v_bits=st.sampled_from([16, 8, 4]),
     k_format=st.sampled_from(["int", "fp8"]),
     k_axis=st.sampled_from(["token", "channel"]),
@@ -100,7 +102,8 @@ def stored_choices(cache: dict) -> tuple:
     """What a cache stores and keeps, field by field: the fields that matter (a tensor's
     format and axis only below 16 bits, the dtype where something is kept in it, ...)."""
     quantized = [p for p in ("k", "v") if cache[f"{p}_bits"] < 16]
-    key = [cache["k_bits"], cache["v_bits"], cache["kind"]]
+    key = [cache["k_bits"], cache["v_bits"], cache["kind"], cache["k_transform"]]
+    key.append(cache["v_transform"])
     key += [(cache.get(f"{p}_format", "int"), cache[f"{p}_axis"]) for p in quantized]
     if quantized:
         key += [cache["group_size"], cache["symmetric"], cache["scale_dtype"], cache["residual"]]

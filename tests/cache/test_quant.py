@@ -266,6 +266,7 @@ def test_chunks_see_exactly_what_token_by_token_decode_sees(specs, residual_grou
             lengths=jnp.zeros(2, jnp.int32),
             errors=jnp.zeros(2, jnp.int32),
             tensors=(),
+            transforms=("none", "none"),
         )
         outs, start = [], 0
         for size in sizes:
