@@ -12,7 +12,7 @@ MQA and MLA byte models and an MQAR-trained MHA, each evaluated through the
 at four kept ratios, and eviction with quantization) through
 kvlab.sweep.run_sweep in --workdir, then writes under --results:
 
-    results.csv      the sweep's table (kvlab/sweep.py's columns; one row per unit)
+    results.csv      the sweep's table (kvlab/sweep/tables.py's columns; one row per unit)
     perplexity.png   perplexity against cache bytes per token, a panel per byte model
     recall.png       MQAR accuracy against cache bytes per token
     summary.md       per model and byte budget (a share of its 16-bit cache), the
@@ -29,7 +29,7 @@ a sweep's workdir holds one grid).
 `--wandb` logs the training runs, the sweep's table and one run holding the
 plots and the summary (offline unless --config.wandb.mode says otherwise); a
 workdir keeps the wandb setting it was first run with. Rerunning in the same
-workdir reuses the trained models (kvlab/train.py resumes) and the slices of
+workdir reuses the trained models (kvlab/train/ resumes) and the slices of
 the grid already evaluated (workdir/slices/; delete them to evaluate again);
 `--replot` only redraws the plots and summary from its results.csv.
 """

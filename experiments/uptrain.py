@@ -12,9 +12,9 @@ that caches less:
 
 - GQA with half its KV heads and MQA with one (`--gqa_kv_heads`): each
   group's key and value projections are pooled by their mean
-  (kvlab.convert.to_gqa; arXiv:2305.13245);
+  (kvlab.checkpoints.to_gqa; arXiv:2305.13245);
 - MLA at 1/n of its cache for each n in `--mla_fractions` (MHA2MLA,
-  arXiv:2502.14837; kvlab.convert.to_mla): r RoPE frequency pairs per KV head
+  arXiv:2502.14837; kvlab.checkpoints.to_mla): r RoPE frequency pairs per KV head
   keep their rotation as that head's RoPE key, chosen by `--select`, and the
   rest of K and V is factored jointly by SVD into a latent of width kv_rank
   (of the weights, or with `--factor=activations` weighted by the calibration
@@ -28,7 +28,7 @@ that caches less:
 Each converted model is uptrained from its own weights (train.init_from) for
 `--uptrain_steps` steps on the source's data, and its validation perplexity
 (plain causal forward on the held-out split train() evaluates on, which a
-16-bit cache reproduces; kvlab/eval.py) is taken before uptraining (step 0) and
+16-bit cache reproduces; kvlab/eval/perplexity.py) is taken before uptraining (step 0) and
 every `--eval_every` steps. Cache bytes per token are kvlab.eval's for
 `--config`'s cache section; the fraction of the source's is what a long cache
 adds per token (kvlab.eval.cache_bytes_per_token's `_long`).
@@ -53,11 +53,12 @@ from absl import flags
 from ml_collections import config_flags
 
 import kvlab
-from kvlab import cli, convert, train
+from kvlab import cli, train
+from kvlab.checkpoints import convert
+from kvlab.checkpoints.hf import config_from_hf
 from kvlab.data import make_dataset
 from kvlab.eval import cache_bytes_per_token
 from kvlab.files import write_atomic
-from kvlab.hf import config_from_hf
 from kvlab.logging import Run
 from kvlab.model import Transformer
 

@@ -14,20 +14,22 @@ The public API (README.md, "The API"; docs/architecture.md for the rest):
     outputs = engine.generate(list_of_token_lists, max_new_tokens=32)
     cfg, params = kvlab.load_hf("path/to/hf_model")      # a transformers checkpoint folder
     kvlab.save_hf(cfg, params, "out/hf_model")           # and back
+    cfg = kvlab.config_from_hf(cfg, "path/to/hf_model")  # a config that runs it (no tensor read)
     cfg, params, tokenizer = kvlab.load_gguf("model.gguf")   # llama.cpp's files (extra 'real')
+    cfg, params = kvlab.to_gqa(cfg, params, num_kv_heads=2)  # or to_mla: cache less
 
-Training, evaluation through a cache and sweeps: kvlab.train, kvlab.eval (kvlab.eval_tasks
-for the long-context tasks), kvlab.sweep.
+The packages, bottom to top (docs/architecture.md, "Layers and imports"): the model
+(kvlab.model, kvlab.attention, kvlab.cache), kvlab.sampling and kvlab.data; kvlab.serve
+(scheduler and engine), kvlab.checkpoints (hf, gguf, convert); kvlab.train; kvlab.eval
+(perplexity, long-context tasks, probes); kvlab.sweep and kvlab.cli on top.
 Kernels beyond plain JAX are backends chosen by model.attention_impl (kvlab.backends:
 kvlab/kernels/pallas, kvlab/kernels/native).
 """
 
 from kvlab.cache import Cache, cache_bytes, init_cache, tree_bytes
+from kvlab.checkpoints import config_from_hf, load_gguf, load_hf, save_hf, to_gqa, to_mla
 from kvlab.config import base_config
 from kvlab.data import load_config, validate_config
-from kvlab.engine import Engine
-from kvlab.gguf import load_gguf
-from kvlab.hf import load_hf, save_hf
 from kvlab.model import (
     Transformer,
     fuse_projections,
@@ -35,6 +37,7 @@ from kvlab.model import (
     unfuse_projections,
 )
 from kvlab.sampling import Greedy, Temperature, TopK, TopP, decode_step, generate, prefill
+from kvlab.serve import Engine
 
 __all__ = [
     "Cache",
@@ -46,6 +49,7 @@ __all__ = [
     "Transformer",
     "base_config",
     "cache_bytes",
+    "config_from_hf",
     "decode_step",
     "fuse_projections",
     "generate",
@@ -56,6 +60,8 @@ __all__ = [
     "load_hf",
     "prefill",
     "save_hf",
+    "to_gqa",
+    "to_mla",
     "tree_bytes",
     "unfuse_projections",
     "validate_config",

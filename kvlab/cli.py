@@ -47,10 +47,11 @@ import ml_collections
 from absl import app, flags, logging
 
 from kvlab import backends
+from kvlab.cache import topology
+from kvlab.checkpoints.hf import config_from_hf
 from kvlab.config import base_config, dtype_of
 from kvlab.data import validate_config
 from kvlab.files import WriteError
-from kvlab.hf import config_from_hf
 from kvlab.model import fuse_projections
 from kvlab.sweep import family
 from kvlab.train import initial_params, load_params, load_run_config
@@ -143,7 +144,7 @@ def with_hf(
 ) -> ml_collections.ConfigDict:
     """`cfg` running the Hugging Face checkpoint in `path`: a script's `--hf DIR`.
 
-    kvlab.hf.config_from_hf: the model section from the checkpoint,
+    kvlab.checkpoints.config_from_hf: the model section from the checkpoint,
     train.init_from=path, its tokenizer.json as data.tokenizer. Refused with a
     message naming the flag: any of `others` (flag name -> value, e.g.
     workdir=...) that is set, and command-line overrides of
@@ -246,8 +247,17 @@ def attention_label(model: ml_collections.ConfigDict) -> str:
     'MHA: 4 query heads, 4 KV heads', 'GQA: 2 KV heads shared by 4 query
     heads', 'MQA: 1 KV head shared by 4 query heads', or for latent attention
     'MLA: a latent (kv_rank 32) and a RoPE key (rope_dim 8) shared by 4 query
-    heads' (or, converted, '..., 4 RoPE keys (rope_dim 2) by groups').
+    heads' (or, converted, '..., 4 RoPE keys (rope_dim 2) by groups'); layers
+    sharing a cache layer add how ('; cla:2, 4 layers cache 2').
     """
+    label = _sharing_label(model)
+    if model.topology != "layerwise":
+        layers = count(model.num_layers, "layer")
+        label += f"; {model.topology}, {layers} cache {topology.num_cache_layers(model)}"
+    return label
+
+
+def _sharing_label(model: ml_collections.ConfigDict) -> str:
     kind, queries = family(model), count(model.num_heads, "query head")
     if kind == "mla" and model.mla.rope_heads > 1:
         return (

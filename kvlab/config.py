@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import ml_collections
 
 from kvlab import backends
-from kvlab.registry import SCORERS, TRANSFORMS
+from kvlab.registry import SCORERS, TOPOLOGIES, TRANSFORMS
 
 # Names a config may use for `model.dtype`, `model.param_dtype`, `cache.dtype`
 # and `cache.scale_dtype`.
@@ -128,6 +128,9 @@ def base_config(variant: str = "tiny") -> ml_collections.ConfigDict:
             #                        platform), 'pallas' (kvlab/kernels/pallas: Triton on
             #                        CUDA, the interpreter on CPU), 'native' (kvlab/kernels/
             #                        native: C++ CPU kernels), or one registered
+            topology="layerwise",  # which cache layer each layer reads and writes
+            #                       (kvlab.registry.TOPOLOGIES): 'layerwise' (its own) or
+            #                       'cla:N' (N adjacent layers share one, arXiv:2405.12981)
         )
     )
     # RoPE for contexts longer than the model was trained on, as Hugging Face
@@ -164,7 +167,7 @@ def base_config(variant: str = "tiny") -> ml_collections.ConfigDict:
             absorb=True,  # cached steps attend in latent space (False: expand K/V per head)
             norm_eps=1e-6,  # epsilon of the latent norms (DeepSeek-V2 fixes it at 1e-6)
             latent_norm=True,  # RMSNorm on the cached latent (False: converted models, whose
-            #                    latent is linear in x; kvlab/convert.py)
+            #                    latent is linear in x; kvlab/checkpoints/convert.py)
             rope_heads=1,  # RoPE keys cached: 1 = one shared by all heads (DeepSeek); K = one
             #                per group of num_heads / K query heads (MHA2MLA conversions)
             rope_pairs=(),  # () = RoPE over rope_dim; else per layer and RoPE key the
@@ -461,6 +464,7 @@ def validate_model_config(model: Mapping) -> None:
     _check_choice("model", model, "param_dtype", tuple(DTYPES))
     _check_choice("model", model, "attention", ATTENTION_KINDS)
     _check_choice("model", model, "attention_impl", backends.names())
+    _validate_topology(model)
     for name in ("tie_embeddings", "qkv_bias", "qk_norm"):
         if not isinstance(model[name], bool):
             _fail(f"model.{name}", model[name], "is not a bool", "set True or False")
@@ -474,6 +478,25 @@ def validate_model_config(model: Mapping) -> None:
         _validate_mla(model)
     else:
         _validate_grouped(model)
+
+
+def _validate_topology(model: Mapping) -> None:
+    spec = model["topology"]
+    if not isinstance(spec, str):
+        _fail("model.topology", spec, "is not a string", "set e.g. 'layerwise' or 'cla:2'")
+    name, _, arg = spec.partition(":")
+    if name not in TOPOLOGIES.names():
+        listed = ", ".join(repr(n) for n in TOPOLOGIES.names())
+        _fail("model.topology", spec, "names no cache topology", f"use one of {listed}")
+    TOPOLOGIES.get(name).check(arg, model["num_layers"], "model.topology")
+    if name != "layerwise" and model["attention"] == "mla" and model["mla"]["rope_pairs"]:
+        _fail(
+            "model.topology",
+            spec,
+            "cannot combine with model.mla.rope_pairs (each layer's RoPE keys turn its own "
+            "frequency pairs, so a layer cannot read another's)",
+            "set model.topology='layerwise' for a model converted from grouped-query attention",
+        )
 
 
 def _validate_grouped(model: Mapping) -> None:

@@ -42,6 +42,7 @@ from ml_collections import FrozenConfigDict
 from kvlab import backends, sharding
 from kvlab.attention.gqa import GroupedQueryAttention
 from kvlab.attention.mla import MultiHeadLatentAttention
+from kvlab.cache import topology
 from kvlab.cache.dense import BAD_COUNT, BAD_TOKEN, OVERFLOW, Cache
 from kvlab.cache.evict import EvictingLayer, PagedEvictingLayer
 from kvlab.cache.placement import Placement, place_without_cache
@@ -54,17 +55,22 @@ EVICTING = (EvictingLayer, PagedEvictingLayer)  # layers whose budgets may diffe
 
 class Block(nn.Module):
     """Pre-norm residual block: attention then the feed-forward (the MLP, or
-    the mixture of experts where `uses_experts(config, index)`)."""
+    the mixture of experts where `uses_experts(config, index)`). `produces` and
+    `commits` place it in its run of a cross-layer topology (the attention
+    modules' fields, kvlab/cache/topology)."""
 
     config: FrozenConfigDict
     index: int = 0  # the layer's place in the stack
+    produces: bool = True
+    commits: bool = True
 
     @nn.compact
     def __call__(self, x, placement: Placement, layer):
+        role = dict(produces=self.produces, commits=self.commits, name="attention")
         if self.config.attention == "mla":
-            attention = MultiHeadLatentAttention(self.config, self.index, name="attention")
+            attention = MultiHeadLatentAttention(self.config, self.index, **role)
         else:
-            attention = GroupedQueryAttention(self.config, name="attention")
+            attention = GroupedQueryAttention(self.config, **role)
         h, layer = attention(RMSNorm(self.config, name="attention_norm")(x), placement, layer)
         x = x + h
         feed_forward = MoE if uses_experts(self.config, self.index) else MLP
@@ -129,9 +135,9 @@ def check_inputs(config, tokens, cache: Cache | None, num_tokens) -> None:
 
 def check_cache(config, cache: Cache) -> None:
     """Raises ValueError unless `cache` was built for this model: one layer per
-    model layer, each caching what the model's attention caches (names, heads,
-    widths), all layers alike (structure, shapes, dtypes). Shapes are static,
-    so this also runs under jit."""
+    cache layer of its topology (kvlab/cache/topology), each caching what the
+    model's attention caches (names, heads, widths), all layers alike
+    (structure, shapes, dtypes). Shapes are static, so this also runs under jit."""
     fix = "build the cache with kvlab.init_cache(cfg.model, cfg.cache, ...) for this model"
     expected = cached_tensors(config)
     if tuple(cache.tensors) != expected:
@@ -140,10 +146,14 @@ def check_cache(config, cache: Cache) -> None:
             f"the cache holds ({show(cache.tensors)}) per token and layer but this model "
             f"(model.attention={config.attention!r}) caches ({show(expected)}): {fix}"
         )
-    if len(cache.layers) != config.num_layers:
+    expected_layers = topology.num_cache_layers(config)
+    if len(cache.layers) != expected_layers:
+        shared = "" if expected_layers == config.num_layers else (
+            f" under model.topology={config.topology!r}, which caches {expected_layers}"
+        )  # fmt: skip
         raise ValueError(
             f"the cache has {len(cache.layers)} layers but model.num_layers="
-            f"{config.num_layers}: {fix}"
+            f"{config.num_layers}{shared}: {fix}"
         )
     first = cache.layers[0]
     # Evicting layers may keep different budgets (pyramidkv): their slot axis may differ.
@@ -225,7 +235,7 @@ class Transformer(nn.Module):
         batch, length = tokens.shape
         if cache is None:
             placement = place_without_cache(batch, length, cfg.sliding_window)
-            layers = (None,) * cfg.num_layers
+            layers = (None,) * topology.num_cache_layers(cfg)
             invalid = jnp.any((tokens < 0) | (tokens >= cfg.vocab_size), axis=1)
             tokens = jnp.where(invalid[:, None], 0, tokens)
         else:
@@ -238,10 +248,17 @@ class Transformer(nn.Module):
 
         embed = Embedding(cfg, name="embed")
         x = embed(tokens)  # [B, T, D]
-        new_layers = []
-        for i, layer in enumerate(layers):
-            x, layer = Block(cfg, index=i, name=f"block_{i}")(x, placement, layer)
-            new_layers.append(layer)
+        # Each run of model layers that share a cache layer (kvlab/cache/topology):
+        # the first reads it, each attends, the last writes it.
+        owner = topology.cache_layers(cfg)
+        new_layers, state = [], None
+        for i, c in enumerate(owner):
+            produces = i == 0 or owner[i - 1] != c
+            commits = i == len(owner) - 1 or owner[i + 1] != c
+            block = Block(cfg, i, produces, commits, name=f"block_{i}")
+            x, state = block(x, placement, layers[c] if produces else state)
+            if commits:
+                new_layers.append(state)
         if logits_at is not None:
             x = jnp.take_along_axis(x, logits_at.astype(jnp.int32)[:, None, None], axis=1)
         x = RMSNorm(cfg, name="final_norm")(x)
@@ -306,8 +323,9 @@ def fuse_projections(params: Mapping) -> dict:
     drop the unfused tree; place_params lays a fused tree out like the
     unfused one (the K/V-head and mlp axes stay sharded). `unfuse_projections`
     gives back the tree init_params, load_hf, the checkpoints and the
-    conversions use; save_hf, kvlab.convert and train.start_workdir take either. A tree of
-    PartitionSpecs (param_axes) is fused alike; a fused tree comes back as it is."""
+    conversions use; save_hf, kvlab.checkpoints.convert and train.start_workdir
+    take either. A tree of PartitionSpecs (param_axes) is fused alike; a fused
+    tree comes back as it is."""
 
     def heads(q, k, v):
         if isinstance(k, PartitionSpec):  # [.., K, H] -> [.., K, None, H]

@@ -93,3 +93,16 @@ TRANSFORMS = Registry(
     },
     group="kvlab.transforms",
 )
+
+
+# Cache topologies (kvlab/cache/topology/): model.topology ('name[:argument]'), which
+# cache layer each model layer reads and writes.
+TOPOLOGIES = Registry(
+    "cache topology",
+    "model.topology",
+    shipped={
+        "layerwise": "kvlab.cache.topology",
+        "cla": "kvlab.cache.topology.cla",
+    },
+    group="kvlab.topologies",
+)

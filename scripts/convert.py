@@ -7,7 +7,7 @@
 The source is a local Hugging Face checkpoint (--hf, kvlab.load_hf) or a kvlab
 training run's latest checkpoint (--workdir, kvlab.train.load_params).
 
-- `--to gqa:N` pools its KV heads into N (kvlab.convert.to_gqa: the mean of
+- `--to gqa:N` pools its KV heads into N (kvlab.checkpoints.to_gqa: the mean of
   each group; 1 = MQA). The result goes to --out through kvlab.save_hf
   (config.json and model.safetensors, plus the source folder's tokenizer
   files), a folder that transformers loads, `scripts/train.py --hf OUT`
@@ -17,11 +17,12 @@ training run's latest checkpoint (--workdir, kvlab.train.load_params).
   by S (norm, uniform, high or low; default norm, ranked over --calibration
   windows of the source's training text), K and V factored by the SVD of the
   weights (F=weights, the default) or weighted by the calibration windows'
-  attention inputs (F=activations: less error at low rank); kvlab.convert.to_mla
-  (MHA2MLA), with --to read by kvlab.convert.convert. No transformers family
-  holds the result, so --out becomes a kvlab run whose step-0 checkpoint holds
-  it (kvlab.train.start_workdir): `scripts/eval.py --workdir
-  OUT` evaluates it, `scripts/train.py --init_from OUT --workdir UP` uptrains it.
+  attention inputs (F=activations: less error at low rank);
+  kvlab.checkpoints.to_mla (MHA2MLA), with --to read by
+  kvlab.checkpoints.convert.convert. No transformers family holds the result,
+  so --out becomes a kvlab run whose step-0 checkpoint holds it
+  (kvlab.train.start_workdir): `scripts/eval.py --workdir OUT` evaluates it,
+  `scripts/train.py --init_from OUT --workdir UP` uptrains it.
 
 Converted models are a starting point: GQA's paper uptrains with ~5% of the
 pre-training compute, MHA2MLA with 0.3-0.6% of the pre-training tokens.
@@ -34,8 +35,8 @@ from absl import flags
 
 import kvlab
 from kvlab import cli
+from kvlab.checkpoints.convert import CALIBRATION_WINDOWS, convert, parse_target
 from kvlab.config import base_config
-from kvlab.convert import CALIBRATION_WINDOWS, convert, parse_target
 from kvlab.train import load_params, start_workdir
 
 _HF = flags.DEFINE_string("hf", None, "A Hugging Face checkpoint folder to convert.")

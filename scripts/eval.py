@@ -16,7 +16,7 @@ Face checkpoint, kvlab.cli.with_hf) the model section and the weights come from
 the checkpoint, its tokenizer.json (if any) reads the text, and every other
 section (data, eval, train.seq_len, cache) from --cache (default:
 kvlab.base_config()'s). Every window of held-out
-text goes through the cache in prefill chunks (kvlab/eval.py), so the numbers
+text goes through the cache in prefill chunks (kvlab/eval/perplexity.py), so the numbers
 are what generation with that cache sees. The baseline is the model's full
 cache (kvlab.eval.full_cache: 16 bits, every token kept), evaluated once with
 its logits kept: the cache is scored against it token by token as it runs

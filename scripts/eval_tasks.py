@@ -13,8 +13,8 @@ cache section from --cache (a config file; its other sections are ignored; with
 --hf instead of --workdir also its data, eval and train sections, as
 scripts/eval.py reads them). For each length of --lengths (default
 eval.task_lengths, else eval.seq_len, else train.seq_len) it evaluates held-out
-perplexity over windows of that length (--ppl; kvlab/eval.py) and every task of
---tasks (default eval.tasks; kvlab/data/tasks.py, kvlab/eval_tasks.py) through the
+perplexity over windows of that length (--ppl; kvlab/eval/perplexity.py) and every task of
+--tasks (default eval.tasks; kvlab/data/tasks.py, kvlab/eval/tasks.py) through the
 cache, and prints one line per length: the length sweep. The needle task runs at every depth of
 --depths (default eval.depths) and its depth x length accuracy is drawn as a
 heat map (--plot, default workdir/needle.png; '' for none).
@@ -49,7 +49,7 @@ from kvlab.config import (
 from kvlab.data import make_dataset
 from kvlab.data.tasks import check_tasks
 from kvlab.eval import check_finite, evaluate
-from kvlab.eval_tasks import evaluate_tasks, needle_matrix, plot_needle_grid
+from kvlab.eval.tasks import evaluate_tasks, needle_matrix, plot_needle_grid
 from kvlab.sweep import family
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "A training run's directory (scripts/train.py).")

@@ -9,7 +9,7 @@ model.safetensors, or shards and model.safetensors.index.json), with
 `reference.npz` beside it: a fixed token batch `tokens` int32[B, T] (T = 12,
 or 24 for the sliding-window fixture: six windows), the model's
 `logits` float32[B, T, V] on it, and `generated` int32[B, T + 8], its greedy
-continuation by `generate`. tests/test_hf.py checks kvlab.load_hf
+continuation by `generate`. tests/checkpoints/hf/ checks kvlab.load_hf
 against these without torch. Seeds are fixed, so reruns write the same models
 (up to torch's random-number stream across versions).
 

@@ -8,7 +8,7 @@
 
 For every pair (key bits, value bits) from --bits, the model reads a stretch of
 real text (a Python standard-library source file, as bytes) through that cache
-in chunks of --chunk tokens, and kvlab.probe.cache_error compares its
+in chunks of --chunk tokens, and kvlab.eval.probe.cache_error compares its
 attention outputs and logits with a 16-bit cache's. The config's other cache
 settings (axes, group size, residual, zero points) apply to every pair; for a
 latent-attention model the pairs are (latent bits, RoPE-key bits).
@@ -45,7 +45,7 @@ import kvlab
 from kvlab import cli, sharding
 from kvlab.config import cached_prefixes
 from kvlab.data import load_tokenizer
-from kvlab.probe import cache_error
+from kvlab.eval.probe import cache_error
 from kvlab.train import checkpoint_manager, initial_params, load_params, load_run_config
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/gqa.py:tiny", "kvlab config file.")

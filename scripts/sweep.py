@@ -13,7 +13,7 @@ them, process 0 writes sweep.json, the slices, results.csv, summary.csv and
 pareto.png. `--long_bytes` puts the bytes a token adds to a long cache
 (cache_bytes_per_token_long) on the plot's x instead of the evaluation
 window's; `--replot` redraws pareto.png from DIR/summary.csv alone.
-Layout of DIR and the grid format: kvlab/sweep.py.
+Layout of DIR and the grid format: kvlab/sweep/ (__init__.py, grid.py).
 """
 
 import json
@@ -84,7 +84,7 @@ def main(argv):
 
 
 def recorded_wandb_mode(workdir: str) -> str:
-    """The sweep's wandb.mode as workdir/sweep.json records it (kvlab/sweep.py)."""
+    """The sweep's wandb.mode as workdir/sweep.json records it (kvlab/sweep/run.py)."""
     with open(os.path.join(workdir, "sweep.json")) as f:
         return json.load(f)["config"]["wandb"]["mode"]
 

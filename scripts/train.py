@@ -8,7 +8,7 @@
         --config.train.steps=200 --config.train.lr=1e-4     # continue a checkpoint
     python scripts/train.py --init_from runs/mla_converted --workdir runs/mla_uptrained
 
-Workdir layout: kvlab/train.py. Evaluate the result through any cache with
+Workdir layout: kvlab/train/__init__.py. Evaluate the result through any cache with
 scripts/eval.py --workdir runs/gqa. --hf DIR (kvlab.cli.with_hf) starts from a
 local Hugging Face checkpoint's weights: train.init_from=DIR, the model section
 (and a tokenizer.json) from it, every other section from --config.

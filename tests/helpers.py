@@ -126,7 +126,7 @@ def small_model_configs(draw, attention=("gqa", "mla")):
         cfg.model.attention = "mla"
         cfg.model.head_dim = mla.nope_dim + mla.rope_dim
         cfg.model.num_kv_heads = num_heads
-        if draw(st.booleans()):  # the pairs a conversion keeps (kvlab/convert.py)
+        if draw(st.booleans()):  # the pairs a conversion keeps (kvlab/checkpoints/convert.py)
             pairs = st.permutations(range(cfg.model.head_dim // 2)).map(
                 lambda order: tuple(order[: mla.rope_dim // 2])
             )

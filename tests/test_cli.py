@@ -68,6 +68,12 @@ def test_attention_label(config, label):
     assert cli.attention_label(cfg.model) == label
 
 
+def test_attention_label_names_layers_sharing_a_cache():
+    assert cli.attention_label(tiny_config(num_layers=5, topology="cla:2").model) == (
+        "MHA: 4 query heads, 4 KV heads; cla:2, 5 layers cache 3"
+    )
+
+
 def test_one_head_is_singular():
     assert cli.attention_label(tiny_config(num_heads=1, num_kv_heads=1).model) == (
         "MHA: 1 query head, 1 KV head"

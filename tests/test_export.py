@@ -24,7 +24,8 @@ from jax import export
 import kvlab
 from tests.helpers import ROOT
 
-# cache fields of the tiny configs (k_/v_ name a latent model's latent_/rope_)
+# cache fields of the tiny configs (k_/v_ name a latent model's latent_/rope_; window and
+# topology are model fields)
 CACHES = {
     "bfloat16": dict(dtype="bfloat16"),
     "8-bit per token": dict(k_bits=8, v_bits=8, k_axis="token"),
@@ -34,8 +35,17 @@ CACHES = {
     "snapkv": dict(dtype="bfloat16", evict=dict(method="snapkv", ratio=0.5)),
     "sliding window": dict(window=16),
     "rotated 4-bit": dict(k_bits=4, v_bits=4, k_axis="token", k_transform="hadamard"),
+    "cross-layer 4-bit": dict(topology="cla:2", k_bits=4, v_bits=4, k_axis="token"),
 }
-STORED = ("8-bit per token", "KIVI 2-bit", "paged", "paged 4-bit", "rotated 4-bit")  # Pallas
+# Stored data Pallas reads
+STORED = (
+    "8-bit per token",
+    "KIVI 2-bit",
+    "paged",
+    "paged 4-bit",
+    "rotated 4-bit",
+    "cross-layer 4-bit",
+)
 TRITON = "__gpu$xla.gpu.triton"
 CUSTOM_CALL = re.compile(r"stablehlo\.custom_call @([\w$.]+)")
 
@@ -44,6 +54,7 @@ def config(attention: str, cache: str, impl: str):
     cfg = kvlab.load_config(f"{ROOT}/configs/{attention}.py:tiny")
     fields = dict(CACHES[cache])
     cfg.model.sliding_window = fields.pop("window", 0)
+    cfg.model.topology = fields.pop("topology", "layerwise")
     cfg.cache.evict.update(fields.pop("evict", {}))
     if attention == "mla":
         fields = {re.sub("^k_", "latent_", re.sub("^v_", "rope_", k)): v for k, v in fields.items()}

@@ -10,11 +10,11 @@ import tokenizers
 from tokenizers import models, pre_tokenizers
 
 import kvlab
+from kvlab.checkpoints.convert import to_gqa, to_mla
+from kvlab.checkpoints.hf import config_from_hf
 from kvlab.config import base_config
-from kvlab.convert import to_gqa, to_mla
 from kvlab.data import make_dataset
 from kvlab.eval import evaluate, full_precision
-from kvlab.hf import config_from_hf
 from kvlab.train import load_params
 from tests.helpers import ROOT
 from tests.test_scripts import run_script, user_error

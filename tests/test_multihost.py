@@ -1,5 +1,5 @@
-"""Several hosts (kvlab/sharding.py `initialize_distributed`, kvlab/train.py `host_batch`,
-kvlab/eval.py and kvlab/sweep.py on a mesh spanning processes).
+"""Several hosts (kvlab/sharding.py `initialize_distributed`, kvlab/train/loop.py
+`host_batch`, kvlab/eval/ and kvlab/sweep/ on a mesh spanning processes).
 
 The test that matters runs a real two-process job on localhost: two Python
 processes of 4 forced host CPU devices each join through `jax.distributed`
@@ -70,7 +70,8 @@ CHILD = """
 import json, os, shutil, sys
 import jax
 from jax.experimental import multihost_utils
-from kvlab import files, sharding, sweep, train
+from kvlab import files, sharding, train
+from kvlab.sweep import grid, plot, run, tables
 from tests.test_multihost import multihost_config, sweep_config
 
 corpus, sweep_dir = sys.argv[1:]
@@ -89,8 +90,9 @@ def recorded(write):
         written.append(os.path.relpath(path, sweep_dir))
         return write(path, *args, **kwargs)
     return write_and_record
-sweep.write_atomic, files.write_atomic = recorded(sweep.write_atomic), recorded(files.write_atomic)
-rows = sweep.run_sweep(*sweep_config(corpus), sweep_dir, progress=False)
+for module in (files, grid, plot, run, tables):  # every writer of the sweep's files
+    module.write_atomic = recorded(module.write_atomic)
+rows = run.run_sweep(*sweep_config(corpus), sweep_dir, progress=False)
 # scripts/eval.py's way in: weights read onto one device of each host, then spread.
 from kvlab.data import make_dataset
 from kvlab.eval import evaluate

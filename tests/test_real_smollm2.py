@@ -50,7 +50,7 @@ def test_every_cache_entry_is_valid_on_smollm2s_shape(monkeypatch):
 
 def test_a_gguf_model_entry_is_converted_once_and_evaluated(tmp_path):
     pytest.importorskip("gguf")
-    from tests.test_gguf import write_gguf
+    from tests.checkpoints.test_gguf import write_gguf
 
     model_cfg = tiny_config(num_kv_heads=2, mlp_dim=128, head_dim=16, vocab_size=300)
     _, params, _ = build(model_cfg, seed=1)

@@ -33,8 +33,8 @@ from jax.sharding import PartitionSpec as P
 
 import kvlab
 import kvlab.eval
+import kvlab.eval.probe
 import kvlab.kernels.native as native
-import kvlab.probe
 import kvlab.sweep
 from kvlab import sharding, train
 from kvlab.cache.factory import cache_shardings
@@ -355,6 +355,26 @@ def test_on_mesh_prefill_and_decode_through_the_cache_are_unchanged(gqa, kind):
     cfg, mesh, rules, model, params, placed = gqa
     cfg = ml_collections.ConfigDict(cfg.to_dict())  # the fixture's stays as it is
     cfg.cache.update(CACHES[kind])
+    through_the_cache(cfg, mesh, rules, model, params, placed)
+
+
+@on_eight
+def test_on_mesh_layers_sharing_a_cache_layer_are_unchanged():
+    """Cross-layer attention (model.topology='cla:2'): three layers, two cache
+    layers, an evicting quantized pool laid out by the same rules."""
+    cfg = model_config((2, 2, 2), num_layers=3, topology="cla:2")
+    cfg.cache.update(kind="paged", page_size=16, k_bits=4, v_bits=4, residual=16)
+    cfg.cache.evict.update(method="h2o", budget=12, recent=2)
+    mesh, rules = mesh_of(cfg)
+    params = kvlab.init_params(cfg.model, jax.random.key(0))
+    placed = placed_params(cfg, params, mesh, rules)
+    cache = through_the_cache(cfg, mesh, rules, kvlab.Transformer(cfg.model), params, placed)
+    assert len(cache.layers) == 2
+
+
+def through_the_cache(cfg, mesh, rules, model, params, placed):
+    """A prefill and three decode steps on the mesh give one device's logits, with
+    the cache laid out by the rules before and after; returns the cache."""
     rng = np.random.default_rng(1)
     prompt = rng.integers(0, 256, (4, 8)).astype(np.int32)
     steps = rng.integers(0, 256, (3, 4)).astype(np.int32)
@@ -376,6 +396,7 @@ def test_on_mesh_prefill_and_decode_through_the_cache_are_unchanged(gqa, kind):
     got, cache = run(placed, cache)
     np.testing.assert_allclose(got, want, atol=TOLERANCE, rtol=0)
     assert_cache_layout(cache)  # the steps keep the layout
+    return cache
 
 
 ROWS = ("data", "fsdp")  # the default rule of cache rows, cache_batch
@@ -590,13 +611,13 @@ def test_on_mesh_the_engine_equals_one_device(gqa, engine_on_one_device, mesh):
 
 @on_eight
 def test_on_mesh_the_probe_equals_one_device(gqa):
-    """What kvlab.probe.cache_error compares: logits and attention outputs through
+    """What kvlab.eval.probe.cache_error compares: logits and attention outputs through
     a quantized cache, fed in chunks."""
     cfg, mesh, rules, model, params, _ = gqa
     tokens = np.random.default_rng(6).integers(0, 256, (4, 16)).astype(np.int32)
     cache_cfg = ml_collections.ConfigDict(cfg.cache.to_dict())
     cache_cfg.update(k_bits=4, v_bits=4)
-    run = lambda **on: kvlab.probe.run_through_cache(  # noqa: E731
+    run = lambda **on: kvlab.eval.probe.run_through_cache(  # noqa: E731
         model, params, tokens, cache_cfg, 8, **on
     )
     for got, want in zip(run(mesh=mesh, rules=rules), run(), strict=True):
@@ -614,7 +635,7 @@ def test_on_mesh_a_sweep_evaluates_on_its_mesh(tmp_path, monkeypatch):
     cfg.sweep = {"name": "on_mesh"}
     grid = {"models": {"llama": {"hf": llama}}, "caches": {"16bit": {}, "K8": {"cache.k_bits": 8}}}
     meshes = []
-    evaluate = kvlab.sweep.evaluate
+    evaluate = kvlab.sweep.run.evaluate
 
     def recorded(function):
         def recording(*args, mesh=None, **kwargs):
@@ -623,8 +644,10 @@ def test_on_mesh_a_sweep_evaluates_on_its_mesh(tmp_path, monkeypatch):
 
         return recording
 
-    monkeypatch.setattr(kvlab.sweep, "evaluate", recorded(evaluate))
-    monkeypatch.setattr(kvlab.sweep, "evaluate_reference", recorded(kvlab.sweep.evaluate_reference))
+    monkeypatch.setattr(kvlab.sweep.run, "evaluate", recorded(evaluate))
+    monkeypatch.setattr(
+        kvlab.sweep.run, "evaluate_reference", recorded(kvlab.sweep.run.evaluate_reference)
+    )
     # The first of two slices: the 16-bit unit alone (the reference, no merge).
     workdir = str(tmp_path / "sweep")
     (row,) = kvlab.sweep.run_sweep(cfg, grid, workdir, sweep_count=2, progress=False)

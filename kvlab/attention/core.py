@@ -15,7 +15,7 @@ products. Latent attention scores a latent part and a RoPE part this way
 without concatenating them in the cache. A part may have its own head count
 K_j (a divisor of N): query head n reads that part's head n // (N / K_j), and
 the values' K decides the groups of the output (absorbed latent attention with
-one latent and a RoPE key per KV head of the source, kvlab/convert.py).
+one latent and a RoPE key per KV head of the source, kvlab/checkpoints/convert.py).
 
 A key or value may also be a `kvlab.cache.protocols.Reader` of stored data
 instead of an array (a quantized payload, kvlab/cache/quant.py), computing the
@@ -77,23 +77,77 @@ Keys = Float[Array, "B K S H"] | tuple[Float[Array, "B K S _"], ...]
 Block = tuple[Keys, Float[Array, "B K S Hv"], Bool[Array, "B T S"] | Bool[Array, "B K T G S"]]
 
 
-def through_layer(layer, fresh: tuple, placement, attention):
+@dataclasses.dataclass(frozen=True)
+class Read:
+    """A cache layer as one step reads it: what attention attends over
+    (`regions`: pairs of tensors and mask), the step's tokens as the layer
+    will write them (`pending`), the query weights the layer observes
+    (`observe`, eviction by attention) and the mean mass its tokens received
+    from the `observers` that attended so far. A cross-layer topology
+    (kvlab/cache/topology) hands one read to the attention of several layers
+    and commits it once. Without a cache (`layer` None) the regions are the
+    step's own tokens and nothing is written."""
+
+    layer: object
+    placement: object
+    regions: tuple
+    pending: tuple = ()
+    observe: Array | None = None
+    mass: list | None = None
+    observers: int = 0
+
+    @property
+    def cached(self) -> bool:
+        return self.layer is not None
+
+    def observed(self, mass: list) -> Read:
+        """This read with one more attention's `mass` averaged in."""
+        if self.mass is not None:
+            n = self.observers
+            mass = [(m * n + new) / (n + 1) for m, new in zip(self.mass, mass, strict=True)]
+        return dataclasses.replace(self, mass=mass, observers=self.observers + 1)
+
+    def commit(self, after: Array):
+        """The layer with the step's tokens written, after `after` is computed
+        (`ordered_after`: every attention over the read is done, so the layer
+        is written in place); None without a cache."""
+        if self.layer is None:
+            return None
+        pending = ordered_after(self.pending, after)
+        if self.observe is None:
+            return self.layer.write(pending, self.placement)
+        return self.layer.write(pending, self.placement, self.mass)
+
+
+def read_layer(layer, fresh: tuple, placement) -> Read:
+    """What attention over `layer` (None: no cache) reads this step, `fresh`
+    being the step's tensors."""
+    if layer is None:
+        return Read(None, placement, ((fresh, placement.fresh_mask),))
+    regions, pending = layer.read(fresh, placement)
+    return Read(layer, placement, regions, pending, layer.observe(placement))
+
+
+def through_layer(state, fresh: tuple | None, placement, attention, commits: bool = True):
     """Reads a cache layer, attends, writes: (attention output, new layer).
 
-    `attention(regions, observe)` attends over the layer's regions (pairs of
-    tensors and mask) and returns the output, or (output, mass) when `observe`
-    (float32[B, T]: query weights) is given. Layers that evict by attention
-    (kvlab/cache/evict/) say which queries they observe (`layer.observe`)
-    and receive the mass each of their tokens got from them.
+    `state` is a cache layer (None: no cache) or a `Read` another layer's
+    attention made (cross-layer topologies; `fresh` is then unused). Without
+    `commits` the read comes back instead of the written layer, for later
+    layers to attend over. `attention(regions, observe, cached)` attends over
+    the regions (pairs of tensors and mask) and returns the output, or
+    (output, mass) when `observe` (float32[B, T]: query weights) is given.
+    Layers that evict by attention (kvlab/cache/evict/) say which queries
+    they observe (`layer.observe`) and receive the mass each of their tokens
+    got from them.
     """
-    regions, pending = layer.read(fresh, placement)
-    observe = layer.observe(placement)
-    out = attention(regions, observe)
-    if observe is None:
-        # Write only after the old cache has been read, so it is written in place.
-        return out, layer.write(ordered_after(pending, out), placement)
-    out, mass = out
-    return out, layer.write(ordered_after(pending, out), placement, mass)
+    read = state if isinstance(state, Read) else read_layer(state, fresh, placement)
+    out = attention(read.regions, read.observe, read.cached)
+    if read.observe is not None:
+        out, mass = out
+        read = read.observed(mass)
+    # Write only after the old cache has been read, so it is written in place.
+    return out, (read.commit(out) if commits else read)
 
 
 def _parts(x) -> tuple:

@@ -14,7 +14,10 @@ before RoPE (Qwen3); `model.rope_scaling` stretches RoPE (kvlab/attention/rope.p
 
 With a cache layer (dense or quantized, kvlab/cache), the queries attend over
 what the layer holds and over the new keys and values as the layer will hold
-them; then the layer stores the new ones. The cache's transforms
+them; then the layer stores the new ones. Under a cross-layer topology
+(model.topology, kvlab/cache/topology) a consuming layer (`produces=False`)
+has no key or value projection and is given the producing layer's read
+(kvlab.attention.core.Read) in place of a cache layer. The cache's transforms
 (`placement.transforms`, kvlab/cache/transforms) rotate the keys and values
 before they are stored, the queries alike, and the output back. Without a
 cache (the plain forward) the queries attend over the new tokens alone.
@@ -40,41 +43,50 @@ FUSED_AXES = ("embed", "kv_heads", None, "head_dim")  # [D, K, G + 2, H]
 
 class GroupedQueryAttention(nn.Module):
     config: FrozenConfigDict  # the model section
+    # Cross-layer topologies (kvlab/cache/topology): a layer that does not produce
+    # has no key or value projection and attends over the `Read` it is given; one
+    # that does not commit returns its read for the layers after it.
+    produces: bool = True
+    commits: bool = True
 
     @nn.compact
     def __call__(self, x, placement: Placement, layer=None):
         cfg = self.config
+        heads, kv_heads = (cfg.num_heads, cfg.head_dim), (cfg.num_kv_heads, cfg.head_dim)
+        fresh = None
         # [B, T, N, H] and [B, T, K, H]
         if self.has_variable("params", "qkv"):  # kvlab.fuse_projections' layout
             q, k, v = _fused_qkv(cfg, x)
         else:
-            heads, kv_heads = (cfg.num_heads, cfg.head_dim), (cfg.num_kv_heads, cfg.head_dim)
             q = projection(cfg, heads, "query", bias=cfg.qkv_bias, axes=QUERY_AXES)(x)
-            k = projection(cfg, kv_heads, "key", bias=cfg.qkv_bias, axes=KEY_AXES)(x)
-            v = projection(cfg, kv_heads, "value", bias=cfg.qkv_bias, axes=KEY_AXES)(x)
+            if self.produces:
+                k = projection(cfg, kv_heads, "key", bias=cfg.qkv_bias, axes=KEY_AXES)(x)
+                v = projection(cfg, kv_heads, "value", bias=cfg.qkv_bias, axes=KEY_AXES)(x)
         if cfg.qk_norm:
             q = RMSNorm(cfg, name="query_norm")(q)
-            k = RMSNorm(cfg, name="key_norm")(k)
         q = apply_rope(q, placement.positions, cfg.rope_theta, cfg.rope_scaling)
-        k = apply_rope(k, placement.positions, cfg.rope_theta, cfg.rope_scaling)
+        if self.produces:
+            if cfg.qk_norm:
+                k = RMSNorm(cfg, name="key_norm")(k)
+            k = apply_rope(k, placement.positions, cfg.rope_theta, cfg.rope_scaling)
+            # [B, K, T, H]
+            fresh = (k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3))
         out_projection = projection(cfg, cfg.embed_dim, "out", axis=(-2, -1), axes=OUT_AXES)
-        # [B, K, T, H]
-        fresh = (k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3))
-        if layer is None:
-            return out_projection(attend(q, [(*fresh, placement.fresh_mask)])), None
 
         # The cache's transforms: keys and values as it stores them, queries
         # rotated alike, the output rotated back (kvlab/cache/transforms).
         keys, values = placement.transforms or (IDENTITY, IDENTITY)
         q = keys.forward(q)
-        fresh = (keys.forward(fresh[0]), values.forward(fresh[1]))
+        if fresh is not None:
+            fresh = (keys.forward(fresh[0]), values.forward(fresh[1]))
 
         # What the layer holds, and the new tokens as it will hold them.
-        def attention(regions, observe):
+        def attention(regions, observe, cached):
             blocks = [(k, v, mask) for (k, v), mask in regions]
-            return attend(q, blocks, observe=observe, impl=cfg.attention_impl)
+            impl = cfg.attention_impl if cached else "xla"
+            return attend(q, blocks, observe=observe, impl=impl)
 
-        out, layer = through_layer(layer, fresh, placement, attention)
+        out, layer = through_layer(layer, fresh, placement, attention, self.commits)
         return out_projection(values.inverse(out)), layer
 
 

@@ -8,7 +8,7 @@ heads ("decoupled RoPE"). The cache holds only c_kv and k_rope:
 R + Hr numbers per token and layer instead of 2 x N x head_dim.
 
 Models converted from grouped-query attention (MHA2MLA, arXiv:2502.14837;
-kvlab/convert.py) keep part of each source KV head's rotary key, so they
+kvlab/checkpoints/convert.py) keep part of each source KV head's rotary key, so they
 cache Kr = mla.rope_heads RoPE keys (query head n reads key n // (N / Kr)),
 each rotating its layer's frequency pairs `mla.rope_pairs` of a head_dim-wide RoPE,
 and their latent is linear in x (mla.latent_norm=False): R + Kr x Hr numbers.
@@ -157,6 +157,12 @@ def rope_frequencies_of(model, index: int) -> tuple:
 class MultiHeadLatentAttention(nn.Module):
     config: FrozenConfigDict  # the model section
     index: int = 0  # the layer's place in the stack (mla.rope_pairs are per layer)
+    # Cross-layer topologies (kvlab/cache/topology): a layer that does not produce
+    # has no kv_down, kv_norm or key_rope (its own key_up and value_up read the
+    # producer's latent) and attends over the `Read` it is given; one that does
+    # not commit returns its read for the layers after it.
+    produces: bool = True
+    commits: bool = True
 
     @nn.compact
     def __call__(self, x, placement: Placement, layer=None):
@@ -172,12 +178,16 @@ class MultiHeadLatentAttention(nn.Module):
         q_nope = q[..., : mla.nope_dim]
         key_frequency, query_frequency, factor = rope_frequencies_of(cfg, self.index)
         q_rope = rotate(q[..., mla.nope_dim :], placement.positions, query_frequency, factor)
-        # What the cache holds: [B, T, R] and [B, T, Kr, Hr]
-        c_kv = projection(cfg, mla.kv_rank, "kv_down", axes=("embed", "latent"))(x)
-        if mla.latent_norm:
-            c_kv = RMSNorm(cfg, eps=mla.norm_eps, name="kv_norm")(c_kv)
-        k_rope = projection(cfg, (mla.rope_heads, mla.rope_dim), "key_rope", axes=KEY_AXES)(x)
-        k_rope = rotate(k_rope, placement.positions, key_frequency, factor)
+        fresh = None
+        if self.produces:
+            # What the cache holds: [B, T, R] and [B, T, Kr, Hr]
+            c_kv = projection(cfg, mla.kv_rank, "kv_down", axes=("embed", "latent"))(x)
+            if mla.latent_norm:
+                c_kv = RMSNorm(cfg, eps=mla.norm_eps, name="kv_norm")(c_kv)
+            k_rope = projection(cfg, (mla.rope_heads, mla.rope_dim), "key_rope", axes=KEY_AXES)(x)
+            k_rope = rotate(k_rope, placement.positions, key_frequency, factor)
+            # [B, 1, T, R] and [B, Kr, T, Hr], as the cache holds them
+            fresh = (c_kv[:, None], k_rope.transpose(0, 2, 1, 3))
 
         up_init = logical(nn.initializers.lecun_normal(in_axis=0, out_axis=(1, 2)), UP_AXES)
         param_dtype = dtype_of(cfg.param_dtype)
@@ -194,27 +204,22 @@ class MultiHeadLatentAttention(nn.Module):
         mscale = softmax_mscale(cfg.rope_scaling)
         scale = cfg.head_dim**-0.5 * mscale * mscale
 
-        # [B, 1, T, R] and [B, Kr, T, Hr], as the cache holds them
-        fresh = (c_kv[:, None], k_rope.transpose(0, 2, 1, 3))
-        if layer is None:
-            out = expanded_attention(
-                q_nope, q_rope, [(*fresh, placement.fresh_mask)], key_up, value_up, scale
-            )
-            return out_projection(out), None
-
-        attend_latent = absorbed_attention if mla.absorb else expanded_attention
         # The cache's transforms (kvlab/cache/transforms): the latent and RoPE keys
         # as it stores them; the RoPE queries rotated alike (the latent's in attend_latent).
         latent, rope = placement.transforms or (IDENTITY, IDENTITY)
         q_rope = rope.forward(q_rope)
-        fresh = (latent.forward(fresh[0]), rope.forward(fresh[1]))
+        if fresh is not None:
+            fresh = (latent.forward(fresh[0]), rope.forward(fresh[1]))
 
-        def attention(regions, observe):
+        def attention(regions, observe, cached):
             blocks = [(c_kv, k_rope, mask) for (c_kv, k_rope), mask in regions]
+            if not cached:  # the plain forward expands (module docstring)
+                return expanded_attention(q_nope, q_rope, blocks, key_up, value_up, scale)
+            attend_latent = absorbed_attention if mla.absorb else expanded_attention
             return attend_latent(
                 q_nope, q_rope, blocks, key_up, value_up, scale, observe, cfg.attention_impl,
                 latent,
             )  # fmt: skip
 
-        out, layer = through_layer(layer, fresh, placement, attention)
+        out, layer = through_layer(layer, fresh, placement, attention, self.commits)
         return out_projection(out), layer

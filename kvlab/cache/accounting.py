@@ -30,7 +30,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from kvlab import sharding
-from kvlab.cache import evict, paged
+from kvlab.cache import evict, paged, topology
 from kvlab.cache.quant import quantized_layout, storages
 from kvlab.config import (
     cached_prefixes,
@@ -128,7 +128,7 @@ def cache_bytes(
             _tensor_bytes(s, t.heads, t.width, rows, ring) for t, s in tensors
         )
         tables = 0
-    return model_cfg["num_layers"] * per_layer + tables + ROW_BYTES * rows_held
+    return topology.num_cache_layers(model_cfg) * per_layer + tables + ROW_BYTES * rows_held
 
 
 def _tensor_bytes(spec, heads: int, width: int, rows: int, ring: int) -> int:

@@ -31,7 +31,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec
 
 from kvlab import sharding
-from kvlab.cache import evict, paged, quant
+from kvlab.cache import evict, paged, quant, topology
 from kvlab.cache.dense import Cache, DenseLayer
 from kvlab.config import (
     cached_tensors,
@@ -115,7 +115,9 @@ def init_cache(
             )
         else:
             new_layer = lambda: quant.init_layer(specs, layout, batch_size, shapes)  # noqa: E731
-        return Cache(layers=tuple(new_layer() for _ in range(model_cfg["num_layers"])), **rows)
+        return Cache(
+            layers=tuple(new_layer() for _ in range(topology.num_cache_layers(model_cfg))), **rows
+        )
 
     page = cache_cfg["page_size"]
     n = paged.pages_per_row(cache_cfg, max_len)
@@ -129,7 +131,7 @@ def init_cache(
         new_layer = lambda: _paged_quantized_layer(  # noqa: E731
             quant.init_layer(specs, layout, 1, shapes), batch_size, num_pages, page
         )
-    layers = tuple(new_layer() for _ in range(model_cfg["num_layers"]))
+    layers = tuple(new_layer() for _ in range(topology.num_cache_layers(model_cfg)))
     return paged.PagedCache(layers=layers, block_tables=_tables(batch_size, n, own_pages), **rows)
 
 

@@ -15,7 +15,7 @@ Every batch is a dict of numpy arrays:
     weights  float32[B, T]  1 where the target counts for the loss and metric, else 0
 
 and, with data.tokenizer only, `target_bytes` int32[B, T]: the UTF-8 bytes of
-text each target token adds (bits per byte; kvlab/train.py `summarize`).
+text each target token adds (bits per byte; kvlab/train/loop.py `summarize`).
 
     task = make_task("needle", cfg, "validation", seq_len=1024, depth=0.5)  # eval.tasks
     task.eval_batches(4, 2)   # weights 1 on the asked value's tokens only

@@ -14,7 +14,7 @@ haystack's length, so depth 0 is the first token of the sequence and depth 1
 ends right before the question. The tasks (eval.task_params sizes them):
 
     needle      "\nThe pass key for <word> is <digits>.\n" at one depth (a dataset
-                per depth: kvlab.eval_tasks runs eval.depths), then the question
+                per depth: kvlab.eval.tasks runs eval.depths), then the question
                 "\nWhat is the pass key for <word>? The pass key for <word> is "
                 and the answer <digits>
     multikey    num_keys such needles under distinct words at random depths; one asked
@@ -59,7 +59,7 @@ one after another (a haystack may cross a file boundary: it is only filler).
 `check_tasks(cfg)` refuses, naming the field, a config whose eval.tasks'
 samples do not fit their lengths or whose model cannot read their tokens
 (kvlab.validate_config runs it). Evaluation through a cache at several lengths
-is kvlab/eval_tasks.py's (`evaluate_tasks`).
+is kvlab/eval/tasks.py's (`evaluate_tasks`).
 """
 
 from __future__ import annotations

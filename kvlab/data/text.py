@@ -33,7 +33,7 @@ from a generator seeded by (seed, step, split): the same arguments always give
 the same batch, so a resumed run sees the batches an uninterrupted run saw.
 `batch(..., rows=)` gives only some rows of that batch, reading only their
 windows: each host of a multi-host run reads the rows its devices hold
-(kvlab/train.py `host_batch`).
+(kvlab/train/loop.py `host_batch`).
 `eval_batches(batch_size, num_batches)` takes the split's windows at stride T
 from the start of each file, in file order (consecutive windows share one byte,
 so each byte after a file's first is a target exactly once; a tail shorter

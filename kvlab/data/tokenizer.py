@@ -18,7 +18,7 @@ A batch carries one more array than a byte batch:
 
     target_bytes  int32[B, T]  UTF-8 bytes of text each target token adds
 
-so an evaluation reports bits per byte honestly (kvlab/train.py `summarize`).
+so an evaluation reports bits per byte honestly (kvlab/train/loop.py `summarize`).
 Token i of a file adds the text from the end of token i - 1 to its own end, by
 the character offsets the tokenizer reports (ends kept non-decreasing: two
 tokens holding parts of one character give it to the first; the first token

@@ -71,6 +71,7 @@ from einops import rearrange
 from flax import struct
 from jaxtyping import Array, Float, Int
 
+from kvlab.cache import topology
 from kvlab.cache.evict.scorers import Candidates, Scorer
 from kvlab.cache.paged import gather_pages, write_pages
 from kvlab.cache.placement import Placement, write_tokens
@@ -169,7 +170,7 @@ def layer_budgets(model_cfg: Mapping, cache_cfg: Mapping, max_len: int) -> tuple
     evict = cache_cfg["evict"]
     method = "window" if model_cfg["sliding_window"] else evict["method"]
     budget = resolve_budget(model_cfg, cache_cfg, max_len)
-    layers = model_cfg["num_layers"]
+    layers = topology.num_cache_layers(model_cfg)
     source = (
         "cache.evict.budget" if evict["budget"] else f"ceil(cache.evict.ratio x max_len={max_len})"
     )

@@ -1,0 +1,67 @@
+"""Cache topology: which cache layer each model layer reads and writes.
+
+    cfg.model.topology = "cla:2"        # every two adjacent layers share one cache layer
+
+A topology maps the model's layers onto cache layers (`cache_layers(model)`:
+the cache layer of each model layer, in order, each cache layer a run of
+adjacent model layers). The first model layer of a run produces: it computes
+the step's keys and values, reads its cache layer and, once the last layer of
+the run has attended, commits the step's tokens to it. The others consume:
+their own queries attend over the producer's read (one read serves several
+attends), and they have no key or value projection of their own. The model
+loop, the cache factory, byte accounting, eviction budgets and the model's
+check of a cache all read this one mapping, so a topology is one class:
+"layerwise" here (a cache layer per model layer), "cla" in cla.py (Cross-Layer
+Attention, arXiv:2405.12981). `model.topology` names one, with its argument
+after a colon ("cla:2"); kvlab.registry.TOPOLOGIES finds it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from kvlab.registry import TOPOLOGIES
+
+
+class Topology:
+    """A cache layer per model layer ("layerwise"). A topology's `layers` must
+    give non-decreasing cache layers, 0, 1, 2, ... each a run of model layers."""
+
+    name = "layerwise"
+
+    def check(self, arg: str, num_layers: int, field: str) -> None:
+        """ValueError naming `field` when `arg` does not fit `num_layers` layers."""
+        if arg:
+            raise ValueError(
+                f"{field}={self.name + ':' + arg!r}: {self.name!r} takes no argument: "
+                f"set {field}={self.name!r}"
+            )
+
+    def layers(self, arg: str, num_layers: int) -> tuple[int, ...]:
+        """The cache layer of each of the model's `num_layers` layers."""
+        return tuple(range(num_layers))
+
+
+LAYERWISE = TOPOLOGIES.register(Topology())
+
+
+def parse(spec: str) -> tuple[Topology, str]:
+    """(the topology `model.topology` names, its argument) as 'name[:argument]'."""
+    name, _, arg = spec.partition(":")
+    return TOPOLOGIES.get(name), arg
+
+
+def cache_layers(model_cfg: Mapping) -> tuple[int, ...]:
+    """The cache layer of each model layer (module docstring)."""
+    topology, arg = parse(model_cfg["topology"])
+    return topology.layers(arg, model_cfg["num_layers"])
+
+
+def num_cache_layers(model_cfg: Mapping) -> int:
+    return cache_layers(model_cfg)[-1] + 1
+
+
+def produces(model_cfg: Mapping, index: int) -> bool:
+    """Whether model layer `index` computes keys and values (the first of its run)."""
+    layers = cache_layers(model_cfg)
+    return index == 0 or layers[index - 1] != layers[index]
