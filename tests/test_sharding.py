@@ -359,12 +359,14 @@ def test_on_mesh_prefill_and_decode_through_the_cache_are_unchanged(gqa, kind):
 
 
 @on_eight
-def test_on_mesh_layers_sharing_a_cache_layer_are_unchanged():
-    """Cross-layer attention (model.topology='cla:2'): three layers, two cache
-    layers, an evicting quantized pool laid out by the same rules."""
+def test_on_mesh_the_methods_added_through_registries_are_unchanged():
+    """Cross-layer attention (three layers, two cache layers), keys rotated
+    before 4-bit storage and TOVA's eviction, together in a quantized pool laid
+    out by the same rules (docs/adding-a-method.md)."""
     cfg = model_config((2, 2, 2), num_layers=3, topology="cla:2")
     cfg.cache.update(kind="paged", page_size=16, k_bits=4, v_bits=4, residual=16)
-    cfg.cache.evict.update(method="h2o", budget=12, recent=2)
+    cfg.cache.update(k_transform="hadamard", v_transform="hadamard")
+    cfg.cache.evict.update(method="tova", budget=12, recent=2)
     mesh, rules = mesh_of(cfg)
     params = kvlab.init_params(cfg.model, jax.random.key(0))
     placed = placed_params(cfg, params, mesh, rules)
