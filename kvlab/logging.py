@@ -7,7 +7,7 @@
         run.image("pareto", "runs/mha/pareto.png")
     logged = read_offline_run(run.dir)  # what the offline run wrote, no network
 
-`cfg.wandb` (kvlab/config.py) picks the mode: 'offline' writes the run under
+`cfg.wandb` (kvlab/config/schema.py) picks the mode: 'offline' writes the run under
 `workdir/wandb/offline-run-<time>-<id>/` for a later `wandb sync`, 'online'
 streams it to the W&B server, and 'disabled' makes every method a no-op that
 never imports wandb, prints nothing and creates no folder, so kvlab runs without it.

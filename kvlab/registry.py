@@ -95,6 +95,19 @@ TRANSFORMS = Registry(
 )
 
 
+# Storage formats (kvlab/cache/formats/): cache.<prefix>_format, how a quantized
+# tensor's numbers become codes and back.
+FORMATS = Registry(
+    "storage format",
+    "cache.<prefix>_format",
+    shipped={
+        **dict.fromkeys(("int", "fp8"), "kvlab.cache.formats"),
+        "nf": "kvlab.cache.formats.normal_float",
+    },
+    group="kvlab.formats",
+)
+
+
 # Cache topologies (kvlab/cache/topology/): model.topology ('name[:argument]'), which
 # cache layer each model layer reads and writes.
 TOPOLOGIES = Registry(

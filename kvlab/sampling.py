@@ -235,6 +235,50 @@ def _generate(
     return state.out, state.cache.errors
 
 
+def _checked_arguments(
+    model: Transformer, prompts, prompt_lengths, max_new_tokens, end_token, pad_token, max_len
+) -> tuple:
+    """generate's arguments checked (ValueError naming the fix) and completed:
+    (prompt_lengths int[B] on the host, max_new_tokens, end_token, pad_token, max_len)."""
+    if prompts.ndim != 2:
+        raise ValueError(f"prompts has shape {prompts.shape}: pass int32[batch, length]")
+    batch, prompt_len = prompts.shape
+    if prompt_lengths is None:
+        prompt_lengths = np.full((batch,), prompt_len)
+    prompt_lengths = np.asarray(prompt_lengths)
+    check_inputs(model.config, prompts, None, prompt_lengths)
+    if (prompt_lengths < 1).any():
+        row = int(np.argmin(prompt_lengths))
+        raise ValueError(f"prompt_lengths[{row}]=0: every prompt needs at least one token")
+    max_new_tokens = check_count("max_new_tokens", max_new_tokens)
+    vocab = model.config.vocab_size
+    if end_token is not None:
+        end_token = check_count("end_token", end_token, minimum=0)
+    pad_token = check_count("pad_token", pad_token, minimum=0)
+    for name, token in (("end_token", end_token), ("pad_token", pad_token)):
+        if token is not None and not token < vocab:
+            raise ValueError(f"{name}={token} is outside the vocabulary 0..{vocab - 1}")
+    needed = prompt_len + max_new_tokens
+    max_len = needed if max_len is None else check_count("max_len", max_len)
+    if needed > max_len:
+        raise ValueError(
+            f"prompts of length {prompt_len} plus max_new_tokens={max_new_tokens} need "
+            f"{needed} cache slots but max_len={max_len}: raise max_len or shorten the prompts"
+        )
+    return prompt_lengths, max_new_tokens, end_token, pad_token, max_len
+
+
+def _returned(out, needed: int, placed: NamedSharding | None) -> jax.Array:
+    """The loop's output cut to `needed` tokens on the host (a device slice would
+    compile once per max_new_tokens), split by rows as the prompts were when they
+    came on a mesh (`placed`)."""
+    out = sharding.fetch(out)[:, :needed]  # every row, from whichever host holds it
+    if placed is None:
+        return jnp.asarray(out)
+    rows = placed.spec[0] if len(placed.spec) else None
+    return sharding.put_global(out, NamedSharding(placed.mesh, PartitionSpec(rows, None)))
+
+
 def generate(
     model: Transformer,
     params,
@@ -268,31 +312,11 @@ def generate(
     mesh = placed.mesh if isinstance(placed, NamedSharding) else None
     rules = (sharding.axis_rules() if rules is None else rules) if mesh is not None else None
     prompts = jnp.asarray(prompts)
-    if prompts.ndim != 2:
-        raise ValueError(f"prompts has shape {prompts.shape}: pass int32[batch, length]")
+    prompt_lengths, max_new_tokens, end_token, pad_token, max_len = _checked_arguments(
+        model, prompts, prompt_lengths, max_new_tokens, end_token, pad_token, max_len
+    )
     batch, prompt_len = prompts.shape
-    if prompt_lengths is None:
-        prompt_lengths = np.full((batch,), prompt_len)
-    prompt_lengths = np.asarray(prompt_lengths)
-    check_inputs(model.config, prompts, None, prompt_lengths)
-    if (prompt_lengths < 1).any():
-        row = int(np.argmin(prompt_lengths))
-        raise ValueError(f"prompt_lengths[{row}]=0: every prompt needs at least one token")
-    max_new_tokens = check_count("max_new_tokens", max_new_tokens)
-    vocab = model.config.vocab_size
-    if end_token is not None:
-        end_token = check_count("end_token", end_token, minimum=0)
-    pad_token = check_count("pad_token", pad_token, minimum=0)
-    for name, token in (("end_token", end_token), ("pad_token", pad_token)):
-        if token is not None and not token < vocab:
-            raise ValueError(f"{name}={token} is outside the vocabulary 0..{vocab - 1}")
     needed = prompt_len + max_new_tokens
-    max_len = needed if max_len is None else check_count("max_len", max_len)
-    if needed > max_len:
-        raise ValueError(
-            f"prompts of length {prompt_len} plus max_new_tokens={max_new_tokens} need "
-            f"{needed} cache slots but max_len={max_len}: raise max_len or shorten the prompts"
-        )
     validate_cache_config(cache_cfg, model.config)
     rng = jax.random.key(0) if rng is None else rng
     lengths = jnp.asarray(prompt_lengths, jnp.int32)
@@ -316,9 +340,4 @@ def generate(
         rng,
     )
     check_errors(errors)  # the inputs were checked above: a flag here is a bug in the loop
-    # Cut on the host: a device slice would compile once per max_new_tokens.
-    out = sharding.fetch(out)[:, :needed]  # every row, from whichever host holds it
-    if mesh is None:
-        return jnp.asarray(out)
-    rows = placed.spec[0] if len(placed.spec) else None
-    return sharding.put_global(out, NamedSharding(mesh, PartitionSpec(rows, None)))
+    return _returned(out, needed, placed if mesh is not None else None)

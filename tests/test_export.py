@@ -36,8 +36,9 @@ CACHES = {
     "sliding window": dict(window=16),
     "rotated 4-bit": dict(k_bits=4, v_bits=4, k_axis="token", k_transform="hadamard"),
     "cross-layer 4-bit": dict(topology="cla:2", k_bits=4, v_bits=4, k_axis="token"),
+    "normal-float 4-bit": dict(k_bits=4, v_bits=4, k_format="nf", v_format="nf", k_axis="token"),
 }
-# Stored data Pallas reads
+# Stored data Pallas reads (not normal-float codes: the kernels decline them)
 STORED = (
     "8-bit per token",
     "KIVI 2-bit",

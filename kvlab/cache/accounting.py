@@ -84,36 +84,9 @@ def cache_bytes(
     ring = 0 if layout is None else layout.ring_len
     plan = evict.policies(model_cfg, cache_cfg, seq_len)
     # Token rows each tensor stores: a row's S (or P settled) tokens, or a page pool.
-    if plan is not None:  # budget slots per storage head, and per slot a position (and score)
-        per_layer, tables = 0, 0
-        if cache_cfg["kind"] == "paged":  # the slots live in pages
-            row_slots = max(p.rows for p in plan)
-            pages = paged.pool_size(cache_cfg, batch_size, row_slots)
-            pooled = pages // split("cache_pages", pages) * cache_cfg["page_size"]
-            tables = rows_held * paged.pages_per_row(cache_cfg, row_slots) * TABLE_ENTRY_BYTES
-        for policy in plan:
-            stored = [(spec, 1 if policy.pooled else t.heads, t.width) for t, spec in tensors]
-            if cache_cfg["kind"] == "paged":
-                per_layer += sum(_tensor_bytes(s, h, w, pooled, 0) for s, h, w in stored)
-            else:  # slots (settling: of g payload rows each) per storage head
-                per_layer += rows_held * sum(
-                    _tensor_bytes(s, h, w, policy.rows, 0) for s, h, w in stored
-                )
-            keeps = policy.keeps  # a float32 per slot
-            if policy.settles:  # a ring per row and KV head (+ what the scorer keeps per slot)
-                ring = policy.layout.ring_len
-                per_layer += rows_held * sum(
-                    _tensor_bytes(s, t.heads, t.width, 0, ring) for t, s in tensors
-                )
-                if keeps:
-                    kv_heads = policy.kv_heads // split("cache_heads", policy.kv_heads)
-                    per_layer += rows_held * kv_heads * ring * SCORE_BYTES
-            if not policy.ring:
-                heads = evict.storage_heads(policy)
-                heads //= split("cache_heads", heads)
-                per_slot = SLOT_BYTES + (SCORE_BYTES if keeps else 0)
-                per_layer += rows_held * heads * policy.slots * per_slot
-        return per_layer + tables + ROW_BYTES * rows_held
+    if plan is not None:
+        layers = _evicting_bytes(plan, tensors, cache_cfg, batch_size, rows_held, split)
+        return layers + ROW_BYTES * rows_held
     if cache_cfg["kind"] == "paged":
         pages = paged.pool_size(cache_cfg, batch_size, seq_len)
         pooled = pages // split("cache_pages", pages) * cache_cfg["page_size"]
@@ -131,16 +104,53 @@ def cache_bytes(
     return topology.num_cache_layers(model_cfg) * per_layer + tables + ROW_BYTES * rows_held
 
 
+def _evicting_bytes(plan, tensors, cache_cfg: Mapping, batch_size: int, rows_held: int, split):
+    """The layers and block tables of an evicting cache (`plan`: its policies):
+    budget slots per storage head, and per slot a position (and a score)."""
+    per_layer, tables = 0, 0
+    if cache_cfg["kind"] == "paged":  # the slots live in pages
+        row_slots = max(p.rows for p in plan)
+        pages = paged.pool_size(cache_cfg, batch_size, row_slots)
+        pooled = pages // split("cache_pages", pages) * cache_cfg["page_size"]
+        tables = rows_held * paged.pages_per_row(cache_cfg, row_slots) * TABLE_ENTRY_BYTES
+    for policy in plan:
+        stored = [(spec, 1 if policy.pooled else t.heads, t.width) for t, spec in tensors]
+        if cache_cfg["kind"] == "paged":
+            per_layer += sum(_tensor_bytes(s, h, w, pooled, 0) for s, h, w in stored)
+        else:  # slots (settling: of g payload rows each) per storage head
+            per_layer += rows_held * sum(
+                _tensor_bytes(s, h, w, policy.rows, 0) for s, h, w in stored
+            )
+        keeps = policy.keeps  # a float32 per slot
+        if policy.settles:  # a ring per row and KV head (+ what the scorer keeps per slot)
+            ring = policy.layout.ring_len
+            per_layer += rows_held * sum(
+                _tensor_bytes(s, t.heads, t.width, 0, ring) for t, s in tensors
+            )
+            if keeps:
+                kv_heads = policy.kv_heads // split("cache_heads", policy.kv_heads)
+                per_layer += rows_held * kv_heads * ring * SCORE_BYTES
+        if not policy.ring:
+            heads = evict.storage_heads(policy)
+            heads //= split("cache_heads", heads)
+            per_slot = SLOT_BYTES + (SCORE_BYTES if keeps else 0)
+            per_layer += rows_held * heads * policy.slots * per_slot
+    return per_layer + tables
+
+
 def _tensor_bytes(spec, heads: int, width: int, rows: int, ring: int) -> int:
-    """One cached tensor: `rows` stored tokens (packed codes, scales and zero
-    points when quantized) and `ring` tokens in full precision."""
+    """One cached tensor: `rows` stored tokens (packed codes, and the numbers its
+    format keeps per group when quantized: scales, zero points) and `ring`
+    tokens in full precision."""
     element = dtype_of(spec.dtype).itemsize
     total = heads * ring * width * element
     if not spec.quantized:
         return total + heads * rows * width * element
     total += heads * rows * width * spec.bits // 8
     groups = rows * width // spec.group_size  # one scale per group, either axis
-    return total + heads * groups * dtype_of(spec.scale_dtype).itemsize * (1 + spec.has_zero)
+    return total + heads * groups * dtype_of(spec.scale_dtype).itemsize * spec.codes.scale_numbers(
+        spec
+    )
 
 
 def stored_bits(cache_cfg: Mapping, prefix: str) -> int:

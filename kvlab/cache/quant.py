@@ -6,11 +6,11 @@ are more sensitive than values, so each tensor has its own width. A group is
 `group_size` numbers of one token along the feature axis (axis "token": one
 scale per token and group of channels) or `group_size` tokens of one channel
 (axis "channel": one scale per channel and group of tokens, KIVI's choice for
-keys). int codes are round-to-nearest levels, with a zero point (asymmetric,
-2^b levels) or without (symmetric, 2^b - 1 levels around 0); fp8 codes are
-float8 e4m3 of the scaled number (8 bits only, no zero point). Scales and zero
-points are stored in `scale_dtype`, rounded outwards so no number is clipped:
-|x - dequantize(quantize(x))| <= scale / 2 for int codes.
+keys). The codes are in the tensor's storage format (`cache.<prefix>_format`,
+kvlab/cache/formats: "int" round-to-nearest levels with a zero point or
+symmetric, "fp8" e4m3, "nf" the normal-float grid, or a registered one).
+Scales and zero points are stored in `scale_dtype`, rounded outwards so no
+number is clipped: |x - dequantize(quantize(x))| <= scale / 2 for int codes.
 
 Layout of one layer (every tensor of the layer shares it):
 
@@ -29,7 +29,7 @@ payload rows and W = min(residual + g - 1, S) ring slots.
       payload  uint8[B, KH, P, Wd * bits / 8]  codes, 8 / bits per byte, low bits first
                (at 16 bits: cache.dtype[B, KH, P, Wd], no scale or zero)
       scale    [B, KH, P, Wd / group_size] (token axis) or [B, KH, P / g, Wd] (channel)
-      zero     as scale, or None (symmetric int, fp8)
+      zero     as scale, or None (a format without one: symmetric int, fp8, nf)
       ring     cache.dtype[B, KH, W, Wd], or None when W = 0
 
 Reads keep a token's representation a pure function of the row's length when
@@ -51,11 +51,10 @@ import jax.numpy as jnp
 from flax import struct
 from jaxtyping import Array
 
+from kvlab.cache.formats import Format
 from kvlab.cache.placement import Placement, write_tokens
 from kvlab.config import cached_tensors, dtype_of
-
-FP8 = jnp.float8_e4m3fn
-FP8_MAX = float(jnp.finfo(FP8).max)  # 448
+from kvlab.registry import FORMATS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,7 +62,7 @@ class Storage:
     """How one cached tensor is stored (static, hashable)."""
 
     bits: int  # 16: cache dtype, unquantized
-    format: str  # "int" | "fp8"
+    format: str  # a kvlab.registry.FORMATS name: "int", "fp8", "nf", ...
     axis: str  # "token" | "channel"
     group_size: int
     symmetric: bool  # int only: no zero point
@@ -75,8 +74,13 @@ class Storage:
         return self.bits < 16
 
     @property
+    def codes(self) -> Format:
+        """The storage format its codes are in (kvlab/cache/formats)."""
+        return FORMATS.get(self.format)
+
+    @property
     def has_zero(self) -> bool:
-        return self.quantized and self.format == "int" and not self.symmetric
+        return self.quantized and self.codes.has_zero(self)
 
 
 def storages(model_cfg: Mapping, cache_cfg: Mapping) -> tuple[Storage, ...]:
@@ -153,50 +157,15 @@ def unpack(packed: Array, bits: int) -> Array:
     return codes.reshape(*packed.shape[:-1], packed.shape[-1] * per_byte)
 
 
-def _round_away(value: Array, dtype, up: bool) -> Array:
-    """value rounded to `dtype`, then moved one step outwards if rounding went inwards."""
-    rounded = value.astype(dtype)
-    wrong = (rounded.astype(jnp.float32) < value) if up else (rounded.astype(jnp.float32) > value)
-    outward = jnp.nextafter(rounded, jnp.array(jnp.inf if up else -jnp.inf, dtype))
-    return jnp.where(wrong, outward, rounded)
-
-
 def quantize(x: Array, spec: Storage, axis: int) -> tuple[Array, Array, Array | None]:
-    """Codes (uint8, x's shape), scale and zero point (x's shape without `axis`).
-
-    The group of numbers sharing a scale runs along `axis`.
-    """
-    x = x.astype(jnp.float32)
-    scale_dtype = dtype_of(spec.scale_dtype)
-    if spec.format == "fp8":
-        top = jnp.max(jnp.abs(x), axis=axis)
-        scale = _round_away(top / FP8_MAX, scale_dtype, up=True)
-        safe = jnp.where(scale > 0, scale.astype(jnp.float32), 1.0)
-        codes = (x / jnp.expand_dims(safe, axis)).astype(FP8)
-        return jax.lax.bitcast_convert_type(codes, jnp.uint8), scale, None
-    if spec.symmetric:
-        levels = 2 ** (spec.bits - 1) - 1  # codes -levels..levels, stored + 2^(b-1)
-        top = jnp.max(jnp.abs(x), axis=axis)
-        scale = _round_away(top / levels, scale_dtype, up=True)
-        safe = jnp.where(scale > 0, scale.astype(jnp.float32), 1.0)
-        codes = jnp.round(x / jnp.expand_dims(safe, axis)) + 2 ** (spec.bits - 1)
-        return codes.astype(jnp.uint8), scale, None
-    low = _round_away(jnp.min(x, axis=axis), scale_dtype, up=False)
-    span = jnp.max(x, axis=axis) - low.astype(jnp.float32)
-    scale = _round_away(span / (2**spec.bits - 1), scale_dtype, up=True)
-    safe = jnp.where(scale > 0, scale.astype(jnp.float32), 1.0)
-    codes = jnp.round(
-        (x - jnp.expand_dims(low.astype(jnp.float32), axis)) / jnp.expand_dims(safe, axis)
-    )
-    return jnp.clip(codes, 0, 2**spec.bits - 1).astype(jnp.uint8), scale, low
+    """Codes (uint8, x's shape), scale and zero point (x's shape without `axis`) in
+    the tensor's format (kvlab/cache/formats); the group sharing a scale runs along `axis`."""
+    return spec.codes.quantize(x.astype(jnp.float32), spec, axis)
 
 
 def levels(codes: Array, spec: Storage) -> Array:
     """The number each code stands for before its scale: float32, codes' shape."""
-    if spec.format == "fp8":
-        return jax.lax.bitcast_convert_type(codes, FP8).astype(jnp.float32)
-    offset = 2 ** (spec.bits - 1) if spec.symmetric else 0
-    return codes.astype(jnp.float32) - offset
+    return spec.codes.levels(codes, spec)
 
 
 def dequantize(codes: Array, scale: Array, zero: Array | None, spec: Storage, axis: int) -> Array:

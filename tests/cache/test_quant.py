@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 import kvlab
 from kvlab.attention.core import attend
+from kvlab.cache.formats import normal_float
 from kvlab.cache.quant import (
     Layout,
     PayloadReader,
@@ -60,19 +61,30 @@ def storage(bits=8, fmt="int", axis="token", group=4, symmetric=False, scale_dty
     return Storage(bits, fmt, axis, group, symmetric, scale_dtype, "float32")
 
 
-specs = st.builds(
-    storage,
-    bits=st.sampled_from([8, 4, 2]),
-    axis=st.sampled_from(["token", "channel"]),
-    group=st.sampled_from([1, 2, 4, 8]),
-    symmetric=st.booleans(),
-    scale_dtype=st.sampled_from(["float32", "bfloat16", "float16"]),
-) | st.builds(
-    storage,
-    fmt=st.just("fp8"),
-    axis=st.sampled_from(["token", "channel"]),
-    group=st.sampled_from([1, 4, 8]),
-    scale_dtype=st.sampled_from(["float32", "bfloat16"]),
+specs = (
+    st.builds(
+        storage,
+        bits=st.sampled_from([8, 4, 2]),
+        axis=st.sampled_from(["token", "channel"]),
+        group=st.sampled_from([1, 2, 4, 8]),
+        symmetric=st.booleans(),
+        scale_dtype=st.sampled_from(["float32", "bfloat16", "float16"]),
+    )
+    | st.builds(
+        storage,
+        fmt=st.just("fp8"),
+        axis=st.sampled_from(["token", "channel"]),
+        group=st.sampled_from([1, 4, 8]),
+        scale_dtype=st.sampled_from(["float32", "bfloat16"]),
+    )
+    | st.builds(
+        storage,
+        bits=st.sampled_from([8, 4, 2]),
+        fmt=st.just("nf"),
+        axis=st.sampled_from(["token", "channel"]),
+        group=st.sampled_from([1, 4, 8]),
+        scale_dtype=st.sampled_from(["float32", "bfloat16"]),
+    )
 )
 
 
@@ -97,6 +109,8 @@ def test_quantize_then_dequantize_stays_within_the_format_bound(spec, seed, magn
     if spec.format == "fp8":
         # 3 mantissa bits: half an ulp is 2^-4 of the number; subnormals 2^-10 of the scale.
         bound = np.maximum(np.abs(x) * 2.0**-4, per_number * 2.0**-10)
+    elif spec.format == "nf":  # half the widest gap between the grid's levels
+        bound = per_number * np.diff(normal_float.grid(spec.bits)).max() / 2
     else:
         bound = per_number / 2
     assert (np.abs(restored - x) <= bound * (1 + 1e-5) + 1e-6 * np.abs(x)).all()
@@ -111,7 +125,13 @@ def test_error_grows_as_bits_fall():
 
 def test_constant_group_is_exact():
     x = np.full((1, 1, 4, 4), 0.75, np.float32)
-    for spec in (storage(), storage(symmetric=True), storage(fmt="fp8"), storage(bits=2)):
+    for spec in (
+        storage(),
+        storage(symmetric=True),
+        storage(fmt="fp8"),
+        storage(bits=2),
+        storage(4, "nf"),
+    ):
         np.testing.assert_allclose(round_trip(x, spec)[0], x, rtol=2**-8)
 
 
@@ -172,7 +192,7 @@ def quantized_configs(draw, models=("gqa", "mla")):
         residual=group * draw(st.integers(0, 2)),
     )
     for prefix in prefixes:
-        fmt = draw(st.sampled_from(["int", "int", "fp8"]))
+        fmt = draw(st.sampled_from(["int", "int", "fp8", "nf"]))
         cache[f"{prefix}_format"] = fmt
         cache[f"{prefix}_bits"] = 8 if fmt == "fp8" else draw(st.sampled_from([16, 8, 4, 2]))
         cache[f"{prefix}_axis"] = draw(st.sampled_from(["token", "channel"]))

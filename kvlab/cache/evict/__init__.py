@@ -1,27 +1,26 @@
 """Token eviction: cache layers that keep a budget of tokens and drop the rest.
 
-layers.py holds the layers (the ring of a window, scored slots, settling
-groups of a quantized layout, AdaKV's pool, their paged twins) and the
-per-layer policies; scorers.py the scorers a method is (a registry,
-kvlab.registry.SCORERS: a new method is one file there, e.g. tova.py).
-docs/caches.md, "Evicting caches", describes both; docs/adding-a-method.md
-how a scorer is added.
+layers.py holds the layers (the ring of a window, scored slots, settling groups
+of a quantized layout, AdaKV's pool), paged.py their paged twins, policy.py the
+per-layer policies (what a layer keeps, its budget, what that says about a
+row's slots), stored.py the reads and writes of the stored tensors, scorers.py
+the scorers a method is (a registry, kvlab.registry.SCORERS: a new method is
+one file there, e.g. tova.py). Imports run one way, paged > layers > policy |
+stored | tova > scorers (pyproject.toml's contract for kvlab.cache.evict).
+docs/caches.md, "Evicting caches", describes them; docs/adding-a-method.md how
+a scorer is added.
 """
 
-from kvlab.cache.evict.layers import (
+from kvlab.cache.evict.layers import EvictingLayer, init_layer, reset_rows
+from kvlab.cache.evict.paged import PagedEvictingLayer, copy_pages, init_paged_layer
+from kvlab.cache.evict.policy import (
     MAX_SCORED_LEN,
     RING_METHODS,
-    EvictingLayer,
-    PagedEvictingLayer,
     Policy,
     banded,
-    copy_pages,
-    init_layer,
-    init_paged_layer,
     layer_budgets,
     observed_queries,
     policies,
-    reset_rows,
     resolve_budget,
     ring_positions,
     scorer_of,

@@ -53,6 +53,7 @@ from kvlab.kernels.native import ffi
 from kvlab.layers import Embedding
 
 PANEL = ffi.PANEL  # columns per panel
+READS = ("int", "fp8")  # the storage formats (kvlab/cache/formats) the kernels dequantize
 _UNAVAILABLE = ffi.load()  # built and registered here, never while a program is traced
 
 
@@ -174,6 +175,8 @@ class NativePool(ReadWhole):
 def _read(x, limit, rows: int, long: bool):
     """What the kernels read `x` (a block's keys or values) through, `x` itself
     where XLA's product stays, or None where the block cannot be theirs."""
+    if isinstance(x, (PayloadReader, PagedPayloadReader)) and x.tensor.spec.format not in READS:
+        return None  # codes the kernels do not dequantize: the reference reads them
     if isinstance(x, PayloadReader):
         payload = codes(x.tensor)
     elif isinstance(x, PagedPayloadReader):

@@ -25,12 +25,16 @@ from kvlab.cache.protocols import Reader
 from kvlab.cache.quant import PayloadReader
 from kvlab.kernels.pallas.triton import Stored, compiles, stored_attention
 
+# The storage formats (kvlab/cache/formats) whose codes the kernels dequantize.
+READS = ("int", "fp8")
 # Where the program is lowered for each platform: the compiled kernel or the interpreter.
 INTERPRET = {"cuda": False, "cpu": True}
 
 
 def stored(x) -> Stored | None:
     """A block's keys or values as the kernels read them, or None."""
+    if isinstance(x, (PayloadReader, PagedPayloadReader)) and x.tensor.spec.format not in READS:
+        return None  # codes the kernels do not dequantize: the reference reads them
     if isinstance(x, PayloadReader):
         return Stored.of(x.tensor)
     if isinstance(x, PagedPayloadReader):

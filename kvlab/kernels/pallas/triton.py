@@ -195,13 +195,157 @@ def _shape(x) -> tuple[int, ...]:
     return tuple(getattr(x, "shape", ()))
 
 
+def _layout(
+    stored: Stored, name: str, batch: int, heads: int, tables: list
+) -> tuple[int, int, int]:
+    """(table, page size, token capacity) of a Stored's dense rows or page pool; a
+    pool's block table joins `tables` unless the same array is already there."""
+    data, pages = stored.data, stored.pages
+    if pages is None:
+        if data.shape[:2] != (batch, heads):
+            _fail(
+                f"{name}.data.shape",
+                data.shape,
+                f"does not start with (B, K) = {(batch, heads)} of the queries",
+                "pass the layer's [B, K, S, X] rows, or a pool with its block tables as pages",
+            )
+        return -1, 0, data.shape[2]
+    if len(_shape(pages)) != 2 or pages.shape[0] != batch:
+        _fail(
+            f"{name}.pages.shape",
+            _shape(pages),
+            f"is not [B, n] with B={batch}",
+            "pass the cache's block_tables, one row per batch row",
+        )
+    if not jnp.issubdtype(pages.dtype, jnp.integer):
+        _fail(f"{name}.pages.dtype", pages.dtype, "is not an integer type", "pass int32 pages")
+    if data.shape[0] != heads:
+        _fail(
+            f"{name}.data.shape",
+            data.shape,
+            f"is not a pool [K, P, L, X] with K={heads} heads",
+            "pass the layer's page pool for this tensor",
+        )
+    table = next((i for i, t in enumerate(tables) if t is pages), len(tables))
+    if table == len(tables):
+        tables.append(pages)
+    page_size = data.shape[2]
+    return table, page_size, pages.shape[1] * page_size
+
+
+def _unquantized(stored: Stored, name: str) -> tuple[int, int, bool]:
+    """(width, scale width, has zero) of a 16-bit tensor: float numbers, no scales."""
+    data = stored.data
+    if not jnp.issubdtype(data.dtype, jnp.floating):
+        _fail(
+            f"{name}.data.dtype",
+            data.dtype,
+            "is not a float type, but spec is None (a 16-bit tensor)",
+            "pass the QuantizedTensor's spec with its codes (Stored.of(tensor))",
+        )
+    for field in ("scale", "zero"):
+        if getattr(stored, field) is not None:
+            _fail(
+                f"{name}.{field}",
+                "an array",
+                "is given for a 16-bit tensor",
+                "pass spec for quantized codes, or scale=None and zero=None",
+            )
+    return data.shape[3], 0, False
+
+
+def _quantized(
+    stored: Stored, name: str, spec: Storage, batch: int, heads: int
+) -> tuple[int, int, bool]:
+    """(width, scale width, has zero) of packed codes: their dtype and bit-width, and
+    the scales' (and zeros') shapes for the spec's axis and group size."""
+    data, pages = stored.data, stored.pages
+    if spec.bits not in (8, 4, 2) or (spec.format == "fp8" and spec.bits != 8):
+        _fail(
+            f"{name}.spec.bits",
+            spec.bits,
+            f"is not a stored bit-width of format {spec.format!r}",
+            "use 8, 4 or 2 bits for int codes and 8 for fp8",
+        )
+    if data.dtype != jnp.uint8:
+        _fail(
+            f"{name}.data.dtype",
+            data.dtype,
+            f"is not uint8 but spec says {spec.bits}-bit codes",
+            "pass the packed payload (or spec=None for a 16-bit tensor)",
+        )
+    width = data.shape[3] * 8 // spec.bits
+    gs = spec.group_size
+    head = (heads, data.shape[1]) if pages is not None else (batch, heads)
+    if spec.axis == "token":
+        if width % gs:
+            _fail(
+                f"{name}.spec.group_size",
+                gs,
+                f"does not divide the width {width}",
+                "pass the spec the codes were quantized with",
+            )
+        rows, scale_width = data.shape[2], width // gs
+    else:
+        if data.shape[2] % gs:
+            what = "page_size" if pages is not None else "rows S"
+            _fail(
+                f"{name}.data.shape",
+                data.shape,
+                f"has {what}={data.shape[2]}, not a multiple of group_size={gs} "
+                "(channel-axis scales cover group_size tokens)",
+                "pass the payload the scales were computed over",
+            )
+        rows, scale_width = data.shape[2] // gs, width
+    _check_scales(stored, name, spec, (*head, rows, scale_width))
+    return width, scale_width, spec.has_zero
+
+
+def _check_scales(stored: Stored, name: str, spec: Storage, expected: tuple) -> None:
+    """The scale (and, where the spec has a zero point, the zero) of shape `expected`;
+    no zero where it has none."""
+    gs = spec.group_size
+    for field, needed in (("scale", True), ("zero", spec.has_zero)):
+        array = getattr(stored, field)
+        if not needed:
+            if array is not None:
+                _fail(
+                    f"{name}.zero",
+                    "an array",
+                    f"is given but spec (format {spec.format!r}, symmetric="
+                    f"{spec.symmetric}) has no zero point",
+                    "pass zero=None",
+                )
+            continue
+        if array is None or _shape(array) != expected:
+            _fail(
+                f"{name}.{field}.shape",
+                None if array is None else _shape(array),
+                f"is not {expected} for {spec.axis}-axis scales with group_size={gs}",
+                f"pass the QuantizedTensor's {field} (or its pool) with the codes",
+            )
+
+
+def _check_tiles(name: str, shape: tuple, sizes: dict) -> None:
+    """The Triton backend's tiles: every size (widths, page size) a power of two."""
+    for what, size in sizes.items():
+        if not _power_of_two(size):
+            _fail(
+                f"{name}.data.shape",
+                shape,
+                f"gives a {what} of {size}, not a power of two, which the Triton "
+                "backend's tiles need",
+                "use power-of-two widths and page sizes, or interpret=True",
+            )
+
+
 def _describe(
     stored, name: str, batch: int, heads: int, tables: list, interpret: bool
 ) -> tuple[_Tensor, int]:
     """The static reading of one Stored and its token capacity; refuses what does not fit."""
     if not isinstance(stored, Stored):
         _fail(name, type(stored).__name__, "is not a Stored", "wrap arrays as Stored(data, ...)")
-    data, pages, spec = stored.data, stored.pages, stored.spec
+    data, spec = stored.data, stored.spec
     if spec is not None and not spec.quantized:
         spec = None
     if len(_shape(data)) != 4:
@@ -211,139 +355,26 @@ def _describe(
             "is not 4-D",
             "pass dense [B, K, S, X] rows or a [K, P, L, X] page pool",
         )
-    if pages is None:
-        table, page_size = -1, 0
-        if data.shape[:2] != (batch, heads):
-            _fail(
-                f"{name}.data.shape",
-                data.shape,
-                f"does not start with (B, K) = {(batch, heads)} of the queries",
-                "pass the layer's [B, K, S, X] rows, or a pool with its block tables as pages",
-            )
-        tokens = data.shape[2]
-    else:
-        if len(_shape(pages)) != 2 or pages.shape[0] != batch:
-            _fail(
-                f"{name}.pages.shape",
-                _shape(pages),
-                f"is not [B, n] with B={batch}",
-                "pass the cache's block_tables, one row per batch row",
-            )
-        if not jnp.issubdtype(pages.dtype, jnp.integer):
-            _fail(f"{name}.pages.dtype", pages.dtype, "is not an integer type", "pass int32 pages")
-        if data.shape[0] != heads:
-            _fail(
-                f"{name}.data.shape",
-                data.shape,
-                f"is not a pool [K, P, L, X] with K={heads} heads",
-                "pass the layer's page pool for this tensor",
-            )
-        table = next((i for i, t in enumerate(tables) if t is pages), len(tables))
-        if table == len(tables):
-            tables.append(pages)
-        page_size = data.shape[2]
-        tokens = pages.shape[1] * page_size
+    table, page_size, tokens = _layout(stored, name, batch, heads, tables)
     packed = data.shape[3]
     if spec is None:
-        if not jnp.issubdtype(data.dtype, jnp.floating):
-            _fail(
-                f"{name}.data.dtype",
-                data.dtype,
-                "is not a float type, but spec is None (a 16-bit tensor)",
-                "pass the QuantizedTensor's spec with its codes (Stored.of(tensor))",
-            )
-        for field in ("scale", "zero"):
-            if getattr(stored, field) is not None:
-                _fail(
-                    f"{name}.{field}",
-                    "an array",
-                    "is given for a 16-bit tensor",
-                    "pass spec for quantized codes, or scale=None and zero=None",
-                )
-        width, scale_width, has_zero = packed, 0, False
+        width, scale_width, has_zero = _unquantized(stored, name)
     else:
-        if spec.bits not in (8, 4, 2) or (spec.format == "fp8" and spec.bits != 8):
-            _fail(
-                f"{name}.spec.bits",
-                spec.bits,
-                f"is not a stored bit-width of format {spec.format!r}",
-                "use 8, 4 or 2 bits for int codes and 8 for fp8",
-            )
-        if data.dtype != jnp.uint8:
-            _fail(
-                f"{name}.data.dtype",
-                data.dtype,
-                f"is not uint8 but spec says {spec.bits}-bit codes",
-                "pass the packed payload (or spec=None for a 16-bit tensor)",
-            )
-        width = packed * 8 // spec.bits
-        gs = spec.group_size
-        head = (heads, data.shape[1]) if pages is not None else (batch, heads)
-        if spec.axis == "token":
-            if width % gs:
-                _fail(
-                    f"{name}.spec.group_size",
-                    gs,
-                    f"does not divide the width {width}",
-                    "pass the spec the codes were quantized with",
-                )
-            rows, scale_width = data.shape[2], width // gs
-        else:
-            if data.shape[2] % gs:
-                what = "page_size" if pages is not None else "rows S"
-                _fail(
-                    f"{name}.data.shape",
-                    data.shape,
-                    f"has {what}={data.shape[2]}, not a multiple of group_size={gs} "
-                    "(channel-axis scales cover group_size tokens)",
-                    "pass the payload the scales were computed over",
-                )
-            rows, scale_width = data.shape[2] // gs, width
-        expected = (*head, rows, scale_width)
-        has_zero = spec.has_zero
-        for field, needed in (("scale", True), ("zero", has_zero)):
-            array = getattr(stored, field)
-            if not needed:
-                if array is not None:
-                    _fail(
-                        f"{name}.zero",
-                        "an array",
-                        f"is given but spec (format {spec.format!r}, symmetric="
-                        f"{spec.symmetric}) has no zero point",
-                        "pass zero=None",
-                    )
-                continue
-            if array is None or _shape(array) != expected:
-                _fail(
-                    f"{name}.{field}.shape",
-                    None if array is None else _shape(array),
-                    f"is not {expected} for {spec.axis}-axis scales with group_size={gs}",
-                    f"pass the QuantizedTensor's {field} (or its pool) with the codes",
-                )
+        width, scale_width, has_zero = _quantized(stored, name, spec, batch, heads)
     if not interpret:
         sizes = {"width": width, "packed width": packed}
         if scale_width:
             sizes["scale width"] = scale_width
         if page_size:
             sizes["page size"] = page_size
-        for what, size in sizes.items():
-            if not _power_of_two(size):
-                _fail(
-                    f"{name}.data.shape",
-                    data.shape,
-                    f"gives a {what} of {size}, not a power of two, which the Triton "
-                    "backend's tiles need",
-                    "use power-of-two widths and page sizes, or interpret=True",
-                )
+        _check_tiles(name, data.shape, sizes)
     tensor = _Tensor(spec, width, packed, scale_width, page_size, table, has_zero)
     return tensor, tokens
 
 
-def _plan(
-    queries, keys, values, lengths, scale, block_tokens, num_splits, compute_dtype, interpret
-) -> tuple:
-    """Checks every argument (shapes, dtypes, divisibility); returns the static _Call
-    and the block tables. Runs before anything is traced."""
+def _check_arguments(queries: tuple, keys: tuple, lengths, scale) -> None:
+    """The query parts (float [B, K, M, H], one [B, K, M]), one key part per query
+    part, int lengths [B] and a real scale."""
     if not queries:
         _fail("q", "()", "is empty", "pass one [B, K, M, H] array per key part")
     for j, part in enumerate(queries):
@@ -361,7 +392,7 @@ def _plan(
                 f"does not share [B, K, M] = {queries[0].shape[:3]} with q[0]",
                 "fold every part with the same batch, KV heads and queries",
             )
-    batch, heads, num_queries, _ = queries[0].shape
+    batch = queries[0].shape[0]
     if len(keys) != len(queries):
         _fail(
             "keys",
@@ -378,7 +409,12 @@ def _plan(
         )
     if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
         _fail("scale", scale, "is not a real number", "pass the softmax scale as a Python float")
-    tables: list = []
+
+
+def _describe_all(queries: tuple, keys: tuple, values, tables: list, interpret: bool) -> tuple:
+    """(the keys' _Tensors, the values' _Tensor or None when they are a key part, that
+    part or -1, the tensors' common token capacity)."""
+    batch, heads = queries[0].shape[:2]
     described = [
         _describe(k, f"keys[{j}]", batch, heads, tables, interpret) for j, k in enumerate(keys)
     ]
@@ -404,9 +440,12 @@ def _plan(
             "differ (dense S or n * page_size)",
             "pass tensors of one layer, cut to the same length",
         )
-    tokens = capacities[0]
-    tensors = [t for t, _ in described] + ([value_tensor] if value_tensor else [])
-    # A block must hold whole pages and whole channel-axis scale groups.
+    return tuple(t for t, _ in described), value_tensor, value_part, capacities[0]
+
+
+def _block_size(tensors: list, tokens: int, block_tokens, interpret: bool) -> int:
+    """`block_tokens`, or the default for `tokens`; a block holds whole pages and whole
+    channel-axis scale groups (and, for Triton, is a power of two >= DOT_MIN)."""
     unit = 1
     for t in tensors:
         unit = math.lcm(unit, t.page_size or 1)
@@ -432,8 +471,11 @@ def _plan(
             f"is not a power of two >= {DOT_MIN}, which the Triton backend's tiles need",
             f"pass {max(DOT_MIN, unit)} or another power of two, or interpret=True",
         )
-    if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 1:
-        _fail("num_splits", num_splits, "is not a positive int", "pass 1, or more to split S")
+    return block_tokens
+
+
+def _compute_name(compute_dtype) -> str:
+    """The products' dtype by name, one of COMPUTE_DTYPES."""
     try:
         compute = jnp.dtype(compute_dtype).name
     except TypeError:
@@ -445,11 +487,30 @@ def _plan(
             "is not a dtype the products run in",
             f"pass one of {list(COMPUTE_DTYPES)}",
         )
+    return compute
+
+
+def _plan(
+    queries, keys, values, lengths, scale, block_tokens, num_splits, compute_dtype, interpret
+) -> tuple:
+    """Checks every argument (shapes, dtypes, divisibility); returns the static _Call
+    and the block tables. Runs before anything is traced."""
+    _check_arguments(queries, keys, lengths, scale)
+    num_queries = queries[0].shape[2]
+    tables: list = []
+    key_tensors, value_tensor, value_part, tokens = _describe_all(
+        queries, keys, values, tables, interpret
+    )
+    tensors = list(key_tensors) + ([value_tensor] if value_tensor else [])
+    block_tokens = _block_size(tensors, tokens, block_tokens, interpret)
+    if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 1:
+        _fail("num_splits", num_splits, "is not a positive int", "pass 1, or more to split S")
+    compute = _compute_name(compute_dtype)
     blocks = max(1, -(-tokens // block_tokens))
     split_tokens = -(-blocks // num_splits) * block_tokens
     splits = -(-blocks * block_tokens // split_tokens)  # none past the capacity (they'd be empty)
     call = _Call(
-        keys=tuple(t for t, _ in described),
+        keys=key_tensors,
         values=value_tensor,
         value_part=value_part,
         tables=len(tables),

@@ -1,0 +1,282 @@
+"""Eviction policies: what each layer of an evicting cache keeps (static).
+
+`policies` reads the model and cache sections once, before anything compiles,
+into one `Policy` per layer: the method (a scorer of scorers.py, or a window's
+ring), its slots per storage head (pyramidkv's per-layer budgets, AdaKV's pool of
+K x budget, or groups of g tokens over a quantized layout that settles), what it
+always keeps (sinks, recent) and the scorer's options; `layer_budgets` refuses
+budgets that cannot hold what the method always keeps. The functions below it
+are what a policy says about a row of a given length: the position each ring
+slot holds, the keys a windowed query sees, the tokens each KV head holds, the
+queries whose attention the scorer reads. The layers that apply a policy are
+layers.py's EvictingLayer and paged.py's PagedEvictingLayer (docs/caches.md,
+"Evicting caches").
+
+Scores: h2o (arXiv:2306.14048) accumulates each token's attention from every
+later query; snapkv (arXiv:2404.14469) scores by the attention of the step's
+last `obs_window` queries, max-pooled over `kernel` neighbouring positions;
+pyramidkv (arXiv:2406.02069) is snapkv with budgets shrinking linearly from the
+first layer to the last (the last keeps the mean / pyramid_beta, the mean is
+the budget); knorm (arXiv:2406.11430) keeps the keys of smallest L2 norm;
+random keeps a pseudo-random set (a hash of seed, layer, head and position).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+
+import jax.numpy as jnp
+from jaxtyping import Array, Int
+
+from kvlab.cache import topology
+from kvlab.cache.evict.scorers import Scorer
+from kvlab.cache.placement import Placement
+from kvlab.cache.quant import Layout, quantized_layout
+from kvlab.registry import SCORERS
+
+RING_METHODS = ("window", "sinks")
+MAX_SCORED_LEN = 2**24 - 2**16  # positions (and a step's tokens) stay below 2**24: sort keys
+
+
+@dataclasses.dataclass(frozen=True)
+class Policy:
+    """What one evicting layer keeps (static: part of the compiled program)."""
+
+    method: str
+    slots: int  # S per storage head (a pooled layer: K x budget); settling: groups of g tokens
+    max_len: int  # positions a row may reach: the cache's capacity
+    kv_heads: int  # K of the attention (the head tag of a pooled layer)
+    query_heads: int  # N
+    pooled: bool = False  # adakv over K > 1 heads: one pool per layer
+    sinks: int = 0  # ring: first positions kept
+    recent: int = 0  # scored: latest positions kept
+    obs_window: int = 1
+    kernel: int = 1
+    floor: int = 0  # adakv: slots each head keeps at least
+    seed: int = 0
+    layer: int = 0
+    residual: int = 0  # quantized: latest tokens kept unsettled, in full precision
+    granularity: int = 1  # g: tokens that settle, and are kept or evicted, together
+    span: int = 0  # window methods: R, the latest positions a query sees after the sinks
+
+    @property
+    def windowed(self) -> bool:
+        """A query sees the sinks and its last `span` positions (window, sinks)."""
+        return self.method in RING_METHODS
+
+    @property
+    def scorer(self) -> Scorer | None:
+        """The method's scorer (kvlab/cache/evict/scorers.py); None for a window."""
+        return scorer_of(self.method)
+
+    @property
+    def keeps(self) -> bool:
+        """Whether each slot carries a float32 of the scorer's (`Scorer.keeps`)."""
+        return self.scorer is not None and self.scorer.keeps
+
+    @property
+    def ring(self) -> bool:
+        """Slots in a ring whose positions follow from the length (a window over
+        tokens stored one by one; over settling groups the newest groups stay)."""
+        return self.windowed and not self.settles
+
+    @property
+    def settles(self) -> bool:
+        """Tokens wait in a full-precision ring and settle in groups (quant.Layout)."""
+        return self.residual > 0 or self.granularity > 1
+
+    @property
+    def rows(self) -> int:
+        """Token rows a row stores per storage head: its slots (settling: g each)."""
+        return self.slots * self.granularity
+
+    @property
+    def layout(self) -> Layout:
+        """The quantized layout whose settled(n) rule says when tokens leave the ring."""
+        return Layout(self.max_len, self.residual, self.granularity)
+
+
+def scorer_of(method: str) -> Scorer | None:
+    """The scorer of cache.evict.method, None for the layouts that score nothing."""
+    return None if method in ("none", *RING_METHODS) else SCORERS.get(method)
+
+
+def resolve_budget(model_cfg: Mapping, cache_cfg: Mapping, max_len: int) -> int:
+    """Tokens kept per KV head and layer (before pyramidkv's per-layer schedule)."""
+    if model_cfg["sliding_window"]:
+        return model_cfg["sliding_window"]
+    evict = cache_cfg["evict"]
+    return evict["budget"] or math.ceil(evict["ratio"] * max_len)
+
+
+def layer_budgets(model_cfg: Mapping, cache_cfg: Mapping, max_len: int) -> tuple[int, ...]:
+    """Tokens kept per KV head in each layer; raises ValueError for budgets that
+    cannot hold what the method always keeps."""
+    evict = cache_cfg["evict"]
+    method = "window" if model_cfg["sliding_window"] else evict["method"]
+    budget = resolve_budget(model_cfg, cache_cfg, max_len)
+    layers = topology.num_cache_layers(model_cfg)
+    source = (
+        "cache.evict.budget" if evict["budget"] else f"ceil(cache.evict.ratio x max_len={max_len})"
+    )
+    if method == "sinks" and evict["sinks"] >= budget:
+        raise ValueError(
+            f"cache.evict.sinks={evict['sinks']} leaves no recent window in a budget of "
+            f"{budget} ({source}): set cache.evict.sinks below the budget or a larger budget"
+        )
+    scorer = scorer_of(method)
+    if scorer is None:
+        return (budget,) * layers
+    if evict["recent"] >= budget:
+        raise ValueError(
+            f"cache.evict.recent={evict['recent']} keeps every token of a budget of {budget} "
+            f"({source}), so nothing is scored: set cache.evict.recent below the budget, or "
+            "use cache.evict.method='window'"
+        )
+    return scorer.budgets(budget, layers, evict)
+
+
+def policies(model_cfg: Mapping, cache_cfg: Mapping, max_len: int) -> tuple[Policy, ...] | None:
+    """One Policy per layer, or None for a cache that keeps every token."""
+    evict = cache_cfg["evict"]
+    method = "window" if model_cfg["sliding_window"] else evict["method"]
+    if method == "none":
+        return None
+    scorer = scorer_of(method)
+    if scorer is not None and max_len > MAX_SCORED_LEN:
+        raise ValueError(
+            f"max_len={max_len} is too long for cache.evict.method={method!r}: scored slots "
+            f"key positions below 2**24 with their head; use max_len <= {MAX_SCORED_LEN}"
+        )
+    grouped = model_cfg["attention"] != "mla"
+    kv_heads = model_cfg["num_kv_heads"] if grouped else 1
+    pooled = scorer is not None and scorer.pooled and kv_heads > 1
+    # Quantized with a residual window or per-channel scales (KIVI): tokens settle in
+    # groups of g and only settled groups compete, for (budget - residual) // g slots.
+    layout = quantized_layout(model_cfg, cache_cfg, max_len)
+    residual, g = (0, 1) if layout is None else (layout.residual, layout.granularity)
+    settles = residual > 0 or g > 1
+    sinks = evict["sinks"] if method == "sinks" else 0
+    out = []
+    for i, budget in enumerate(layer_budgets(model_cfg, cache_cfg, max_len)):
+        if not settles:
+            units = budget
+        elif method in RING_METHODS:
+            units = window_groups(layout, sinks, budget - sinks)
+        else:
+            units = max(1, (budget - residual) // g)
+        out.append(
+            Policy(
+                method=method,
+                slots=units * kv_heads if pooled else units,
+                max_len=max_len,
+                kv_heads=kv_heads,
+                query_heads=model_cfg["num_heads"],
+                pooled=pooled,
+                sinks=sinks,
+                recent=evict["recent"] if scorer is not None else 0,
+                obs_window=evict["obs_window"],
+                kernel=evict["kernel"],
+                floor=math.floor(evict["adakv_floor"] * units) if pooled else 0,
+                seed=evict["seed"],
+                layer=i,
+                residual=residual if settles else 0,
+                granularity=g if settles else 1,
+                span=budget - sinks if method in RING_METHODS else 0,
+            )
+        )
+    return tuple(out)
+
+
+def window_groups(layout: Layout, sinks: int, span: int) -> int:
+    """Group slots a window over settling groups needs: the groups holding the
+    first `sinks` positions, and enough of the newest settled ones that every
+    query sees its last `span` positions (the rest of them are unsettled)."""
+    g = layout.granularity
+    sink_groups = -(-sinks // g)
+    needed = 1
+    # Queries at position n (the first of a step at length n) reach back to
+    # n - span + 1; which groups are settled repeats with period g past the start.
+    for n in range(min(layout.capacity, sinks + span + layout.residual + 3 * g) + 1):
+        reach = max(0, n - span + 1) // g
+        needed = max(needed, layout.settled(n) // g - max(reach, sink_groups))
+    return sink_groups + needed
+
+
+def storage_heads(policy: Policy) -> int:
+    """E: heads that evict on their own (1 for a pooled or latent layer)."""
+    return 1 if policy.pooled else policy.kv_heads
+
+
+# ---------------------------------------------------------------------------
+# What a policy says about a row: the ring, the band, the tokens held, the queries observed
+
+
+def ring_positions(lengths: Int[Array, " B"], policy: Policy) -> Int[Array, "B S"]:
+    """The position each ring slot holds for rows of `lengths` tokens; -1 = empty."""
+    slot = jnp.arange(policy.slots)
+    sinks, span = policy.sinks, policy.span
+    last = lengths[:, None] - 1
+    offset = slot - sinks  # place in the ring after the sinks
+    latest = sinks + offset + span * jnp.floor_divide(last - sinks - offset, span)
+    in_ring = last - sinks - offset >= 0
+    position = jnp.where(slot < sinks, slot, latest)
+    held = jnp.where(slot < sinks, slot < lengths[:, None], in_ring)
+    return jnp.where(held, position, -1)
+
+
+def banded(q_positions: Array, k_positions: Array, sinks: int, span: int) -> Array:
+    """Keys a query may see under a window of `span` positions after `sinks` kept ones."""
+    return (
+        (k_positions >= 0)
+        & (k_positions <= q_positions)
+        & ((k_positions < sinks) | (k_positions > q_positions - span))
+    )
+
+
+def stored_tokens(positions: Array | None, policy: Policy, lengths: Array) -> Array:
+    """int32[B, K]: tokens each KV head of each row holds (K = 1 for a latent)."""
+    if policy.ring:
+        return jnp.minimum(lengths, policy.slots)[:, None]
+    held = positions >= 0  # [B, E, S]
+    if policy.pooled:  # [B, 1, S] -> per KV head [B, K]
+        heads = jnp.arange(policy.kv_heads)[None, :, None]
+        held = held & (positions % policy.kv_heads == heads)
+    count = held.sum(-1)
+    if policy.settles:  # kept groups of g tokens, and the ring's unsettled tokens
+        count = count * policy.granularity + (lengths - policy.layout.settled(lengths))[:, None]
+    return count.astype(jnp.int32)
+
+
+def observed_queries(policy: Policy, placement: Placement) -> Array | None:
+    """float32[B, T]: the queries whose attention the scorer reads (`observes`:
+    "all" real ones, the last obs_window of a "window", the "last" one), or None."""
+    observes = None if policy.scorer is None else policy.scorer.observes
+    if observes is None:
+        return None
+    steps = jnp.arange(placement.positions.shape[1])[None, :]
+    real = steps < placement.num_tokens[:, None]
+    if observes != "all":
+        window = policy.obs_window if observes == "window" else 1
+        real = real & (steps >= placement.num_tokens[:, None] - window)
+    return real.astype(jnp.float32)
+
+
+def empty_slots(policy: Policy, batch: int):
+    """(positions, scores) of a layer that holds nothing: -1 and 0 per slot of each
+    storage head [B, E, S] (scores only where the scorer keeps them); (None, None) for a ring."""
+    if policy.ring:
+        return None, None
+    shape = (batch, storage_heads(policy), policy.slots)
+    scores = jnp.zeros(shape, jnp.float32) if policy.keeps else None
+    return jnp.full(shape, -1, jnp.int32), scores
+
+
+def empty_ring_scores(policy: Policy, batch: int) -> Array | None:
+    """float32[B, K, W] zeros where a settling layer's scorer keeps its ring's tokens'
+    scores (h2o), else None."""
+    if not (policy.settles and policy.keeps):
+        return None
+    return jnp.zeros((batch, policy.kv_heads, policy.layout.ring_len), jnp.float32)

@@ -1,0 +1,166 @@
+"""Checks of the `cache` section: storage kind, bit-widths, formats, scale groups,
+transforms and eviction, alone and against the model section it caches for."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from kvlab.config.fields import check_choice, check_int, check_known_fields, check_number, fail
+from kvlab.config.schema import (
+    BIT_WIDTHS,
+    CACHE_KINDS,
+    CACHED_PREFIXES,
+    DTYPES,
+    GROUP_AXES,
+    UNSCORED_METHODS,
+    base_config,
+    cached_prefixes,
+    cached_tensors,
+)
+from kvlab.registry import FORMATS, SCORERS, TRANSFORMS
+
+
+def validate_cache_config(cache: Mapping, model: Mapping | None = None) -> None:
+    """Raises ValueError naming the first bad field of a `cache` section.
+
+    With the model section too, also checks what depends on it: which tensors
+    the model caches and whether their widths fit the groups and the packing.
+    """
+    check_known_fields("cache", cache, base_config().cache)
+    check_choice("cache", cache, "kind", CACHE_KINDS)
+    check_choice("cache", cache, "dtype", tuple(DTYPES))
+    check_choice("cache", cache, "scale_dtype", tuple(DTYPES))
+    check_int("cache", cache, "group_size")
+    check_int("cache", cache, "residual", minimum=0)
+    check_int("cache", cache, "page_size")
+    check_int("cache", cache, "num_pages", minimum=0)
+    if not isinstance(cache["prefix_caching"], bool):
+        fail("cache.prefix_caching", cache["prefix_caching"], "is not a bool", "set True or False")
+    if not isinstance(cache["symmetric"], bool):
+        fail("cache.symmetric", cache["symmetric"], "is not a bool", "set True or False")
+    for prefix in CACHED_PREFIXES:
+        check_choice("cache", cache, f"{prefix}_transform", TRANSFORMS.names())
+        check_choice("cache", cache, f"{prefix}_bits", BIT_WIDTHS)
+        check_choice("cache", cache, f"{prefix}_format", FORMATS.names())
+        check_choice("cache", cache, f"{prefix}_axis", GROUP_AXES)
+        bits, name = cache[f"{prefix}_bits"], cache[f"{prefix}_format"]
+        widths = FORMATS.get(name).widths  # the bit-widths the format stores a number in
+        if bits < 16 and bits not in widths:
+            fail(
+                f"cache.{prefix}_format",
+                name,
+                f"needs {' or '.join(map(str, widths))} bits but cache.{prefix}_bits={bits}",
+                f"set cache.{prefix}_bits to {' or '.join(map(str, widths))}, or "
+                f"cache.{prefix}_format='int'",
+            )
+        if (
+            bits < 16
+            and cache[f"{prefix}_axis"] == "channel"
+            and cache["kind"] == "paged"
+            and cache["page_size"] % cache["group_size"]
+        ):
+            fail(
+                "cache.page_size",
+                cache["page_size"],
+                f"is not a multiple of cache.group_size={cache['group_size']}, but "
+                f"cache.{prefix}_axis='channel' keeps one scale per group of tokens in a page",
+                "set cache.page_size to a multiple of cache.group_size",
+            )
+        if (
+            bits < 16
+            and cache[f"{prefix}_axis"] == "channel"
+            and cache["residual"] % cache["group_size"]
+        ):
+            fail(
+                "cache.residual",
+                cache["residual"],
+                f"is not a multiple of cache.group_size={cache['group_size']}, but "
+                f"cache.{prefix}_axis='channel' flushes tokens to quantized storage in groups",
+                "set cache.residual to a multiple of cache.group_size",
+            )
+    _validate_evict(cache)
+    if model is not None:
+        _validate_cache_for_model(cache, model)
+
+
+def _validate_evict(cache: Mapping) -> None:
+    evict = cache["evict"]
+    section = "cache.evict"
+    check_known_fields(section, evict, base_config().cache.evict)
+    check_choice(section, evict, "method", evict_methods())
+    check_int(section, evict, "budget", minimum=0)
+    check_number(section, evict, "ratio")
+    if evict["ratio"] > 1:
+        fail(f"{section}.ratio", evict["ratio"], "is above 1", "set a share in (0, 1]")
+    for name in ("sinks", "obs_window", "kernel"):
+        check_int(section, evict, name)
+    for name in ("recent", "seed"):
+        check_int(section, evict, name, minimum=0)
+    if evict["kernel"] % 2 == 0:
+        fail(f"{section}.kernel", evict["kernel"], "is even", "set an odd width (1 = no pooling)")
+    check_number(section, evict, "pyramid_beta")
+    if evict["pyramid_beta"] < 1:
+        fail(f"{section}.pyramid_beta", evict["pyramid_beta"], "is below 1", "set a number >= 1")
+    check_number(section, evict, "adakv_floor", zero_allowed=True)
+    if evict["adakv_floor"] > 1:
+        fail(f"{section}.adakv_floor", evict["adakv_floor"], "is above 1", "set a share in [0, 1]")
+    method = evict["method"]
+    why = None if method in UNSCORED_METHODS else SCORERS.get(method).prefix_unsafe
+    if why and cache["prefix_caching"]:
+        fail(
+            "cache.prefix_caching",
+            True,
+            f"cannot combine with cache.evict.method={method!r}: {why}",
+            "set cache.prefix_caching=False or another cache.evict.method",
+        )
+
+
+def evict_methods() -> tuple[str, ...]:
+    """Every cache.evict.method: the unscored layouts, then the registered scorers."""
+    return (*UNSCORED_METHODS, *SCORERS.names())
+
+
+def _validate_cache_for_model(cache: Mapping, model: Mapping) -> None:
+    window = model["sliding_window"]
+    if window and cache["evict"]["method"] != "none":
+        fail(
+            "cache.evict.method",
+            cache["evict"]["method"],
+            f"cannot combine with model.sliding_window={window} (the model's window already "
+            "decides what its cache keeps)",
+            "set cache.evict.method='none'",
+        )
+    used = cached_prefixes(model)
+    for prefix in CACHED_PREFIXES:
+        for field, unset in (("bits", 16), ("transform", "none")):
+            if prefix not in used and cache[f"{prefix}_{field}"] != unset:
+                fail(
+                    f"cache.{prefix}_{field}",
+                    cache[f"{prefix}_{field}"],
+                    f"applies to a tensor model.attention={model['attention']!r} does not cache",
+                    f"set cache.{used[0]}_{field} / cache.{used[1]}_{field} instead and leave "
+                    f"cache.{prefix}_{field}={unset!r}",
+                )
+    for tensor in cached_tensors(model):
+        prefix, width, width_name = tensor.prefix, tensor.width, tensor.width_field
+        transform = TRANSFORMS.get(cache[f"{prefix}_transform"])
+        transform.check(width, f"cache.{prefix}_transform")
+        bits = cache[f"{prefix}_bits"]
+        if bits == 16:
+            continue
+        group = cache["group_size"]
+        if cache[f"{prefix}_axis"] == "token" and width % group:
+            fail(
+                "cache.group_size",
+                group,
+                f"does not divide {width_name}={width}, but cache.{prefix}_axis='token' "
+                "groups a token's channels",
+                f"set cache.group_size to a divisor of {width}",
+            )
+        if width * bits % 8:
+            fail(
+                f"cache.{prefix}_bits",
+                bits,
+                f"packs {width_name}={width} numbers into {width * bits / 8} bytes per token",
+                f"use a width that is a multiple of {8 // bits} or another bit-width",
+            )
