@@ -11,7 +11,7 @@ recall accuracy. Each is evaluated through:
 
 - the 16-bit cache (cache.dtype bfloat16 on every variant, so bytes compare
   honestly);
-- quantized caches (kvlab/cache/quant.py): K8V8, K4V4, K2V2 with keys grouped
+- quantized caches (kvlab/cache/quant/): K8V8, K4V4, K2V2 with keys grouped
   per token (the layout eviction composes with), K4V4-kivi and K2V2-kivi with
   keys per channel (KIVI, arXiv:2402.02750; K2V2-kivi keeps a 16-bit residual
   window of group_size tokens); for MLA, the latent at 8, 4 and 2 bits;

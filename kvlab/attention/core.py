@@ -18,7 +18,7 @@ the values' K decides the groups of the output (absorbed latent attention with
 one latent and a RoPE key per KV head of the source, kvlab/checkpoints/convert.py).
 
 A key or value may also be a `kvlab.cache.protocols.Reader` of stored data
-instead of an array (a quantized payload, kvlab/cache/quant.py), computing the
+instead of an array (a quantized payload, kvlab/cache/quant/), computing the
 same products without dequantizing first.
 
 One softmax runs over all blocks together (each block's scores are

@@ -10,7 +10,7 @@ The analytic count follows the formula every KV-cache paper uses (docs/reference
 latent attention stores (kv_rank + rope_dim) numbers per token and layer instead
 (DeepSeek-V2, arXiv:2405.04434). A quantized cache counts, per tensor, its
 packed payload (bits / 8 bytes a number), one scale (and zero point) per group
-and the full-precision ring of recent tokens, laid out as kvlab/cache/quant.py
+and the full-precision ring of recent tokens, laid out as kvlab/cache/quant/
 describes. A paged cache counts its page pools (num_pages x page_size token
 rows, shared by the rows) and each row's ring instead. An evicting cache counts its budget slots
 (kvlab/cache/evict/), and per slot an int32 position (and h2o's float32

@@ -12,7 +12,7 @@ attend over, attends, and hands back what to store:
 queries' attention it observes and handing it their mass.) Every storage kind
 (dense, quantized, paged, paged quantized, evicting) is a `CacheLayer`. A
 block's keys or values are arrays, or a `Reader` of stored data that computes
-attention's two products without a dequantized copy (kvlab/cache/quant.py).
+attention's two products without a dequantized copy (kvlab/cache/quant/).
 docs/caches.md, "The read/write contract", says why the write comes after the
 read.
 """

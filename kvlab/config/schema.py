@@ -173,7 +173,7 @@ def base_config(variant: str = "tiny") -> ml_collections.ConfigDict:
         )
     )
 
-    # What each cached tensor is stored in (kvlab/cache/quant.py). Grouped-query
+    # What each cached tensor is stored in (kvlab/cache/quant/). Grouped-query
     # attention caches keys (k_*) and values (v_*); latent attention caches the
     # latent c_kv (latent_*) and the RoPE key shared by all heads (rope_*).
     # Format and axis matter only below 16 bits.

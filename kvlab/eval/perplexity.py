@@ -11,7 +11,7 @@ Each held-out window of T tokens goes through a fresh cache of capacity T in
 prefill chunks of `chunk` tokens: every chunk attends to the tokens already in
 the cache as the cache stores them (quantized, latent, ...), exactly as a
 decode step would, and its logits are scored against the next tokens. Cached
-storage is chunk-invariant (kvlab/cache/quant.py), so any chunk size gives the
+storage is chunk-invariant (kvlab/cache/quant/), so any chunk size gives the
 logits token-by-token decoding gives; larger chunks are only faster. With a
 16-bit dense cache the result equals the plain forward's.
 

@@ -4,7 +4,7 @@
     cfg.cache.v_format = "nf"    # values on the normal-float grid (normal_float.py)
 
 A format is chosen per cached tensor (`cache.<prefix>_format`) and works on
-one group of numbers sharing a scale (kvlab/cache/quant.py lays the groups out
+one group of numbers sharing a scale (kvlab/cache/quant/ lays the groups out
 along tokens or channels, packs the codes 8 / bits to a byte and keeps a
 full-precision window): `quantize` gives each number a code of `bits` bits, the
 group's scale and, where the format has one, its zero point; `levels` gives

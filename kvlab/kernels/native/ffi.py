@@ -23,7 +23,7 @@ fraction of the memory bandwidth. `panel_matmul` reads weights stored as
 number of rows (a prompt's too: kernels.cc says how); `scores` and
 `weighted_sum` do the same for decode attention's products over a cache, and
 `quant_scores` and `quant_weighted_sum` over a quantized cache's packed codes
-(kvlab/cache/quant.py), dequantizing a few tokens at a time in the core's own
+(kvlab/cache/quant/), dequantizing a few tokens at a time in the core's own
 caches. Each attention kernel takes float32 queries or weights and up to
 MAX_ROWS rows (caches in float32, or bfloat16 and float16 widened as they are
 read). XLA:CPU also updates a 16-bit buffer through a float32 copy of all of
@@ -330,7 +330,7 @@ def write_tokens(buffer: jax.Array, new: jax.Array, slots: jax.Array) -> jax.Arr
 
 @dataclasses.dataclass(frozen=True)
 class Codes:
-    """Quantized tokens as kvlab/cache/quant.py stores them, for the kernels.
+    """Quantized tokens as kvlab/cache/quant/ stores them, for the kernels.
 
     payload uint8 [B, KH, S, H * bits / 8] (value j of a byte in bits j*bits..);
     scale, zero [B, KH, S, H / group] (channel=False: a token's `group`

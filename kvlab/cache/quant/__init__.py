@@ -1,0 +1,95 @@
+"""Quantized KV caches: each cached tensor in 16, 8, 4 or 2 bits, with a full-precision window.
+
+KIVI (arXiv:2402.02750) and KVQuant (arXiv:2401.18079): keys and values are
+stored in few bits with a scale (and a zero point) per group of numbers; keys
+are more sensitive than values, so each tensor has its own width. A group is
+`group_size` numbers of one token along the feature axis (axis "token": one
+scale per token and group of channels) or `group_size` tokens of one channel
+(axis "channel": one scale per channel and group of tokens, KIVI's choice for
+keys). The codes are in the tensor's storage format (`cache.<prefix>_format`,
+kvlab/cache/formats: "int" round-to-nearest levels with a zero point or
+symmetric, "fp8" e4m3, "nf" the normal-float grid, or a registered one).
+Scales and zero points are stored in `scale_dtype`, rounded outwards so no
+number is clipped: |x - dequantize(quantize(x))| <= scale / 2 for int codes.
+
+Layout of one layer (every tensor of the layer shares it):
+
+    settled tokens [0, q)  quantized, in `payload` rows (row = position)
+    recent tokens  [q, n)  in full precision (cache.dtype), in the `ring`
+                           (slot = position mod W)
+
+with n the row's length and q = settled(n) = floor((n - residual) / g) * g,
+g = group_size if a tensor of the layer groups along tokens, else 1. So the
+`residual` most recent tokens (and those of an unfinished token group) stay in
+full precision, and tokens move to quantized storage in whole groups
+("flushed") as the row grows. A row of capacity S needs P = settled(S)
+payload rows and W = min(residual + g - 1, S) ring slots.
+
+    QuantizedTensor (one cached tensor, KH heads of width Wd)
+      payload  uint8[B, KH, P, Wd * bits / 8]  codes, 8 / bits per byte, low bits first
+               (at 16 bits: cache.dtype[B, KH, P, Wd], no scale or zero)
+      scale    [B, KH, P, Wd / group_size] (token axis) or [B, KH, P / g, Wd] (channel)
+      zero     as scale, or None (a format without one: symmetric int, fp8, nf)
+      ring     cache.dtype[B, KH, W, Wd], or None when W = 0
+
+Reads keep a token's representation a pure function of the row's length when
+the query was made, so a query at position p sees token i quantized exactly
+when i < settled(p + 1), as token-by-token decode would, whatever the chunk
+size. Attention reads payloads without building a dequantized copy where the
+math allows: per-token scales multiply the query-key products and fold into the
+probabilities for V; per-channel scales multiply the query group by group.
+"""
+
+from kvlab.cache.quant.layer import (
+    Flush,
+    QuantizedLayer,
+    init_layer,
+    write_flush,
+    write_ring,
+)
+from kvlab.cache.quant.storage import (
+    Layout,
+    Storage,
+    dequantize,
+    dequantize_tokens,
+    levels,
+    pack,
+    quantize,
+    quantize_tokens,
+    quantized_layout,
+    storages,
+    unpack,
+)
+from kvlab.cache.quant.tensor import (
+    PayloadReader,
+    Phases,
+    QuantizedTensor,
+    empty_tensor,
+    init_tensor,
+    read_slice,
+)
+
+__all__ = [
+    "Flush",
+    "Layout",
+    "PayloadReader",
+    "Phases",
+    "QuantizedLayer",
+    "QuantizedTensor",
+    "Storage",
+    "dequantize",
+    "dequantize_tokens",
+    "empty_tensor",
+    "init_layer",
+    "init_tensor",
+    "levels",
+    "pack",
+    "quantize",
+    "quantize_tokens",
+    "quantized_layout",
+    "read_slice",
+    "storages",
+    "unpack",
+    "write_flush",
+    "write_ring",
+]

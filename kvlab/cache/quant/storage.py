@@ -1,0 +1,161 @@
+"""How each cached tensor of a quantized layer is stored (Storage, chosen per
+tensor by the cache config), where a layer's tokens live (Layout), and the
+codes: groups quantized through the tensor's storage format
+(kvlab/cache/formats) and packed 8 / bits to a byte (kvlab/cache/quant/__init__.py
+describes the layout)."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+
+import jax.numpy as jnp
+from jaxtyping import Array
+
+from kvlab.cache.formats import Format
+from kvlab.config import cached_tensors
+from kvlab.registry import FORMATS
+
+
+@dataclasses.dataclass(frozen=True)
+class Storage:
+    """How one cached tensor is stored (static, hashable)."""
+
+    bits: int  # 16: cache dtype, unquantized
+    format: str  # a kvlab.registry.FORMATS name: "int", "fp8", "nf", ...
+    axis: str  # "token" | "channel"
+    group_size: int
+    symmetric: bool  # int only: no zero point
+    scale_dtype: str
+    dtype: str  # the cache dtype (16-bit payload and the ring)
+
+    @property
+    def quantized(self) -> bool:
+        return self.bits < 16
+
+    @property
+    def codes(self) -> Format:
+        """The storage format its codes are in (kvlab/cache/formats)."""
+        return FORMATS.get(self.format)
+
+    @property
+    def has_zero(self) -> bool:
+        return self.quantized and self.codes.has_zero(self)
+
+
+def storages(model_cfg: Mapping, cache_cfg: Mapping) -> tuple[Storage, ...]:
+    """The storage of each tensor a layer caches, in `cached_tensors` order.
+
+    Grouped-query attention caches (k, v) under cache.k_* and cache.v_*;
+    latent attention caches (c_kv, k_rope) under cache.latent_* and cache.rope_*.
+    """
+    return tuple(
+        Storage(
+            bits=cache_cfg[f"{tensor.prefix}_bits"],
+            format=cache_cfg[f"{tensor.prefix}_format"],
+            axis=cache_cfg[f"{tensor.prefix}_axis"],
+            group_size=cache_cfg["group_size"],
+            symmetric=cache_cfg["symmetric"],
+            scale_dtype=cache_cfg["scale_dtype"],
+            dtype=cache_cfg["dtype"],
+        )
+        for tensor in cached_tensors(model_cfg)
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """Where a layer's tokens live (module docstring): static, hashable."""
+
+    capacity: int  # S, tokens a row may hold
+    residual: int  # tokens kept in full precision at least
+    granularity: int  # g: tokens flushed together
+
+    def settled(self, lengths):
+        """q(n): tokens of a row of length n held quantized (works on ints and arrays)."""
+        g = self.granularity
+        if isinstance(lengths, int):
+            return max(0, (lengths - self.residual) // g * g)
+        return jnp.maximum(0, (lengths - self.residual) // g * g)
+
+    @property
+    def payload_len(self) -> int:  # P
+        return self.settled(self.capacity)
+
+    @property
+    def ring_len(self) -> int:  # W: the most recent tokens that can be unsettled at once
+        return min(self.residual + self.granularity - 1, self.capacity)
+
+
+def quantized_layout(model_cfg: Mapping, cache_cfg: Mapping, capacity: int) -> Layout | None:
+    """The layer layout of a quantized cache, or None when every tensor is 16-bit."""
+    specs = storages(model_cfg, cache_cfg)
+    if not any(s.quantized for s in specs):
+        return None
+    by_tokens = any(s.quantized and s.axis == "channel" for s in specs)
+    return Layout(capacity, cache_cfg["residual"], cache_cfg["group_size"] if by_tokens else 1)
+
+
+# ---------------------------------------------------------------------------
+# Codes
+
+
+def pack(codes: Array, bits: int) -> Array:
+    """uint8 codes [..., Wd] -> uint8 [..., Wd * bits / 8]; value j of a byte in bits j*b.."""
+    per_byte = 8 // bits
+    grouped = codes.reshape(*codes.shape[:-1], codes.shape[-1] // per_byte, per_byte)
+    grouped = grouped.astype(jnp.uint8)
+    shifts = (jnp.arange(per_byte, dtype=jnp.uint8) * bits).astype(jnp.uint8)
+    return jnp.bitwise_or.reduce(grouped << shifts, axis=-1)
+
+
+def unpack(packed: Array, bits: int) -> Array:
+    """The inverse of `pack`: uint8 [..., Wd * bits / 8] -> uint8 codes [..., Wd]."""
+    per_byte = 8 // bits
+    shifts = (jnp.arange(per_byte, dtype=jnp.uint8) * bits).astype(jnp.uint8)
+    codes = (packed[..., None] >> shifts) & jnp.uint8(2**bits - 1)
+    return codes.reshape(*packed.shape[:-1], packed.shape[-1] * per_byte)
+
+
+def quantize(x: Array, spec: Storage, axis: int) -> tuple[Array, Array, Array | None]:
+    """Codes (uint8, x's shape), scale and zero point (x's shape without `axis`) in
+    the tensor's format (kvlab/cache/formats); the group sharing a scale runs along `axis`."""
+    return spec.codes.quantize(x.astype(jnp.float32), spec, axis)
+
+
+def levels(codes: Array, spec: Storage) -> Array:
+    """The number each code stands for before its scale: float32, codes' shape."""
+    return spec.codes.levels(codes, spec)
+
+
+def dequantize(codes: Array, scale: Array, zero: Array | None, spec: Storage, axis: int) -> Array:
+    """float32 numbers from codes, with the scale (and zero) broadcast along `axis`."""
+    out = levels(codes, spec) * jnp.expand_dims(scale.astype(jnp.float32), axis)
+    if zero is not None:
+        out = out + jnp.expand_dims(zero.astype(jnp.float32), axis)
+    return out
+
+
+def by_groups(x: Array, spec: Storage) -> tuple[Array, int]:
+    """x [B, KH, N, Wd] arranged so one scale's group runs along the returned axis.
+
+    token axis: [B, KH, N, Wd/gs, gs], axis 4; channel: [B, KH, N/g, g, Wd], axis 3.
+    """
+    b, kh, n, width = x.shape
+    if spec.axis == "token":
+        return x.reshape(b, kh, n, width // spec.group_size, spec.group_size), 4
+    return x.reshape(b, kh, n // spec.group_size, spec.group_size, width), 3
+
+
+def quantize_tokens(x: Array, spec: Storage) -> tuple[Array, Array, Array | None]:
+    """Packed payload rows, scales and zeros for whole groups of tokens x [B, KH, N, Wd]."""
+    grouped, axis = by_groups(x, spec)
+    codes, scale, zero = quantize(grouped, spec, axis)
+    return pack(codes.reshape(x.shape), spec.bits), scale, zero
+
+
+def dequantize_tokens(payload: Array, scale: Array, zero: Array | None, spec: Storage) -> Array:
+    """The inverse of `quantize_tokens` (up to the quantization error): float32 [B, KH, N, Wd]."""
+    codes = unpack(payload, spec.bits)
+    grouped, axis = by_groups(codes, spec)
+    return dequantize(grouped, scale, zero, spec, axis).reshape(codes.shape)

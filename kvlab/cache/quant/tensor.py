@@ -1,0 +1,247 @@
+"""One cached tensor of a quantized layer (QuantizedTensor) and what attention
+reads its settled tokens through: the payload without a dequantized copy
+(PayloadReader), or a slice dequantized per code position (Phases)."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+from jaxtyping import Array
+
+from kvlab.cache.quant.storage import (
+    Layout,
+    Storage,
+    by_groups,
+    dequantize_tokens,
+    levels,
+    unpack,
+)
+from kvlab.config import dtype_of
+
+
+@struct.dataclass
+class QuantizedTensor:
+    """One cached tensor of a quantized layer (fields and shapes: module docstring)."""
+
+    payload: Array
+    scale: Array | None
+    zero: Array | None
+    ring: Array | None
+    spec: Storage = struct.field(pytree_node=False)
+
+    @property
+    def width(self) -> int:
+        """W: numbers per token and head (the payload's last axis, unpacked)."""
+        packed = self.payload.shape[-1]
+        return packed if not self.spec.quantized else packed * 8 // self.spec.bits
+
+    def reader(self):
+        """What the attention function reads the settled tokens through."""
+        return self.payload if not self.spec.quantized else PayloadReader(self)
+
+    def dequantize(self) -> Array:
+        """The settled tokens as float32 [B, KH, P, Wd]."""
+        if not self.spec.quantized:
+            return self.payload.astype(jnp.float32)
+        return dequantize_tokens(self.payload, self.scale, self.zero, self.spec)
+
+
+@dataclasses.dataclass(frozen=True)
+class PayloadReader:
+    """Attention over a quantized payload without dequantizing it.
+
+    scores(q [B, KH, M, Wd]) -> float32 [B, KH, M, P]
+    weighted_sum(w [B, KH, M, P]) -> float32 [B, KH, M, Wd]
+    """
+
+    tensor: QuantizedTensor
+
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        """The logical shape [B, KH, P, Wd] of what it reads."""
+        b, kh, p, _ = self.tensor.payload.shape
+        return (b, kh, p, self.tensor.width)
+
+    def dequantize(self) -> Array:
+        return self.tensor.dequantize()
+
+    @property
+    def step(self) -> int:
+        """Slices start on whole scale groups (channel axis: group_size tokens)."""
+        return self.tensor.spec.group_size if self.tensor.spec.axis == "channel" else 1
+
+    def chunk(self, start, size: int):
+        """The stored tokens start..start+size-1 (kvlab.cache.protocols.Reader; `read_slice`)."""
+        take = functools.partial(jax.lax.dynamic_slice_in_dim, axis=2)
+        return read_slice(self.tensor, take, start, size)
+
+    def _levels(self):
+        t = self.tensor
+        grouped, _ = by_groups(levels(unpack(t.payload, t.spec.bits), t.spec), t.spec)
+        zero = None if t.zero is None else t.zero.astype(jnp.float32)
+        return grouped, t.scale.astype(jnp.float32), zero
+
+    def scores(self, q: Array) -> Array:
+        q = q.astype(jnp.float32)
+        b, kh, m, width = q.shape
+        lv, scale, zero = self._levels()
+        if self.tensor.spec.axis == "token" and lv.shape[3] == 1:
+            # One scale per token and head: lv [B, KH, P, Wd]; scale, zero [B, KH, P]
+            lv, scale = lv[:, :, :, 0], scale[..., 0]
+            out = jnp.einsum("BKMd,BKPd->BKMP", q, lv) * scale[:, :, None, :]
+            if zero is not None:
+                out = out + q.sum(-1)[..., None] * zero[:, :, None, :, 0]
+            return out
+        if self.tensor.spec.axis == "token":
+            # lv [B, KH, P, ng, gs]; scale, zero [B, KH, P, ng]
+            qg = q.reshape(b, kh, m, *lv.shape[3:])
+            partial = jnp.einsum("BKMgd,BKPgd->BKMPg", qg, lv)
+            out = jnp.einsum("BKMPg,BKPg->BKMP", partial, scale)
+            if zero is not None:
+                out = out + jnp.einsum("BKMg,BKPg->BKMP", qg.sum(-1), zero)
+            return out
+        # lv [B, KH, J, g, Wd]; scale, zero [B, KH, J, Wd]: scale the query per group.
+        scaled = q[:, :, :, None, :] * scale[:, :, None]  # [B, KH, M, J, Wd]
+        out = jnp.einsum("BKMJd,BKJtd->BKMJt", scaled, lv)
+        if zero is not None:
+            out = out + jnp.einsum("BKMd,BKJd->BKMJ", q, zero)[..., None]
+        return out.reshape(b, kh, m, lv.shape[2] * lv.shape[3])
+
+    def weighted_sum(self, w: Array) -> Array:
+        w = w.astype(jnp.float32)
+        b, kh, m, _ = w.shape
+        lv, scale, zero = self._levels()
+        if self.tensor.spec.axis == "token" and lv.shape[3] == 1:
+            # Fold each token's scale into its probability: lv [B, KH, P, Wd]
+            out = jnp.einsum("BKMP,BKPd->BKMd", w * scale[:, :, None, :, 0], lv[:, :, :, 0])
+            if zero is not None:
+                out = out + jnp.einsum("BKMP,BKP->BKM", w, zero[..., 0])[..., None]
+            return out
+        if self.tensor.spec.axis == "token":
+            # Fold each token's scales into its probability.
+            folded = w[..., None] * scale[:, :, None]  # [B, KH, M, P, ng]
+            out = jnp.einsum("BKMPg,BKPgd->BKMgd", folded, lv)
+            if zero is not None:
+                out = out + jnp.einsum("BKMP,BKPg->BKMg", w, zero)[..., None]
+            return out.reshape(b, kh, m, lv.shape[3] * lv.shape[4])
+        wg = w.reshape(b, kh, m, *lv.shape[2:4])  # [B, KH, M, J, g]
+        partial = jnp.einsum("BKMJt,BKJtd->BKMJd", wg, lv)
+        out = jnp.einsum("BKMJd,BKJd->BKMd", partial, scale)
+        if zero is not None:
+            out = out + jnp.einsum("BKMJ,BKJd->BKMd", wg.sum(-1), zero)
+        return out
+
+
+def read_slice(tensor: QuantizedTensor, take, start, size: int):
+    """What attention reads stored tokens start..start+size-1 of `tensor` through.
+
+    `take(array, first, count)` gives entries first..first+count-1 along the
+    token axis of its payload, scale or zero array (a slice; page pools gather).
+    A slice fits in cache, so it is dequantized whole (one elementwise pass,
+    then plain products; below 8 bits one array per code position in a byte,
+    `_phases`) unless one scale per token lets the scale fold into the products
+    (PayloadReader's own math).
+    """
+    spec = tensor.spec
+    if spec.axis == "channel":
+        scale_start, scale_size = start // spec.group_size, size // spec.group_size
+    else:
+        scale_start, scale_size = start, size
+    sliced = tensor.replace(
+        payload=take(tensor.payload, start, size),
+        scale=take(tensor.scale, scale_start, scale_size),
+        zero=None if tensor.zero is None else take(tensor.zero, scale_start, scale_size),
+        ring=None,
+    )
+    if spec.axis == "token" and sliced.scale.shape[-1] == 1:
+        return PayloadReader(sliced)
+    if spec.bits < 8:
+        return Phases(_phases(sliced))
+    return sliced.dequantize()
+
+
+def _phases(t: QuantizedTensor) -> tuple[Array, ...]:
+    """The stored tokens dequantized as 8 / bits float32 arrays [B, KH, N, Wd * bits / 8]:
+    array j holds channels j, j + 8 / bits, ... (the codes in bits j*b.. of each byte),
+    so unpacking needs no interleaving of the codes (module docstring: `pack`)."""
+    spec, per_byte = t.spec, 8 // t.spec.bits
+    b, kh, n, packed = t.payload.shape
+    scale = t.scale.astype(jnp.float32)
+    zero = None if t.zero is None else t.zero.astype(jnp.float32)
+    phases = []
+    for j in range(per_byte):
+        codes = (t.payload >> jnp.uint8(j * spec.bits)) & jnp.uint8(2**spec.bits - 1)
+        lv = levels(codes, spec)
+        if spec.axis == "channel":  # scale [B, KH, N / g, Wd]: this phase's channels
+            g = spec.group_size
+            lv = lv.reshape(b, kh, n // g, g, packed) * scale[..., None, j::per_byte]
+            if zero is not None:
+                lv = lv + zero[..., None, j::per_byte]
+        else:  # scale [B, KH, N, Wd / gs]: channel i * per_byte + j in group i // (gs / per_byte)
+            groups = scale.shape[-1]
+            lv = lv.reshape(b, kh, n, groups, packed // groups) * scale[..., None]
+            if zero is not None:
+                lv = lv + zero[..., None]
+        phases.append(lv.reshape(b, kh, n, packed))
+    return tuple(phases)
+
+
+@dataclasses.dataclass(frozen=True)
+class Phases:
+    """A dequantized slice as `_phases` gives it: attention's products per phase."""
+
+    arrays: tuple
+
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        b, kh, n, width = self.arrays[0].shape
+        return (b, kh, n, width * len(self.arrays))
+
+    @property
+    def step(self) -> int:
+        return 1
+
+    def scores(self, q: Array) -> Array:
+        q = q.astype(jnp.float32).reshape(*q.shape[:-1], -1, len(self.arrays))
+        return sum(jnp.einsum("BKMd,BKSd->BKMS", q[..., j], x) for j, x in enumerate(self.arrays))
+
+    def weighted_sum(self, w: Array) -> Array:
+        w = w.astype(jnp.float32)
+        out = jnp.stack([jnp.einsum("BKMS,BKSd->BKMd", w, x) for x in self.arrays], axis=-1)
+        return out.reshape(*out.shape[:-2], -1)
+
+    def dequantize(self) -> Array:
+        return jnp.stack(self.arrays, axis=-1).reshape(self.shape)
+
+    def chunk(self, start, size: int) -> Array:
+        return jax.lax.dynamic_slice_in_dim(self.dequantize(), start, size, axis=2)
+
+
+def init_tensor(
+    spec: Storage, layout: Layout, batch: int, heads: int, width: int
+) -> QuantizedTensor:
+    return empty_tensor(spec, batch, heads, width, layout.payload_len, layout.ring_len)
+
+
+def empty_tensor(
+    spec: Storage, batch: int, heads: int, width: int, rows: int, ring: int
+) -> QuantizedTensor:
+    """A zero tensor of `rows` payload rows (a multiple of group_size on the channel
+    axis) and `ring` ring slots, KH = `heads`."""
+    p, w = rows, ring
+    dtype = dtype_of(spec.dtype)
+    ring = jnp.zeros((batch, heads, w, width), dtype) if w else None
+    if not spec.quantized:
+        return QuantizedTensor(jnp.zeros((batch, heads, p, width), dtype), None, None, ring, spec)
+    payload = jnp.zeros((batch, heads, p, width * spec.bits // 8), jnp.uint8)
+    if spec.axis == "token":
+        scale_shape = (batch, heads, p, width // spec.group_size)
+    else:
+        scale_shape = (batch, heads, p // spec.group_size, width)
+    scale = jnp.zeros(scale_shape, dtype_of(spec.scale_dtype))
+    zero = jnp.zeros(scale_shape, dtype_of(spec.scale_dtype)) if spec.has_zero else None
+    return QuantizedTensor(payload, scale, zero, ring, spec)
