@@ -95,17 +95,34 @@ class Read:
     observe: Array | None = None
     mass: list | None = None
     observers: int = 0
+    queries: tuple | None = ()
 
     @property
     def cached(self) -> bool:
         return self.layer is not None
 
-    def observed(self, mass: list) -> Read:
-        """This read with one more attention's `mass` averaged in."""
+    def observed(self, mass: list, queries: Array | None = None) -> Read:
+        """This read with one more attention's `mass` averaged in, and its
+        `queries` ([B, K, T, G, W]: `through_layer`) beside the others'."""
         if self.mass is not None:
             n = self.observers
             mass = [(m * n + new) / (n + 1) for m, new in zip(self.mass, mass, strict=True)]
-        return dataclasses.replace(self, mass=mass, observers=self.observers + 1)
+        # Queries only while every attention so far offered them.
+        joined = None if queries is None or self.queries is None else (*self.queries, queries)
+        return dataclasses.replace(self, mass=mass, observers=self.observers + 1, queries=joined)
+
+    def observed_queries(self) -> tuple[Array, Array] | None:
+        """The queries the observers asked with, against the layer's first cached
+        tensor: (float32[B, K, Q, W], their weights float32[B, Q]), Q = T x G per
+        attending layer; None when an attention offered none."""
+        if not self.queries:
+            return None
+        vectors = jnp.concatenate(
+            [q.reshape(*q.shape[:2], -1, q.shape[-1]) for q in self.queries], axis=2
+        )
+        groups = [q.shape[3] for q in self.queries]
+        weights = jnp.concatenate([jnp.repeat(self.observe, g, axis=1) for g in groups], axis=1)
+        return vectors.astype(jnp.float32), weights
 
     def commit(self, after: Array):
         """The layer with the step's tokens written, after `after` is computed
@@ -116,7 +133,7 @@ class Read:
         pending = ordered_after(self.pending, after)
         if self.observe is None:
             return self.layer.write(pending, self.placement)
-        return self.layer.write(pending, self.placement, self.mass)
+        return self.layer.write(pending, self.placement, self.mass, self.observed_queries())
 
 
 def read_layer(layer, fresh: tuple, placement) -> Read:
@@ -128,7 +145,9 @@ def read_layer(layer, fresh: tuple, placement) -> Read:
     return Read(layer, placement, regions, pending, layer.observe(placement))
 
 
-def through_layer(state, fresh: tuple | None, placement, attention, commits: bool = True):
+def through_layer(
+    state, fresh: tuple | None, placement, attention, commits: bool = True, queries=None
+):
     """Reads a cache layer, attends, writes: (attention output, new layer).
 
     `state` is a cache layer (None: no cache) or a `Read` another layer's
@@ -139,13 +158,15 @@ def through_layer(state, fresh: tuple | None, placement, attention, commits: boo
     (output, mass) when `observe` (float32[B, T]: query weights) is given.
     Layers that evict by attention (kvlab/cache/evict/) say which queries
     they observe (`layer.observe`) and receive the mass each of their tokens
-    got from them.
+    got from them, and `queries` ([B, K, T, G, W]: each KV head's G query
+    heads as they meet the layer's first cached tensor, None if the attention
+    kind offers none) with it.
     """
     read = state if isinstance(state, Read) else read_layer(state, fresh, placement)
     out = attention(read.regions, read.observe, read.cached)
     if read.observe is not None:
         out, mass = out
-        read = read.observed(mass)
+        read = read.observed(mass, queries)
     # Write only after the old cache has been read, so it is written in place.
     return out, (read.commit(out) if commits else read)
 

@@ -86,7 +86,12 @@ class GroupedQueryAttention(nn.Module):
             impl = cfg.attention_impl if cached else "xla"
             return attend(q, blocks, observe=observe, impl=impl)
 
-        out, layer = through_layer(layer, fresh, placement, attention, self.commits)
+        # [B, K, T, G, H]: each KV head's query heads, for scorers that read them
+        b, t = q.shape[:2]
+        by_kv_head = q.reshape(b, t, cfg.num_kv_heads, -1, q.shape[-1]).transpose(0, 2, 1, 3, 4)
+        out, layer = through_layer(
+            layer, fresh, placement, attention, self.commits, queries=by_kv_head
+        )
         return out_projection(values.inverse(out)), layer
 
 

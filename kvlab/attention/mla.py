@@ -221,5 +221,12 @@ class MultiHeadLatentAttention(nn.Module):
                 latent,
             )  # fmt: skip
 
-        out, layer = through_layer(layer, fresh, placement, attention, self.commits)
+        # [B, 1, T, N, R]: the queries against the latent, for scorers that read them
+        # (none when the latent holds no key part)
+        queries = None
+        if key_up is not None:
+            queries = latent.forward(_per_head(q_nope, key_up.astype(q_nope.dtype), 2))[:, None]
+        out, layer = through_layer(
+            layer, fresh, placement, attention, self.commits, queries=queries
+        )
         return out_projection(out), layer

@@ -88,6 +88,9 @@ class CacheLayer(Protocol):
         """Weights of the queries whose attention the layer wants to see (an
         evicting layer scoring by attention, kvlab/cache/evict/), or None."""
 
-    def write(self, pending: Any, placement: Placement, mass=None) -> CacheLayer:
+    def write(self, pending: Any, placement: Placement, mass=None, queries=None) -> CacheLayer:
         """The storage with the step's tokens written (`pending` from `read`;
-        `mass`, when `observe` asked: attend's per-block attention mass)."""
+        when `observe` asked: `mass`, attend's per-block attention mass, and
+        `queries`, the observed queries with their weights or None:
+        kvlab.attention.core.Read.observed_queries). Layers that observe
+        nothing are called with `pending` and `placement` alone."""

@@ -202,17 +202,18 @@ class EvictingLayer:
 
     # -- write
 
-    def write(self, pending, placement: Placement, mass=None) -> EvictingLayer:
+    def write(self, pending, placement: Placement, mass=None, queries=None) -> EvictingLayer:
         """Stores the step's tokens: in their ring slots, or in the slots of the
         stored tokens they outscore. `mass`: attention's per-block mass
-        ([B, K', S] and [B, K', T']) when `observe` asked for it."""
+        ([B, K', S] and [B, K', T']) when `observe` asked for it; `queries`:
+        the observed queries and their weights (Candidates.queries), or None."""
         if self.policy.settles:
-            return self.write_settling(pending, placement, mass)
-        slots, positions, scores = self.destinations(pending, placement, mass)
+            return self.write_settling(pending, placement, mass, queries=queries)
+        slots, positions, scores = self.destinations(pending, placement, mass, queries)
         tensors = tuple(put_tokens(t, x, slots) for t, x in zip(self.tensors, pending, strict=True))
         return EvictingLayer(tensors, positions, scores, self.policy)
 
-    def destinations(self, pending: tuple, placement: Placement, mass=None):
+    def destinations(self, pending: tuple, placement: Placement, mass=None, queries=None):
         """Where the step's tokens go: (slots [B, T] for a ring, else per storage
         head [B, E, T'], S where a token is not stored; the new positions and scores)."""
         p = self.policy
@@ -220,7 +221,7 @@ class EvictingLayer:
             return self._ring_slots(placement), None, None
         tags, candidates = self._candidates(placement)  # [B, E, T'], [B, E, C]
         valid = candidates >= 0
-        score = self._score(pending, placement, candidates, valid, mass)
+        score = self._score(pending, placement, candidates, valid, mass, queries)
         end = (placement.lengths + placement.num_tokens)[:, None, None]
         return self._keep(tags, candidates, score, end)
 
@@ -297,7 +298,7 @@ class EvictingLayer:
             )
         return tags, jnp.concatenate([self.positions, tags], axis=2)
 
-    def _score(self, pending, placement, candidates, valid, mass) -> Array:
+    def _score(self, pending, placement, candidates, valid, mass, queries) -> Array:
         """float32[B, E, C]: the scorer's score of each candidate token."""
         p = self.policy
         heads = candidates.shape[1]
@@ -314,9 +315,9 @@ class EvictingLayer:
                 (new,) = self._pool_tensors((new,))
             return jnp.concatenate([stored, new], axis=2)[:, :, :, None]
 
-        return p.scorer.score(self._candidates_of(candidates, valid, 1, per_head, keys))
+        return p.scorer.score(self._candidates_of(candidates, valid, 1, per_head, keys, queries))
 
-    def _candidates_of(self, tags, valid, group: int, mass, keys) -> Candidates:
+    def _candidates_of(self, tags, valid, group: int, mass, keys, queries) -> Candidates:
         """What the scorer reads of candidates `tags` [B, E, C] (module docstring)."""
         p = self.policy
         if p.pooled:
@@ -338,6 +339,8 @@ class EvictingLayer:
             seed=p.seed,
             layer=p.layer,
             kv_heads=p.kv_heads,
+            queries=None if queries is None else queries[0],
+            query_weights=None if queries is None else queries[1],
         )
 
     def _floor(self, score, candidates, valid) -> Array:
@@ -353,7 +356,7 @@ class EvictingLayer:
     # -- settling: tokens wait in the ring and compete as whole settled groups
 
     def write_settling(
-        self, flush, placement: Placement, mass=None, tensors=None, put=None
+        self, flush, placement: Placement, mass=None, tensors=None, put=None, queries=None
     ) -> EvictingLayer:
         """The step's settling groups compete with the kept ones for the S group
         slots of each head (quantized as QuantizedLayer stores them); the tokens
@@ -370,7 +373,7 @@ class EvictingLayer:
         settling_mass, ring_scores = None, None
         if mass is not None:
             settling_mass, ring_scores = self._unsettled_mass(flush, placement, mass)
-        score = self._group_score(flush, candidates, valid, mass, settling_mass)
+        score = self._group_score(flush, candidates, valid, mass, settling_mass, queries)
         end = (placement.lengths + placement.num_tokens)[:, None, None]
         dest, positions, scores = self._keep(tags, candidates, score, end, span=g)
         # Slot j of a head holds rows j*g .. j*g + g-1 (S x g: dropped).
@@ -440,7 +443,7 @@ class EvictingLayer:
             ring_scores = jnp.where(stays[:, None], read(offset(now, stays)), 0.0)
         return tokens, ring_scores
 
-    def _group_score(self, flush, candidates, valid, mass, settling_mass) -> Array:
+    def _group_score(self, flush, candidates, valid, mass, settling_mass, queries) -> Array:
         """float32[B, E, C]: how much each kept and settling group deserves to stay."""
         p = self.policy
         if p.windowed:  # the sinks' groups and the newest ones stay
@@ -465,7 +468,7 @@ class EvictingLayer:
             stored = groups(stored_values(key))
             return jnp.concatenate([stored, per_storage(groups(settled))], axis=2)
 
-        return p.scorer.score(self._candidates_of(candidates, valid, g, per_token, keys))
+        return p.scorer.score(self._candidates_of(candidates, valid, g, per_token, keys, queries))
 
 
 def init_layer(policy: Policy, tensors: tuple, batch: int) -> EvictingLayer:

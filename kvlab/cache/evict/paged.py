@@ -112,7 +112,9 @@ class PagedEvictingLayer:
     def read(self, fresh: tuple, placement: Placement):
         return self.view(placement.pages).read(fresh, placement)
 
-    def write(self, pending: tuple, placement: Placement, mass=None) -> PagedEvictingLayer:
+    def write(
+        self, pending: tuple, placement: Placement, mass=None, queries=None
+    ) -> PagedEvictingLayer:
         p, pages = self.policy, placement.pages
         view = self.view(pages)  # knorm reads the stored keys
         if p.settles:
@@ -121,11 +123,11 @@ class PagedEvictingLayer:
                 size = _entries(array, p.rows, self._page)
                 return write_pages(array, new, slots, pages, size)
 
-            layer = view.write_settling(pending, placement, mass, self.pools, put)
+            layer = view.write_settling(pending, placement, mass, self.pools, put, queries)
             return PagedEvictingLayer(
                 layer.tensors, layer.positions, layer.scores, p, layer.ring_scores
             )
-        slots, positions, scores = view.destinations(pending, placement, mass)
+        slots, positions, scores = view.destinations(pending, placement, mass, queries)
         pools = tuple(
             _put_pages(pool, x, slots, pages, p.slots)
             for pool, x in zip(self.pools, pending, strict=True)

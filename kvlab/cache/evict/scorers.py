@@ -18,7 +18,8 @@ drives everything else (kvlab.config's validation, kvlab.cache.accounting's
 bytes, the cache's label, the eviction sweep's grid):
 
     name          cache.evict.method
-    observes      None, or whose attention the layer hands it (`Candidates.mass`):
+    observes      None, or whose attention and queries the layer hands it
+                  (`Candidates.mass`, `.queries`):
                   "all" (every real query of a step, h2o), "window" (the last
                   cache.evict.obs_window, snapkv) or "last" (the last one)
     keeps         a float32 per slot carried to the next step (the score of a kept
@@ -61,6 +62,14 @@ class Candidates:
     keys       () -> float32[B, E, C, group, W]   its keys as stored (quantized:
                dequantized), the first cached tensor (a latent model's latent)
     kernel, seed, layer, kv_heads   the layer's policy fields scorers read
+    queries    float32[B, K, Q, W] | None   the step's queries of each KV head
+               (a latent model: one, the latent) as they meet `keys`: after RoPE
+               and the cache's transform (a latent model's: W_UK folded in, the
+               RoPE part left out), Q = T steps x G query heads (x the layers of
+               a cross-layer run); per KV head also in a pooled layer (E = 1:
+               `heads` picks); None when the scorer observes none
+    query_weights  float32[B, Q] | None   1 for the queries the scorer observes
+               (its `observes`), 0 for the others and padding
     """
 
     tags: Array
@@ -76,6 +85,8 @@ class Candidates:
     seed: int
     layer: int
     kv_heads: int
+    queries: Array | None = None
+    query_weights: Array | None = None
 
 
 class Scorer:
