@@ -8,7 +8,7 @@
 
 Runs the sweep of `--config` (configs/sweeps/eviction.py: trained MHA, GQA,
 MQA and MLA byte models and an MQAR-trained MHA, each evaluated through the
-16-bit cache, quantized caches, every eviction policy of kvlab/cache/evict.py
+16-bit cache, quantized caches, every eviction policy of kvlab/cache/evict/
 at four kept ratios, and eviction with quantization) through
 kvlab.sweep.run_sweep in --workdir, then writes under --results:
 

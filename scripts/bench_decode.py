@@ -19,7 +19,7 @@ the absorbed path against the expanded one at --mla_lengths, same weights.
 each width (the config's axes, groups and residual), against the first; an
 entry "bf16" is the 16-bit cache in bfloat16 (cache.dtype).
 (e) With --evict=snapkv:0.5,window:0.25: decode tokens/s with each eviction
-policy keeping that share of the context (cache.evict, kvlab/cache/evict.py),
+policy keeping that share of the context (cache.evict, kvlab/cache/evict/),
 against the config's own cache.
 """
 

@@ -15,7 +15,7 @@ recall accuracy. Each is evaluated through:
   per token (the layout eviction composes with), K4V4-kivi and K2V2-kivi with
   keys per channel (KIVI, arXiv:2402.02750; K2V2-kivi keeps a 16-bit residual
   window of group_size tokens); for MLA, the latent at 8, 4 and 2 bits;
-- every eviction policy of kvlab/cache/evict.py (window, sinks, h2o, snapkv,
+- every eviction policy of kvlab/cache/evict/ (window, sinks, h2o, snapkv,
   pyramidkv, adakv, knorm, random) keeping 75%, 50%, 25% and 12.5% of the
   window's tokens (cache.evict.ratio), labelled '<method><percent>';
 - eviction and quantization together, labelled '<method><percent>+<bits>'.
