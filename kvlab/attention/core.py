@@ -158,15 +158,16 @@ def through_layer(
     (output, mass) when `observe` (float32[B, T]: query weights) is given.
     Layers that evict by attention (kvlab/cache/evict/) say which queries
     they observe (`layer.observe`) and receive the mass each of their tokens
-    got from them, and `queries` ([B, K, T, G, W]: each KV head's G query
-    heads as they meet the layer's first cached tensor, None if the attention
-    kind offers none) with it.
+    got from them, and the queries with it: `queries()` gives [B, K, T, G, W]
+    (each KV head's G query heads as they meet the layer's first cached
+    tensor; called only for such layers), or None if the attention kind
+    offers none.
     """
     read = state if isinstance(state, Read) else read_layer(state, fresh, placement)
     out = attention(read.regions, read.observe, read.cached)
     if read.observe is not None:
         out, mass = out
-        read = read.observed(mass, queries)
+        read = read.observed(mass, None if queries is None else queries())
     # Write only after the old cache has been read, so it is written in place.
     return out, (read.commit(out) if commits else read)
 

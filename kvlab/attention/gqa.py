@@ -86,9 +86,10 @@ class GroupedQueryAttention(nn.Module):
             impl = cfg.attention_impl if cached else "xla"
             return attend(q, blocks, observe=observe, impl=impl)
 
-        # [B, K, T, G, H]: each KV head's query heads, for scorers that read them
-        b, t = q.shape[:2]
-        by_kv_head = q.reshape(b, t, cfg.num_kv_heads, -1, q.shape[-1]).transpose(0, 2, 1, 3, 4)
+        def by_kv_head():  # [B, K, T, G, H]: each KV head's query heads, for scorers
+            b, t = q.shape[:2]
+            return q.reshape(b, t, cfg.num_kv_heads, -1, q.shape[-1]).transpose(0, 2, 1, 3, 4)
+
         out, layer = through_layer(
             layer, fresh, placement, attention, self.commits, queries=by_kv_head
         )

@@ -221,11 +221,11 @@ class MultiHeadLatentAttention(nn.Module):
                 latent,
             )  # fmt: skip
 
-        # [B, 1, T, N, R]: the queries against the latent, for scorers that read them
-        # (none when the latent holds no key part)
-        queries = None
-        if key_up is not None:
-            queries = latent.forward(_per_head(q_nope, key_up.astype(q_nope.dtype), 2))[:, None]
+        def against_latent():  # [B, 1, T, N, R]: the queries against the latent, for scorers
+            return latent.forward(_per_head(q_nope, key_up.astype(q_nope.dtype), 2))[:, None]
+
+        # None when the latent holds no key part
+        queries = None if key_up is None else against_latent
         out, layer = through_layer(
             layer, fresh, placement, attention, self.commits, queries=queries
         )
