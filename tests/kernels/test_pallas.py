@@ -22,7 +22,8 @@ import kvlab
 from kvlab.attention.core import MASKED, attend
 from kvlab.cache.paged import gather_pages
 from kvlab.cache.quant import QuantizedTensor, Storage, dequantize_tokens, quantize_tokens
-from kvlab.kernels.pallas.triton import Stored, merge_partials, stored_attention
+from kvlab.kernels.pallas.plan import Stored, merge_partials
+from kvlab.kernels.pallas.triton import stored_attention
 from tests.attention.test_stream import decode_logits
 from tests.helpers import ROOT
 

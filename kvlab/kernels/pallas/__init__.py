@@ -1,12 +1,12 @@
 """Pallas kernels as a backend: model.attention_impl='pallas'.
 
-The kernels (kvlab/kernels/pallas/triton.py) read one layer's stored tokens
-as the cache keeps them (dense rows, page pools through block tables, packed
-codes with their scales) and compute the block's softmax partial. The backend
-claims every block of stored data (quantized payloads, page pools), and takes
-one when its mask is one prefix per row for every query (a payload's settled
-tokens, a pool's written ones); a mask that is no prefix (an evicting
-window's band) takes the reference path at run time. Where the program is
+The kernels (kvlab/kernels/pallas/triton.py; plan.py checks their arguments)
+read one layer's stored tokens as the cache keeps them (dense rows, page pools
+through block tables, packed codes with their scales) and compute the block's
+softmax partial. The backend claims every block of stored data (quantized
+payloads, page pools), and takes one when its mask is one prefix per row for
+every query (a payload's settled tokens, a pool's written ones); a mask that is
+no prefix (an evicting window's band) takes the reference path at run time. Where the program is
 lowered for CUDA the Triton kernel runs; for the CPU, the Pallas interpreter
 (the kernel's own arithmetic, slowly: tests); for any other platform (TPU,
 until kernels for it exist), and on CUDA for shapes Triton's tiles cannot take
