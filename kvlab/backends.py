@@ -23,12 +23,18 @@ from a CPU host holds no CPU-only call), never in a check of
 `jax.default_backend()` at trace time.
 
 Built in: "xla" (the reference: declines everything). Plug-ins, imported on
-first `get`: "pallas" (kvlab/kernels/pallas: Pallas kernels, the Triton
-backend on CUDA and the Pallas interpreter on CPU) and "native"
+first `get`: "pallas" (kvlab/kernels/pallas: Pallas kernels, Triton on CUDA,
+Mosaic on TPU and the Pallas interpreter on CPU) and "native"
 (kvlab/kernels/native: C++ kernels for the CPU through XLA's FFI). Other
 packages register theirs through the entry-point group `kvlab.backends`
 (`name = "package.module:backend_object"`), or by calling `register`
 (`BACKENDS`, a kvlab.registry.Registry: `register`, `names`, `get`).
+
+To check a program for hardware this host does not have, export it for that
+platform inside `lowering_for(platform)` (nothing is compiled):
+
+    with kvlab.backends.lowering_for("tpu"):
+        exported = jax.export.export(jax.jit(step), platforms=("tpu",))(*abstract_args)
 """
 
 from __future__ import annotations
@@ -37,11 +43,15 @@ import contextlib
 import contextvars
 from collections.abc import Iterator
 
+import jax
+
 from kvlab.registry import Registry
 
 # Plug-ins shipped with kvlab: imported when first asked for (each registers itself).
 PLUGINS = {"pallas": "kvlab.kernels.pallas", "native": "kvlab.kernels.native"}
 ENTRY_POINTS = "kvlab.backends"
+# The chip a program lowered for TPU from another host is lowered for (Mosaic asks).
+TPU_KIND = "TPU v5 lite"
 
 
 class Backend:
@@ -108,3 +118,16 @@ def running(backend: Backend) -> Iterator[None]:
 def writer() -> Backend:
     """The backend of the forward being traced (`running`); the reference outside one."""
     return _ACTIVE.get() or REFERENCE
+
+
+def lowering_for(platform: str, device_kind: str = TPU_KIND):
+    """The context in which a program traced on this host is lowered for `platform`
+    (jax.export): for "tpu" an abstract mesh of one core of `device_kind`, since
+    the Mosaic kernels' lowering asks which chip it is for; for others, none."""
+    if platform != "tpu":
+        return contextlib.nullcontext()
+    device = jax.sharding.AbstractDevice(device_kind=device_kind, num_cores=1, platform="tpu")
+    mesh = jax.sharding.AbstractMesh(
+        (1,), ("x",), (jax.sharding.AxisType.Explicit,), abstract_device=device
+    )
+    return jax.sharding.use_abstract_mesh(mesh)

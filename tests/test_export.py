@@ -9,8 +9,11 @@ lowered for TPU or CUDA must hold no CPU-only call (kvlab/kernels/native's
 targets are `kvlab_*`): backends choose their kernels by the platform a
 program is lowered for, never by the host it is traced on. With
 attention_impl='pallas' a program lowered for CUDA holds the Triton kernel
-where it reads stored data. An exported step serializes with the cache as a
-pytree (kvlab/cache/serialization.py) and runs to the same numbers.
+where it reads stored data, and one lowered for TPU the Mosaic kernel (jax's
+Mosaic lowering asks for the chip: the export runs in
+`kvlab.backends.lowering_for`, an abstract mesh of one TPU v5e core). An
+exported step serializes with the cache as a pytree
+(kvlab/cache/serialization.py) and runs to the same numbers.
 """
 
 import re
@@ -48,6 +51,8 @@ STORED = (
     "cross-layer 4-bit",
 )
 TRITON = "__gpu$xla.gpu.triton"
+MOSAIC = "tpu_custom_call"
+KERNEL = {"cuda": TRITON, "tpu": MOSAIC}
 CUSTOM_CALL = re.compile(r"stablehlo\.custom_call @([\w$.]+)")
 
 
@@ -86,11 +91,14 @@ def test_every_program_exports_for_tpu_and_cuda(attention, cache, impl):
     program, arguments = prompt_then_step(config(attention, cache, impl))
     for platform in ("tpu", "cuda"):
         checks = [export.DisabledSafetyCheck.custom_call(TRITON)]
-        exported = export.export(program, platforms=(platform,), disabled_checks=checks)
-        calls = set(CUSTOM_CALL.findall(exported(*arguments).mlir_module()))
+        with kvlab.backends.lowering_for(platform):
+            exported = export.export(program, platforms=(platform,), disabled_checks=checks)
+            calls = set(CUSTOM_CALL.findall(exported(*arguments).mlir_module()))
         assert not {c for c in calls if c.startswith("kvlab_")}, (platform, calls)
-        triton = impl == "pallas" and platform == "cuda" and cache in STORED
-        assert (TRITON in calls) == triton, (platform, calls)
+        kernel = impl == "pallas" and cache in STORED
+        assert {c for c in calls if c in KERNEL.values()} == (
+            {KERNEL[platform]} if kernel else set()
+        ), (platform, calls)
 
 
 @pytest.mark.parametrize("cache", ["KIVI 2-bit", "paged 4-bit", "snapkv"])

@@ -2,9 +2,10 @@
 
 Every storage kind is built the way the caches hold it (quantize_tokens codes,
 page pools reached through shuffled block tables with -1 tails) and read back
-by the reference through kvlab's own gather_pages and dequantize_tokens. The
-kernels run in the Pallas interpreter; one test lowers them to Triton IR for a
-CUDA target (nothing here runs on a GPU).
+by the reference through kvlab's own gather_pages and dequantize_tokens. Both
+kernels, Triton's (CUDA) and Mosaic's (TPU), run in the Pallas interpreter;
+one test lowers them to Triton IR for a CUDA target, another to Mosaic for a
+TPU (nothing here runs on a GPU or a TPU).
 """
 
 import functools
@@ -19,9 +20,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import kvlab
+import kvlab.kernels.pallas as pallas_backend
 from kvlab.attention.core import MASKED, attend
 from kvlab.cache.paged import gather_pages
 from kvlab.cache.quant import QuantizedTensor, Storage, dequantize_tokens, quantize_tokens
+from kvlab.kernels.pallas import mosaic, triton
 from kvlab.kernels.pallas.plan import Stored, merge_partials
 from kvlab.kernels.pallas.triton import stored_attention
 from tests.attention.test_stream import decode_logits
@@ -33,13 +36,23 @@ TOLERANCE = 1e-5  # relative to the largest |value| of what is compared
 compiled = functools.partial(jax.jit, compiler_options={"xla_backend_optimization_level": 0})
 
 
-def interpreted(queries, keys, values, lengths, **options):
-    """stored_attention in interpret mode inside a jitted program (as a model calls it)."""
+# Each kernel and the options only it takes: Triton's blocks and splits are free;
+# Mosaic's block is a page where a pool is read, and it does not split rows.
+KERNELS = {"triton": triton, "mosaic": mosaic}
+OWN_OPTIONS = {"triton": ("block_tokens", "num_splits"), "mosaic": ()}
+
+
+def interpreted(queries, keys, values, lengths, kernel="triton", **options):
+    """A kernel's stored_attention in interpret mode inside a jitted program (as a
+    model calls it); options the kernel does not take are dropped."""
     keys = keys if isinstance(keys, tuple) else (keys,)
     shared = next((j for j, k in enumerate(keys) if k is values), None)
+    dropped = {"block_tokens", "num_splits"} - set(OWN_OPTIONS[kernel])
+    options = {k: v for k, v in options.items() if k not in dropped}
 
     def run(q, k, v, n):
-        return stored_attention(q, k, v if shared is None else k[shared], n, **options)
+        v = v if shared is None else k[shared]
+        return KERNELS[kernel].stored_attention(q, k, v, n, **options)
 
     return compiled(run)(queries, keys, values, lengths)
 
@@ -180,12 +193,14 @@ LENGTHS = [0, TOKENS, 23]  # empty, full and ragged rows
 KEY_WIDTHS, VALUE_WIDTH = (16, 8, 8), 16
 
 
+@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize(("bits", "fmt", "symmetric", "dtype"), FORMATS)
-def test_every_storage_equals_reference_and_attend(bits, fmt, symmetric, dtype):
+def test_every_storage_equals_reference_and_attend(bits, fmt, symmetric, dtype, kernel):
     """One format in its four (axis, layout) combinations: keys in three parts (channel
     axis in pages, token axis in rows, token axis in pages), values on the channel axis
     in rows; GQA groups of 2, 2 queries per row, rows of length 0, full and ragged with
-    shuffled pages and -1 tails, 3 blocks of 16 tokens in 2 splits."""
+    shuffled pages and -1 tails; Triton in 3 blocks of 16 tokens in 2 splits, Mosaic a
+    page (8 tokens) per step."""
     rng = np.random.default_rng(bits + symmetric)
     lengths = jnp.asarray(LENGTHS, jnp.int32)
     tables, num_pages = page_tables(rng, LENGTHS, TOKENS // PAGE, PAGE)
@@ -208,6 +223,7 @@ def test_every_storage_equals_reference_and_attend(bits, fmt, symmetric, dtype):
         keys,
         values,
         lengths,
+        kernel,
         scale=scale,
         block_tokens=TOKENS if one_block else 16,
         num_splits=1 if one_block else 2,
@@ -218,7 +234,9 @@ def test_every_storage_equals_reference_and_attend(bits, fmt, symmetric, dtype):
     )
     fresh_v = jnp.asarray(rng.standard_normal((BATCH, HEADS, LENGTH, VALUE_WIDTH)), dtype)
     expected, fresh, through_attend = xla_path(q, keys, values, lengths, fresh_k, fresh_v, scale)
-    assert_partials_close(got, expected)
+    # Mosaic reads pages of 8 even for bfloat16: probabilities rounded against each
+    # page's running max, within bfloat16's error of the row's.
+    assert_partials_close(got, expected, 1e-2 if one_block and kernel == "mosaic" else TOLERANCE)
     # As one block of the XLA path: the stored partial merged with the step's own
     # tokens' partial equals core.attend over both blocks (rows of length 0 included).
     acc, _, total = merge_partials(got, fresh)
@@ -252,7 +270,8 @@ def xla_path(q, keys, values, lengths, fresh_k, fresh_v, scale):
 LATENT, ROPE = 256, 32
 
 
-def test_absorbed_latent_attention_equals_reference_reading_the_latent_once():
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_absorbed_latent_attention_equals_reference_reading_the_latent_once(kernel):
     """MLA absorbed: q = (latent part [B, 1, M, 256], RoPE part [B, 1, M, 32]); the
     values are the latent Stored itself, so the kernel reads it once."""
     rng = np.random.default_rng(7)
@@ -270,7 +289,14 @@ def test_absorbed_latent_attention_equals_reference_reading_the_latent_once():
     )
     scale = (LATENT + ROPE) ** -0.5
     got = interpreted(
-        queries, (latent, rope), latent, lengths, scale=scale, block_tokens=16, interpret=True
+        queries,
+        (latent, rope),
+        latent,
+        lengths,
+        kernel,
+        scale=scale,
+        block_tokens=16,
+        interpret=True,
     )
     assert got[0].shape == (batch, heads, queries_per_head, LATENT)
     expected = stored_reference(queries, (latent, rope), latent, lengths, scale, tokens)
@@ -280,7 +306,7 @@ def test_absorbed_latent_attention_equals_reference_reading_the_latent_once():
     def kernel_inputs(shared: bool):
         def run(q, k, n):
             values = k[0] if shared else Stored(*[getattr(k[0], f) for f in FIELDS])
-            return stored_attention(q, k, values, n, scale=scale, interpret=True)
+            return KERNELS[kernel].stored_attention(q, k, values, n, scale=scale, interpret=True)
 
         jaxpr = jax.make_jaxpr(run)(queries, (latent, rope), lengths).jaxpr
         while not any(e.primitive.name == "pallas_call" for e in jaxpr.eqns):  # inside jit
@@ -326,6 +352,7 @@ specs = (
     block_units=st.integers(1, 3),
     num_splits=st.integers(1, 3),
     seed=st.integers(0, 2**16),
+    kernel=st.sampled_from(list(KERNELS)),
 )
 def test_random_shapes_equal_reference(
     batch,
@@ -341,6 +368,7 @@ def test_random_shapes_equal_reference(
     block_units,
     num_splits,
     seed,
+    kernel,
 ):
     rng = np.random.default_rng(seed)
     key_width, value_width = widths
@@ -363,6 +391,7 @@ def test_random_shapes_equal_reference(
         keys,
         values,
         lengths,
+        kernel,
         scale=0.3,
         block_tokens=block_tokens,
         num_splits=num_splits,
@@ -394,7 +423,8 @@ def test_bfloat16_products_err_like_a_bfloat16_cache():
 # What lies past a row's length
 
 
-def test_slots_past_the_length_are_never_read_into_the_result():
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_slots_past_the_length_are_never_read_into_the_result(kernel):
     """NaN in every slot past a row's length (a reused page, unwritten codes) leaves
     the partial what it is over the visible tokens."""
     rng = np.random.default_rng(3)
@@ -404,17 +434,21 @@ def test_slots_past_the_length_are_never_read_into_the_result():
     past = np.arange(24)[None, None, :, None] >= np.asarray(lengths)[:, None, None, None]
     poisoned = [Stored(jnp.asarray(np.where(past, np.nan, x))) for x in (keys, values)]
     queries = jnp.asarray(rng.standard_normal((2, 1, 3, 16)), jnp.float32)
-    got = interpreted(queries, poisoned[0], poisoned[1], lengths, scale=0.25, interpret=True)
+    got = interpreted(
+        queries, poisoned[0], poisoned[1], lengths, kernel, scale=0.25, interpret=True
+    )
     clean = [Stored(jnp.asarray(np.where(past, 0.0, x))) for x in (keys, values)]
     expected = stored_reference((queries,), (clean[0],), clean[1], lengths, 0.25, 24)
     assert all(np.isfinite(np.asarray(x)).all() for x in got)
     assert_partials_close(got, expected)
 
 
-def test_nothing_stored_gives_the_empty_partial():
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_nothing_stored_gives_the_empty_partial(kernel):
     queries = jnp.ones((2, 1, 3, 8))
     empty = Stored(jnp.zeros((2, 1, 0, 8)))
-    acc, peak, total = stored_attention(queries, empty, empty, jnp.zeros(2, jnp.int32), scale=1.0)
+    lengths = jnp.zeros(2, jnp.int32)
+    acc, peak, total = KERNELS[kernel].stored_attention(queries, empty, empty, lengths, scale=1.0)
     assert acc.shape == (2, 1, 3, 8) and not acc.any() and not total.any()
     assert (peak == MASKED).all()
 
@@ -423,24 +457,10 @@ def test_nothing_stored_gives_the_empty_partial():
 # The Triton lowering (on CPU: no GPU compiles or runs it here)
 
 
-def test_kernels_lower_to_triton_for_a_cuda_target(monkeypatch):
+def lowering_cases():
     """Paged int4 channel keys with int2 token values; an absorbed latent (paged fp8
     latent shared as the values, bf16 RoPE key) with bfloat16 products; dense int8
-    keys with narrow bf16 values: each lowers to Triton IR that verifies."""
-    verified = []
-    try:
-        from jax._src.pallas.triton import pallas_call_registration as registration
-    except ImportError:  # jax moved its internals: check the lowering without verifying
-        registration = None
-    if registration is not None:
-        lower_module = registration.lowering.lower_jaxpr_to_triton_module
-
-        def verifying(*args, **kwargs):
-            result = lower_module(*args, **kwargs)
-            verified.append(result.module.operation.verify())
-            return result
-
-        monkeypatch.setattr(registration.lowering, "lower_jaxpr_to_triton_module", verifying)
+    keys with narrow bf16 values: [(queries, keys, values, compute dtype)], lengths."""
     rng = np.random.default_rng(0)
     tables, num_pages = page_tables(rng, [40, 64], 4, 16)
     pages = (tables, num_pages, 16)
@@ -465,7 +485,26 @@ def test_kernels_lower_to_triton_for_a_cuda_target(monkeypatch):
             "float32",
         ),
     ]
-    lengths = jnp.asarray([40, 64], jnp.int32)
+    return cases, jnp.asarray([40, 64], jnp.int32)
+
+
+def test_kernels_lower_to_triton_for_a_cuda_target(monkeypatch):
+    """Each of lowering_cases lowers to Triton IR that verifies."""
+    verified = []
+    try:
+        from jax._src.pallas.triton import pallas_call_registration as registration
+    except ImportError:  # jax moved its internals: check the lowering without verifying
+        registration = None
+    if registration is not None:
+        lower_module = registration.lowering.lower_jaxpr_to_triton_module
+
+        def verifying(*args, **kwargs):
+            result = lower_module(*args, **kwargs)
+            verified.append(result.module.operation.verify())
+            return result
+
+        monkeypatch.setattr(registration.lowering, "lower_jaxpr_to_triton_module", verifying)
+    cases, lengths = lowering_cases()
     for queries, keys, values, compute in cases:
         shared = values is keys[0]
 
@@ -481,6 +520,41 @@ def test_kernels_lower_to_triton_for_a_cuda_target(monkeypatch):
         )(queries, keys, values, lengths)
         assert "xla.gpu.triton" in exported.mlir_module()
     assert verified == [True] * len(cases) or registration is None
+
+
+def test_kernels_lower_to_mosaic_for_a_tpu_target():
+    """Each of lowering_cases lowers to one Mosaic kernel (tpu_custom_call) for a
+    TPU v5e, reading pools a page per step and dense rows in one block of 64."""
+    cases, lengths = lowering_cases()
+    for queries, keys, values, compute in cases:
+        shared = values is keys[0]
+
+        def run(q, k, v, n, shared=shared, compute=compute):
+            v = k[0] if shared else v
+            return mosaic.stored_attention(q, k, v, n, scale=0.1, compute_dtype=compute)
+
+        with kvlab.backends.lowering_for("tpu"):
+            exported = jax.export.export(jax.jit(run), platforms=["tpu"])(
+                queries, keys, values, lengths
+            )
+        assert exported.mlir_module().count("stablehlo.custom_call @tpu_custom_call") == 1
+
+
+def test_mosaic_refuses_pools_of_two_page_sizes_and_blocks_that_do_not_divide():
+    """A Mosaic step reads one page of every pool, and dense rows in blocks that
+    divide them: other layouts are refused naming the fix (the backend then takes
+    the reference path: `takes`)."""
+    pool = Stored(jnp.zeros((1, 5, 8, 16)), pages=jnp.zeros((2, 3), jnp.int32))
+    other = Stored(jnp.zeros((1, 7, 4, 16)), pages=jnp.zeros((2, 6), jnp.int32))
+    lengths = jnp.zeros(2, jnp.int32)
+    with pytest.raises(ValueError, match=r"page sizes=\[4, 8\] differ"):
+        mosaic.stored_attention(GOOD_QUERIES, pool, other, lengths, scale=1.0)
+    assert not mosaic.takes(GOOD_QUERIES, pool, other, lengths, scale=1.0, interpret=True)
+    assert triton.takes(GOOD_QUERIES, pool, other, lengths, scale=1.0, interpret=True)
+    with pytest.raises(ValueError, match="block_tokens=16 is not the page size 8"):
+        mosaic.stored_attention(GOOD_QUERIES, pool, pool, lengths, scale=1.0, block_tokens=16)
+    with pytest.raises(ValueError, match="block_tokens=16 does not divide the 24 slots"):
+        mosaic.stored_attention(GOOD_QUERIES, GOOD, GOOD, lengths, scale=1.0, block_tokens=16)
 
 
 # ---------------------------------------------------------------------------
@@ -547,9 +621,12 @@ def test_bad_arguments_are_refused_with_the_fix(change, message):
         ("mla.py:tiny", dict(latent_bits=8, rope_bits=4, group_size=4)),
     ],
 )
-def test_pallas_kernels_give_the_xla_logits(config, cache):
-    """model.attention_impl='pallas' (the kernels in interpret mode on CPU) reads
-    paged KIVI, paged 16-bit and quantized latent caches to the XLA path's logits."""
+@pytest.mark.parametrize("on_cpu", ["cuda", "tpu"])
+def test_pallas_kernels_give_the_xla_logits(config, cache, on_cpu, monkeypatch):
+    """model.attention_impl='pallas' (each platform's kernel in interpret mode on
+    CPU) reads paged KIVI, paged 16-bit and quantized latent caches to the XLA
+    path's logits."""
+    monkeypatch.setattr(pallas_backend, "ON_CPU", on_cpu)
     cfg = kvlab.load_config(f"{ROOT}/configs/{config}")
     cfg.cache.update(cache)
     cfg.model.num_layers = 1

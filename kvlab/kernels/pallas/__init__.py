@@ -1,16 +1,18 @@
 """Pallas kernels as a backend: model.attention_impl='pallas'.
 
-The kernels (kvlab/kernels/pallas/triton.py; plan.py checks their arguments)
-read one layer's stored tokens as the cache keeps them (dense rows, page pools
-through block tables, packed codes with their scales) and compute the block's
-softmax partial. The backend claims every block of stored data (quantized
-payloads, page pools), and takes one when its mask is one prefix per row for
-every query (a payload's settled tokens, a pool's written ones); a mask that is
-no prefix (an evicting window's band) takes the reference path at run time. Where the program is
-lowered for CUDA the Triton kernel runs; for the CPU, the Pallas interpreter
-(the kernel's own arithmetic, slowly: tests); for any other platform (TPU,
-until kernels for it exist), and on CUDA for shapes Triton's tiles cannot take
-(`triton.compiles`), the reference path alone.
+The kernels read one layer's stored tokens as the cache keeps them (dense
+rows, page pools through block tables, packed codes with their scales) and
+compute the block's softmax partial: triton.py for CUDA, mosaic.py for TPU,
+both checked by plan.py and sharing tiles.py's arithmetic. The backend claims
+every block of stored data (quantized payloads, page pools), and takes one
+when its mask is one prefix per row for every query (a payload's settled
+tokens, a pool's written ones); a mask that is no prefix (an evicting
+window's band) takes the reference path at run time. The kernel is chosen
+by the platform the program is lowered for: Triton for CUDA, Mosaic for TPU,
+each compiled, and on the CPU the Pallas interpreter running `ON_CPU`'s
+kernel (its arithmetic, slowly: tests). Shapes a kernel does not take
+(`takes`: Triton's power-of-two tiles, Mosaic's one page size) and every
+other platform take the reference path alone.
 """
 
 from __future__ import annotations
@@ -23,12 +25,15 @@ from kvlab.attention.core import Attention, on_platforms, tensors
 from kvlab.cache.paged import PagedPayloadReader, PagedReader
 from kvlab.cache.protocols import Reader
 from kvlab.cache.quant import PayloadReader
-from kvlab.kernels.pallas.triton import Stored, compiles, stored_attention
+from kvlab.kernels.pallas import mosaic, triton
+from kvlab.kernels.pallas.plan import Stored
 
 # The storage formats (kvlab/cache/formats) whose codes the kernels dequantize.
 READS = ("int", "fp8")
-# Where the program is lowered for each platform: the compiled kernel or the interpreter.
-INTERPRET = {"cuda": False, "cpu": True}
+# The kernel compiled for each platform the program may be lowered for.
+KERNELS = {"cuda": triton, "tpu": mosaic}
+# The kernel the Pallas interpreter runs where the program is lowered for the CPU.
+ON_CPU = "cuda"
 
 
 def stored(x) -> Stored | None:
@@ -71,21 +76,31 @@ class Pallas(backends.Backend):
 
         def kernel(platform: str):
             def run():
-                out, peak, total = stored_attention(
+                out, peak, total = KERNELS.get(platform, KERNELS[ON_CPU]).stored_attention(
                     tuple(attention.folded),
                     keys,
                     values,
                     lengths,
                     scale=attention.scale,
-                    interpret=INTERPRET[platform],
+                    interpret=platform == "cpu",
                 )
                 rows = (batch, kv_heads, length, groups, 1)
                 return peak.reshape(rows), total.reshape(rows), out
 
             return jax.lax.cond(prefix, run, lambda: attention.partial(block))
 
-        triton = compiles(attention.folded, keys, values, lengths, scale=attention.scale)
-        return on_platforms(kernel, lambda: attention.partial(block), cpu=True, cuda=triton)
+        takes = {
+            platform: module.takes(
+                attention.folded,
+                keys,
+                values,
+                lengths,
+                scale=attention.scale,
+                interpret=platform == "cpu",
+            )
+            for platform, module in {**KERNELS, "cpu": KERNELS[ON_CPU]}.items()
+        }
+        return on_platforms(kernel, lambda: attention.partial(block), **takes)
 
 
 backend = backends.register(Pallas())

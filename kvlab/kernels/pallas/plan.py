@@ -6,7 +6,7 @@ scales); `plan` checks every argument of a call (shapes, dtypes, bit-widths,
 scale groups, token capacities, block sizes) and returns the static
 `CallPlan` the kernels are specialised on, with the block tables. Nothing here
 depends on the platform a kernel is compiled for, except the compiled
-kernels' tile rules (powers of two, `DOT_MIN`), asked with `interpret=False`.
+kernels' tile rules (powers of two, `DOT_MIN`), asked with `triton_tiles=True`.
 Partials over disjoint token sets combine with `merge_partials`
 (kvlab/kernels/pallas/triton.py's docstring: what a partial is).
 """
@@ -22,6 +22,7 @@ import jax.numpy as jnp
 from flax import struct
 from jaxtyping import Array, Float
 
+from kvlab.attention.core import MASKED
 from kvlab.cache.quant import QuantizedTensor, Storage
 
 # Blocks of this many tokens unless `block_tokens` says otherwise (rounded up to
@@ -72,6 +73,24 @@ def merge_partials(*partials: Partial) -> Partial:
         acc = acc + a * correction
         total = total + t * correction
     return acc, peak, total
+
+
+def parts(q, keys) -> tuple[tuple, tuple]:
+    """The query parts and key parts of a call (one array or Stored is one part)."""
+    queries = tuple(q) if isinstance(q, (tuple, list)) else (q,)
+    return queries, ((keys,) if isinstance(keys, Stored) else tuple(keys))
+
+
+def empty_partial(queries: tuple, call: CallPlan) -> Partial:
+    """(0, MASKED, 0): the partial over no stored token (merges as nothing)."""
+    batch, heads, num_queries, _ = queries[0].shape
+    rows = (batch, heads, num_queries, 1)
+    width = (call.values or call.keys[call.value_part]).width
+    return (
+        jnp.zeros((*rows[:3], width), jnp.float32),
+        jnp.full(rows, MASKED, jnp.float32),
+        jnp.zeros(rows, jnp.float32),
+    )
 
 
 # ---------------------------------------------------------------------------
@@ -265,7 +284,7 @@ def _check_tiles(name: str, shape: tuple, sizes: dict) -> None:
 
 
 def _describe(
-    stored, name: str, batch: int, heads: int, tables: list, interpret: bool
+    stored, name: str, batch: int, heads: int, tables: list, triton_tiles: bool
 ) -> tuple[TensorPlan, int]:
     """The static reading of one Stored and its token capacity; refuses what does not fit."""
     if not isinstance(stored, Stored):
@@ -286,7 +305,7 @@ def _describe(
         width, scale_width, has_zero = _unquantized(stored, name)
     else:
         width, scale_width, has_zero = _quantized(stored, name, spec, batch, heads)
-    if not interpret:
+    if triton_tiles:
         sizes = {"width": width, "packed width": packed}
         if scale_width:
             sizes["scale width"] = scale_width
@@ -336,12 +355,12 @@ def _check_arguments(queries: tuple, keys: tuple, lengths, scale) -> None:
         _fail("scale", scale, "is not a real number", "pass the softmax scale as a Python float")
 
 
-def _describe_all(queries: tuple, keys: tuple, values, tables: list, interpret: bool) -> tuple:
+def _describe_all(queries: tuple, keys: tuple, values, tables: list, triton_tiles: bool) -> tuple:
     """(the keys' TensorPlans, the values' TensorPlan or None when they are a key part, that
     part or -1, the tensors' common token capacity)."""
     batch, heads = queries[0].shape[:2]
     described = [
-        _describe(k, f"keys[{j}]", batch, heads, tables, interpret) for j, k in enumerate(keys)
+        _describe(k, f"keys[{j}]", batch, heads, tables, triton_tiles) for j, k in enumerate(keys)
     ]
     for j, ((tensor, _), part) in enumerate(zip(described, queries, strict=True)):
         if tensor.width != part.shape[3]:
@@ -356,7 +375,7 @@ def _describe_all(queries: tuple, keys: tuple, values, tables: list, interpret: 
         value_tensor = None
         capacities = [tokens for _, tokens in described]
     else:
-        value_tensor, value_tokens = _describe(values, "values", batch, heads, tables, interpret)
+        value_tensor, value_tokens = _describe(values, "values", batch, heads, tables, triton_tiles)
         capacities = [tokens for _, tokens in described] + [value_tokens]
     if len(set(capacities)) != 1:
         _fail(
@@ -368,7 +387,7 @@ def _describe_all(queries: tuple, keys: tuple, values, tables: list, interpret: 
     return tuple(t for t, _ in described), value_tensor, value_part, capacities[0]
 
 
-def _block_size(tensors: list, tokens: int, block_tokens, interpret: bool) -> int:
+def _block_size(tensors: list, tokens: int, block_tokens, triton_tiles: bool) -> int:
     """`block_tokens`, or the default for `tokens`; a block holds whole pages and whole
     channel-axis scale groups (and, for Triton, is a power of two >= DOT_MIN)."""
     unit = 1
@@ -389,7 +408,7 @@ def _block_size(tensors: list, tokens: int, block_tokens, interpret: bool) -> in
             "block holds whole pages and whole scale groups)",
             f"pass a multiple of {unit}",
         )
-    if not interpret and (not _power_of_two(block_tokens) or block_tokens < DOT_MIN):
+    if triton_tiles and (not _power_of_two(block_tokens) or block_tokens < DOT_MIN):
         _fail(
             "block_tokens",
             block_tokens,
@@ -416,7 +435,7 @@ def _compute_name(compute_dtype) -> str:
 
 
 def plan(
-    queries, keys, values, lengths, scale, block_tokens, num_splits, compute_dtype, interpret
+    queries, keys, values, lengths, scale, block_tokens, num_splits, compute_dtype, triton_tiles
 ) -> tuple:
     """Checks every argument (shapes, dtypes, divisibility); returns the static CallPlan
     and the block tables. Runs before anything is traced."""
@@ -424,10 +443,10 @@ def plan(
     num_queries = queries[0].shape[2]
     tables: list = []
     key_tensors, value_tensor, value_part, tokens = _describe_all(
-        queries, keys, values, tables, interpret
+        queries, keys, values, tables, triton_tiles
     )
     tensors = list(key_tensors) + ([value_tensor] if value_tensor else [])
-    block_tokens = _block_size(tensors, tokens, block_tokens, interpret)
+    block_tokens = _block_size(tensors, tokens, block_tokens, triton_tiles)
     if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 1:
         _fail("num_splits", num_splits, "is not a positive int", "pass 1, or more to split S")
     compute = _compute_name(compute_dtype)

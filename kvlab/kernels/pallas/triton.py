@@ -92,31 +92,19 @@ from jax.experimental.pallas import triton as plgpu
 from jaxtyping import Array, Float, Int
 
 from kvlab.attention.core import MASKED
-from kvlab.cache.quant import dequantize, unpack
+from kvlab.kernels.pallas import tiles
 from kvlab.kernels.pallas.plan import (
-    DOT_MIN,
     CallPlan,
     Partial,
     Stored,
     TensorPlan,
+    empty_partial,
     merge_partials,
+    parts,
     plan,
 )
 
 TRITON_PARAMS = plgpu.CompilerParams(num_warps=4, num_stages=2)  # untuned
-
-
-def _contract(a: Array, b: Array, dims: tuple[int, int]) -> Array:
-    """float32 a . b over a's axis dims[0] and b's axis dims[1] (2-D operands of one
-    dtype): tl.dot where every side is at least DOT_MIN, else multiply and sum."""
-    out_a, out_b = a.shape[1 - dims[0]], b.shape[1 - dims[1]]
-    if min(out_a, out_b, a.shape[dims[0]]) >= DOT_MIN:
-        return jax.lax.dot_general(
-            a, b, (((dims[0],), (dims[1],)), ((), ())), preferred_element_type=jnp.float32
-        )
-    a = a.astype(jnp.float32) if dims[0] == 1 else a.astype(jnp.float32).T  # [out_a, n]
-    b = b.astype(jnp.float32) if dims[1] == 1 else b.astype(jnp.float32).T  # [out_b, n]
-    return jnp.sum(a[:, None, :] * b[None, :, :], axis=-1)
 
 
 def _rows(ref, first, size: int) -> Array:
@@ -135,38 +123,21 @@ def _page_ids(table_ref, first, call: CallPlan, page_size: int, num_pages: int) 
 
 
 def _tile(tensor: TensorPlan, refs, tables, first, call: CallPlan) -> Array:
-    """One block of tokens [block_tokens, width]: the 16-bit numbers in their dtype, or
-    the codes unpacked and scaled in float32 (PayloadReader's math)."""
+    """One block of tokens [block_tokens, width] in the products' dtype: pages gathered
+    through the block table, or rows sliced (masked at the ragged end), then dequantized."""
     size = call.block_tokens
-    spec = tensor.spec
     data_ref, *scale_refs = refs
-    channel = spec is not None and spec.axis == "channel"
-    scale_rows = size // spec.group_size if channel else size
+    rows = tiles.scale_rows(tensor, size)
     if tensor.page_size:
         ids = _page_ids(
             tables[tensor.table], first, call, tensor.page_size, num_pages=data_ref.shape[0]
         )
         data = data_ref[ids].reshape(size, tensor.packed)  # [pages, L, X] -> [block, X]
-        scales = [r[ids].reshape(scale_rows, tensor.scale_width) for r in scale_refs]
+        scales = [r[ids].reshape(rows, tensor.scale_width) for r in scale_refs]
     else:
         data = _rows(data_ref, first, size)
-        scale_first = first // spec.group_size if channel else first
-        scales = [_rows(r, scale_first, scale_rows) for r in scale_refs]
-    if spec is None:
-        return data
-    codes = unpack(data, spec.bits)  # [block, width]
-    if channel:  # one scale per channel and group of tokens
-        grouped, axis = codes.reshape(scale_rows, spec.group_size, tensor.width), 1
-    else:  # one scale per token and group of channels
-        grouped, axis = codes.reshape(size, tensor.scale_width, spec.group_size), 2
-    scale, zero = scales[0], (scales[1] if tensor.has_zero else None)
-    return dequantize(grouped, scale, zero, spec, axis).reshape(size, tensor.width)
-
-
-def _narrowed(tile: Array, call: CallPlan) -> Array:
-    """A tile [block, W] in the products' dtype when that is narrower than its own."""
-    dtype = jnp.dtype(call.compute)
-    return tile.astype(dtype) if dtype.itemsize < tile.dtype.itemsize else tile
+        scales = [_rows(r, first // (size // rows), rows) for r in scale_refs]
+    return tiles.narrowed(tiles.dequantized(tensor, data, scales, size), call)
 
 
 def _kernel(*refs, call: CallPlan):
@@ -188,28 +159,17 @@ def _kernel(*refs, call: CallPlan):
     q = [ref[...] for ref in queries]  # [M, H_j]
 
     def block(i, carry):
-        acc, peak, total = carry  # [M, Hv], [M], [M]
         first = start + i * call.block_tokens
         visible = (first + jnp.arange(call.block_tokens)) < end  # [block]
-        scores = 0.0
-        tiles = []
-        for tensor, part, tensor_refs in zip(call.keys, q, inputs[: len(q)], strict=True):
-            tile = _narrowed(_tile(tensor, tensor_refs, tables, first, call), call)
-            tiles.append(tile)
-            scores = scores + _contract(part.astype(tile.dtype), tile, (1, 1))  # [M, block]
-        scores = jnp.where(visible[None, :], scores * call.scale, MASKED)
-        new_peak = jnp.maximum(peak, scores.max(axis=-1))
-        correction = jnp.exp(peak - new_peak)
-        weights = jnp.where(visible[None, :], jnp.exp(scores - new_peak[:, None]), 0.0)
+        keys = [
+            _tile(tensor, own, tables, first, call)
+            for tensor, own in zip(call.keys, inputs[: len(q)], strict=True)
+        ]
         if call.values is None:
-            value = tiles[call.value_part]
+            value = keys[call.value_part]
         else:
-            value = _narrowed(_tile(call.values, inputs[-1], tables, first, call), call)
-        # Slots past the length may hold anything (a reused page, NaN codes): zero them.
-        value = jnp.where(visible[:, None], value, jnp.zeros((), value.dtype))
-        acc = acc * correction[:, None] + _contract(weights.astype(value.dtype), value, (1, 0))
-        total = total * correction + weights.sum(axis=-1)
-        return acc, new_peak, total
+            value = _tile(call.values, inputs[-1], tables, first, call)
+        return tiles.softmax_step(carry, q, keys, value, visible, call)
 
     init = (
         jnp.zeros(acc_ref.shape, jnp.float32),
@@ -290,14 +250,14 @@ def _run(queries, keys, values, lengths, tables, call: CallPlan, interpret: bool
     return merge_partials(*splits)
 
 
-def compiles(q, keys, values, lengths, *, scale: float) -> bool:
-    """Whether the Triton kernel (interpret=False) takes these stored_attention
-    arguments: its tiles must be powers of two (module docstring, "Limits"),
-    which the interpreter does not ask."""
-    queries = tuple(q) if isinstance(q, (tuple, list)) else (q,)
-    keys = (keys,) if isinstance(keys, Stored) else tuple(keys)
+def takes(q, keys, values, lengths, *, scale: float, interpret: bool) -> bool:
+    """Whether stored_attention takes these arguments: compiled, its tiles must be
+    powers of two (module docstring, "Limits"), which the interpreter does not ask."""
+    if interpret:
+        return True
+    queries, keys = parts(q, keys)
     try:
-        plan(queries, keys, values, lengths, scale, None, 1, "float32", False)
+        plan(queries, keys, values, lengths, scale, None, 1, "float32", triton_tiles=True)
     except ValueError:
         return False
     return True
@@ -333,19 +293,19 @@ def stored_attention(
     Arguments are checked before anything is traced (ValueError naming the
     argument, its value and the fix).
     """
-    queries = tuple(q) if isinstance(q, (tuple, list)) else (q,)
-    keys = (keys,) if isinstance(keys, Stored) else tuple(keys)
+    queries, keys = parts(q, keys)
     call, tables = plan(
-        queries, keys, values, lengths, scale, block_tokens, num_splits, compute_dtype, interpret
+        queries,
+        keys,
+        values,
+        lengths,
+        scale,
+        block_tokens,
+        num_splits,
+        compute_dtype,
+        triton_tiles=not interpret,
     )
-    if call.tokens == 0:  # nothing stored: the empty partial
-        batch, heads, num_queries, _ = queries[0].shape
-        rows = (batch, heads, num_queries, 1)
-        width = (call.values or call.keys[call.value_part]).width
-        return (
-            jnp.zeros((*rows[:3], width), jnp.float32),
-            jnp.full(rows, MASKED, jnp.float32),
-            jnp.zeros(rows, jnp.float32),
-        )
+    if call.tokens == 0:
+        return empty_partial(queries, call)
     values = None if call.values is None else values
     return _run(queries, keys, values, lengths, tuple(tables), call, interpret)
