@@ -182,7 +182,7 @@ def _emit(state: _LoopState, token) -> _LoopState:
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2))
-def _generate(
+def generate_loop(
     model,
     sampler,
     end_token,
@@ -194,6 +194,10 @@ def _generate(
     pad_token,
     rng,
 ):
+    """generate's one compiled program (its arguments checked by `generate`): the
+    prompts' prefill, then sampled decode steps in a `lax.while_loop` until every
+    row has max_new_tokens or end_token. Returns (tokens int32[B, capacity], the
+    cache's error flags)."""
     # The cache comes in as an argument: built inside, its zeros are constants
     # XLA folds reductions over (seconds of compile per layer at batch 8).
     batch, prompt_len = prompts.shape
@@ -327,7 +331,7 @@ def generate(
     # Laid out on the prompts' mesh when they have one (kvlab/cache/factory.py).
     build = compiled_builder(model.config, cache_cfg, batch, max_len, mesh=mesh, rules=rules)
     cache = build()
-    out, errors = _generate(
+    out, errors = generate_loop(
         model,
         sampler,
         end_token,

@@ -16,6 +16,7 @@ exported step serializes with the cache as a pytree
 (kvlab/cache/serialization.py) and runs to the same numbers.
 """
 
+import functools
 import re
 
 import jax
@@ -25,6 +26,10 @@ import pytest
 from jax import export
 
 import kvlab
+from kvlab.config import frozen
+from kvlab.eval import perplexity
+from kvlab.serve import engine
+from kvlab.train import init_state, train_step
 from tests.helpers import ROOT
 
 # cache fields of the tiny configs (k_/v_ name a latent model's latent_/rope_; window and
@@ -41,6 +46,9 @@ CACHES = {
     "cross-layer 4-bit": dict(topology="cla:2", k_bits=4, v_bits=4, k_axis="token"),
     "normal-float 4-bit": dict(k_bits=4, v_bits=4, k_format="nf", v_format="nf", k_axis="token"),
 }
+PAGED_SNAPKV = dict(kind="paged", evict=dict(method="snapkv", ratio=0.5))
+# The engine's caches: page pools, evicting or not (the engine owns the pages).
+ENGINE_CACHES = ("paged", "paged 4-bit", "paged snapkv")
 # Stored data Pallas reads (not normal-float codes: the kernels decline them)
 STORED = (
     "8-bit per token",
@@ -53,14 +61,17 @@ STORED = (
 TRITON = "__gpu$xla.gpu.triton"
 MOSAIC = "tpu_custom_call"
 KERNEL = {"cuda": TRITON, "tpu": MOSAIC}
+IMPLS = ["xla", "pallas", "native"]
 CUSTOM_CALL = re.compile(r"stablehlo\.custom_call @([\w$.]+)")
 
 
 def config(attention: str, cache: str, impl: str):
     cfg = kvlab.load_config(f"{ROOT}/configs/{attention}.py:tiny")
-    fields = dict(CACHES[cache])
+    fields = dict({**CACHES, "paged snapkv": PAGED_SNAPKV}[cache])
     cfg.model.sliding_window = fields.pop("window", 0)
     cfg.model.topology = fields.pop("topology", "layerwise")
+    # One layer (lowering a program costs about its layers) unless layers share a cache.
+    cfg.model.num_layers = 1 if cfg.model.topology == "layerwise" else 2
     cfg.cache.evict.update(fields.pop("evict", {}))
     if attention == "mla":
         fields = {re.sub("^k_", "latent_", re.sub("^v_", "rope_", k)): v for k, v in fields.items()}
@@ -69,36 +80,103 @@ def config(attention: str, cache: str, impl: str):
     return kvlab.validate_config(cfg)
 
 
-def prompt_then_step(cfg):
-    """(the program, its abstract arguments): a 16-token chunk, then one token."""
+def inference(cfg):
+    """(the program, its abstract arguments): what runs with a cache, as one program:
+    kvlab.prefill of a 16-token prompt then kvlab.decode_step; generate's loop (its
+    own prefill, then sampled decode steps); evaluation's forward of a chunk and its
+    comparison with another cache's logits."""
     model = kvlab.Transformer(cfg.model)
 
-    def steps(params, cache, prompt, token):
-        logits, cache = model.apply({"params": params}, prompt, cache=cache)
-        last, cache = model.apply({"params": params}, token, cache=cache)
-        return logits, last, cache
+    def programs(params, cache, prompt, token, rng):
+        logits, stepped = kvlab.prefill(model, params, cache, prompt)
+        last, stepped = kvlab.decode_step(model, params, stepped, token)
+        lengths = jnp.full(prompt.shape[:1], prompt.shape[1], jnp.int32)
+        out, errors = kvlab.sampling.generate_loop(
+            model, kvlab.TopP(0.9), None, params, cache, prompt, lengths, 4, 0, rng
+        )
+        chunk, _ = perplexity.chunk_logits(model, params, cache, prompt)
+        sums, kl = perplexity.compare_logits(chunk, logits, prompt, jnp.ones(prompt.shape))
+        return last, stepped, out, errors, sums, kl
 
-    params = jax.eval_shape(lambda: kvlab.init_params(cfg.model, jax.random.key(0)))
-    cache = jax.eval_shape(lambda: kvlab.init_cache(cfg.model, cfg.cache, 2, 64))
-    tokens = (jax.ShapeDtypeStruct((2, 16), jnp.int32), jax.ShapeDtypeStruct((2, 1), jnp.int32))
-    return jax.jit(steps), (params, cache, *tokens)
+    arguments = (
+        abstract_params(cfg),
+        jax.eval_shape(lambda: kvlab.init_cache(cfg.model, cfg.cache, 2, 64)),
+        jax.ShapeDtypeStruct((2, 16), jnp.int32),
+        jax.ShapeDtypeStruct((2,), jnp.int32),
+        jax.eval_shape(lambda: jax.random.key(0)),
+    )
+    return jax.jit(programs), arguments
 
 
-@pytest.mark.parametrize("impl", ["xla", "pallas", "native"])
-@pytest.mark.parametrize("cache", CACHES)
-@pytest.mark.parametrize("attention", ["gqa", "mla"])
-def test_every_program_exports_for_tpu_and_cuda(attention, cache, impl):
-    program, arguments = prompt_then_step(config(attention, cache, impl))
+def abstract_params(cfg):
+    return jax.eval_shape(lambda: kvlab.init_params(cfg.model, jax.random.key(0)))
+
+
+def assert_exports(program, arguments, kernel: bool):
+    """`program` exports for TPU and for CUDA, holding no CPU-only call, and each
+    platform's Pallas kernel exactly where `kernel`."""
     for platform in ("tpu", "cuda"):
         checks = [export.DisabledSafetyCheck.custom_call(TRITON)]
         with kvlab.backends.lowering_for(platform):
             exported = export.export(program, platforms=(platform,), disabled_checks=checks)
             calls = set(CUSTOM_CALL.findall(exported(*arguments).mlir_module()))
         assert not {c for c in calls if c.startswith("kvlab_")}, (platform, calls)
-        kernel = impl == "pallas" and cache in STORED
-        assert {c for c in calls if c in KERNEL.values()} == (
-            {KERNEL[platform]} if kernel else set()
-        ), (platform, calls)
+        wanted = {KERNEL[platform]} if kernel else set()
+        assert {c for c in calls if c in KERNEL.values()} == wanted, (platform, calls)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("cache", CACHES)
+@pytest.mark.parametrize("attention", ["gqa", "mla"])
+def test_every_program_exports_for_tpu_and_cuda(attention, cache, impl):
+    program, arguments = inference(config(attention, cache, impl))
+    assert_exports(program, arguments, kernel=impl == "pallas" and cache in STORED)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("cache", ENGINE_CACHES)
+@pytest.mark.parametrize("attention", ["gqa", "mla"])
+def test_the_engine_step_exports_for_tpu_and_cuda(attention, cache, impl):
+    """kvlab.serve.engine's step: start_rows (an evicting cache's rows made ready),
+    then greedy_run (a prompt chunk and decode steps in one loop over the slots)."""
+    cfg = config(attention, cache, impl)
+    model = kvlab.Transformer(cfg.model)
+    evicting = cfg.cache.evict.method != "none"
+    pool = dict(cfg.cache, num_pages=17)
+    cache_shape = jax.eval_shape(lambda: kvlab.init_cache(cfg.model, pool, 2, 64, own_pages=False))
+
+    def step(params, cache, tokens, counts, budgets, starting, lengths, copies):
+        if evicting:
+            cache = engine.start_rows(cache, starting, lengths, copies)
+        return engine.greedy_run(
+            model, 4, params, cache, tokens, counts, True, budgets, 4, False, -1
+        )
+
+    rows = jax.ShapeDtypeStruct((2,), jnp.int32)
+    arguments = (
+        abstract_params(cfg),
+        cache_shape,
+        jax.ShapeDtypeStruct((2, 8), jnp.int32),
+        rows,
+        rows,
+        jax.ShapeDtypeStruct((2,), jnp.bool_),
+        rows,
+        jax.ShapeDtypeStruct((3, 2), jnp.int32),
+    )
+    assert_exports(jax.jit(step), arguments, kernel=impl == "pallas" and not evicting)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("attention", ["gqa", "mla"])
+def test_a_training_step_exports_for_tpu_and_cuda(attention, impl):
+    """train_step (forward, gradients, AdamW; no cache) on a batch of 2 x 16 tokens."""
+    cfg = config(attention, "bfloat16", impl)
+    model = kvlab.Transformer(cfg.model)
+    state = jax.eval_shape(lambda: init_state(cfg))
+    tokens = jax.ShapeDtypeStruct((2, 16), jnp.int32)
+    batch = dict(inputs=tokens, targets=tokens, weights=jax.ShapeDtypeStruct((2, 16), jnp.float32))
+    program = jax.jit(functools.partial(train_step, model, frozen(cfg.train)))
+    assert_exports(program, (state, batch), kernel=False)
 
 
 @pytest.mark.parametrize("cache", ["KIVI 2-bit", "paged 4-bit", "snapkv"])

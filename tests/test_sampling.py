@@ -189,7 +189,7 @@ def test_generate_compiles_its_loop_once_per_shape():
     generate = lambda prompts, new: kvlab.generate(  # noqa: E731
         model, params, prompts, cache_cfg=cfg.cache, max_new_tokens=new, max_len=1010
     )
-    loops = kvlab.sampling._generate._cache_size
+    loops = kvlab.sampling.generate_loop._cache_size
     before = loops()
     out = generate(prompts, 1000)
     generate(random_tokens(cfg, (2, 5), seed=4), 1000)

@@ -102,7 +102,7 @@ def _row_sums(logits, targets, weights) -> dict:
 
 
 @functools.partial(jax.jit, static_argnums=0, donate_argnums=2)
-def _forward(model: Transformer, params, cache, inputs):
+def chunk_logits(model: Transformer, params, cache, inputs):
     """(logits float32[B, C, V], cache) of one chunk: the one program a cache
     config runs, whether it is the reference or the cache compared with it."""
     logits, cache = model.apply({"params": params}, inputs, cache=cache)
@@ -281,7 +281,7 @@ def _run(
                 cache, sums = _score_chunk(model, params, cache, inputs, targets, weights)
                 scored.append(sums)
                 continue
-            logits, cache = _forward(model, params, cache, inputs)
+            logits, cache = chunk_logits(model, params, cache, inputs)
             if per_row:  # [B], laid out by rows: fetched at the end
                 window_rows.append(_row_sums(logits, targets, weights))
             if not compare:
@@ -290,7 +290,7 @@ def _run(
             if reference is None:
                 against = logits
             elif lockstep:
-                against, ref_cache = _forward(model, params, ref_cache, inputs)
+                against, ref_cache = chunk_logits(model, params, ref_cache, inputs)
             else:
                 against = reference.logits[window][index]
             sums, kl = compare_logits(logits, against, targets, weights)
