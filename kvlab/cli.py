@@ -28,7 +28,6 @@
 
 `decode_params` is the parameter layout the scripts decode from;
 `attention_label` and `count` word what the scripts print about a model;
-`best_time` times the benchmarks' compiled calls;
 `with_hf` is what every script's `--hf DIR` does (docs/checkpoints.md, "Your own
 checkpoint"), `with_run` what scripts/train.py's `--init_from DIR` does,
 `refuse_other_weights` what both refuse beside them, `evaluated_weights` what
@@ -37,7 +36,6 @@ the evaluation scripts' `--workdir`/`--hf` and `--cache` load.
 
 import os
 import sys
-import time
 import warnings
 from collections.abc import Callable, Mapping
 
@@ -277,15 +275,3 @@ def _sharing_label(model: ml_collections.ConfigDict) -> str:
 def count(number: int, noun: str) -> str:
     """'1 KV head', '2 KV heads'."""
     return f"{number} {noun}" if number == 1 else f"{number} {noun}s"
-
-
-def best_time(fn: Callable[[], object], repeats: int) -> float:
-    """Seconds of the fastest of `repeats` calls of `fn` (after one warm-up call),
-    each waited for until its arrays are ready."""
-    jax.block_until_ready(fn())
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(fn())
-        times.append(time.perf_counter() - start)
-    return min(times)

@@ -23,19 +23,16 @@ policy keeping that share of the context (cache.evict, kvlab/cache/evict/),
 against the config's own cache.
 """
 
-import functools
 import json
-import time
 
 import jax
-import jax.numpy as jnp
-import numpy as np
 from absl import flags
 from ml_collections import config_flags
 
 import kvlab
 from kvlab import backends, cli
 from kvlab.config import cached_prefixes
+from kvlab.eval import speed
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/gqa.py:tiny", "kvlab config file.")
 _LENGTHS = flags.DEFINE_list("lengths", ["128", "256", "512", "1024", "2048"], "Context lengths.")
@@ -75,56 +72,15 @@ _NATIVE = flags.DEFINE_bool(
 _JSON = flags.DEFINE_bool("json", False, "Print one JSON object.")
 
 
-def memory_bandwidth(mib: int, repeats: int) -> dict:
-    """Bytes/s read by a large reduction and a large matrix-vector product."""
-    array = jnp.ones((mib * 2**20 // 4,), jnp.float32)
-    matrix = jnp.ones((8192, mib * 2**20 // 8 // 8192), jnp.float32)
-    vector = jnp.ones((matrix.shape[1],), jnp.float32)
-    total, matvec = jax.jit(jnp.sum), jax.jit(jnp.dot)
-    return {
-        f"sum_{mib}MiB": array.nbytes / cli.best_time(lambda: total(array), repeats),
-        f"matvec_{mib // 2}MiB": matrix.nbytes
-        / cli.best_time(lambda: matvec(matrix, vector), repeats),
-    }
-
-
-@functools.partial(jax.jit, static_argnums=(0, 4), donate_argnums=2)
-def decode_loop(model, params, cache, token, steps):
-    """`steps` greedy decode steps in one compiled loop; returns the last token and cache."""
-
-    def step(_, carry):
-        token, cache = carry
-        logits, cache = model.apply({"params": params}, token[:, None], cache=cache)
-        return jnp.argmax(logits[:, 0], axis=-1).astype(jnp.int32), cache
-
-    return jax.lax.fori_loop(0, steps, step, (token, cache))
+def random_prompt(cfg, batch: int, length: int):
+    return speed.random_prompt(cfg.model.vocab_size, batch, length)
 
 
 def decode_step_time(cfg, model, params, tokens, steps: int, repeats: int) -> float:
     """Seconds per greedy decode step after a prefill of `tokens` (not timed)."""
-    batch, length = tokens.shape
-
-    def prefilled():
-        # In chunks: attention over a whole long prompt at once would need
-        # [T, S] scores per head.
-        cache = kvlab.init_cache(cfg.model, cfg.cache, batch, length + steps)
-        for start in range(0, length, _PREFILL_CHUNK.value):
-            chunk = tokens[:, start : start + _PREFILL_CHUNK.value]
-            cache = kvlab.prefill(model, params, cache, chunk)[1]
-        return jax.block_until_ready(cache)
-
-    start_token = jnp.asarray(tokens[:, -1])
-    times = []
-    for _ in range(repeats + 1):  # the first run compiles
-        cache = prefilled()
-        begin = time.perf_counter()
-        jax.block_until_ready(decode_loop(model, params, cache, start_token, steps))
-        times.append(time.perf_counter() - begin)
-    return min(times[1:]) / steps
-
-
-def random_prompt(cfg, batch: int, length: int) -> np.ndarray:
-    return np.random.default_rng(0).integers(0, cfg.model.vocab_size, (batch, length), np.int32)
+    return speed.decode_step_time(
+        cfg, model, params, tokens, steps, repeats, prefill_chunk=_PREFILL_CHUNK.value
+    )
 
 
 def bench_length(cfg, model, params, length: int, batch: int, steps: int, repeats: int) -> dict:
@@ -132,7 +88,7 @@ def bench_length(cfg, model, params, length: int, batch: int, steps: int, repeat
     tokens = random_prompt(cfg, batch, length)
     decode_step = decode_step_time(cfg, model, params, tokens, steps, repeats)
     forward = jax.jit(lambda p, t: model.apply({"params": p}, t)[0][:, -1].argmax(-1))
-    recompute_step = cli.best_time(lambda: forward(params, tokens), repeats)
+    recompute_step = speed.best_time(lambda: forward(params, tokens), repeats)
     return dict(
         seq_len=length,
         cached_tokens_per_s=batch / decode_step,
@@ -246,7 +202,7 @@ def main(argv):
         )
     model = kvlab.Transformer(cfg.model)
     weight_bytes = kvlab.tree_bytes(params)
-    bandwidth = memory_bandwidth(_PROBE_MIB.value, _REPEATS.value)
+    bandwidth = speed.memory_bandwidth(_PROBE_MIB.value, _REPEATS.value)
     best_bandwidth = max(bandwidth.values())
     rows = []
     for length in [int(n) for n in _LENGTHS.value]:

@@ -39,6 +39,7 @@ from ml_collections import config_flags
 import kvlab
 from kvlab import cli, sharding, train
 from kvlab.config import frozen
+from kvlab.eval import speed
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/gqa.py:tiny", "kvlab config file.")
 _DEVICES = flags.DEFINE_list("devices", ["1", "2", "4", "8"], "Device counts to measure.")
@@ -95,7 +96,7 @@ def measure(cfg, num_devices: int) -> dict:
             state[0], metrics = step(state[0], batch)
         return metrics["loss"]
 
-    train_seconds = cli.best_time(train_steps, _REPEATS.value) / _STEPS.value
+    train_seconds = speed.best_time(train_steps, _REPEATS.value) / _STEPS.value
 
     decode_rows, prompt_len = _DECODE_BATCH.value, _PROMPT_LEN.value
     max_len = prompt_len + _DECODE_STEPS.value

@@ -452,3 +452,32 @@ def test_prefix_sharing_experiment(tmp_path):
     assert report["outputs_equal"]
     assert report["on"]["prefill_tokens_computed"] < report["off"]["prefill_tokens_computed"]
     assert report["off"]["prefill_tokens_computed"] == report["off"]["prompt_tokens"]
+
+
+def test_device_check_runs_on_the_cpu_in_interpret_mode():
+    """scripts/device_check.py as on an accelerator, on this CPU: each checked
+    storage's kernel (interpreted) gives the XLA path's logits, and each timed
+    cache's decode rows hold the roofline fraction of the bytes a step reads; a
+    storage it does not know is one line naming the known ones."""
+    result = run_script(
+        "scripts/device_check.py",
+        "--json",
+        "--checked=paged K4V4,MLA 4-bit",
+        "--timed=paged",
+        "--lengths=32",
+        "--check_tokens=24",
+    )
+    report = json.loads(result.stdout)
+    assert report["platform"] == "cpu" and report["interpreted"]
+    assert [row["cache"] for row in report["kernels"]] == ["paged K4V4", "MLA 4-bit"]
+    for row in report["kernels"]:
+        assert row["max_abs_diff"] < 1e-4 and row["kernel_in_program"] is None
+    bandwidth = max(report["bandwidth_bytes_per_s"].values())
+    rows = report["decode"]
+    assert [(r["attention_impl"], r["seq_len"]) for r in rows] == [("xla", 32), ("pallas", 32)]
+    for row in rows:
+        assert row["roofline_fraction"] == pytest.approx(
+            row["bytes_per_step"] / bandwidth / row["decode_step_s"]
+        )
+    refused = run_script("scripts/device_check.py", "--timed=K5V5", check=False)
+    assert user_error(refused).startswith("--timed=K5V5: not one of ['bf16'")

@@ -102,8 +102,9 @@ def base_config(variant: str = "tiny") -> ml_collections.ConfigDict:
             attention_impl="xla",  # the backend (kvlab.backends) whose kernels attend over
             #                        stored blocks and write caches: 'xla' (plain JAX, any
             #                        platform), 'pallas' (kvlab/kernels/pallas: Triton on
-            #                        CUDA, the interpreter on CPU), 'native' (kvlab/kernels/
-            #                        native: C++ CPU kernels), or one registered
+            #                        CUDA, Mosaic on TPU, the interpreter on CPU),
+            #                        'native' (kvlab/kernels/native: C++ CPU kernels),
+            #                        or one registered
             topology="layerwise",  # which cache layer each layer reads and writes
             #                       (kvlab.registry.TOPOLOGIES): 'layerwise' (its own) or
             #                       'cla:N' (N adjacent layers share one, arXiv:2405.12981)
