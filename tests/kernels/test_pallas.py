@@ -489,7 +489,9 @@ def lowering_cases():
 
 
 def test_kernels_lower_to_triton_for_a_cuda_target(monkeypatch):
-    """Each of lowering_cases lowers to Triton IR that verifies."""
+    """Each of lowering_cases lowers to Triton IR that verifies, with num_warps and
+    num_stages from triton.TUNING (4 and 2 for heads of 64, 8 and 2 for a bfloat16
+    latent of 256)."""
     verified = []
     try:
         from jax._src.pallas.triton import pallas_call_registration as registration
@@ -518,7 +520,11 @@ def test_kernels_lower_to_triton_for_a_cuda_target(monkeypatch):
             platforms=["cuda"],
             disabled_checks=[jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")],
         )(queries, keys, values, lengths)
-        assert "xla.gpu.triton" in exported.mlir_module()
+        text = exported.mlir_module()
+        assert "xla.gpu.triton" in text
+        # num_warps and num_stages from the table, by the widest head and the dtype
+        _, warps, stages = triton.tuning(max(q.shape[-1] for q in queries), compute)
+        assert f"num_warps = {warps} : i32" in text and f"num_stages = {stages} : i32" in text
     assert verified == [True] * len(cases) or registration is None
 
 

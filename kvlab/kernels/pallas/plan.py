@@ -25,8 +25,8 @@ from jaxtyping import Array, Float
 from kvlab.attention.core import MASKED
 from kvlab.cache.quant import QuantizedTensor, Storage
 
-# Blocks of this many tokens unless `block_tokens` says otherwise (rounded up to
-# the page size and channel group size); not tuned on a GPU.
+# Blocks of this many tokens unless the caller or `block_tokens` says otherwise
+# (rounded up to the page size and channel group size).
 DEFAULT_BLOCK_TOKENS = 64
 # tl.dot's smallest M, N and K; queries are padded to it, narrower widths contract by hand.
 DOT_MIN = 16
@@ -387,8 +387,8 @@ def _describe_all(queries: tuple, keys: tuple, values, tables: list, triton_tile
     return tuple(t for t, _ in described), value_tensor, value_part, capacities[0]
 
 
-def _block_size(tensors: list, tokens: int, block_tokens, triton_tiles: bool) -> int:
-    """`block_tokens`, or the default for `tokens`; a block holds whole pages and whole
+def _block_size(tensors: list, tokens: int, block_tokens, triton_tiles: bool, target: int) -> int:
+    """`block_tokens`, or `target` (cut to `tokens`); a block holds whole pages and whole
     channel-axis scale groups (and, for Triton, is a power of two >= DOT_MIN)."""
     unit = 1
     for t in tensors:
@@ -396,7 +396,7 @@ def _block_size(tensors: list, tokens: int, block_tokens, triton_tiles: bool) ->
         if t.spec is not None and t.spec.axis == "channel":
             unit = math.lcm(unit, t.spec.group_size)
     if block_tokens is None:
-        target = max(DOT_MIN, min(DEFAULT_BLOCK_TOKENS, 1 << max(0, tokens - 1).bit_length()))
+        target = max(DOT_MIN, min(target, 1 << max(0, tokens - 1).bit_length()))
         block_tokens = unit * -(-target // unit)
     if isinstance(block_tokens, bool) or not isinstance(block_tokens, int) or block_tokens < 1:
         _fail("block_tokens", block_tokens, "is not a positive int", "pass e.g. 64, or None")
@@ -435,10 +435,20 @@ def _compute_name(compute_dtype) -> str:
 
 
 def plan(
-    queries, keys, values, lengths, scale, block_tokens, num_splits, compute_dtype, triton_tiles
+    queries,
+    keys,
+    values,
+    lengths,
+    scale,
+    block_tokens,
+    num_splits,
+    compute_dtype,
+    triton_tiles,
+    target_block=DEFAULT_BLOCK_TOKENS,
 ) -> tuple:
     """Checks every argument (shapes, dtypes, divisibility); returns the static CallPlan
-    and the block tables. Runs before anything is traced."""
+    and the block tables (blocks of `block_tokens`, or of about `target_block`).
+    Runs before anything is traced."""
     _check_arguments(queries, keys, lengths, scale)
     num_queries = queries[0].shape[2]
     tables: list = []
@@ -446,7 +456,7 @@ def plan(
         queries, keys, values, tables, triton_tiles
     )
     tensors = list(key_tensors) + ([value_tensor] if value_tensor else [])
-    block_tokens = _block_size(tensors, tokens, block_tokens, triton_tiles)
+    block_tokens = _block_size(tensors, tokens, block_tokens, triton_tiles, target_block)
     if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 1:
         _fail("num_splits", num_splits, "is not a positive int", "pass 1, or more to split S")
     compute = _compute_name(compute_dtype)

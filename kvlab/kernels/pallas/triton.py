@@ -77,7 +77,7 @@ path's numbers) tl.dot runs without tensor cores on queries padded to 16
 rows, so on a GPU the products may cost more than reading the codes;
 `compute_dtype="bfloat16"` (tensor cores, float32 sums) is the expected
 choice there, unmeasured. Every key part and the values have the same K
-heads (attend also allows a part with fewer). TPU (Mosaic) is not targeted.
+heads (attend also allows a part with fewer). TPU: mosaic.py.
 """
 
 from __future__ import annotations
@@ -94,6 +94,7 @@ from jaxtyping import Array, Float, Int
 from kvlab.attention.core import MASKED
 from kvlab.kernels.pallas import tiles
 from kvlab.kernels.pallas.plan import (
+    DEFAULT_BLOCK_TOKENS,
     CallPlan,
     Partial,
     Stored,
@@ -104,7 +105,30 @@ from kvlab.kernels.pallas.plan import (
     plan,
 )
 
-TRITON_PARAMS = plgpu.CompilerParams(num_warps=4, num_stages=2)  # untuned
+# Block tokens, num_warps and num_stages by the widest head a call reads and the
+# products' dtype (a wider head keeps fewer tokens in registers; bfloat16 tiles
+# are half the bytes). Starting points, none timed on a GPU: scripts/
+# device_check.py is where to tune them.
+TUNING = {
+    # (widest head <=, compute dtype): (block_tokens, num_warps, num_stages)
+    (64, "float32"): (64, 4, 2),
+    (64, "bfloat16"): (64, 4, 3),
+    (128, "float32"): (32, 4, 2),
+    (128, "bfloat16"): (64, 4, 3),
+    (256, "float32"): (16, 8, 2),
+    (256, "bfloat16"): (32, 8, 2),
+}
+WIDER = (16, 8, 1)  # heads wider than the table's (a latent of 512)
+
+
+def tuning(width: int, compute: str) -> tuple[int, int, int]:
+    """(block_tokens, num_warps, num_stages) for heads up to `width` wide (TUNING)."""
+    fits = [key for key in TUNING if key[1] == compute and width <= key[0]]
+    return TUNING[min(fits)] if fits else WIDER
+
+
+def _widest(call: CallPlan) -> int:
+    return max(t.width for t in (*call.keys, *([call.values] if call.values else [])))
 
 
 def _rows(ref, first, size: int) -> Array:
@@ -234,7 +258,10 @@ def _run(queries, keys, values, lengths, tables, call: CallPlan, interpret: bool
             jax.ShapeDtypeStruct(rows, jnp.float32),
             jax.ShapeDtypeStruct(rows, jnp.float32),
         ],
-        compiler_params=TRITON_PARAMS,
+        compiler_params=plgpu.CompilerParams(
+            num_warps=tuning(_widest(call), call.compute)[1],
+            num_stages=tuning(_widest(call), call.compute)[2],
+        ),
         interpret=interpret,
         name="stored_attention",
     )(*arrays)
@@ -282,7 +309,8 @@ def stored_attention(
     `keys` objects itself (latent attention: read once). Row b sees its tokens
     0..lengths[b]-1. Returns (acc [B, K, M, Hv], peak [B, K, M, 1],
     total [B, K, M, 1]), float32 (module docstring). `block_tokens` (default:
-    64 rounded up to the page and channel group sizes) must hold whole pages
+    TUNING's for the widest head and the products' dtype, rounded up to the page
+    and channel group sizes; num_warps and num_stages too) must hold whole pages
     and channel-axis scale groups; `num_splits` cuts each row's tokens into
     that many programs whose partials merge at the end. `compute_dtype`
     "bfloat16" rounds every tile (dequantized codes or float32 numbers), the
@@ -294,17 +322,11 @@ def stored_attention(
     argument, its value and the fix).
     """
     queries, keys = parts(q, keys)
-    call, tables = plan(
-        queries,
-        keys,
-        values,
-        lengths,
-        scale,
-        block_tokens,
-        num_splits,
-        compute_dtype,
-        triton_tiles=not interpret,
-    )
+    arguments = (queries, keys, values, lengths, scale, block_tokens, num_splits, compute_dtype)
+    call, tables = plan(*arguments, triton_tiles=not interpret)
+    target = tuning(_widest(call), call.compute)[0]
+    if block_tokens is None and target != DEFAULT_BLOCK_TOKENS:
+        call, tables = plan(*arguments, triton_tiles=not interpret, target_block=target)
     if call.tokens == 0:
         return empty_partial(queries, call)
     values = None if call.values is None else values
