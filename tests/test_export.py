@@ -90,20 +90,20 @@ def config(attention: str, cache: str, impl: str):
 
 def inference(cfg):
     """(the program, its abstract arguments): what runs with a cache, as one program:
-    kvlab.prefill of a 16-token prompt then kvlab.decode_step; generate's loop (its
-    own prefill, then sampled decode steps); evaluation's forward of a chunk and its
-    comparison with another cache's logits."""
+    a 16-token prompt's prefill (kvlab.prefill's and evaluation's chunk_logits, one
+    model.apply) then kvlab.decode_step; generate's loop (its own prefill with row
+    lengths, then sampled decode steps); evaluation's comparison of logits."""
     model = kvlab.Transformer(cfg.model)
 
     def programs(params, cache, prompt, token, rng):
-        logits, stepped = kvlab.prefill(model, params, cache, prompt)
+        # evaluation's step over a chunk is kvlab.prefill's model.apply: traced once
+        logits, stepped = perplexity.chunk_logits(model, params, cache, prompt)
         last, stepped = kvlab.decode_step(model, params, stepped, token)
         lengths = jnp.full(prompt.shape[:1], prompt.shape[1], jnp.int32)
         out, errors = kvlab.sampling.generate_loop(
             model, kvlab.TopP(0.9), None, params, cache, prompt, lengths, 4, 0, rng
         )
-        chunk, _ = perplexity.chunk_logits(model, params, cache, prompt)
-        sums, kl = perplexity.compare_logits(chunk, logits, prompt, jnp.ones(prompt.shape))
+        sums, kl = perplexity.compare_logits(logits, logits, prompt, jnp.ones(prompt.shape))
         return last, stepped, out, errors, sums, kl
 
     arguments = (
@@ -123,11 +123,17 @@ def abstract_params(cfg):
 def assert_exports(program, arguments, kernel: bool):
     """`program` exports for TPU and for CUDA, holding no CPU-only call, and each
     platform's Pallas kernel exactly where `kernel`."""
-    for platform in ("tpu", "cuda"):
-        checks = [export.DisabledSafetyCheck.custom_call(TRITON)]
-        with kvlab.backends.lowering_for(platform):
-            exported = export.export(program, platforms=(platform,), disabled_checks=checks)
-            calls = set(CUSTOM_CALL.findall(exported(*arguments).mlir_module()))
+    checks = [export.DisabledSafetyCheck.custom_call(TRITON)]
+    # One trace serves both: the abstract TPU device only tells Mosaic which chip.
+    with kvlab.backends.lowering_for("tpu"):
+        modules = {
+            platform: export.export(program, platforms=(platform,), disabled_checks=checks)(
+                *arguments
+            ).mlir_module()
+            for platform in ("tpu", "cuda")
+        }
+    for platform, module in modules.items():
+        calls = set(CUSTOM_CALL.findall(module))
         assert not {c for c in calls if c.startswith("kvlab_")}, (platform, calls)
         wanted = {KERNEL[platform]} if kernel else set()
         assert {c for c in calls if c in KERNEL.values()} == wanted, (platform, calls)
