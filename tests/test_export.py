@@ -125,21 +125,25 @@ def abstract_params(cfg):
 
 def assert_exports(program, arguments, kernel: bool):
     """`program` exports for TPU and for CUDA, holding no CPU-only call, and each
-    platform's Pallas kernel exactly where `kernel`."""
+    platform's Pallas kernel exactly where `kernel`. A program without a kernel is
+    lowered for both in one module (each platform's branches in it); one with a
+    kernel for each alone (jax lowers every branch of a platform_dependent for
+    every platform of a module, and a kernel lowers for its own only)."""
     checks = [export.DisabledSafetyCheck.custom_call(TRITON)]
+    together = [("tpu", "cuda")] if not kernel else [("tpu",), ("cuda",)]
     # One trace serves both: the abstract TPU device only tells Mosaic which chip.
     with kvlab.backends.lowering_for("tpu"):
         modules = {
-            platform: export.export(program, platforms=(platform,), disabled_checks=checks)(
+            platforms: export.export(program, platforms=platforms, disabled_checks=checks)(
                 *arguments
             ).mlir_module()
-            for platform in ("tpu", "cuda")
+            for platforms in together
         }
-    for platform, module in modules.items():
+    for platforms, module in modules.items():
         calls = set(CUSTOM_CALL.findall(module))
-        assert not {c for c in calls if c.startswith("kvlab_")}, (platform, calls)
-        wanted = {KERNEL[platform]} if kernel else set()
-        assert {c for c in calls if c in KERNEL.values()} == wanted, (platform, calls)
+        assert not {c for c in calls if c.startswith("kvlab_")}, (platforms, calls)
+        wanted = {KERNEL[p] for p in platforms} if kernel else set()
+        assert {c for c in calls if c in KERNEL.values()} == wanted, (platforms, calls)
 
 
 @pytest.mark.parametrize("impl", IMPLS)
