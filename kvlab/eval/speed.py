@@ -41,8 +41,7 @@ def memory_bandwidth(mib: int, repeats: int) -> dict:
     total, matvec = jax.jit(jnp.sum), jax.jit(jnp.dot)
     return {
         f"sum_{mib}MiB": array.nbytes / best_time(lambda: total(array), repeats),
-        f"matvec_{mib // 2}MiB": matrix.nbytes
-        / best_time(lambda: matvec(matrix, vector), repeats),
+        f"matvec_{mib // 2}MiB": matrix.nbytes / best_time(lambda: matvec(matrix, vector), repeats),
     }
 
 

@@ -561,6 +561,9 @@ def test_mosaic_refuses_pools_of_two_page_sizes_and_blocks_that_do_not_divide():
         mosaic.stored_attention(GOOD_QUERIES, pool, pool, lengths, scale=1.0, block_tokens=16)
     with pytest.raises(ValueError, match="block_tokens=16 does not divide the 24 slots"):
         mosaic.stored_attention(GOOD_QUERIES, GOOD, GOOD, lengths, scale=1.0, block_tokens=16)
+    for bad in (0, -8, True, 8.0):
+        with pytest.raises(ValueError, match=f"block_tokens={bad} is not a positive int"):
+            mosaic.stored_attention(GOOD_QUERIES, GOOD, GOOD, lengths, scale=1.0, block_tokens=bad)
 
 
 # ---------------------------------------------------------------------------

@@ -86,6 +86,8 @@ def _block_tokens(call: CallPlan, block_tokens) -> int:
     if block_tokens is None:
         fits = [n for n in range(unit, DEFAULT_BLOCK_TOKENS + 1, unit) if call.tokens % n == 0]
         return fits[-1] if fits else call.tokens
+    if isinstance(block_tokens, bool) or not isinstance(block_tokens, int) or block_tokens < 1:
+        _refuse("block_tokens", block_tokens, "is not a positive int", "pass None or e.g. 64")
     if call.tokens % block_tokens or (block_tokens % SUBLANES and block_tokens != call.tokens):
         _refuse(
             "block_tokens",
