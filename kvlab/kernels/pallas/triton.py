@@ -242,6 +242,7 @@ def _run(queries, keys, values, lengths, tables, call: CallPlan, interpret: bool
         arrays += more_arrays
         specs += more_specs
     rows = (batch, heads, call.splits, call.queries)
+    _, num_warps, num_stages = tuning(_widest(call), call.compute)
     acc, peak, total = pl.pallas_call(
         functools.partial(_kernel, call=call),
         grid=(batch, heads, call.splits),
@@ -258,10 +259,7 @@ def _run(queries, keys, values, lengths, tables, call: CallPlan, interpret: bool
             jax.ShapeDtypeStruct(rows, jnp.float32),
             jax.ShapeDtypeStruct(rows, jnp.float32),
         ],
-        compiler_params=plgpu.CompilerParams(
-            num_warps=tuning(_widest(call), call.compute)[1],
-            num_stages=tuning(_widest(call), call.compute)[2],
-        ),
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="stored_attention",
     )(*arrays)
