@@ -45,7 +45,7 @@ CACHES = {
         k_bits=2,
         v_bits=2,
         k_axis="channel",
-        residual=32,
+        residual=16,  # a budget of 32 holds the ring (up to 23 tokens) and one group
         group_size=8,
         evict=dict(method="snapkv", ratio=0.5),
     ),

@@ -366,7 +366,7 @@ def test_on_mesh_the_methods_added_through_registries_are_unchanged():
     cfg = model_config((2, 2, 2), num_layers=3, topology="cla:2")
     cfg.cache.update(kind="paged", page_size=16, k_bits=4, v_bits=4, residual=16)
     cfg.cache.update(k_transform="hadamard", v_transform="hadamard")
-    cfg.cache.evict.update(method="tova", budget=12, recent=2)
+    cfg.cache.evict.update(method="tova", budget=32, recent=2)  # the ring and 1 group of 16
     mesh, rules = mesh_of(cfg)
     params = kvlab.init_params(cfg.model, jax.random.key(0))
     placed = placed_params(cfg, params, mesh, rules)

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 import kvlab
@@ -69,8 +70,9 @@ def test_a_budget_that_holds_the_sequence_gives_the_full_cache_logits(name, bits
     full, _ = run(cfg, evicting(cfg, "none", bits), tokens)
     for method in methods:
         # pyramidkv's last layer keeps recent + mean / beta: give it a mean that holds 9
-        budget = 9 * 20 if method == "pyramidkv" else MAX_LEN
-        out, cache = run(cfg, evicting(cfg, method, bits, budget=budget), tokens)
+        budget, max_len = (9 * 20, 9 * 20) if method == "pyramidkv" else (MAX_LEN, MAX_LEN)
+        cache_cfg = evicting(cfg, method, bits, budget=budget)
+        out, cache = run(cfg, cache_cfg, tokens, max_len=max_len)
         # More slots (pyramidkv) or one pool (adakv): the same sums in another order.
         tolerance = 3e-6 if method in ("adakv", "pyramidkv") else 0.0
         np.testing.assert_allclose(out, full, atol=tolerance, rtol=0, err_msg=method)
@@ -151,7 +153,7 @@ def test_paged_groups_of_kivi_storage_equal_the_dense_ones():
     cfg = VARIANTS["gqa"]()
     tokens = random_tokens(cfg, (2, 28))
     _, params, apply = build(cfg)
-    cache_cfg = kivi(cfg, "h2o", 8, budget=16)
+    cache_cfg = kivi(cfg, "h2o", 8, budget=24)
     chunks = KIVI_CHUNKS
     dense, dense_cache = run(cfg, cache_cfg, tokens, chunks, KIVI_LEN)
     cache_cfg.update(kind="paged", page_size=8)
@@ -254,16 +256,17 @@ def test_a_window_over_settling_groups_keeps_what_its_band_reads(
     "method, residual, recent", [("h2o", 8, 2), ("snapkv", 0, 10), ("adakv", 0, 10)]
 )
 def test_kivi_eviction_keeps_whole_groups_the_ring_and_the_recent_groups(method, residual, recent):
-    """A budget of 16: each head keeps (16 - residual) // 8 settled groups of 8 tokens
-    (AdaKV: the layer's K x that, unequally) and the unsettled ring; a group holding
-    one of the `recent` latest positions stays; the bytes are counted."""
+    """A budget of 24: each head keeps the settled groups of 8 tokens that fit
+    beside the fullest unsettled ring (residual + 7 tokens): (24 - residual - 7) // 8
+    (AdaKV: the layer's K x that, unequally); a group holding one of the `recent`
+    latest positions stays; no head holds more than 24; the bytes are counted."""
     cfg = VARIANTS["gqa"]()
     tokens = random_tokens(cfg, (2, 28))
-    cache_cfg = kivi(cfg, method, residual, budget=16, recent=recent)
+    cache_cfg = kivi(cfg, method, residual, budget=24, recent=recent)
     out, cache = run(cfg, cache_cfg, tokens, KIVI_CHUNKS, KIVI_LEN)
     assert np.isfinite(out).all()
     assert kvlab.cache_bytes(cfg.model, cache_cfg, 2, KIVI_LEN) == kvlab.tree_bytes(cache)
-    kv_heads, groups = cfg.model.num_kv_heads, (16 - residual) // 8
+    kv_heads, groups = cfg.model.num_kv_heads, (24 - residual - 7) // 8
     settled = (28 - residual) // 8 * 8
     must_stay = {first for first in range(0, settled, 8) if first + 7 >= 28 - recent}
     for layer in cache.layers:
@@ -285,6 +288,10 @@ def test_kivi_eviction_keeps_whole_groups_the_ring_and_the_recent_groups(method,
                 assert all(f % 8 == 0 and 0 <= f < settled for f in firsts)
                 assert must_stay <= set(firsts.tolist())
                 assert stored[b, h] == 8 * len(firsts) + 28 - settled
+        # AdaKV's heads share K x 24 unequally; the others hold 24 each at most
+        assert (
+            (stored.sum(-1) <= 24 * kv_heads).all() if layer.policy.pooled else stored.max() <= 24
+        )
 
 
 def layer0_attention(cfg, params, tokens):
@@ -421,8 +428,71 @@ def test_cache_bytes_equal_tree_bytes_for_every_policy(
     if paged:
         cache_cfg.update(kind="paged", page_size=16)
     build_cache = lambda: kvlab.init_cache(cfg.model, cache_cfg, batch, max_len)  # noqa: E731
-    measured = kvlab.tree_bytes(jax.eval_shape(build_cache))
-    assert kvlab.cache_bytes(cfg.model, cache_cfg, batch, max_len) == measured
+    try:
+        counted = kvlab.cache_bytes(cfg.model, cache_cfg, batch, max_len)
+    except ValueError as refused:  # a budget that cannot keep its promise: refused alike
+        assert "cache.evict" in str(refused) or "cache.residual" in str(refused)
+        with pytest.raises(ValueError, match=re.escape(str(refused))):
+            build_cache()
+        return
+    assert counted == kvlab.tree_bytes(jax.eval_shape(build_cache))
+
+
+@settings(max_examples=6, deadline=None)
+@given(
+    method=st.sampled_from(METHODS),
+    storage=st.sampled_from(["16", "int4", "kivi"]),
+    budget=st.integers(2, 24),
+    recent=st.integers(0, 6),
+    floor=st.sampled_from([0.0, 0.5, 1.0]),
+    chunks=st.lists(st.sampled_from([1, 7]), min_size=2, max_size=4),
+)
+@example(method="adakv", storage="16", budget=16, recent=6, floor=1.0, chunks=[7, 7, 7])
+@example(method="snapkv", storage="kivi", budget=23, recent=2, floor=0.0, chunks=[7, 7, 7, 7])
+def test_a_budget_is_a_promise_every_head_keeps_or_the_config_is_refused(
+    method, storage, budget, recent, floor, chunks
+):
+    """After every step no KV head holds more than its layer's budget (settled groups
+    and the unsettled ring together; AdaKV's heads share K x budget), and AdaKV's
+    heads each keep at least their floor; a budget that cannot keep that promise
+    is refused naming the fields. A window over settling groups keeps what its
+    band reads (the test above), so its promise is the band, not the bytes."""
+    cfg = VARIANTS["gqa"]()
+    bits = 4 if storage == "int4" else 16
+    fields = dict(budget=budget, recent=recent, adakv_floor=floor, sinks=1)
+    cache_cfg = (
+        kivi(cfg, method, 8, **fields)
+        if storage == "kivi"
+        else evicting(cfg, method, bits, **fields)
+    )
+    if storage == "kivi" and method in ("window", "sinks"):
+        return
+    try:
+        budgets = kvlab.cache.evict.layer_budgets(cfg.model, cache_cfg, KIVI_LEN)
+        cache = kvlab.init_cache(cfg.model, cache_cfg, 2, KIVI_LEN)
+    except ValueError as refused:
+        assert "cache.evict" in str(refused) or "cache.residual" in str(refused)
+        return
+    _, params, apply = build(cfg)
+    tokens = random_tokens(cfg, (2, sum(chunks)))
+    start = 0
+    for size in chunks:
+        _, cache = apply({"params": params}, tokens[:, start : start + size], cache=cache)
+        start += size
+        for layer, kept in zip(cache.layers, budgets, strict=True):
+            held = np.asarray(layer.stored(cache.lengths))  # [B, K]
+            policy = layer.policy
+            if not policy.pooled:
+                assert held.max() <= kept, (held, kept)
+                continue
+            assert (held.sum(-1) <= kept * policy.kv_heads).all(), (held, kept)
+            units = (np.asarray(layer.positions) >= 0)[:, 0, :]  # [B, S] slots in use
+            owner = np.asarray(layer.positions)[:, 0, :] % policy.kv_heads
+            seen = (
+                start if not policy.settles else policy.layout.settled(start) // policy.granularity
+            )
+            for h in range(policy.kv_heads):
+                assert ((units & (owner == h)).sum(-1) >= min(policy.floor, seen)).all()
 
 
 def test_a_row_given_an_invalid_token_under_jit_keeps_its_kept_tokens():

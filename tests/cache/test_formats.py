@@ -91,7 +91,7 @@ def step_calls(cfg, params) -> str:
 CACHES = {
     "dense": ({}, {}),
     "paged": (dict(kind="paged", page_size=8), {}),
-    "evicting": (dict(kind="paged", page_size=8), dict(method="h2o", budget=8, recent=2)),
+    "evicting": (dict(kind="paged", page_size=8), dict(method="h2o", budget=12, recent=2)),
 }
 CALLS = {"pallas": "pallas_call", "native": "kvlab_quant_scores"}
 

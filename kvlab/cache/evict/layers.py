@@ -33,7 +33,8 @@ Layouts (AdaKV's pool and the quantized groups below are scored ones):
 AdaKV (arXiv:2407.11550) gives a layer's heads unequal budgets: its K heads
 share one pool of K x budget slots (E = 1), each slot tagged with its head
 (`positions` holds position * K + head), the top K x budget (head, token)
-pairs of the layer are kept, each head at least `adakv_floor` x budget. The
+pairs of the layer are kept, each head at least `adakv_floor` x budget (its
+`recent` tokens counting towards it, so the floor is always honoured). The
 pool costs exactly what K heads of `budget` slots cost; every query head
 reads the pool masked to its own KV head's slots.
 
@@ -44,9 +45,10 @@ window or per-channel scales (KIVI, arXiv:2402.02750) a scored layer keeps the
 quantized layout (quant.Layout, g tokens per group): the unsettled tokens wait
 in a full-precision ring [B, K, W, Wd] (slot = position mod W) and are never
 evicted; tokens settle a group at a time when QuantizedLayer would flush them,
-are quantized then, and compete as whole groups for S = max(1, (budget -
-residual) // g) group slots per storage head (positions: each group's first
-position). Reads are QuantizedLayer.read's with the payload masked per head.
+are quantized then, and compete as whole groups for S group slots per storage
+head, the most for which the groups and the fullest ring never hold more than
+the budget (policy.settled_slots; positions: each group's first position).
+Reads are QuantizedLayer.read's with the payload masked per head.
 A window (window, sinks, model.sliding_window) over such storage stores
 positions too: its band masks every block, and the sinks' groups and the newest
 ones that cover every query's band stay (window_groups).
@@ -235,12 +237,13 @@ class EvictingLayer:
         valid = candidates >= 0
         position = candidates // p.kv_heads if p.pooled else candidates
         priority = jnp.where(valid, score, -jnp.inf)
-        if p.floor:
-            priority = jnp.where(self._floor(score, candidates, valid), FLOOR, priority)
         if p.recent:
             # a candidate holding any of the `recent` latest positions stays
             recent = position + (span - 1) >= end - p.recent
             priority = jnp.where(valid & recent, KEPT, priority)
+        if p.floor:  # a head's recent tokens count towards its floor
+            floor = self._floor(priority, candidates, valid) & (priority < KEPT)
+            priority = jnp.where(floor, FLOOR, priority)
         # The S best stay: the (count - S) lowest go, at most one per new candidate,
         # so a top-k of T' (not S) finds them; among equals the later candidate goes.
         width = candidates.shape[2] - slots  # T'
@@ -344,14 +347,17 @@ class EvictingLayer:
         )
 
     def _floor(self, score, candidates, valid) -> Array:
-        """adakv: each head's `floor` best candidates (bool[B, 1, C])."""
+        """adakv: each head's `floor` best candidates by `score` (bool[B, 1, C]):
+        exactly `floor` of a head that has them (among equals the earlier), so the
+        floors of the K heads never claim more than the pool."""
         p = self.policy
         owner = candidates % p.kv_heads  # [B, 1, C]
         kv = jnp.arange(p.kv_heads)[None, :, None]
         per_head = jnp.where(valid & (owner == kv), score, -jnp.inf)  # [B, K, C]
-        threshold = jax.lax.top_k(per_head, p.floor)[0][..., -1:]  # [B, K, 1]
-        chosen = (per_head >= threshold) & (per_head > -jnp.inf)
-        return jnp.any(chosen, axis=1, keepdims=True)
+        best, chosen = jax.lax.top_k(per_head, p.floor)  # [B, K, floor]
+        b = jnp.arange(chosen.shape[0])[:, None, None]
+        marked = jnp.zeros(per_head.shape, bool).at[b, kv, chosen].set(best > -jnp.inf)
+        return jnp.any(marked, axis=1, keepdims=True)
 
     # -- settling: tokens wait in the ring and compete as whole settled groups
 

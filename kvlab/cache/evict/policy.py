@@ -4,8 +4,11 @@
 into one `Policy` per layer: the method (a scorer of scorers.py, or a window's
 ring), its slots per storage head (pyramidkv's per-layer budgets, AdaKV's pool of
 K x budget, or groups of g tokens over a quantized layout that settles), what it
-always keeps (sinks, recent) and the scorer's options; `layer_budgets` refuses
-budgets that cannot hold what the method always keeps. The functions below it
+always keeps (sinks, recent) and the scorer's options. A budget is a promise: no
+head of a scored layer ever holds more tokens than its budget (settled groups and
+the unsettled ring together), and `layer_budgets` / `settled_slots` refuse, naming
+the fields, budgets that cannot keep it (recent >= budget, a budget above
+max_len, a ring that leaves no room for one settled group). The functions below it
 are what a policy says about a row of a given length: the position each ring
 slot holds, the keys a windowed query sees, the tokens each KV head holds, the
 queries whose attention the scorer reads. The layers that apply a policy are
@@ -104,9 +107,11 @@ def scorer_of(method: str) -> Scorer | None:
 
 
 def resolve_budget(model_cfg: Mapping, cache_cfg: Mapping, max_len: int) -> int:
-    """Tokens kept per KV head and layer (before pyramidkv's per-layer schedule)."""
+    """Tokens kept per KV head and layer (before pyramidkv's per-layer schedule). A
+    model's sliding window wider than the cache is the cache's length: no position
+    below max_len falls out of it, so the band and the logits are the same."""
     if model_cfg["sliding_window"]:
-        return model_cfg["sliding_window"]
+        return min(model_cfg["sliding_window"], max_len)
     evict = cache_cfg["evict"]
     return evict["budget"] or math.ceil(evict["ratio"] * max_len)
 
@@ -121,6 +126,12 @@ def layer_budgets(model_cfg: Mapping, cache_cfg: Mapping, max_len: int) -> tuple
     source = (
         "cache.evict.budget" if evict["budget"] else f"ceil(cache.evict.ratio x max_len={max_len})"
     )
+    if evict["budget"] > max_len and not model_cfg["sliding_window"]:
+        raise ValueError(
+            f"cache.evict.budget={evict['budget']} is above the cache's max_len={max_len}: "
+            "it would allocate more slots than a cache that keeps every token; set "
+            f"cache.evict.budget <= {max_len}, or cache.evict.method='none'"
+        )
     if method == "sinks" and evict["sinks"] >= budget:
         raise ValueError(
             f"cache.evict.sinks={evict['sinks']} leaves no recent window in a budget of "
@@ -135,7 +146,9 @@ def layer_budgets(model_cfg: Mapping, cache_cfg: Mapping, max_len: int) -> tuple
             f"({source}), so nothing is scored: set cache.evict.recent below the budget, or "
             "use cache.evict.method='window'"
         )
-    return scorer.budgets(budget, layers, evict)
+    # A layer never holds more than max_len tokens: slots past it (pyramidkv's first
+    # layers) would be bytes that change nothing.
+    return tuple(min(b, max_len) for b in scorer.budgets(budget, layers, evict))
 
 
 def policies(model_cfg: Mapping, cache_cfg: Mapping, max_len: int) -> tuple[Policy, ...] | None:
@@ -154,7 +167,7 @@ def policies(model_cfg: Mapping, cache_cfg: Mapping, max_len: int) -> tuple[Poli
     kv_heads = model_cfg["num_kv_heads"] if grouped else 1
     pooled = scorer is not None and scorer.pooled and kv_heads > 1
     # Quantized with a residual window or per-channel scales (KIVI): tokens settle in
-    # groups of g and only settled groups compete, for (budget - residual) // g slots.
+    # groups of g and only settled groups compete, for the slots settled_slots allows.
     layout = quantized_layout(model_cfg, cache_cfg, max_len)
     residual, g = (0, 1) if layout is None else (layout.residual, layout.granularity)
     settles = residual > 0 or g > 1
@@ -166,7 +179,7 @@ def policies(model_cfg: Mapping, cache_cfg: Mapping, max_len: int) -> tuple[Poli
         elif method in RING_METHODS:
             units = window_groups(layout, sinks, budget - sinks)
         else:
-            units = max(1, (budget - residual) // g)
+            units = settled_slots(layout, budget, i)
         out.append(
             Policy(
                 method=method,
@@ -188,6 +201,34 @@ def policies(model_cfg: Mapping, cache_cfg: Mapping, max_len: int) -> tuple[Poli
             )
         )
     return tuple(out)
+
+
+def settled_slots(layout: Layout, budget: int, layer: int = 0) -> int:
+    """Group slots per head of a scored layer over a settling layout: the most
+    whose settled groups plus the unsettled ring never hold more than `budget`
+    tokens at any length (a row holds min(u x g, settled(n)) + n - settled(n) at
+    length n); ValueError when not even one group fits beside the ring."""
+    g, residual = layout.granularity, layout.residual
+
+    def most_held(units: int) -> int:
+        # Until settled(n) exceeds the slots a row holds all n tokens; after it, the
+        # slots and the ring, whose fill repeats with period g: g lengths cover it.
+        first = units * g + g + residual  # the first length that evicts
+        lengths = range(first, min(first + g, layout.capacity + 1))
+        evicting = (units * g + n - layout.settled(n) for n in lengths)
+        return max([min(first - 1, layout.capacity), *evicting])
+
+    units = min(budget // g, layout.payload_len // g)
+    while units > 0 and most_held(units) > budget:
+        units -= 1
+    if units == 0:
+        raise ValueError(
+            f"a budget of {budget} tokens (layer {layer}) cannot hold one settled group of "
+            f"cache.group_size={g} beside the unsettled ring of up to {layout.ring_len} tokens "
+            f"(cache.residual={residual}): set cache.evict.budget (or ratio) to at least "
+            f"{layout.ring_len + g}, or a smaller cache.residual"
+        )
+    return units
 
 
 def window_groups(layout: Layout, sinks: int, span: int) -> int:
