@@ -77,6 +77,7 @@ SCORERS = Registry(
             "kvlab.cache.evict.scorers",
         ),
         "tova": "kvlab.cache.evict.tova",
+        "keydiff": "kvlab.cache.evict.keydiff",
     },
     group="kvlab.scorers",
 )

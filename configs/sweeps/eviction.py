@@ -15,16 +15,17 @@ recall accuracy. Each is evaluated through:
   per token (the layout eviction composes with), K4V4-kivi and K2V2-kivi with
   keys per channel (KIVI, arXiv:2402.02750; K2V2-kivi keeps a 16-bit residual
   window of group_size tokens); for MLA, the latent at 8, 4 and 2 bits;
-- every eviction policy of kvlab/cache/evict/ (window, sinks, h2o, snapkv,
-  pyramidkv, adakv, knorm, random) keeping 75%, 50%, 25% and 12.5% of the
+- every eviction policy of kvlab/cache/evict/ (window, sinks, and every
+  registered scorer: kvlab.config.evict_methods()) keeping 75%, 50%, 25% and 12.5% of the
   window's tokens (cache.evict.ratio), labelled '<method><percent>';
 - eviction and quantization together, labelled '<method><percent>+<bits>'.
 
 The evaluation prefills each window through the cache in chunks of eval.chunk
 tokens, so an evicting cache is compressed between chunks and later chunks see
-only what it kept. tiny: 234 units (214 before tova joined: every registered
-scorer is swept), about 35 minutes on two shared CPU cores (training 18,
-evaluation 15, before tova); small and base are sized for an accelerator.
+only what it kept. tiny: 54 units and 20 per eviction method (every registered
+scorer is swept: 234 with the nine methods of the committed results), about 35
+minutes on two shared CPU cores for those 234 (training 18, evaluation 15); small
+and base are sized for an accelerator.
 """
 
 import ml_collections
