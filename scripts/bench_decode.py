@@ -18,9 +18,10 @@ the absorbed path against the expanded one at --mla_lengths, same weights.
 (d) With --bits=16,8,4,2: decode tokens/s with every cached tensor stored at
 each width (the config's axes, groups and residual), against the first; an
 entry "bf16" is the 16-bit cache in bfloat16 (cache.dtype).
-(e) With --evict=snapkv:0.5,window:0.25: decode tokens/s with each eviction
-policy keeping that share of the context (cache.evict, kvlab/cache/evict/),
-against the config's own cache.
+(e) With --evict=snapkv:0.5,window:0.25,snapkv:0.5:32: decode tokens/s with
+each eviction policy keeping that share of the context (cache.evict,
+kvlab/cache/evict/; a third field is cache.evict.interval), against the
+config's own cache.
 """
 
 import json
@@ -52,7 +53,10 @@ _BITS = flags.DEFINE_list(
     "bf16: 16 bits in bfloat16).",
 )
 _EVICT = flags.DEFINE_list(
-    "evict", [], "Also time decode through these eviction policies, method:ratio (e.g. snapkv:0.5)."
+    "evict",
+    [],
+    "Also time decode through these eviction policies, method:ratio[:interval] "
+    "(e.g. snapkv:0.5, snapkv:0.5:32).",
 )
 _PREFILL_CHUNK = flags.DEFINE_integer("prefill_chunk", 512, "Prompt tokens per prefill call.")
 _PROBE_MIB = flags.DEFINE_integer(
@@ -177,17 +181,22 @@ def bench_bit_widths(cfg, model, params, lengths, bit_widths, batch, steps, repe
 
 
 def bench_evictions(cfg, model, params, lengths, policies, batch, steps, repeats) -> list[dict]:
-    """(e) Decode tokens/s through eviction policies ('method:ratio'), against the full cache."""
+    """(e) Decode tokens/s through eviction policies ('method:ratio', or
+    'method:ratio:interval' for cache.evict.interval), against the full cache."""
     caches = {"full": {}}
     for policy in policies:
-        method, _, ratio = policy.partition(":")
+        method, ratio, *rest = policy.split(":") + [""]
         try:
             share = float(ratio or "nan")
+            interval = int(rest[0] or 1)
         except ValueError:
             share = float("nan")
-        if share != share:
-            raise ValueError(f"--evict={policy!r}: give method:ratio, e.g. snapkv:0.5")
-        caches[policy] = {"evict": {"method": method, "ratio": share}}
+        if share != share or len(rest) > 2:
+            raise ValueError(
+                f"--evict={policy!r}: give method:ratio or method:ratio:interval, "
+                "e.g. snapkv:0.5 or snapkv:0.5:32"
+            )
+        caches[policy] = {"evict": {"method": method, "ratio": share, "interval": interval}}
     return bench_caches(cfg, model, params, lengths, caches, "evict", batch, steps, repeats)
 
 

@@ -164,12 +164,31 @@ def through_layer(
     offers none.
     """
     read = state if isinstance(state, Read) else read_layer(state, fresh, placement)
-    out = attention(read.regions, read.observe, read.cached)
-    if read.observe is not None:
-        out, mass = out
+    if read.observe is None:
+        out = attention(read.regions, None, read.cached)
+    else:
+        out, mass = _observing(attention, read)
         read = read.observed(mass, None if queries is None else queries())
     # Write only after the old cache has been read, so it is written in place.
     return out, (read.commit(out) if commits else read)
+
+
+def _observing(attention, read: Read):
+    """(output, mass) of attention over an observing read. The mass is computed
+    only in a step whose write scores (`layer.competes`, a traced bool; None:
+    every step): other steps attend as a layer without eviction does (streamed,
+    or a backend's kernel) and hand zeros, which their write does not read."""
+    attend = lambda: attention(read.regions, read.observe, read.cached)  # noqa: E731
+    competes = read.layer.competes(read.placement)
+    if competes is None:
+        return attend()
+    _, masses = jax.eval_shape(attend)
+
+    def unobserved():
+        out = attention(read.regions, None, read.cached)
+        return out, [jnp.zeros(m.shape, m.dtype) for m in masses]
+
+    return jax.lax.cond(competes, attend, unobserved)
 
 
 def _parts(x) -> tuple:

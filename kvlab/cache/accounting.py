@@ -231,6 +231,8 @@ def _kept_label(model_cfg: Mapping, evict_cfg: Mapping) -> str:
     }
     options = evict.scorer_of(method).options
     details = [words.get(name, name + " {}").format(evict_cfg[name]) for name in options]
+    if evict_cfg["interval"] > 1:
+        details.append(f"interval {evict_cfg['interval']}")
     return f"{method} keeping {kept} ({', '.join(details)})"
 
 

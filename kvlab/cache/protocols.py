@@ -86,7 +86,10 @@ class CacheLayer(Protocol):
 
     def observe(self, placement: Placement) -> Float[Array, "B T"] | None:
         """Weights of the queries whose attention the layer wants to see (an
-        evicting layer scoring by attention, kvlab/cache/evict/), or None."""
+        evicting layer scoring by attention, kvlab/cache/evict/), or None. A
+        layer that gives weights also answers `competes(placement)`: a traced
+        bool, whether this step's write reads the mass at all (None: always);
+        attention computes it only then (kvlab.attention.core.through_layer)."""
 
     def write(self, pending: Any, placement: Placement, mass=None, queries=None) -> CacheLayer:
         """The storage with the step's tokens written (`pending` from `read`;

@@ -96,6 +96,14 @@ def _validate_evict(cache: Mapping) -> None:
         check_int(section, evict, name)
     for name in ("recent", "seed"):
         check_int(section, evict, name, minimum=0)
+    check_int(section, evict, "interval")
+    if evict["interval"] > 1 and evict["method"] in UNSCORED_METHODS:
+        fail(
+            f"{section}.interval",
+            evict["interval"],
+            f"applies to scored methods, not cache.evict.method={evict['method']!r}",
+            "set cache.evict.interval=1 or a scorer as cache.evict.method",
+        )
     if evict["kernel"] % 2 == 0:
         fail(f"{section}.kernel", evict["kernel"], "is even", "set an odd width (1 = no pooling)")
     check_number(section, evict, "pyramid_beta")

@@ -222,6 +222,10 @@ def base_config(variant: str = "tiny") -> ml_collections.ConfigDict:
             kernel=5,  # snapkv, pyramidkv, adakv: max-pool width over neighbouring tokens (odd)
             pyramid_beta=20.0,  # pyramidkv: the last layer keeps 1/beta of the mean budget
             adakv_floor=0.2,  # adakv: each head keeps at least this share of budget
+            # scored methods: a head that overflows evicts interval - 1 tokens more than
+            # the step needs, so the next interval - 1 steps append unscored (kvpress's
+            # DecodingPress compression_interval); 1 = every step keeps the best budget
+            interval=1,
             seed=0,  # random: which tokens
         )
     )

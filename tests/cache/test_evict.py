@@ -445,12 +445,15 @@ def test_cache_bytes_equal_tree_bytes_for_every_policy(
     budget=st.integers(2, 24),
     recent=st.integers(0, 6),
     floor=st.sampled_from([0.0, 0.5, 1.0]),
+    interval=st.sampled_from([1, 4]),
     chunks=st.lists(st.sampled_from([1, 7]), min_size=2, max_size=4),
 )
-@example(method="adakv", storage="16", budget=16, recent=6, floor=1.0, chunks=[7, 7, 7])
-@example(method="snapkv", storage="kivi", budget=23, recent=2, floor=0.0, chunks=[7, 7, 7, 7])
+@example(method="adakv", storage="16", budget=16, recent=6, floor=1.0, interval=1, chunks=[7, 7, 7])
+@example(
+    method="snapkv", storage="kivi", budget=23, recent=2, floor=0.0, interval=1, chunks=[7, 7, 7, 7]
+)
 def test_a_budget_is_a_promise_every_head_keeps_or_the_config_is_refused(
-    method, storage, budget, recent, floor, chunks
+    method, storage, budget, recent, floor, interval, chunks
 ):
     """After every step no KV head holds more than its layer's budget (settled groups
     and the unsettled ring together; AdaKV's heads share K x budget), and AdaKV's
@@ -459,7 +462,7 @@ def test_a_budget_is_a_promise_every_head_keeps_or_the_config_is_refused(
     band reads (the test above), so its promise is the band, not the bytes."""
     cfg = VARIANTS["gqa"]()
     bits = 4 if storage == "int4" else 16
-    fields = dict(budget=budget, recent=recent, adakv_floor=floor, sinks=1)
+    fields = dict(budget=budget, recent=recent, adakv_floor=floor, sinks=1, interval=interval)
     cache_cfg = (
         kivi(cfg, method, 8, **fields)
         if storage == "kivi"
@@ -493,6 +496,34 @@ def test_a_budget_is_a_promise_every_head_keeps_or_the_config_is_refused(
             )
             for h in range(policy.kv_heads):
                 assert ((units & (owner == h)).sum(-1) >= min(policy.floor, seen)).all()
+
+
+def test_an_interval_evicts_every_few_steps_leaving_room_for_the_next_ones():
+    """knorm token by token through a budget of 6 with cache.evict.interval=3
+    (recent 0): a step that overflows drops the largest keys down to 4, so the
+    next two steps append unscored; the kept sets are a NumPy replay of that
+    rule over layer 0's keys, and no head ever holds more than 6."""
+    from tests.cache.test_keydiff import layer0_keys
+
+    cfg = VARIANTS["gqa"]()
+    tokens = random_tokens(cfg, (1, 15), seed=4)
+    _, params, apply = build(cfg)
+    norms = np.linalg.norm(layer0_keys(cfg, params, tokens)[0], axis=-1)  # [T, K]
+    cache = kvlab.init_cache(
+        cfg.model, evicting(cfg, "knorm", budget=6, recent=0, interval=3), 1, 16
+    )
+    kept = [[] for _ in range(cfg.model.num_kv_heads)]
+    for t in range(15):
+        _, cache = apply({"params": params}, tokens[:, t : t + 1], cache=cache)
+        for h, held in enumerate(kept):
+            held.append(t)
+            if len(held) > 6:  # down to 6 - (3 - 1)
+                order = sorted(held, key=lambda p: norms[p, h])
+                kept[h] = order[:4]
+        positions = np.asarray(cache.layers[0].positions)[0]
+        for h in range(cfg.model.num_kv_heads):
+            assert sorted(positions[h][positions[h] >= 0].tolist()) == sorted(kept[h]), t
+        assert np.asarray(cache.layers[0].stored(cache.lengths)).max() <= 6
 
 
 def test_a_row_given_an_invalid_token_under_jit_keeps_its_kept_tokens():

@@ -68,6 +68,7 @@ from kvlab.cache.evict.policy import (
     empty_ring_scores,
     empty_slots,
     observed_queries,
+    overflows,
     ring_positions,
     stored_tokens,
 )
@@ -133,6 +134,12 @@ class EvictingLayer:
     def observe(self, placement: Placement) -> Float[Array, "B T"] | None:
         """Weights of the queries whose attention scores this step's tokens."""
         return observed_queries(self.policy, placement)
+
+    def competes(self, placement: Placement) -> Array | None:
+        """bool[]: whether this step's write scores its candidates (some head of
+        some row then has more than its slots), so attention computes the mass
+        only then; None where every step needs it (a scorer that keeps a state)."""
+        return overflows(self.positions, self.policy, placement)
 
     # -- read
 
@@ -223,39 +230,51 @@ class EvictingLayer:
             return self._ring_slots(placement), None, None
         tags, candidates = self._candidates(placement)  # [B, E, T'], [B, E, C]
         valid = candidates >= 0
-        score = self._score(pending, placement, candidates, valid, mass, queries)
+        score = lambda: self._score(pending, placement, candidates, valid, mass, queries)  # noqa: E731
         end = (placement.lengths + placement.num_tokens)[:, None, None]
-        return self._keep(tags, candidates, score, end)
+        return self._decide(tags, candidates, score, end)
 
-    def _keep(self, tags: Array, candidates: Array, score: Array, end: Array, span: int = 1):
+    def _decide(self, tags: Array, candidates: Array, score, end: Array, span: int = 1):
+        """`_keep`, scoring (`score()`) only in a step where some head of some row has
+        more candidates than slots: otherwise the new ones take free slots and
+        nothing is scored or sorted (a scorer that `keeps` a state is still scored,
+        to add to it). The choices are the same; the fill and, with
+        cache.evict.interval > 1, the steps between compressions cost no top-k."""
+        slots = self.positions.shape[2]
+        overflow = jnp.any((candidates >= 0).sum(-1) > slots)
+        if self.policy.keeps:
+            kept_score = score()
+            score = lambda: kept_score  # noqa: E731
+            appended = kept_score
+        else:
+            appended = jnp.zeros(candidates.shape, jnp.float32)
+        return jax.lax.cond(
+            overflow,
+            lambda: self._keep(tags, candidates, score(), end, span),
+            lambda: self._keep(tags, candidates, appended, end, span, compete=False),
+        )
+
+    def _keep(
+        self,
+        tags: Array,
+        candidates: Array,
+        score: Array,
+        end: Array,
+        span: int = 1,
+        compete: bool = True,
+    ):
         """The competition for the S slots of each head: candidates [B, E, C] (stored
         slots first, then the new `tags` [B, E, C - S]) of `span` positions each.
-        Returns the new candidates' slots [B, E, C - S] (S: not stored), the
-        positions and (h2o) the scores the slots then hold."""
-        p = self.policy
+        A head with more candidates than slots drops the lowest down to S minus
+        the policy's `spare` (cache.evict.interval). Returns the new candidates'
+        slots [B, E, C - S] (S: not stored), the positions and (h2o) the scores
+        the slots then hold. compete=False: every candidate fits (nothing dropped)."""
         slots = self.positions.shape[2]
         valid = candidates >= 0
-        position = candidates // p.kv_heads if p.pooled else candidates
-        priority = jnp.where(valid, score, -jnp.inf)
-        if p.recent:
-            # a candidate holding any of the `recent` latest positions stays
-            recent = position + (span - 1) >= end - p.recent
-            priority = jnp.where(valid & recent, KEPT, priority)
-        if p.floor:  # a head's recent tokens count towards its floor
-            floor = self._floor(priority, candidates, valid) & (priority < KEPT)
-            priority = jnp.where(floor, FLOOR, priority)
-        # The S best stay: the (count - S) lowest go, at most one per new candidate,
-        # so a top-k of T' (not S) finds them; among equals the later candidate goes.
-        width = candidates.shape[2] - slots  # T'
-        drop = jnp.maximum(valid.sum(-1, keepdims=True) - slots, 0)  # [B, E, 1]
-        lowest = jnp.where(valid, -priority, -jnp.inf)[..., ::-1]
-        _, worst = jax.lax.top_k(lowest, width)
-        worst = candidates.shape[2] - 1 - worst  # [B, E, T'], lowest priority first
-        b = jnp.arange(worst.shape[0])[:, None, None]
-        e = jnp.arange(worst.shape[1])[None, :, None]
-        dropped = jnp.zeros(candidates.shape, bool).at[b, e, worst].set(jnp.arange(width) < drop)
-        keep = valid & ~dropped
+        keep = valid if not compete else valid & ~self._dropped(candidates, score, end, span)
         kept_stored, kept_new = keep[..., :slots], keep[..., slots:]
+        b = jnp.arange(candidates.shape[0])[:, None, None]
+        e = jnp.arange(candidates.shape[1])[None, :, None]
         # New tokens that stay take the free slots (emptied or lost), lowest first:
         # the r-th kept new token, the slot where the free count reaches r.
         free = jnp.cumsum(~kept_stored, axis=-1)  # [B, E, S]
@@ -269,6 +288,33 @@ class EvictingLayer:
             scores = jnp.where(kept_stored, score[..., :slots], 0.0)
             scores = scores.at[b, e, dest].set(score[..., slots:], mode="drop")
         return dest, positions, scores
+
+    def _dropped(self, candidates: Array, score: Array, end: Array, span: int) -> Array:
+        """bool[B, E, C]: the candidates a head drops, the lowest priority first."""
+        p = self.policy
+        slots = self.positions.shape[2]
+        valid = candidates >= 0
+        position = candidates // p.kv_heads if p.pooled else candidates
+        priority = jnp.where(valid, score, -jnp.inf)
+        if p.recent:
+            # a candidate holding any of the `recent` latest positions stays
+            recent = position + (span - 1) >= end - p.recent
+            priority = jnp.where(valid & recent, KEPT, priority)
+        if p.floor:  # a head's recent tokens count towards its floor
+            floor = self._floor(priority, candidates, valid) & (priority < KEPT)
+            priority = jnp.where(floor, FLOOR, priority)
+        # The best stay: a head over its S slots drops its (count - S + spare)
+        # lowest, at most T' + spare of them, so a top-k of that width (not S)
+        # finds them; among equals the later candidate goes.
+        count = valid.sum(-1, keepdims=True)  # [B, E, 1]
+        drop = jnp.where(count > slots, count - slots + p.spare, 0)
+        width = min(candidates.shape[2], candidates.shape[2] - slots + p.spare)
+        lowest = jnp.where(valid, -priority, -jnp.inf)[..., ::-1]
+        _, worst = jax.lax.top_k(lowest, width)
+        worst = candidates.shape[2] - 1 - worst  # [B, E, width], lowest priority first
+        b = jnp.arange(worst.shape[0])[:, None, None]
+        e = jnp.arange(worst.shape[1])[None, :, None]
+        return jnp.zeros(candidates.shape, bool).at[b, e, worst].set(jnp.arange(width) < drop)
 
     def _ring_slots(self, placement: Placement) -> Array:
         p = self.policy
@@ -376,12 +422,16 @@ class EvictingLayer:
         first = flush.positions[:, ::g]  # [B, F] each settling group's first position, -1 none
         tags, candidates = self._tagged(first)  # [B, E, F'], [B, E, S + F']
         valid = candidates >= 0
-        settling_mass, ring_scores = None, None
-        if mass is not None:
-            settling_mass, ring_scores = self._unsettled_mass(flush, placement, mass)
-        score = self._group_score(flush, candidates, valid, mass, settling_mass, queries)
+        ring_scores = None
+        if self.ring_scores is not None:  # h2o: added to every step
+            ring_scores = self._unsettled_mass(flush, placement, mass)[1]
+
+        def score():
+            settling = None if mass is None else self._unsettled_mass(flush, placement, mass)[0]
+            return self._group_score(flush, candidates, valid, mass, settling, queries)
+
         end = (placement.lengths + placement.num_tokens)[:, None, None]
-        dest, positions, scores = self._keep(tags, candidates, score, end, span=g)
+        dest, positions, scores = self._decide(tags, candidates, score, end, span=g)
         # Slot j of a head holds rows j*g .. j*g + g-1 (S x g: dropped).
         rows = (dest[..., None] * g + jnp.arange(g)).reshape(*dest.shape[:2], -1)
         pool = self._pool_tensors if p.pooled else (lambda xs: xs)

@@ -22,6 +22,7 @@ from kvlab.cache.evict.policy import (
     empty_ring_scores,
     empty_slots,
     observed_queries,
+    overflows,
     stored_tokens,
 )
 from kvlab.cache.evict.stored import tensor_width
@@ -108,6 +109,9 @@ class PagedEvictingLayer:
 
     def observe(self, placement: Placement) -> Float[Array, "B T"] | None:
         return observed_queries(self.policy, placement)
+
+    def competes(self, placement: Placement) -> Array | None:
+        return overflows(self.positions, self.policy, placement)
 
     def read(self, fresh: tuple, placement: Placement):
         return self.view(placement.pages).read(fresh, placement)

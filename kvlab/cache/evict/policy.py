@@ -63,6 +63,15 @@ class Policy:
     residual: int = 0  # quantized: latest tokens kept unsettled, in full precision
     granularity: int = 1  # g: tokens that settle, and are kept or evicted, together
     span: int = 0  # window methods: R, the latest positions a query sees after the sinks
+    interval: int = 1  # scored: a full head evicts down to leave interval - 1 tokens free
+
+    @property
+    def spare(self) -> int:
+        """Slots a head that overflows frees beyond what the step needs: the
+        cache.evict.interval - 1 tokens the next steps then fill without scoring
+        (in groups of g; a pool frees its K heads' worth)."""
+        extra = (self.interval - 1) // self.granularity
+        return extra * self.kv_heads if self.pooled else extra
 
     @property
     def windowed(self) -> bool:
@@ -198,9 +207,30 @@ def policies(model_cfg: Mapping, cache_cfg: Mapping, max_len: int) -> tuple[Poli
                 residual=residual if settles else 0,
                 granularity=g if settles else 1,
                 span=budget - sinks if method in RING_METHODS else 0,
+                interval=evict["interval"] if scorer is not None else 1,
             )
         )
+        _check_interval(out[-1], evict)
     return tuple(out)
+
+
+def _check_interval(policy: Policy, evict: Mapping) -> None:
+    """Refuses an interval whose spare slots would have to come out of what the
+    layer always keeps (its recent tokens, AdaKV's floors)."""
+    if policy.interval == 1:
+        return
+    g = policy.granularity
+    units = policy.slots // policy.kv_heads if policy.pooled else policy.slots
+    always = evict["recent"] if g == 1 else -(-evict["recent"] // g) + 1
+    always = max(always, policy.floor)
+    spare = (policy.interval - 1) // g
+    if spare + always > units:
+        raise ValueError(
+            f"cache.evict.interval={policy.interval} frees {spare} slot(s) of layer "
+            f"{policy.layer}'s {units} per head beyond each step's need, but {always} always "
+            f"stay (cache.evict.recent={evict['recent']}, adakv_floor, cache.group_size={g}): "
+            f"set cache.evict.interval to at most {(units - always) * g + 1}, or a larger budget"
+        )
 
 
 def settled_slots(layout: Layout, budget: int, layer: int = 0) -> int:
@@ -303,6 +333,23 @@ def observed_queries(policy: Policy, placement: Placement) -> Array | None:
         window = policy.obs_window if observes == "window" else 1
         real = real & (steps >= placement.num_tokens[:, None] - window)
     return real.astype(jnp.float32)
+
+
+def overflows(positions: Array | None, policy: Policy, placement: Placement) -> Array | None:
+    """bool[]: whether a step's candidates (the held slots and the step's new
+    tokens, or the groups that settle in it) outnumber some head's slots in some
+    row, so the write competes and its scorer reads the mass; the same count the
+    write makes. None where the scorer's mass is needed every step (`keeps`)."""
+    if policy.scorer is None or policy.keeps:  # a window, or h2o
+        return None
+    held = (positions >= 0).sum(-1)  # [B, E]
+    new = placement.num_tokens
+    if policy.settles:
+        layout, lengths = policy.layout, placement.lengths
+        new = (layout.settled(lengths + new) - layout.settled(lengths)) // policy.granularity
+    if policy.pooled:
+        new = new * policy.kv_heads
+    return jnp.any(held + new[:, None] > positions.shape[2])
 
 
 def empty_slots(policy: Policy, batch: int):
