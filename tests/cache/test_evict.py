@@ -314,6 +314,18 @@ def layer0_attention(cfg, params, tokens):
     return probs / probs.sum(-1, keepdims=True)
 
 
+def layer0_keys(cfg, params, tokens):
+    """Layer 0's keys after RoPE, as its cache stores them: float64 [B, T, K, H]."""
+    captured = kvlab.Transformer(cfg.model).apply(
+        {"params": params}, tokens, capture_intermediates=True, mutable=["intermediates"]
+    )[1]["intermediates"]["block_0"]["attention"]
+    positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
+    key = kvlab.attention.rope.apply_rope(
+        captured["key"]["__call__"][0], positions, cfg.model.rope_theta, cfg.model.rope_scaling
+    )
+    return np.asarray(key, np.float64)
+
+
 def test_h2o_scores_are_the_column_sums_of_the_attention_matrix():
     """With nothing evicted, h2o's accumulated score of each token is the attention it
     got from every query, averaged over its KV head's query heads, whatever the chunks."""
@@ -503,8 +515,6 @@ def test_an_interval_evicts_every_few_steps_leaving_room_for_the_next_ones():
     (recent 0): a step that overflows drops the largest keys down to 4, so the
     next two steps append unscored; the kept sets are a NumPy replay of that
     rule over layer 0's keys, and no head ever holds more than 6."""
-    from tests.cache.test_keydiff import layer0_keys
-
     cfg = VARIANTS["gqa"]()
     tokens = random_tokens(cfg, (1, 15), seed=4)
     _, params, apply = build(cfg)

@@ -2,24 +2,10 @@
 each step that overflows the budget drops the keys most similar (by cosine) to
 the mean of the normalised keys of its KV head, its new block's included."""
 
-import jax.numpy as jnp
 import numpy as np
 
-import kvlab
-from tests.cache.test_evict import evicting, kivi, run
+from tests.cache.test_evict import evicting, kivi, layer0_keys, run
 from tests.helpers import VARIANTS, build, random_tokens
-
-
-def layer0_keys(cfg, params, tokens):
-    """Layer 0's keys after RoPE, as its cache stores them: float64 [B, T, K, H]."""
-    captured = kvlab.Transformer(cfg.model).apply(
-        {"params": params}, tokens, capture_intermediates=True, mutable=["intermediates"]
-    )[1]["intermediates"]["block_0"]["attention"]
-    positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
-    key = kvlab.attention.rope.apply_rope(
-        captured["key"]["__call__"][0], positions, cfg.model.rope_theta, cfg.model.rope_scaling
-    )
-    return np.asarray(key, np.float64)
 
 
 def test_each_block_drops_the_keys_closest_to_the_mean_direction():
