@@ -422,13 +422,15 @@ class EvictingLayer:
         first = flush.positions[:, ::g]  # [B, F] each settling group's first position, -1 none
         tags, candidates = self._tagged(first)  # [B, E, F'], [B, E, S + F']
         valid = candidates >= 0
-        ring_scores = None
+        settling, ring_scores = None, None
         if self.ring_scores is not None:  # h2o: added to every step
-            ring_scores = self._unsettled_mass(flush, placement, mass)[1]
+            settling, ring_scores = self._unsettled_mass(flush, placement, mass)
 
-        def score():
-            settling = None if mass is None else self._unsettled_mass(flush, placement, mass)[0]
-            return self._group_score(flush, candidates, valid, mass, settling, queries)
+        def score():  # other scorers' settling mass only in a step that scores
+            unsettled = settling
+            if unsettled is None and mass is not None:
+                unsettled = self._unsettled_mass(flush, placement, mass)[0]
+            return self._group_score(flush, candidates, valid, mass, unsettled, queries)
 
         end = (placement.lengths + placement.num_tokens)[:, None, None]
         dest, positions, scores = self._decide(tags, candidates, score, end, span=g)
