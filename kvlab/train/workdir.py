@@ -200,8 +200,9 @@ def _drop_orbax_leftovers() -> None:
     - an orbax read abandoned when another failed, raising as it is collected
       (unraisable, its object an orbax coroutine);
     - an orbax task whose failure orbax raised from another, collected
-      unretrieved, and a tensorstore future of its failed write (asyncio ERROR
-      'Task exception was never retrieved', 'Future exception ...');
+      unretrieved, a tensorstore future of its failed write and orbax's gather of
+      them (asyncio ERROR 'Task exception was never retrieved', 'Future exception
+      ...', '_GatheringFuture exception ...');
     - orbax's writes of the step that were never started (RuntimeWarning
       'coroutine ... was never awaited', as the interpreter exits).
     """
@@ -231,7 +232,11 @@ def _not_an_orbax_task(record: logging.LogRecord) -> bool:
     failure unretrieved: its text names orbax's code or its temporary step folder."""
     message = record.getMessage()
     unretrieved = message.startswith(
-        ("Task exception was never retrieved", "Future exception was never retrieved")
+        (
+            "Task exception was never retrieved",
+            "Future exception was never retrieved",
+            "_GatheringFuture exception was never retrieved",  # orbax's gather of its writes
+        )
     )
     return not (unretrieved and (_ORBAX in message or ".orbax-checkpoint-tmp" in message))
 
