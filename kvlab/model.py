@@ -219,17 +219,22 @@ class Transformer(nn.Module):
         super().__post_init__()
 
     @nn.compact
-    def __call__(self, tokens, cache: Cache | None = None, num_tokens=None, logits_at=None):
+    def __call__(
+        self, tokens, cache: Cache | None = None, num_tokens=None, logits_at=None, compress=None
+    ):
         """Logits float32[B, T, V] (and the cache). `logits_at` int32[B]: only the
         logits after each row's token at that index, [B, 1, V] (generation needs
         the last prompt token's alone; the output projection of every position
-        would cost more than the rest of a long prompt's prefill). The forward
-        runs under the backend model.attention_impl names (kvlab.backends.running)."""
+        would cost more than the rest of a long prompt's prefill). `compress`
+        (bool or bool[B]): these rows' context ends with this step, so a cache with
+        cache.evict.when='after_prefill' compresses them after it (others ignore it).
+        The forward runs under the backend model.attention_impl names
+        (kvlab.backends.running)."""
         with backends.running(backends.get(self.config.attention_impl)):
-            return self._forward(tokens, cache, num_tokens, logits_at)
+            return self._forward(tokens, cache, num_tokens, logits_at, compress)
 
     @nn.nowrap  # part of the compact __call__: its submodules are the model's
-    def _forward(self, tokens, cache, num_tokens, logits_at):
+    def _forward(self, tokens, cache, num_tokens, logits_at, compress=None):
         cfg = self.config
         check_inputs(cfg, tokens, cache, num_tokens)
         batch, length = tokens.shape
@@ -244,6 +249,9 @@ class Transformer(nn.Module):
             num_tokens = num_tokens.astype(jnp.int32)
             tokens, num_tokens, errors, invalid = flag_invalid(cfg, tokens, cache, num_tokens)
             placement = cache.place(length, num_tokens)
+            if compress is not None:
+                compress = jnp.broadcast_to(jnp.asarray(compress, bool), (batch,))
+                placement = placement._replace(compress=compress)
             layers = cache.layers
 
         embed = Embedding(cfg, name="embed")

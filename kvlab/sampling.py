@@ -146,9 +146,12 @@ def place_params(model_cfg: Mapping, params, mesh: Mesh | None, rules: tuple | N
 
 
 @functools.partial(jax.jit, static_argnums=0, donate_argnums=2)
-def prefill(model: Transformer, params, cache: Cache, tokens, num_tokens=None):
-    """Appends tokens [B, T] (num_tokens[b] real per row) and returns all logits."""
-    return model.apply({"params": params}, tokens, cache=cache, num_tokens=num_tokens)
+def prefill(model: Transformer, params, cache: Cache, tokens, num_tokens=None, compress=None):
+    """Appends tokens [B, T] (num_tokens[b] real per row) and returns all logits;
+    `compress` (bool or bool[B]): the rows' context ends here (Transformer)."""
+    return model.apply(
+        {"params": params}, tokens, cache=cache, num_tokens=num_tokens, compress=compress
+    )
 
 
 @functools.partial(jax.jit, static_argnums=0, donate_argnums=2)
@@ -207,6 +210,7 @@ def generate_loop(
         cache=cache,
         num_tokens=prompt_lengths,
         logits_at=prompt_lengths - 1,
+        compress=True,  # the prompt is the context (cache.evict.when='after_prefill')
     )
     rng, key = jax.random.split(rng)
     token = sampler(logits[:, 0], key)

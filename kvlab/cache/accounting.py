@@ -233,6 +233,9 @@ def _kept_label(model_cfg: Mapping, evict_cfg: Mapping) -> str:
     details = [words.get(name, name + " {}").format(evict_cfg[name]) for name in options]
     if evict_cfg["interval"] > 1:
         details.append(f"interval {evict_cfg['interval']}")
+    if evict_cfg["when"] == "after_prefill":
+        kept = kept.replace("of the tokens", "of the context") + " after its prefill"
+        details.append(f"headroom {evict_cfg['headroom']}")
     return f"{method} keeping {kept} ({', '.join(details)})"
 
 

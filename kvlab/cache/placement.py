@@ -45,6 +45,8 @@ class Placement(NamedTuple):
                                 run of page_size slots; -1 where none is held)
     transforms   per cached tensor, the kvlab.cache.transforms.Transform the cache
                  applies before storing it (static; () without a cache: none)
+    compress     bool[B] | None  rows whose write compresses their cache to its
+                 target (cache.evict.when='after_prefill'; other layers ignore it)
     """
 
     positions: Int[Array, "B T"]
@@ -54,6 +56,7 @@ class Placement(NamedTuple):
     num_tokens: Int[Array, " B"] | None = None
     pages: Int[Array, "B n"] | None = None
     transforms: tuple = ()
+    compress: Bool[Array, " B"] | None = None
 
 
 def place_without_cache(batch: int, length: int, window: int = 0) -> Placement:

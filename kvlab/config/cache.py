@@ -11,6 +11,7 @@ from kvlab.config.schema import (
     CACHE_KINDS,
     CACHED_PREFIXES,
     DTYPES,
+    EVICT_WHEN,
     GROUP_AXES,
     UNSCORED_METHODS,
     base_config,
@@ -103,6 +104,23 @@ def _validate_evict(cache: Mapping) -> None:
             evict["interval"],
             f"applies to scored methods, not cache.evict.method={evict['method']!r}",
             "set cache.evict.interval=1 or a scorer as cache.evict.method",
+        )
+    check_choice(section, evict, "when", EVICT_WHEN)
+    check_int(section, evict, "headroom", minimum=0)
+    if evict["when"] == "after_prefill" and evict["method"] in UNSCORED_METHODS:
+        fail(
+            f"{section}.when",
+            evict["when"],
+            f"applies to scored methods, not cache.evict.method={evict['method']!r} (a window "
+            "keeps its band at every step)",
+            "set cache.evict.when='every_step' or a scorer as cache.evict.method",
+        )
+    if evict["headroom"] and evict["when"] != "after_prefill":
+        fail(
+            f"{section}.headroom",
+            evict["headroom"],
+            "is room after a compression, which only cache.evict.when='after_prefill' makes",
+            "set cache.evict.headroom=0 or cache.evict.when='after_prefill'",
         )
     if evict["kernel"] % 2 == 0:
         fail(f"{section}.kernel", evict["kernel"], "is even", "set an odd width (1 = no pooling)")

@@ -20,6 +20,7 @@ CACHE_KINDS = ("dense", "paged")
 # cache.evict.method: the layouts that score nothing, then the scorers
 # (kvlab.registry.SCORERS: kvlab/cache/evict/scorers.py and the methods added beside it).
 UNSCORED_METHODS = ("none", "window", "sinks")
+EVICT_WHEN = ("every_step", "after_prefill")  # cache.evict.when
 BIT_WIDTHS = (16, 8, 4, 2)
 GROUP_AXES = ("token", "channel")
 CACHED_PREFIXES = ("k", "v", "latent", "rope")  # cache.<prefix>_bits, _format, _axis
@@ -226,6 +227,12 @@ def base_config(variant: str = "tiny") -> ml_collections.ConfigDict:
             # the step needs, so the next interval - 1 steps append unscored (kvpress's
             # DecodingPress compression_interval); 1 = every step keeps the best budget
             interval=1,
+            # when scored methods evict: 'every_step' (every step's write keeps the budget)
+            # or 'after_prefill' (kvpress's protocol: the step given compress=True, e.g.
+            # the prompt's prefill, keeps the best budget of the context, floor(ratio x its
+            # length) with budget 0; the next `headroom` tokens then append unscored)
+            when="every_step",
+            headroom=0,  # after_prefill: tokens a row adds after it (question, answer)
             seed=0,  # random: which tokens
         )
     )

@@ -11,6 +11,8 @@
     tasks.py        the long-context tasks (kvlab/data/tasks.py) through a cache at
                     several lengths, the needle's depth x length grid and heat map
     probe.py        per-layer attention outputs and logits of a cache against a reference
+    benchmark.py    kvpress's protocol: each context compressed once after its prefill,
+                    its questions answered greedily (RULER's records, kvlab/data/ruler.py)
 
 Training's plain-forward evaluation (kvlab.train.evaluate_forward) and the
 metrics both report (score, summarize) are kvlab.train's; the sweeps

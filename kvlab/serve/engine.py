@@ -243,6 +243,13 @@ class Engine:
         self.decode_steps = check_count("decode_steps", decode_steps)
         # An evicting cache (cache.evict, model.sliding_window) stores at most this per row.
         plan = evict.policies(model_cfg, cache_cfg, self.max_len)
+        if plan is not None and plan[0].compresses:
+            raise ValueError(
+                "cache.evict.when='after_prefill' compresses a context once, which the "
+                "engine's chunked, preempted prefills do not mark: serve with "
+                "cache.evict.when='every_step', or compress through kvlab.generate / "
+                "kvlab.prefill(compress=True)"
+            )
         self.evicting = plan is not None
         self.row_slots = self.max_len if plan is None else max(p.rows for p in plan)
         self.evicts_after = self.max_len if plan is None else min(p.rows for p in plan)

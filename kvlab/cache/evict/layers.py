@@ -232,16 +232,31 @@ class EvictingLayer:
         valid = candidates >= 0
         score = lambda: self._score(pending, placement, candidates, valid, mass, queries)  # noqa: E731
         end = (placement.lengths + placement.num_tokens)[:, None, None]
-        return self._decide(tags, candidates, score, end)
+        limit = None
+        if p.compresses and placement.compress is not None:
+            limit = self._limit(placement, end)
+        return self._decide(tags, candidates, score, end, limit=limit)
 
-    def _decide(self, tags: Array, candidates: Array, score, end: Array, span: int = 1):
+    def _limit(self, placement: Placement, end: Array) -> Array:
+        """int32[B, 1, 1]: candidates a head keeps at most this step: after_prefill's
+        target in the rows given compress (a pool: its K heads' targets), -1 in
+        the others (the slots, less the interval's spare when they overflow)."""
+        p = self.policy
+        rows = (placement.compress & (placement.num_tokens > 0))[:, None, None]
+        target = p.target(end) * (p.kv_heads if p.pooled else 1)
+        return jnp.where(rows, target, -1)
+
+    def _decide(self, tags: Array, candidates: Array, score, end: Array, span: int = 1, limit=None):
         """`_keep`, scoring (`score()`) only in a step where some head of some row has
-        more candidates than slots: otherwise the new ones take free slots and
-        nothing is scored or sorted (a scorer that `keeps` a state is still scored,
-        to add to it). The choices are the same; the fill and, with
-        cache.evict.interval > 1, the steps between compressions cost no top-k."""
+        more candidates than slots, or is compressed (`limit`, `_limit`): otherwise
+        the new ones take free slots and nothing is scored or sorted (a scorer that
+        `keeps` a state is still scored, to add to it). The choices are the same;
+        the fill, cache.evict.interval's steps between compressions and
+        after_prefill's steps after its compression cost no top-k."""
         slots = self.positions.shape[2]
         overflow = jnp.any((candidates >= 0).sum(-1) > slots)
+        if limit is not None:
+            overflow = overflow | jnp.any(limit >= 0)
         if self.policy.keeps:
             kept_score = score()
             score = lambda: kept_score  # noqa: E731
@@ -250,7 +265,7 @@ class EvictingLayer:
             appended = jnp.zeros(candidates.shape, jnp.float32)
         return jax.lax.cond(
             overflow,
-            lambda: self._keep(tags, candidates, score(), end, span),
+            lambda: self._keep(tags, candidates, score(), end, span, limit=limit),
             lambda: self._keep(tags, candidates, appended, end, span, compete=False),
         )
 
@@ -262,16 +277,21 @@ class EvictingLayer:
         end: Array,
         span: int = 1,
         compete: bool = True,
+        limit=None,
     ):
         """The competition for the S slots of each head: candidates [B, E, C] (stored
         slots first, then the new `tags` [B, E, C - S]) of `span` positions each.
         A head with more candidates than slots drops the lowest down to S minus
-        the policy's `spare` (cache.evict.interval). Returns the new candidates'
-        slots [B, E, C - S] (S: not stored), the positions and (h2o) the scores
-        the slots then hold. compete=False: every candidate fits (nothing dropped)."""
+        the policy's `spare` (cache.evict.interval), a row with a `limit` (>= 0)
+        down to it. Returns the new candidates' slots [B, E, C - S] (S: not
+        stored), the positions and (h2o) the scores the slots then hold.
+        compete=False: every candidate fits (nothing dropped)."""
         slots = self.positions.shape[2]
         valid = candidates >= 0
-        keep = valid if not compete else valid & ~self._dropped(candidates, score, end, span)
+        if compete:
+            keep = valid & ~self._dropped(candidates, score, end, span, limit)
+        else:
+            keep = valid
         kept_stored, kept_new = keep[..., :slots], keep[..., slots:]
         b = jnp.arange(candidates.shape[0])[:, None, None]
         e = jnp.arange(candidates.shape[1])[None, :, None]
@@ -289,7 +309,7 @@ class EvictingLayer:
             scores = scores.at[b, e, dest].set(score[..., slots:], mode="drop")
         return dest, positions, scores
 
-    def _dropped(self, candidates: Array, score: Array, end: Array, span: int) -> Array:
+    def _dropped(self, candidates: Array, score: Array, end: Array, span: int, limit=None) -> Array:
         """bool[B, E, C]: the candidates a head drops, the lowest priority first."""
         p = self.policy
         slots = self.positions.shape[2]
@@ -301,7 +321,11 @@ class EvictingLayer:
             recent = position + (span - 1) >= end - p.recent
             priority = jnp.where(valid & recent, KEPT, priority)
         if p.floor:  # a head's recent tokens count towards its floor
-            floor = self._floor(priority, candidates, valid) & (priority < KEPT)
+            floors = None
+            if limit is not None:  # a compressed row's floor is its target's share
+                share = jnp.floor(p.floor_share * (limit // p.kv_heads)).astype(jnp.int32)
+                floors = jnp.where(limit >= 0, share, p.floor)
+            floor = self._floor(priority, candidates, valid, floors) & (priority < KEPT)
             priority = jnp.where(floor, FLOOR, priority)
         # The best stay: a head over its S slots drops its (count - S + spare)
         # lowest, at most T' + spare of them, so a top-k of that width (not S)
@@ -309,6 +333,9 @@ class EvictingLayer:
         count = valid.sum(-1, keepdims=True)  # [B, E, 1]
         drop = jnp.where(count > slots, count - slots + p.spare, 0)
         width = min(candidates.shape[2], candidates.shape[2] - slots + p.spare)
+        if limit is not None:  # a compressed row may drop any of its candidates
+            drop = jnp.where(limit >= 0, jnp.maximum(count - limit, 0), drop)
+            width = candidates.shape[2]
         lowest = jnp.where(valid, -priority, -jnp.inf)[..., ::-1]
         _, worst = jax.lax.top_k(lowest, width)
         worst = candidates.shape[2] - 1 - worst  # [B, E, width], lowest priority first
@@ -392,17 +419,21 @@ class EvictingLayer:
             query_weights=None if queries is None else queries[1],
         )
 
-    def _floor(self, score, candidates, valid) -> Array:
+    def _floor(self, score, candidates, valid, floors=None) -> Array:
         """adakv: each head's `floor` best candidates by `score` (bool[B, 1, C]):
         exactly `floor` of a head that has them (among equals the earlier), so the
-        floors of the K heads never claim more than the pool."""
+        floors of the K heads never claim more than the pool; `floors` int32[B, 1, 1]:
+        a row's own floor, at most the policy's."""
         p = self.policy
         owner = candidates % p.kv_heads  # [B, 1, C]
         kv = jnp.arange(p.kv_heads)[None, :, None]
         per_head = jnp.where(valid & (owner == kv), score, -jnp.inf)  # [B, K, C]
         best, chosen = jax.lax.top_k(per_head, p.floor)  # [B, K, floor]
+        taken = best > -jnp.inf
+        if floors is not None:
+            taken = taken & (jnp.arange(p.floor) < floors)
         b = jnp.arange(chosen.shape[0])[:, None, None]
-        marked = jnp.zeros(per_head.shape, bool).at[b, kv, chosen].set(best > -jnp.inf)
+        marked = jnp.zeros(per_head.shape, bool).at[b, kv, chosen].set(taken)
         return jnp.any(marked, axis=1, keepdims=True)
 
     # -- settling: tokens wait in the ring and compete as whole settled groups

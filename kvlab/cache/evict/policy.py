@@ -64,6 +64,27 @@ class Policy:
     granularity: int = 1  # g: tokens that settle, and are kept or evicted, together
     span: int = 0  # window methods: R, the latest positions a query sees after the sinks
     interval: int = 1  # scored: a full head evicts down to leave interval - 1 tokens free
+    when: str = "every_step"  # cache.evict.when
+    budget: int = 0  # after_prefill: the most tokens a head keeps of a compressed context
+    ratio: float = 0.0  # after_prefill with cache.evict.budget 0: the share of it kept
+    floor_share: float = 0.0  # adakv_floor (after_prefill: a floor per compressed row)
+
+    @property
+    def compresses(self) -> bool:
+        """A step given compress=True keeps a row's best `target` tokens per head."""
+        return self.when == "after_prefill"
+
+    def target(self, end: Array) -> Array:
+        """after_prefill: the tokens each head keeps of rows of `end` tokens (any
+        shape): the budget, or floor(ratio x end) (kvpress's
+        int(length x (1 - compression_ratio))), at least the `recent` ones. A
+        share never outgrows the slots: a context longer than max_len - headroom
+        (the budget's) leaves as many fewer tokens to come after it."""
+        if self.ratio:
+            kept = jnp.floor(end.astype(jnp.float32) * self.ratio).astype(jnp.int32)
+        else:
+            kept = jnp.full(end.shape, self.budget, jnp.int32)
+        return jnp.maximum(kept, self.recent)
 
     @property
     def spare(self) -> int:
@@ -122,6 +143,8 @@ def resolve_budget(model_cfg: Mapping, cache_cfg: Mapping, max_len: int) -> int:
     if model_cfg["sliding_window"]:
         return min(model_cfg["sliding_window"], max_len)
     evict = cache_cfg["evict"]
+    if evict["when"] == "after_prefill":  # a share of the context, the headroom apart
+        max_len = max(1, max_len - evict["headroom"])
     return evict["budget"] or math.ceil(evict["ratio"] * max_len)
 
 
@@ -135,6 +158,11 @@ def layer_budgets(model_cfg: Mapping, cache_cfg: Mapping, max_len: int) -> tuple
     source = (
         "cache.evict.budget" if evict["budget"] else f"ceil(cache.evict.ratio x max_len={max_len})"
     )
+    if evict["when"] == "after_prefill" and evict["headroom"] >= max_len:
+        raise ValueError(
+            f"cache.evict.headroom={evict['headroom']} leaves no room for a context in the "
+            f"cache's max_len={max_len}: set cache.evict.headroom below {max_len}"
+        )
     if evict["budget"] > max_len and not model_cfg["sliding_window"]:
         raise ValueError(
             f"cache.evict.budget={evict['budget']} is above the cache's max_len={max_len}: "
@@ -181,9 +209,14 @@ def policies(model_cfg: Mapping, cache_cfg: Mapping, max_len: int) -> tuple[Poli
     residual, g = (0, 1) if layout is None else (layout.residual, layout.granularity)
     settles = residual > 0 or g > 1
     sinks = evict["sinks"] if method == "sinks" else 0
+    compresses = evict["when"] == "after_prefill" and scorer is not None
+    if compresses:
+        _check_after_prefill(method, evict, settles)
     out = []
     for i, budget in enumerate(layer_budgets(model_cfg, cache_cfg, max_len)):
-        if not settles:
+        if compresses:  # the compressed context and the tokens after it
+            units = min(budget + evict["headroom"], max_len)
+        elif not settles:
             units = budget
         elif method in RING_METHODS:
             units = window_groups(layout, sinks, budget - sinks)
@@ -208,10 +241,30 @@ def policies(model_cfg: Mapping, cache_cfg: Mapping, max_len: int) -> tuple[Poli
                 granularity=g if settles else 1,
                 span=budget - sinks if method in RING_METHODS else 0,
                 interval=evict["interval"] if scorer is not None else 1,
+                when=evict["when"] if compresses else "every_step",
+                budget=budget,
+                ratio=0.0 if evict["budget"] or not compresses else evict["ratio"],
+                floor_share=evict["adakv_floor"] if pooled else 0.0,
             )
         )
         _check_interval(out[-1], evict)
     return tuple(out)
+
+
+def _check_after_prefill(method: str, evict: Mapping, settles: bool) -> None:
+    """Refuses what cache.evict.when='after_prefill' cannot compress exactly."""
+    if settles:
+        raise ValueError(
+            "cache.evict.when='after_prefill' cannot compress a quantized layout whose "
+            "tokens settle in groups (cache.residual > 0 or per-channel scales): set "
+            "cache.residual=0 and cache.<prefix>_axis='token', or cache.evict.when='every_step'"
+        )
+    if method == "pyramidkv" and not evict["budget"]:
+        raise ValueError(
+            "cache.evict.method='pyramidkv' with cache.evict.when='after_prefill' needs "
+            "cache.evict.budget: its per-layer budgets are fixed when the cache is built, "
+            "so they cannot follow a share (cache.evict.ratio) of each row's context"
+        )
 
 
 def _check_interval(policy: Policy, evict: Mapping) -> None:
@@ -342,6 +395,9 @@ def overflows(positions: Array | None, policy: Policy, placement: Placement) -> 
     write makes. None where the scorer's mass is needed every step (`keeps`)."""
     if policy.scorer is None or policy.keeps:  # a window, or h2o
         return None
+    compressing = False
+    if policy.compresses and placement.compress is not None:
+        compressing = jnp.any(placement.compress & (placement.num_tokens > 0))
     held = (positions >= 0).sum(-1)  # [B, E]
     new = placement.num_tokens
     if policy.settles:
@@ -349,7 +405,7 @@ def overflows(positions: Array | None, policy: Policy, placement: Placement) -> 
         new = (layout.settled(lengths + new) - layout.settled(lengths)) // policy.granularity
     if policy.pooled:
         new = new * policy.kv_heads
-    return jnp.any(held + new[:, None] > positions.shape[2])
+    return jnp.any(held + new[:, None] > positions.shape[2]) | compressing
 
 
 def empty_slots(policy: Policy, batch: int):

