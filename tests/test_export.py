@@ -158,6 +158,16 @@ def test_every_program_exports_for_tpu_and_cuda(attention, cache, impl):
     assert_exports(program, arguments, kernel=impl == "pallas" and cache in STORED)
 
 
+@pytest.mark.parametrize("attention", ["gqa", "mla"])
+def test_a_compressing_prefill_exports_for_tpu_and_cuda(attention):
+    """cache.evict.when='after_prefill': generate's prompt compresses (compress=True),
+    a compression sized per row at run time."""
+    cfg = config(attention, "snapkv", "xla")
+    cfg.cache.evict.update(when="after_prefill", headroom=8)
+    program, arguments = inference(cfg)
+    assert_exports(program, arguments, kernel=False)
+
+
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("cache", ENGINE_CACHES)
 @pytest.mark.parametrize("attention", ["gqa", "mla"])

@@ -104,7 +104,7 @@ def _answer(model, params, cache, tokens, lengths, steps, compress):
         tokens,
         cache=cache,
         num_tokens=lengths,
-        compress=compress,
+        compress=True if compress else None,  # None: no row ends its context here
         logits_at=lengths - 1,
     )
     token = jnp.argmax(logits[:, 0], axis=-1).astype(jnp.int32)

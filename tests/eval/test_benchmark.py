@@ -59,9 +59,9 @@ def test_the_protocol_generates_what_generate_does_and_compression_saves_bytes()
         benchmark_cache(cfg.cache, "knorm", 0.25, 0),
         batch_size=1,
     )
-    # a quarter of a 256-token context and the headroom (question and answer), over
-    # the capacity, with a position per slot
-    assert quarter[0]["bytes_per_token"] < 0.6 * full[0]["bytes_per_token"]
+    # a quarter of a 256-token context beside the headroom (the longest question, 150
+    # bytes, and the answer: 41% of the capacity), a position per slot
+    assert quarter[0]["bytes_per_token"] < 0.65 * full[0]["bytes_per_token"]
     # one at a time or together, sharing a context or not: the same answers
     alone = [
         run_benchmark(
