@@ -17,9 +17,13 @@ unless --kvlab_defaults, then each question answered greedily from it. The full
 cache is the first row. Writes into --out: results.csv (every record),
 leaderboard.csv and leaderboard.md (method x ratio: the mean RULER score, per
 task, bytes per token of the cache) and leaderboard.png; each atomically.
+results.csv is written after each cache: a run stopped midway and started again
+with the same settings (settings.json) goes on from the next cache, and the
+wall time printed is that of the last start.
 """
 
 import csv
+import hashlib
 import importlib.util
 import io
 import json
@@ -151,8 +155,11 @@ def main(argv):
         )
     tasks = list(dict.fromkeys(r["task"] for r in records))
     runs = [("none", 0.0)] + [(m, r) for m in _METHODS.value for r in ratios]
-    results = []
+    results = resumed(_OUT.value, settings(records))
+    done = {(r["method"], r["ratio"]) for r in results}
     for method, ratio in runs:
+        if (method, ratio) in done:
+            continue
         cache = benchmark_cache(cfg.cache, method, 1 - ratio, 0, not _KVLAB.value)
         rows = run_benchmark(
             cfg.model,
@@ -164,12 +171,11 @@ def main(argv):
             batch_size=_BATCH.value,
         )
         results += [dict(method=method, ratio=ratio, **row) for row in rows]
-        board = leaderboard(results, tasks)
-        print(json.dumps(board[-1]), flush=True)
-    os.makedirs(_OUT.value, exist_ok=True)
-    board = leaderboard(results, tasks)
+        # Written after each cache: a run stopped here goes on from the next one.
+        write_atomic(os.path.join(_OUT.value, "results.csv"), csv_text(results))
+        print(json.dumps(leaderboard(results, tasks)[-1]), flush=True)
+    board = leaderboard([r for r in results if (r["method"], r["ratio"]) in runs], tasks)
     wall = time.perf_counter() - began
-    write_atomic(os.path.join(_OUT.value, "results.csv"), csv_text(results))
     write_atomic(os.path.join(_OUT.value, "leaderboard.csv"), csv_text(board))
     header = (
         f"{len(records)} records ({', '.join(tasks)}), model {_MODEL.value}, "
@@ -179,6 +185,43 @@ def main(argv):
     write_atomic(os.path.join(_OUT.value, "leaderboard.md"), header + markdown(board))
     plot(board, os.path.join(_OUT.value, "leaderboard.png"))
     print(header + markdown(board))
+
+
+def settings(records: list[dict]) -> dict:
+    """What the results in --out depend on, besides the method and ratio."""
+    digest = hashlib.sha256(json.dumps(records, sort_keys=True).encode()).hexdigest()
+    return dict(
+        model=_MODEL.value,
+        records=digest,
+        query_aware=_QUERY_AWARE.value,
+        kvlab_defaults=_KVLAB.value,
+        cache_dtype=_CACHE_DTYPE.value,
+    )
+
+
+def resumed(out: str, wanted: dict) -> list[dict]:
+    """The rows of an earlier run into `out` with the same settings (none for a new
+    folder); a folder holding another run's results is refused."""
+    os.makedirs(out, exist_ok=True)
+    path = os.path.join(out, "settings.json")
+    if not os.path.exists(path):
+        write_atomic(path, json.dumps(wanted, indent=1))
+        return []
+    with open(path) as file:
+        found = json.load(file)
+    if found != wanted:
+        raise ValueError(
+            f"--out={out!r} holds a benchmark run with other settings ({found}): pass "
+            "another --out, or remove that folder to start over"
+        )
+    if not os.path.exists(os.path.join(out, "results.csv")):
+        return []
+    with open(os.path.join(out, "results.csv"), newline="") as file:
+        rows = list(csv.DictReader(file))
+    for row in rows:
+        row.update({k: float(row[k]) for k in ("ratio", "score", "bytes_per_token", "seconds")})
+        row["context_tokens"] = int(row["context_tokens"])
+    return rows
 
 
 def _with(cfg, cache):

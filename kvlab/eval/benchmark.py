@@ -39,13 +39,15 @@ from kvlab.data.ruler import score
 from kvlab.model import Transformer
 
 # kvpress's defaults per method (its presses' constructor arguments): no recent
-# window kept, SnapKV's observation window of 64 queries and pooling kernel 5,
-# AdaKV's safeguard alpha 0.20, PyramidKV's beta 20; the share kept is set apart.
+# window kept (TOVA, KNorm, KeyDiff, random), SnapKV's observation window of 64
+# queries and pooling kernel 5 with the window itself kept (its scores padded with
+# the maximum), AdaKV's safeguard alpha 0.20, PyramidKV's beta 20.
+_WINDOW = dict(obs_window=64, kernel=5, recent=64)
 KVPRESS_DEFAULTS = {
     "*": dict(recent=0),
-    "snapkv": dict(obs_window=64, kernel=5),
-    "pyramidkv": dict(obs_window=64, kernel=5, pyramid_beta=20.0),
-    "adakv": dict(obs_window=64, kernel=5, adakv_floor=0.2),
+    "snapkv": _WINDOW,
+    "pyramidkv": dict(_WINDOW, pyramid_beta=20.0),
+    "adakv": dict(_WINDOW, adakv_floor=0.2),
 }
 
 
