@@ -1,5 +1,6 @@
 """The scripts on a local Hugging Face checkpoint: --hf, scripts/convert.py, refusals."""
 
+import csv
 import json
 import shutil
 
@@ -237,3 +238,30 @@ def test_eval_says_when_the_text_holds_fewer_windows_than_asked(tmp_path):
     ]
     report = json.loads(result.stdout)
     assert report["windows"] == 3 and report["batches"] == 1 and report["targets"] == 3 * 32
+
+
+def test_benchmark_writes_the_leaderboard_and_resumes(llama_with_tokenizer, tmp_path):
+    out = tmp_path / "benchmark"
+    args = [
+        "scripts/benchmark.py",
+        f"--model=hf:{llama_with_tokenizer}",
+        "--methods=knorm",
+        "--ratios=0.5",
+        "--tasks=niah_single_1,cwe",
+        "--length=96",
+        "--samples=1",
+        f"--out={out}",
+    ]
+    run_script(*args)
+    with open(out / "leaderboard.csv") as file:
+        board = list(csv.DictReader(file))
+    assert [(r["method"], r["ratio"]) for r in board] == [("none", "0.0"), ("knorm", "0.5")]
+    assert float(board[1]["bytes_per_token"]) < float(board[0]["bytes_per_token"])
+    assert set(board[0]) >= {"score", "niah_single_1", "cwe"}
+    assert (out / "leaderboard.png").stat().st_size > 0
+    results = (out / "results.csv").read_text()
+    # Started again, it finds every cache done; other settings are refused.
+    again = run_script(*args)
+    assert "{" not in again.stdout and (out / "results.csv").read_text() == results
+    other = run_script(*args[:-2], "--samples=2", f"--out={out}", check=False)
+    assert "holds a benchmark run with other settings" in user_error(other)
