@@ -59,11 +59,16 @@ class Registry:
                 self.register(self._entry_points()[name].load())
         if name not in self._registered:
             raise ValueError(
-                f"{self.field}={name!r} is not a {self.kind} kvlab knows: use one of "
+                f"{self.field}={name!r} is not {_article(self.kind)} {self.kind} kvlab knows: "
+                "use one of "
                 f"{', '.join(map(repr, self.names()))}, or register yours "
                 f"(kvlab.registry, entry-point group {self.group!r})"
             )
         return self._registered[name]
+
+
+def _article(noun: str) -> str:
+    return "an" if noun[:1] in "aeiou" else "a"
 
 
 # Eviction scorers (kvlab/cache/evict/scorers.py): cache.evict.method, beside the
@@ -78,8 +83,19 @@ SCORERS = Registry(
         ),
         "tova": "kvlab.cache.evict.tova",
         "keydiff": "kvlab.cache.evict.keydiff",
+        "lagkv": "kvlab.cache.evict.lagkv",
     },
     group="kvlab.scorers",
+)
+
+
+# Eviction wrappers (kvlab/cache/evict/scorers.py, Wrapper): methods over any scorer,
+# named before it in cache.evict.method ('chunkkv:snapkv').
+WRAPPERS = Registry(
+    "eviction wrapper",
+    "cache.evict.method",
+    shipped={"chunkkv": "kvlab.cache.evict.chunkkv"},
+    group="kvlab.wrappers",
 )
 
 

@@ -229,8 +229,13 @@ def _kept_label(model_cfg: Mapping, evict_cfg: Mapping) -> str:
         "adakv_floor": "floor {:g}",
         "seed": "seed {}",
     }
-    options = evict.scorer_of(method).options
-    details = [words.get(name, name + " {}").format(evict_cfg[name]) for name in options]
+    scorer = evict.scorer_of(method)
+    details = [words.get(name, name + " {}").format(evict_cfg[name]) for name in scorer.fields]
+    details += [  # its own options where they differ from its defaults
+        f"{name}={value}"
+        for name, value in evict.scorer_options(scorer, evict_cfg)
+        if value != scorer.defaults[name]
+    ]
     if evict_cfg["interval"] > 1:
         details.append(f"interval {evict_cfg['interval']}")
     if evict_cfg["when"] == "after_prefill":

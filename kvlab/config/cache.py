@@ -18,7 +18,7 @@ from kvlab.config.schema import (
     cached_prefixes,
     cached_tensors,
 )
-from kvlab.registry import FORMATS, SCORERS, TRANSFORMS
+from kvlab.registry import FORMATS, SCORERS, TRANSFORMS, WRAPPERS
 
 
 def validate_cache_config(cache: Mapping, model: Mapping | None = None) -> None:
@@ -88,7 +88,7 @@ def _validate_evict(cache: Mapping) -> None:
     evict = cache["evict"]
     section = "cache.evict"
     check_known_fields(section, evict, base_config().cache.evict)
-    check_choice(section, evict, "method", evict_methods())
+    parts = _method_parts(evict)
     check_int(section, evict, "budget", minimum=0)
     check_number(section, evict, "ratio")
     if evict["ratio"] > 1:
@@ -131,7 +131,8 @@ def _validate_evict(cache: Mapping) -> None:
     if evict["adakv_floor"] > 1:
         fail(f"{section}.adakv_floor", evict["adakv_floor"], "is above 1", "set a share in [0, 1]")
     method = evict["method"]
-    why = None if method in UNSCORED_METHODS else SCORERS.get(method).prefix_unsafe
+    _validate_options(evict, parts)
+    why = None if method in UNSCORED_METHODS else parts[-1].prefix_unsafe
     if why and cache["prefix_caching"]:
         fail(
             "cache.prefix_caching",
@@ -142,8 +143,82 @@ def _validate_evict(cache: Mapping) -> None:
 
 
 def evict_methods() -> tuple[str, ...]:
-    """Every cache.evict.method: the unscored layouts, then the registered scorers."""
+    """Every cache.evict.method: the unscored layouts, then the registered scorers
+    (each may also stand under wrappers: 'chunkkv:snapkv')."""
     return (*UNSCORED_METHODS, *SCORERS.names())
+
+
+def _method_parts(evict: Mapping) -> list:
+    """cache.evict.method's wrappers (outermost first) and its scorer, as registered
+    (none for an unscored layout); ValueError naming the field for an unknown part."""
+    method = evict["method"]
+    if not isinstance(method, str) or ":" not in method:
+        check_choice("cache.evict", evict, "method", evict_methods())
+        return [] if method in UNSCORED_METHODS else [SCORERS.get(method)]
+    *wrappers, base = method.split(":")
+    if base not in SCORERS.names():
+        fail(
+            "cache.evict.method",
+            method,
+            f"puts wrappers over {base!r}, which is no scorer",
+            f"put them over one of {', '.join(map(repr, SCORERS.names()))}, e.g. "
+            "'chunkkv:snapkv'",
+        )
+    for name in wrappers:
+        if name not in WRAPPERS.names():
+            fail(
+                "cache.evict.method",
+                method,
+                f"names {name!r}, which is no eviction wrapper kvlab knows",
+                f"put one of {', '.join(map(repr, WRAPPERS.names()))} (or yours, registered in "
+                "kvlab.registry.WRAPPERS) before the scorer",
+            )
+    return [*(WRAPPERS.get(name) for name in wrappers), SCORERS.get(base)]
+
+
+def _validate_options(evict: Mapping, parts: list) -> None:
+    """cache.evict.options: only the method's own options (its parts' `defaults`),
+    each of its default's type, then each part's own checks."""
+    field = "cache.evict.options"
+    given = evict["options"]
+    if not hasattr(given, "items"):  # a dict or a ConfigDict
+        fail(field, given, "is not a mapping", "set a dict of the method's options, or {}")
+    given = dict(given.items())
+    defaults: dict = {}
+    for part in parts:
+        defaults.update(part.defaults)
+    for name, value in given.items():
+        if name not in defaults:
+            known = ", ".join(sorted(defaults)) or "none"
+            fail(
+                f"{field}.{name}",
+                value,
+                f"is no option of cache.evict.method={evict['method']!r} (its options: {known})",
+                "remove it, or choose the method whose option it is",
+            )
+        _check_like(f"{field}.{name}", value, defaults[name])
+    options = {**defaults, **given}
+    for part in parts:
+        part.check(options, field)
+
+
+def _check_like(field: str, value, default) -> None:
+    """`value` of the same kind as `default`: a bool, an int, a number, a string, or
+    a sequence of numbers (a float default also takes an int)."""
+    if isinstance(default, bool):
+        ok = isinstance(value, bool)
+    elif isinstance(default, int):
+        ok = isinstance(value, int) and not isinstance(value, bool)
+    elif isinstance(default, float):
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    elif isinstance(default, str):
+        ok = isinstance(value, str)
+    else:
+        ok = isinstance(value, (list, tuple)) and all(
+            isinstance(x, (int, float)) and not isinstance(x, bool) for x in value
+        )
+    if not ok:
+        fail(field, value, f"is not of its default's kind ({default!r})", "set a value like it")
 
 
 def _validate_cache_for_model(cache: Mapping, model: Mapping) -> None:

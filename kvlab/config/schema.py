@@ -18,7 +18,8 @@ MOE_ROUTINGS = ("softmax", "sigmoid")  # model.moe.routing: DeepSeek-V2, DeepSee
 ROPE_SCALINGS = ("none", "linear", "llama3", "yarn")  # model.rope_scaling.type
 CACHE_KINDS = ("dense", "paged")
 # cache.evict.method: the layouts that score nothing, then the scorers
-# (kvlab.registry.SCORERS: kvlab/cache/evict/scorers.py and the methods added beside it).
+# (kvlab.registry.SCORERS: kvlab/cache/evict/scorers.py and the methods added beside it),
+# each perhaps under wrappers (kvlab.registry.WRAPPERS: 'chunkkv:snapkv').
 UNSCORED_METHODS = ("none", "window", "sinks")
 EVICT_WHEN = ("every_step", "after_prefill")  # cache.evict.when
 BIT_WIDTHS = (16, 8, 4, 2)
@@ -214,7 +215,8 @@ def base_config(variant: str = "tiny") -> ml_collections.ConfigDict:
     cfg.cache.evict = ml_collections.ConfigDict(
         dict(
             method="none",  # none|window|sinks, or a scorer: h2o|snapkv|pyramidkv|adakv|knorm|
-            #                 random|tova|... (kvlab.config.evict_methods())
+            #                 random|tova|... (kvlab.config.evict_methods()), or wrappers over
+            #                 a scorer ('chunkkv:snapkv'; kvlab.registry.WRAPPERS)
             budget=0,  # tokens kept per KV head and layer; 0 = ceil(ratio x max_len)
             ratio=1.0,  # with budget 0: the share of the cache's max_len kept, in (0, 1]
             sinks=4,  # 'sinks': the first tokens, always kept (StreamingLLM)
@@ -234,6 +236,10 @@ def base_config(variant: str = "tiny") -> ml_collections.ConfigDict:
             when="every_step",
             headroom=0,  # after_prefill: tokens a row adds after it (question, answer)
             seed=0,  # random: which tokens
+            # the method's own options (each scorer's and wrapper's `defaults`, e.g.
+            # {'pooling': 'mean'} for snapkv, {'lag_size': 64} for lagkv); omitted ones
+            # keep their defaults
+            options=ml_collections.ConfigDict(),
         )
     )
 

@@ -396,6 +396,58 @@ def test_snapkv_after_one_prefill_keeps_the_top_pooled_tokens():
             np.testing.assert_array_equal(kept[b, h], np.sort([*best, 10, 11]))
 
 
+def test_snapkv_mean_pooling_averages_the_prefix_before_the_window():
+    """pooling='mean' (SnapKV's reference code and kvpress): the attention of the
+    last obs_window queries to the tokens before the window, average-pooled over
+    kernel neighbours with zeros past the ends and in place of the window (kept,
+    cache.evict.recent = obs_window), is what ranks the tokens."""
+    cfg = VARIANTS["gqa"]()
+    tokens = random_tokens(cfg, (2, 12), seed=3)
+    _, params, _ = build(cfg)
+    probs = layer0_attention(cfg, params, tokens)  # [B, N, T, T]
+    groups = cfg.model.num_heads // cfg.model.num_kv_heads
+    mass = probs[:, :, -4:, :8].sum(2).reshape(2, cfg.model.num_kv_heads, groups, 8).mean(2)
+    padded = np.pad(mass, ((0, 0), (0, 0), (1, 1)))
+    pooled = (padded[..., :-2] + padded[..., 1:-1] + padded[..., 2:]) / 3
+    fields = dict(budget=7, obs_window=4, recent=4, kernel=3, options={"pooling": "mean"})
+    _, cache = run(cfg, evicting(cfg, "snapkv", **fields), tokens, [12])
+    _, by_max = run(cfg, evicting(cfg, "snapkv", **{**fields, "options": {}}), tokens, [12])
+    kept = np.sort(np.asarray(cache.layers[0].positions), axis=-1)
+    for b in range(2):
+        for h in range(cfg.model.num_kv_heads):
+            best = np.argsort(-pooled[b, h], kind="stable")[:3]
+            np.testing.assert_array_equal(kept[b, h], np.sort([*best, 8, 9, 10, 11]))
+    assert (np.sort(np.asarray(by_max.layers[0].positions), axis=-1) != kept).any()
+
+
+def test_h2o_average_ranks_by_the_attention_of_the_queries_that_saw_a_token():
+    """options.average (kvpress's ObservedAttentionPress): each token's accumulated
+    attention over the queries that saw it (12 - i for token i of a 12-token prefill)
+    ranks it; the state each slot keeps is still the sum."""
+    cfg = VARIANTS["gqa"]()
+    tokens = random_tokens(cfg, (2, 12), seed=6)
+    _, params, _ = build(cfg)
+    probs = layer0_attention(cfg, params, tokens)  # [B, N, T, T]
+    groups = cfg.model.num_heads // cfg.model.num_kv_heads
+    column = probs.sum(2).reshape(2, cfg.model.num_kv_heads, groups, 12).mean(2)  # [B, K, T]
+    mean = column / (12 - np.arange(12))
+    cache_cfg = evicting(cfg, "h2o", budget=6, recent=1, options={"average": True})
+    _, cache = run(cfg, cache_cfg, tokens, [12])
+    layer = cache.layers[0]
+    order = np.argsort(np.asarray(layer.positions), axis=-1)
+    kept = np.take_along_axis(np.asarray(layer.positions), order, -1)
+    differs = False
+    for b in range(2):
+        for h in range(cfg.model.num_kv_heads):
+            best = np.sort([*np.argsort(-mean[b, h, :11], kind="stable")[:5], 11])
+            np.testing.assert_array_equal(kept[b, h], best)
+            by_sum = np.sort([*np.argsort(-column[b, h, :11], kind="stable")[:5], 11])
+            differs |= (best != by_sum).any()
+            scores = np.take_along_axis(np.asarray(layer.scores), order, -1)[b, h]
+            np.testing.assert_allclose(scores, column[b, h, best], atol=2e-6, rtol=0)
+    assert differs  # the average keeps other tokens than the sum here
+
+
 def test_bytes_are_the_kept_slots():
     """AdaKV's pool stores what uniform SnapKV stores at the same total budget; a
     GQA model with 4 query heads per KV head keeping 50% stores 1/4 of the MHA

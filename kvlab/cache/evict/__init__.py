@@ -4,9 +4,10 @@ layers.py holds the layers (the ring of a window, scored slots, settling groups
 of a quantized layout, AdaKV's pool), paged.py their paged twins, policy.py the
 per-layer policies (what a layer keeps, its budget, what that says about a
 row's slots), stored.py the reads and writes of the stored tensors, scorers.py
-the scorers a method is (a registry, kvlab.registry.SCORERS: a new method is
-one file there, e.g. tova.py). Imports run one way, paged > layers > policy |
-stored | tova > scorers (pyproject.toml's contract for kvlab.cache.evict).
+the scorers a method is and the wrappers over them (registries,
+kvlab.registry.SCORERS and WRAPPERS: a new method is one file there, e.g.
+tova.py, chunkkv.py). Imports run one way, paged > layers > policy | stored |
+a method's file > scorers (pyproject.toml's contract for kvlab.cache.evict).
 docs/caches.md, "Evicting caches", describes them; docs/adding-a-method.md how
 a scorer is added.
 """
@@ -24,11 +25,12 @@ from kvlab.cache.evict.policy import (
     resolve_budget,
     ring_positions,
     scorer_of,
+    scorer_options,
     storage_heads,
     stored_tokens,
     window_groups,
 )
-from kvlab.cache.evict.scorers import Candidates, Scorer
+from kvlab.cache.evict.scorers import Candidates, Scorer, Wrapper
 
 __all__ = [
     "MAX_SCORED_LEN",
@@ -38,6 +40,7 @@ __all__ = [
     "PagedEvictingLayer",
     "Policy",
     "Scorer",
+    "Wrapper",
     "banded",
     "copy_pages",
     "init_layer",
@@ -49,6 +52,7 @@ __all__ = [
     "resolve_budget",
     "ring_positions",
     "scorer_of",
+    "scorer_options",
     "storage_heads",
     "stored_tokens",
     "window_groups",

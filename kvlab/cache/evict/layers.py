@@ -247,7 +247,8 @@ class EvictingLayer:
         return jnp.where(rows, target, -1)
 
     def _decide(self, tags: Array, candidates: Array, score, end: Array, span: int = 1, limit=None):
-        """`_keep`, scoring (`score()`) only in a step where some head of some row has
+        """`_keep`, scoring (`score()`: the scores and the priorities they rank by)
+        only in a step where some head of some row has
         more candidates than slots, or is compressed (`limit`, `_limit`): otherwise
         the new ones take free slots and nothing is scored or sorted (a scorer that
         `keeps` a state is still scored, to add to it). The choices are the same;
@@ -260,13 +261,13 @@ class EvictingLayer:
         if self.policy.keeps:
             kept_score = score()
             score = lambda: kept_score  # noqa: E731
-            appended = kept_score
+            appended = kept_score[0]
         else:
             appended = jnp.zeros(candidates.shape, jnp.float32)
         return jax.lax.cond(
             overflow,
-            lambda: self._keep(tags, candidates, score(), end, span, limit=limit),
-            lambda: self._keep(tags, candidates, appended, end, span, compete=False),
+            lambda: self._keep(tags, candidates, *score(), end, span, limit=limit),
+            lambda: self._keep(tags, candidates, appended, appended, end, span, compete=False),
         )
 
     def _keep(
@@ -274,6 +275,7 @@ class EvictingLayer:
         tags: Array,
         candidates: Array,
         score: Array,
+        priority: Array,
         end: Array,
         span: int = 1,
         compete: bool = True,
@@ -283,13 +285,14 @@ class EvictingLayer:
         slots first, then the new `tags` [B, E, C - S]) of `span` positions each.
         A head with more candidates than slots drops the lowest down to S minus
         the policy's `spare` (cache.evict.interval), a row with a `limit` (>= 0)
-        down to it. Returns the new candidates' slots [B, E, C - S] (S: not
+        down to it, the lowest `priority` first; the kept ones carry their `score`
+        (a state the scorer keeps). Returns the new candidates' slots [B, E, C - S] (S: not
         stored), the positions and (h2o) the scores the slots then hold.
         compete=False: every candidate fits (nothing dropped)."""
         slots = self.positions.shape[2]
         valid = candidates >= 0
         if compete:
-            keep = valid & ~self._dropped(candidates, score, end, span, limit)
+            keep = valid & ~self._dropped(candidates, priority, end, span, limit)
         else:
             keep = valid
         kept_stored, kept_new = keep[..., :slots], keep[..., slots:]
@@ -374,8 +377,9 @@ class EvictingLayer:
             )
         return tags, jnp.concatenate([self.positions, tags], axis=2)
 
-    def _score(self, pending, placement, candidates, valid, mass, queries) -> Array:
-        """float32[B, E, C]: the scorer's score of each candidate token."""
+    def _score(self, pending, placement, candidates, valid, mass, queries):
+        """(scores, priorities) float32[B, E, C]: the scorer's score of each candidate
+        token and what the competition ranks it by."""
         p = self.policy
         heads = candidates.shape[1]
         per_head = None
@@ -384,16 +388,25 @@ class EvictingLayer:
                 [m.reshape(m.shape[0], heads, -1, m.shape[-1]).mean(2) for m in mass], axis=2
             )[..., None]
 
-        def keys():  # the first cached tensor's, stored and new, as stored
-            stored = stored_values(self.tensors[0])
-            new = as_stored(pending[0], self.tensors[0]).astype(jnp.float32)
+        def tokens(i):  # cached tensor i's, stored and new, as stored
+            stored = stored_values(self.tensors[i])
+            new = as_stored(pending[i], self.tensors[i]).astype(jnp.float32)
             if p.pooled:
                 (new,) = self._pool_tensors((new,))
             return jnp.concatenate([stored, new], axis=2)[:, :, :, None]
 
-        return p.scorer.score(self._candidates_of(candidates, valid, 1, per_head, keys, queries))
+        keys, values = lambda: tokens(0), lambda: tokens(self._values_index)  # noqa: E731
+        c = self._candidates_of(candidates, valid, 1, per_head, keys, values, placement, queries)
+        return _scored(p.scorer, c)
 
-    def _candidates_of(self, tags, valid, group: int, mass, keys, queries) -> Candidates:
+    @property
+    def _values_index(self) -> int:
+        """The cached tensor values are read from: the second (a latent model: the latent)."""
+        return 0 if self.policy.latent else 1
+
+    def _candidates_of(
+        self, tags, valid, group: int, mass, keys, values, placement, queries
+    ) -> Candidates:
         """What the scorer reads of candidates `tags` [B, E, C] (module docstring)."""
         p = self.policy
         if p.pooled:
@@ -417,6 +430,10 @@ class EvictingLayer:
             kv_heads=p.kv_heads,
             queries=None if queries is None else queries[0],
             query_weights=None if queries is None else queries[1],
+            values=values,
+            end=(placement.lengths + placement.num_tokens)[:, None, None],
+            recent=p.recent,
+            options=dict(p.options),
         )
 
     def _floor(self, score, candidates, valid, floors=None) -> Array:
@@ -461,7 +478,7 @@ class EvictingLayer:
             unsettled = settling
             if unsettled is None and mass is not None:
                 unsettled = self._unsettled_mass(flush, placement, mass)[0]
-            return self._group_score(flush, candidates, valid, mass, unsettled, queries)
+            return self._group_score(flush, placement, candidates, valid, mass, unsettled, queries)
 
         end = (placement.lengths + placement.num_tokens)[:, None, None]
         dest, positions, scores = self._decide(tags, candidates, score, end, span=g)
@@ -532,11 +549,13 @@ class EvictingLayer:
             ring_scores = jnp.where(stays[:, None], read(offset(now, stays)), 0.0)
         return tokens, ring_scores
 
-    def _group_score(self, flush, candidates, valid, mass, settling_mass, queries) -> Array:
-        """float32[B, E, C]: how much each kept and settling group deserves to stay."""
+    def _group_score(self, flush, placement, candidates, valid, mass, settling_mass, queries):
+        """(scores, priorities) float32[B, E, C]: how much each kept and settling
+        group deserves to stay."""
         p = self.policy
         if p.windowed:  # the sinks' groups and the newest ones stay
-            return jnp.where(candidates < p.sinks, KEPT, candidates.astype(jnp.float32))
+            newest = jnp.where(candidates < p.sinks, KEPT, candidates.astype(jnp.float32))
+            return newest, newest
         g = p.granularity
         batch, heads = candidates.shape[:2]
         groups = lambda x: x.reshape(*x.shape[:2], -1, g, *x.shape[3:])  # noqa: E731  [.., X g, ..]
@@ -547,17 +566,25 @@ class EvictingLayer:
             stored = groups(m.reshape(batch, heads, -1, m.shape[-1]).mean(2))
             per_token = jnp.concatenate([stored, per_storage(groups(settling_mass))], axis=2)
 
-        def keys():  # the first cached tensor's groups, kept and settling, as stored
-            key = self.tensors[0]
-            settled = flush.payloads[0].astype(jnp.float32)
-            if key.spec.quantized:
+        def tokens(i):  # cached tensor i's groups, kept and settling, as stored
+            tensor = self.tensors[i]
+            settled = flush.payloads[i].astype(jnp.float32)
+            if tensor.spec.quantized:
                 settled = dequantize_tokens(
-                    flush.payloads[0], flush.scales[0], flush.zeros[0], key.spec
+                    flush.payloads[i], flush.scales[i], flush.zeros[i], tensor.spec
                 )
-            stored = groups(stored_values(key))
+            stored = groups(stored_values(tensor))
             return jnp.concatenate([stored, per_storage(groups(settled))], axis=2)
 
-        return p.scorer.score(self._candidates_of(candidates, valid, g, per_token, keys, queries))
+        keys, values = lambda: tokens(0), lambda: tokens(self._values_index)  # noqa: E731
+        c = self._candidates_of(candidates, valid, g, per_token, keys, values, placement, queries)
+        return _scored(p.scorer, c)
+
+
+def _scored(scorer, c: Candidates) -> tuple[Array, Array]:
+    """The scorer's scores of `c` and the priorities they rank by."""
+    score = scorer.score(c)
+    return score, scorer.priority(c, score)
 
 
 def init_layer(policy: Policy, tensors: tuple, batch: int) -> EvictingLayer:

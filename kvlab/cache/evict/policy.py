@@ -34,10 +34,9 @@ import jax.numpy as jnp
 from jaxtyping import Array, Int
 
 from kvlab.cache import topology
-from kvlab.cache.evict.scorers import Scorer
+from kvlab.cache.evict.scorers import Scorer, compose
 from kvlab.cache.placement import Placement
 from kvlab.cache.quant import Layout, quantized_layout
-from kvlab.registry import SCORERS
 
 RING_METHODS = ("window", "sinks")
 MAX_SCORED_LEN = 2**24 - 2**16  # positions (and a step's tokens) stay below 2**24: sort keys
@@ -68,6 +67,8 @@ class Policy:
     budget: int = 0  # after_prefill: the most tokens a head keeps of a compressed context
     ratio: float = 0.0  # after_prefill with cache.evict.budget 0: the share of it kept
     floor_share: float = 0.0  # adakv_floor (after_prefill: a floor per compressed row)
+    options: tuple = ()  # the scorer's options: (name, value) pairs (Candidates.options)
+    latent: bool = False  # the first cached tensor is a latent values are read from
 
     @property
     def compresses(self) -> bool:
@@ -132,8 +133,18 @@ class Policy:
 
 
 def scorer_of(method: str) -> Scorer | None:
-    """The scorer of cache.evict.method, None for the layouts that score nothing."""
-    return None if method in ("none", *RING_METHODS) else SCORERS.get(method)
+    """The scorer of cache.evict.method (wrappers over a scorer: 'chunkkv:snapkv'),
+    None for the layouts that score nothing."""
+    return None if method in ("none", *RING_METHODS) else compose(method)
+
+
+def scorer_options(scorer: Scorer, evict: Mapping) -> tuple:
+    """The scorer's options, its defaults with cache.evict.options over them, as
+    sorted (name, value) pairs (lists as tuples: a Policy is hashed)."""
+    given = evict["options"] if "options" in evict else {}
+    merged = {**scorer.defaults, **dict(given.items())}
+    frozen = lambda v: tuple(v) if isinstance(v, (list, tuple)) else v  # noqa: E731
+    return tuple(sorted((name, frozen(value)) for name, value in merged.items()))
 
 
 def resolve_budget(model_cfg: Mapping, cache_cfg: Mapping, max_len: int) -> int:
@@ -210,6 +221,7 @@ def policies(model_cfg: Mapping, cache_cfg: Mapping, max_len: int) -> tuple[Poli
     settles = residual > 0 or g > 1
     sinks = evict["sinks"] if method == "sinks" else 0
     compresses = evict["when"] == "after_prefill" and scorer is not None
+    options = () if scorer is None else scorer_options(scorer, evict)
     if compresses:
         _check_after_prefill(method, evict, settles)
     out = []
@@ -245,6 +257,8 @@ def policies(model_cfg: Mapping, cache_cfg: Mapping, max_len: int) -> tuple[Poli
                 budget=budget,
                 ratio=0.0 if evict["budget"] or not compresses else evict["ratio"],
                 floor_share=evict["adakv_floor"] if pooled else 0.0,
+                options=options,
+                latent=not grouped,
             )
         )
         _check_interval(out[-1], evict)

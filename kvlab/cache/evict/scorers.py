@@ -27,21 +27,32 @@ bytes, the cache's label, the eviction sweep's grid):
     pooled        a layer's K heads share one pool of K x budget slots, each head at
                   least cache.evict.adakv_floor x budget (adakv)
     prefix_unsafe why shared prompt pages cannot stand for its state (None: they can)
-    options       the cache.evict fields it reads, besides budget and ratio
+    fields        the shared cache.evict fields it reads, besides budget and ratio
+    defaults      its own options and their defaults: cache.evict.options, which
+                  may set any of them ({'pooling': 'mean'}); `check` refuses values
     budgets()     the per-layer budgets (pyramidkv), uniform by default
+    priority()    what the competition compares, from its score (default: the
+                  score; a scorer that `keeps` its score may rank by another number)
 
-Built in here: h2o, snapkv, pyramidkv, adakv, knorm, random; beside: tova.
+A wrapper (`Wrapper`, kvlab.registry.WRAPPERS: kvpress's wrapper presses) applies
+over any scorer: cache.evict.method='chunkkv:snapkv' is ChunkKV over SnapKV's
+scores (wrappers nest: 'a:b:snapkv'). It turns the scorer's priorities into its
+own and adds its options; the scorer's state, observations and layout stay.
+
+Built in here: h2o, snapkv, pyramidkv, adakv, knorm, random; beside: tova,
+keydiff, lagkv (scorers), chunkkv (a wrapper).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import types
 from collections.abc import Callable, Mapping
 
 import jax.numpy as jnp
 from jaxtyping import Array
 
-from kvlab.registry import SCORERS
+from kvlab.registry import SCORERS, WRAPPERS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,6 +81,12 @@ class Candidates:
                `heads` picks); None when the scorer observes none
     query_weights  float32[B, Q] | None   1 for the queries the scorer observes
                (its `observes`), 0 for the others and padding
+    values     () -> float32[B, E, C, group, Wv]   its values as stored (quantized:
+               dequantized; a latent model: the latent, which values are read from)
+    end        int32[B, 1, 1]   each row's length after the step (the next position)
+    recent     the layer's cache.evict.recent: candidates holding one of a row's
+               `recent` latest positions stay whatever their score (`always_kept`)
+    options    the scorer's options (its `defaults` with cache.evict.options over them)
     """
 
     tags: Array
@@ -87,6 +104,13 @@ class Candidates:
     kv_heads: int
     queries: Array | None = None
     query_weights: Array | None = None
+    values: Callable[[], Array] | None = None
+    end: Array | None = None
+    recent: int = 0
+    options: Mapping = dataclasses.field(default_factory=dict)
+
+
+NO_OPTIONS: Mapping = types.MappingProxyType({})
 
 
 class Scorer:
@@ -97,7 +121,12 @@ class Scorer:
     keeps: bool = False
     pooled: bool = False
     prefix_unsafe: str | None = None
-    options: tuple[str, ...] = ("recent",)
+    fields: tuple[str, ...] = ("recent",)
+    defaults: Mapping = NO_OPTIONS
+
+    def check(self, options: Mapping, field: str) -> None:
+        """Raises ValueError naming `field`.<option> for an option value it cannot use
+        (`options`: its defaults with the config's over them)."""
 
     def budgets(self, budget: int, layers: int, evict: Mapping) -> tuple[int, ...]:
         """Tokens kept per KV head in each of `layers` layers, `budget` on average."""
@@ -106,33 +135,115 @@ class Scorer:
     def score(self, c: Candidates) -> Array:
         raise NotImplementedError
 
+    def priority(self, c: Candidates, score: Array) -> Array:
+        """float32[B, E, C]: what the competition compares (higher stays)."""
+        return score
+
+
+class Wrapper:
+    """A method over any scorer (module docstring): `priority` turns the scorer's
+    priorities [B, E, C] into the wrapper's."""
+
+    name: str = ""
+    fields: tuple[str, ...] = ()
+    defaults: Mapping = NO_OPTIONS
+
+    def check(self, options: Mapping, field: str) -> None:
+        """As Scorer.check, for the wrapper's own options."""
+
+    def priority(self, c: Candidates, priority: Array) -> Array:
+        raise NotImplementedError
+
+
+class Wrapped(Scorer):
+    """`wrapper` over `scorer`: cache.evict.method 'wrapper:scorer'."""
+
+    def __init__(self, wrapper: Wrapper, scorer: Scorer):
+        self.wrapper, self.scorer = wrapper, scorer
+        self.name = f"{wrapper.name}:{scorer.name}"
+        self.observes, self.keeps, self.pooled = scorer.observes, scorer.keeps, scorer.pooled
+        self.prefix_unsafe = scorer.prefix_unsafe
+        self.fields = tuple(dict.fromkeys((*scorer.fields, *wrapper.fields)))
+        self.defaults = types.MappingProxyType({**scorer.defaults, **wrapper.defaults})
+
+    def check(self, options: Mapping, field: str) -> None:
+        self.scorer.check(options, field)
+        self.wrapper.check(options, field)
+
+    def budgets(self, budget: int, layers: int, evict: Mapping) -> tuple[int, ...]:
+        return self.scorer.budgets(budget, layers, evict)
+
+    def score(self, c: Candidates) -> Array:
+        return self.scorer.score(c)
+
+    def priority(self, c: Candidates, score: Array) -> Array:
+        return self.wrapper.priority(c, self.scorer.priority(c, score))
+
+
+def compose(method: str) -> Scorer:
+    """The scorer of a scored cache.evict.method: 'snapkv', or wrappers over a
+    scorer, outermost first ('chunkkv:snapkv')."""
+    *wrappers, base = method.split(":")
+    scorer = SCORERS.get(base)
+    for name in reversed(wrappers):
+        scorer = Wrapped(WRAPPERS.get(name), scorer)
+    return scorer
+
 
 def attention(c: Candidates) -> Array:
     """float32[B, E, C]: the attention each candidate (its tokens together) received."""
     return c.mass.sum(-1)
 
 
+def always_kept(c: Candidates) -> Array:
+    """bool[B, E, C]: the candidates the layer keeps whatever their score (those
+    holding one of a row's `recent` latest positions)."""
+    if not c.recent:
+        return jnp.zeros(c.valid.shape, bool)
+    return c.valid & (c.positions + (c.group - 1) >= c.end - c.recent)
+
+
 def pooled_max(score: Array, c: Candidates) -> Array:
     """Max of each candidate's score over the `kernel` nearest positions of its
-    KV head (SnapKV's pooling): score [B, E, C]."""
+    KV head (SnapKV's pooling, kvlab's default): score [B, E, C]."""
     if c.kernel == 1:
         return score
+    larger = lambda best, moved, ok: jnp.where(ok, jnp.maximum(best, moved), best)  # noqa: E731
+    return _pooled(score, c, c.valid, larger)
+
+
+def pooled_mean(score: Array, c: Candidates) -> Array:
+    """Mean of each candidate's score over the `kernel` nearest positions of its KV
+    head, those that are no scored candidate (before the first, past the last,
+    or always kept: the observation window) counting as zero: SnapKV's reference
+    code and kvpress (average pooling over the prefix before the window, zero
+    padded, divided by the kernel). score [B, E, C]."""
+    counted = c.valid & ~always_kept(c)
+    if c.kernel == 1:
+        return score
+    add = lambda total, moved, ok: total + jnp.where(ok, moved, 0.0)  # noqa: E731
+    return _pooled(jnp.where(counted, score, 0.0), c, counted, add) / c.kernel
+
+
+def _pooled(score: Array, c: Candidates, counted: Array, fold) -> Array:
+    """Each valid candidate's score folded (`fold(acc, neighbour, ok)`) with those
+    of the `kernel` // 2 nearest candidates of its KV head on each side in
+    position order (`ok`: the neighbour exists and is `counted`): score [B, E, C]."""
     key = c.heads * (1 << 24) + c.positions  # head-major; positions stay below 2**24
     order = jnp.argsort(jnp.where(c.valid, key, jnp.iinfo(jnp.int32).max), axis=-1)
     take = lambda x: jnp.take_along_axis(x, order, axis=-1)  # noqa: E731
-    s, v, h = take(score), take(c.valid), take(c.heads)
-    best = s
+    s, v, n, h = take(score), take(c.valid), take(counted), take(c.heads)
+    out = s
+    edge = jnp.arange(s.shape[-1])
     for shift in range(1, c.kernel // 2 + 1):
         for d in (shift, -shift):
-            moved = jnp.roll(s, d, axis=-1)
-            ok = jnp.roll(v, d, axis=-1) & (jnp.roll(h, d, axis=-1) == h)
-            edge = jnp.arange(s.shape[-1])
+            ok = jnp.roll(n, d, axis=-1) & (jnp.roll(h, d, axis=-1) == h)
             ok = ok & ((edge >= d) if d > 0 else (edge < s.shape[-1] + d))
-            best = jnp.where(ok & v, jnp.maximum(best, moved), best)
+            out = fold(out, jnp.roll(s, d, axis=-1), ok & v)
     # Back to candidate order: a scatter through the permutation (no second sort).
     b = jnp.arange(order.shape[0])[:, None, None]
     e = jnp.arange(order.shape[1])[None, :, None]
-    return jnp.zeros_like(best).at[b, e, order].set(best)
+    return jnp.zeros_like(out).at[b, e, order].set(out)
 
 
 def hash01(x: Array) -> Array:
@@ -146,25 +257,46 @@ def hash01(x: Array) -> Array:
 
 class H2O(Scorer):
     """Heavy hitters (arXiv:2306.14048): the attention a token has received from
-    every later query, accumulated over its stay."""
+    every later query, accumulated over its stay. Option `average`: ranked by
+    that sum over the number of queries that saw it (kvpress's
+    ObservedAttentionPress; a group of g tokens: its sum over its tokens' counts)."""
 
     name, observes, keeps = "h2o", "all", True
     prefix_unsafe = "the attention a cached prefix's tokens accumulated is not in its pages"
+    defaults = types.MappingProxyType({"average": False})
 
     def score(self, c: Candidates) -> Array:
         score = attention(c)
         return score.at[..., : c.held].add(c.state)
 
+    def priority(self, c: Candidates, score: Array) -> Array:
+        if not c.options["average"]:
+            return score
+        g = c.group  # queries at positions p .. end - 1 saw the token at p
+        seen = g * (c.end - c.positions) - g * (g - 1) // 2
+        return score / jnp.maximum(seen, 1).astype(jnp.float32)
+
 
 class SnapKV(Scorer):
     """SnapKV (arXiv:2404.14469): the attention of the step's last obs_window
-    queries, max-pooled over `kernel` neighbouring positions."""
+    queries, pooled over `kernel` neighbouring positions: option `pooling`
+    'max' (kvlab's default) or 'mean' (SnapKV's reference code and kvpress,
+    `pooled_mean`)."""
 
     name, observes = "snapkv", "window"
-    options = ("recent", "obs_window", "kernel")
+    fields = ("recent", "obs_window", "kernel")
+    defaults = types.MappingProxyType({"pooling": "max"})
+
+    def check(self, options: Mapping, field: str) -> None:
+        if options["pooling"] not in ("max", "mean"):
+            raise ValueError(
+                f"{field}.pooling={options['pooling']!r} is no pooling {self.name} knows: "
+                "set 'max' or 'mean'"
+            )
 
     def score(self, c: Candidates) -> Array:
-        return pooled_max(attention(c), c)
+        pool = pooled_mean if c.options["pooling"] == "mean" else pooled_max
+        return pool(attention(c), c)
 
 
 class PyramidKV(SnapKV):
@@ -172,7 +304,7 @@ class PyramidKV(SnapKV):
     the first layer to the last, whose scored part is the mean's 1 / pyramid_beta."""
 
     name = "pyramidkv"
-    options = (*SnapKV.options, "pyramid_beta")
+    fields = (*SnapKV.fields, "pyramid_beta")
 
     def budgets(self, budget: int, layers: int, evict: Mapping) -> tuple[int, ...]:
         if layers == 1:
@@ -192,7 +324,7 @@ class AdaKV(SnapKV):
 
     name, pooled = "adakv", True
     prefix_unsafe = "its heads share one pool, so a prefix's tokens are not in slot order"
-    options = (*SnapKV.options, "adakv_floor")
+    fields = (*SnapKV.fields, "adakv_floor")
 
 
 class KNorm(Scorer):
@@ -209,7 +341,7 @@ class Random(Scorer):
     """A pseudo-random set: a hash of seed, layer, storage head and (first) position."""
 
     name = "random"
-    options = ("recent", "seed")
+    fields = ("recent", "seed")
 
     def score(self, c: Candidates) -> Array:
         heads = c.tags.shape[1]

@@ -1,0 +1,84 @@
+"""ChunkKV (kvlab/cache/evict/chunkkv.py), a wrapper over any scorer, against its
+definition (arXiv:2502.00299, as kvpress's ChunkKVPress selects): the scorer's
+scores are averaged over chunks of consecutive positions and over the KV heads,
+and the best chunks stay whole in every head."""
+
+import numpy as np
+import pytest
+
+import kvlab
+from tests.cache.test_evict import evicting, kivi, layer0_keys, run
+from tests.helpers import VARIANTS, build, random_tokens
+
+
+def test_one_prefill_keeps_the_chunks_of_highest_mean_score_in_every_head():
+    """chunkkv over knorm: 24 tokens in chunks of 4, a budget of 12 keeps the 3
+    chunks whose mean of -|key| over their tokens and the KV heads is highest."""
+    cfg = VARIANTS["gqa"]()
+    tokens = random_tokens(cfg, (2, 24), seed=2)
+    _, params, _ = build(cfg)
+    score = -np.linalg.norm(layer0_keys(cfg, params, tokens), axis=-1)  # [B, T, K]
+    cache_cfg = evicting(cfg, "chunkkv:knorm", budget=12, recent=0, options={"chunk_length": 4})
+    _, cache = run(cfg, cache_cfg, tokens, [24], 32)
+    kept = np.sort(np.asarray(cache.layers[0].positions), axis=-1)
+    for b in range(2):
+        chunks = score[b].sum(-1).reshape(6, 4).mean(-1)
+        best = np.sort(np.argsort(-chunks, kind="stable")[:3])
+        expected = (best[:, None] * 4 + np.arange(4)).reshape(-1)
+        for h in range(cfg.model.num_kv_heads):
+            np.testing.assert_array_equal(kept[b, h], expected)
+
+
+def test_a_budget_inside_a_chunk_keeps_the_best_whole_and_part_of_the_next():
+    """26 tokens, the last 2 recent (kept, outside the means), a budget of 12 in
+    chunks of 4: the 2 best chunks whole and 2 tokens of the third, which every
+    head shares."""
+    cfg = VARIANTS["gqa"]()
+    tokens = random_tokens(cfg, (2, 26), seed=5)
+    cache_cfg = evicting(cfg, "chunkkv:keydiff", budget=12, recent=2, options={"chunk_length": 4})
+    _, cache = run(cfg, cache_cfg, tokens, [26], 32)
+    for layer in cache.layers:
+        kept = np.sort(np.asarray(layer.positions), axis=-1)
+        for row in kept:
+            assert (row == row[0]).all()  # every KV head the same tokens
+            assert {24, 25} <= set(row[0])
+            chunks = np.bincount(row[0][row[0] < 24] // 4, minlength=6)
+            assert sorted(chunks.tolist()) == [0, 0, 0, 2, 4, 4]
+
+
+@pytest.mark.parametrize("scorer", ["snapkv", "h2o", "adakv", "lagkv"])
+def test_it_wraps_any_scorer_over_pools_groups_and_pages(scorer):
+    """Over attention-scored, stateful, pooled and key/value scorers: a budget that
+    holds the sequence gives the full cache's logits; KIVI's settling groups in pages
+    keep within the budget."""
+    cfg = VARIANTS["gqa"]()
+    tokens = random_tokens(cfg, (2, 28))
+    method = f"chunkkv:{scorer}"
+    full, _ = run(cfg, cfg.cache, tokens, [14, 14], 32)
+    held, _ = run(cfg, evicting(cfg, method, budget=32), tokens, [14, 14], 32)
+    np.testing.assert_allclose(held, full, atol=3e-6)
+    cache_cfg = kivi(cfg, method, 0, budget=24, options={"chunk_length": 8})
+    cache_cfg.update(kind="paged", page_size=8)
+    out, cache = run(cfg, cache_cfg, tokens, [7] * 4, 32)
+    assert np.isfinite(out).all()
+    for layer in cache.layers:  # a pool (adakv) holds its K heads' budgets together
+        stored = np.asarray(layer.stored(cache.lengths))
+        assert (stored.sum(-1) <= 24 * stored.shape[-1]).all()
+        assert layer.policy.pooled or (stored <= 24).all()
+    label = kvlab.cache.cache_label(cfg.model, cache_cfg)
+    assert f"{method} keeping 24 tokens" in label and "chunk_length=8" in label
+
+
+@pytest.mark.parametrize(
+    "method, options, message",
+    [
+        ("chunkkv:knorm", {"chunk_length": 0}, "cache.evict.options.chunk_length=0 is below 1"),
+        ("chunkkv:window", {}, "cache.evict.method='chunkkv:window' puts wrappers over 'window'"),
+        ("knorm:knorm", {}, "names 'knorm', which is no eviction wrapper"),
+        ("chunkkv:knorm", {"pooling": "mean"}, "options.pooling='mean' is no option"),
+    ],
+)
+def test_bad_compositions_are_refused_naming_the_field(method, options, message):
+    cfg = VARIANTS["gqa"]()
+    with pytest.raises(ValueError, match=message):
+        kvlab.init_cache(cfg.model, evicting(cfg, method, budget=8, options=options), 1, 32)
