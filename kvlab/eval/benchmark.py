@@ -38,13 +38,17 @@ from kvlab.config import validate_cache_config
 from kvlab.data.ruler import score
 from kvlab.model import Transformer
 
-# kvpress's defaults per method (its presses' constructor arguments): no recent
-# window kept (TOVA, KNorm, KeyDiff, random), SnapKV's observation window of 64
-# queries and pooling kernel 5 with the window itself kept (its scores padded with
-# the maximum), AdaKV's safeguard alpha 0.20, PyramidKV's beta 20.
-_WINDOW = dict(obs_window=64, kernel=5, recent=64)
+# kvpress's defaults per method (its presses' constructor arguments and scores): no
+# recent window kept (KNorm, KeyDiff, LagKV, random), TOVA's last token kept (its score
+# padded with the maximum), SnapKV's observation window of 64 queries and average
+# pooling over 5 with the window itself kept, AdaKV's safeguard alpha 0.20, PyramidKV's
+# beta 20, H2O as ObservedAttentionPress (attention averaged over the queries that saw
+# a token). A wrapper ('chunkkv:knorm') takes its scorer's.
+_WINDOW = dict(obs_window=64, kernel=5, recent=64, options={"pooling": "mean"})
 KVPRESS_DEFAULTS = {
     "*": dict(recent=0),
+    "tova": dict(recent=1),
+    "h2o": dict(options={"average": True}),
     "snapkv": _WINDOW,
     "pyramidkv": dict(_WINDOW, pyramid_beta=20.0),
     "adakv": dict(_WINDOW, adakv_floor=0.2),
@@ -53,7 +57,8 @@ KVPRESS_DEFAULTS = {
 
 def kvpress_evict(method: str) -> dict:
     """cache.evict fields that give `method` kvpress's defaults."""
-    return {**KVPRESS_DEFAULTS["*"], **KVPRESS_DEFAULTS.get(method, {})}
+    scorer = method.split(":")[-1]
+    return {**KVPRESS_DEFAULTS["*"], **KVPRESS_DEFAULTS.get(scorer, {})}
 
 
 def benchmark_cache(
