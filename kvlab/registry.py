@@ -84,6 +84,7 @@ SCORERS = Registry(
         "tova": "kvlab.cache.evict.tova",
         "keydiff": "kvlab.cache.evict.keydiff",
         "lagkv": "kvlab.cache.evict.lagkv",
+        "expected_attention": "kvlab.cache.evict.expected_attention",
     },
     group="kvlab.scorers",
 )

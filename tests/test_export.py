@@ -26,7 +26,7 @@ import pytest
 from jax import export
 
 import kvlab
-from kvlab.config import frozen
+from kvlab.config import evict_methods, frozen
 from kvlab.eval import perplexity
 from kvlab.serve import engine
 from kvlab.train import init_state, train_step
@@ -165,6 +165,22 @@ def test_a_compressing_prefill_exports_for_tpu_and_cuda(attention):
     cfg = config(attention, "snapkv", "xla")
     cfg.cache.evict.update(when="after_prefill", headroom=8)
     program, arguments = inference(cfg)
+    assert_exports(program, arguments, kernel=False)
+
+
+@pytest.mark.parametrize(
+    "method",
+    [m for m in evict_methods() if m not in ("none", "window", "sinks", "snapkv")]
+    + ["chunkkv:lagkv"],
+)
+def test_every_scorer_compresses_a_prefill_that_exports_for_tpu_and_cuda(method):
+    """Each registered scorer, and a wrapper over one, in the program that compresses
+    a prompt and decodes after it (the snapkv export above, for every method)."""
+    cfg = config("gqa", "snapkv", "xla")
+    cfg.cache.evict.update(method=method, when="after_prefill", headroom=8)
+    if method == "pyramidkv":  # per-layer budgets are fixed: a budget, not a share
+        cfg.cache.evict.update(budget=12, ratio=1.0)
+    program, arguments = inference(kvlab.validate_config(cfg), loops=False)
     assert_exports(program, arguments, kernel=False)
 
 

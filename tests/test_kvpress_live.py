@@ -107,6 +107,7 @@ CASES = {
     "keydiff": (lambda r: kvpress.KeyDiffPress(r), {}),
     "tova": (lambda r: kvpress.TOVAPress(r), {}),
     "h2o": (lambda r: kvpress.ObservedAttentionPress(r), {}),
+    "expected_attention": (lambda r: kvpress.ExpectedAttentionPress(r), {}),
     "snapkv": (
         lambda r: kvpress.SnapKVPress(r, window_size=8, kernel_size=5),
         dict(obs_window=8, recent=8),

@@ -44,6 +44,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -71,6 +72,34 @@ def ordered_after(tree, dependency: Array):
     """
     zero = 0.0 * jnp.sum(dependency, dtype=jnp.float32)
     return jax.tree_util.tree_map(lambda x: x + zero.astype(x.dtype), tree)
+
+
+class Queries(NamedTuple):
+    """One attention's queries as an eviction scorer reads them (through_layer's
+    `queries()`): `meet` [B, K, T, G, W], each KV head's G query heads as they meet
+    the layer's first cached tensor (after RoPE and the cache's transform); `raw`
+    the same before RoPE and the transform, and `rotate(x [B, K, Q, W], positions
+    [B, Q])` what RoPE at `positions` and the transform make of raw vectors (None
+    where positions do not enter that tensor's products: a latent)."""
+
+    meet: Array
+    raw: Array | None = None
+    rotate: Callable | None = None
+
+
+class Observed(NamedTuple):
+    """The queries the attentions over one read asked with, Q = T x G per attending
+    layer (Candidates.queries and its companions, kvlab/cache/evict/scorers.py):
+    vectors float32[B, K, Q, W] (`Queries.meet`), weights float32[B, Q] (1 where the
+    layer observes), positions int32[B, Q], groups G; raw float32[B, K, Q, W] and
+    rotate as `Queries`' (None unless every attention offered them)."""
+
+    vectors: Array
+    weights: Array
+    positions: Array
+    groups: int
+    raw: Array | None = None
+    rotate: Callable | None = None
 
 
 Keys = Float[Array, "B K S H"] | tuple[Float[Array, "B K S _"], ...]
@@ -101,9 +130,9 @@ class Read:
     def cached(self) -> bool:
         return self.layer is not None
 
-    def observed(self, mass: list, queries: Array | None = None) -> Read:
+    def observed(self, mass: list, queries: Queries | None = None) -> Read:
         """This read with one more attention's `mass` averaged in, and its
-        `queries` ([B, K, T, G, W]: `through_layer`) beside the others'."""
+        `queries` (`through_layer`) beside the others'."""
         if self.mass is not None:
             n = self.observers
             mass = [(m * n + new) / (n + 1) for m, new in zip(self.mass, mass, strict=True)]
@@ -111,18 +140,25 @@ class Read:
         joined = None if queries is None or self.queries is None else (*self.queries, queries)
         return dataclasses.replace(self, mass=mass, observers=self.observers + 1, queries=joined)
 
-    def observed_queries(self) -> tuple[Array, Array] | None:
-        """The queries the observers asked with, against the layer's first cached
-        tensor: (float32[B, K, Q, W], their weights float32[B, Q]), Q = T x G per
-        attending layer; None when an attention offered none."""
+    def observed_queries(self) -> Observed | None:
+        """The queries the observers asked with (`Observed`); None when an
+        attention offered none."""
         if not self.queries:
             return None
-        vectors = jnp.concatenate(
-            [q.reshape(*q.shape[:2], -1, q.shape[-1]) for q in self.queries], axis=2
+        flat = lambda q: q.reshape(*q.shape[:2], -1, q.shape[-1]).astype(jnp.float32)  # noqa: E731
+        groups = self.queries[0].meet.shape[3]
+        repeat = lambda x: jnp.concatenate([jnp.repeat(x, groups, axis=1)] * len(self.queries), 1)  # noqa: E731
+        raw, rotate = None, self.queries[0].rotate
+        if all(q.raw is not None for q in self.queries):
+            raw = jnp.concatenate([flat(q.raw) for q in self.queries], axis=2)
+        return Observed(
+            vectors=jnp.concatenate([flat(q.meet) for q in self.queries], axis=2),
+            weights=repeat(self.observe),
+            positions=repeat(self.placement.positions),
+            groups=groups,
+            raw=raw,
+            rotate=rotate if raw is not None else None,
         )
-        groups = [q.shape[3] for q in self.queries]
-        weights = jnp.concatenate([jnp.repeat(self.observe, g, axis=1) for g in groups], axis=1)
-        return vectors.astype(jnp.float32), weights
 
     def commit(self, after: Array):
         """The layer with the step's tokens written, after `after` is computed
@@ -158,17 +194,20 @@ def through_layer(
     (output, mass) when `observe` (float32[B, T]: query weights) is given.
     Layers that evict by attention (kvlab/cache/evict/) say which queries
     they observe (`layer.observe`) and receive the mass each of their tokens
-    got from them, and the queries with it: `queries()` gives [B, K, T, G, W]
-    (each KV head's G query heads as they meet the layer's first cached
-    tensor; called only for such layers), or None if the attention kind
-    offers none.
+    got from them, and the queries with it: `queries()` gives `Queries` (or
+    its `meet` array [B, K, T, G, W] alone: each KV head's G query heads as
+    they meet the layer's first cached tensor; called only for such layers);
+    `queries` None if the attention kind offers none.
     """
     read = state if isinstance(state, Read) else read_layer(state, fresh, placement)
     if read.observe is None:
         out = attention(read.regions, None, read.cached)
     else:
         out, mass = _observing(attention, read)
-        read = read.observed(mass, None if queries is None else queries())
+        asked = None if queries is None else queries()
+        if asked is not None and not isinstance(asked, Queries):
+            asked = Queries(asked)
+        read = read.observed(mass, asked)
     # Write only after the old cache has been read, so it is written in place.
     return out, (read.commit(out) if commits else read)
 

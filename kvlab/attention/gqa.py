@@ -28,7 +28,7 @@ from __future__ import annotations
 import flax.linen as nn
 from ml_collections import FrozenConfigDict
 
-from kvlab.attention.core import attend, through_layer
+from kvlab.attention.core import Queries, attend, through_layer
 from kvlab.attention.rope import apply_rope
 from kvlab.cache.placement import Placement
 from kvlab.cache.transforms import IDENTITY
@@ -64,6 +64,7 @@ class GroupedQueryAttention(nn.Module):
                 v = projection(cfg, kv_heads, "value", bias=cfg.qkv_bias, axes=KEY_AXES)(x)
         if cfg.qk_norm:
             q = RMSNorm(cfg, name="query_norm")(q)
+        raw = q  # [B, T, N, H] before RoPE, for scorers
         q = apply_rope(q, placement.positions, cfg.rope_theta, cfg.rope_scaling)
         if self.produces:
             if cfg.qk_norm:
@@ -86,12 +87,19 @@ class GroupedQueryAttention(nn.Module):
             impl = cfg.attention_impl if cached else "xla"
             return attend(q, blocks, observe=observe, impl=impl)
 
-        def by_kv_head():  # [B, K, T, G, H]: each KV head's query heads, for scorers
-            b, t = q.shape[:2]
-            return q.reshape(b, t, cfg.num_kv_heads, -1, q.shape[-1]).transpose(0, 2, 1, 3, 4)
+        def by_kv_head(x):  # [B, T, N, H] -> [B, K, T, G, H]: each KV head's query heads
+            b, t = x.shape[:2]
+            return x.reshape(b, t, cfg.num_kv_heads, -1, x.shape[-1]).transpose(0, 2, 1, 3, 4)
+
+        def rotate(x, positions):  # raw [B, K, Q, H] as queries at positions [B, Q]
+            turned = apply_rope(x.swapaxes(1, 2), positions, cfg.rope_theta, cfg.rope_scaling)
+            return keys.forward(turned.swapaxes(1, 2))
+
+        def queries():  # for scorers (kvlab.attention.core.Queries)
+            return Queries(by_kv_head(q), by_kv_head(raw), rotate)
 
         out, layer = through_layer(
-            layer, fresh, placement, attention, self.commits, queries=by_kv_head
+            layer, fresh, placement, attention, self.commits, queries=queries
         )
         return out_projection(values.inverse(out)), layer
 

@@ -161,8 +161,7 @@ def _method_parts(evict: Mapping) -> list:
             "cache.evict.method",
             method,
             f"puts wrappers over {base!r}, which is no scorer",
-            f"put them over one of {', '.join(map(repr, SCORERS.names()))}, e.g. "
-            "'chunkkv:snapkv'",
+            f"put them over one of {', '.join(map(repr, SCORERS.names()))}, e.g. 'chunkkv:snapkv'",
         )
     for name in wrappers:
         if name not in WRAPPERS.names():
@@ -222,6 +221,16 @@ def _check_like(field: str, value, default) -> None:
 
 
 def _validate_cache_for_model(cache: Mapping, model: Mapping) -> None:
+    for part in _method_parts(cache["evict"]):
+        kinds = getattr(part, "attention_kinds", None)
+        if kinds is not None and model["attention"] not in kinds:
+            fail(
+                "cache.evict.method",
+                cache["evict"]["method"],
+                f"cannot score a model.attention={model['attention']!r} cache ({part.name} "
+                f"scores {' or '.join(map(repr, kinds))} attention)",
+                "choose another cache.evict.method",
+            )
     window = model["sliding_window"]
     if window and cache["evict"]["method"] != "none":
         fail(

@@ -326,6 +326,14 @@ def layer0_keys(cfg, params, tokens):
     return np.asarray(key, np.float64)
 
 
+def layer0_values(cfg, params, tokens):
+    """Layer 0's values as its cache stores them: float64 [B, T, K, H]."""
+    captured = kvlab.Transformer(cfg.model).apply(
+        {"params": params}, tokens, capture_intermediates=True, mutable=["intermediates"]
+    )[1]["intermediates"]["block_0"]["attention"]
+    return np.asarray(captured["value"]["__call__"][0], np.float64)
+
+
 def test_h2o_scores_are_the_column_sums_of_the_attention_matrix():
     """With nothing evicted, h2o's accumulated score of each token is the attention it
     got from every query, averaged over its KV head's query heads, whatever the chunks."""

@@ -10,16 +10,8 @@ import pytest
 import kvlab
 from kvlab.cache.evict.lagkv import LagKV
 from kvlab.cache.evict.scorers import Candidates
-from tests.cache.test_evict import evicting, kivi, layer0_keys, run
+from tests.cache.test_evict import evicting, kivi, layer0_keys, layer0_values, run
 from tests.helpers import VARIANTS, build, random_tokens
-
-
-def layer0_values(cfg, params, tokens):
-    """Layer 0's values as its cache stores them: float64 [B, T, K, H]."""
-    captured = kvlab.Transformer(cfg.model).apply(
-        {"params": params}, tokens, capture_intermediates=True, mutable=["intermediates"]
-    )[1]["intermediates"]["block_0"]["attention"]
-    return np.asarray(captured["value"]["__call__"][0], np.float64)
 
 
 def lagkv_scores(keys, values, lag, sinks, cross_scoring=False):

@@ -27,6 +27,8 @@ bytes, the cache's label, the eviction sweep's grid):
     pooled        a layer's K heads share one pool of K x budget slots, each head at
                   least cache.evict.adakv_floor x budget (adakv)
     prefix_unsafe why shared prompt pages cannot stand for its state (None: they can)
+    attention_kinds  the model.attention kinds it can score (expected_attention
+                  needs the queries before RoPE, which only 'gqa' offers)
     fields        the shared cache.evict fields it reads, besides budget and ratio
     defaults      its own options and their defaults: cache.evict.options, which
                   may set any of them ({'pooling': 'mean'}); `check` refuses values
@@ -81,6 +83,14 @@ class Candidates:
                `heads` picks); None when the scorer observes none
     query_weights  float32[B, Q] | None   1 for the queries the scorer observes
                (its `observes`), 0 for the others and padding
+    query_positions  int32[B, Q] | None   each query's position
+    query_groups   G, the query heads of a KV head (Q = steps x G, head g at q mod G)
+    raw_queries    float32[B, K, Q, W] | None   the same queries before RoPE and the
+               cache's transform (None where positions do not enter the scores with
+               the first cached tensor: a latent model)
+    rotate     (x [B, K, Q', W], positions [B, Q']) -> [B, K, Q', W]: raw vectors as
+               queries at `positions` meet the keys (RoPE, then the transform); None
+               with raw_queries
     values     () -> float32[B, E, C, group, Wv]   its values as stored (quantized:
                dequantized; a latent model: the latent, which values are read from)
     end        int32[B, 1, 1]   each row's length after the step (the next position)
@@ -104,6 +114,10 @@ class Candidates:
     kv_heads: int
     queries: Array | None = None
     query_weights: Array | None = None
+    query_positions: Array | None = None
+    query_groups: int = 0
+    raw_queries: Array | None = None
+    rotate: Callable | None = None
     values: Callable[[], Array] | None = None
     end: Array | None = None
     recent: int = 0
@@ -121,6 +135,7 @@ class Scorer:
     keeps: bool = False
     pooled: bool = False
     prefix_unsafe: str | None = None
+    attention_kinds: tuple[str, ...] = ("gqa", "mla")
     fields: tuple[str, ...] = ("recent",)
     defaults: Mapping = NO_OPTIONS
 
@@ -162,7 +177,7 @@ class Wrapped(Scorer):
         self.wrapper, self.scorer = wrapper, scorer
         self.name = f"{wrapper.name}:{scorer.name}"
         self.observes, self.keeps, self.pooled = scorer.observes, scorer.keeps, scorer.pooled
-        self.prefix_unsafe = scorer.prefix_unsafe
+        self.prefix_unsafe, self.attention_kinds = scorer.prefix_unsafe, scorer.attention_kinds
         self.fields = tuple(dict.fromkeys((*scorer.fields, *wrapper.fields)))
         self.defaults = types.MappingProxyType({**scorer.defaults, **wrapper.defaults})
 
