@@ -85,6 +85,7 @@ SCORERS = Registry(
         "keydiff": "kvlab.cache.evict.keydiff",
         "lagkv": "kvlab.cache.evict.lagkv",
         "expected_attention": "kvlab.cache.evict.expected_attention",
+        "qfilter": "kvlab.cache.evict.qfilter",
     },
     group="kvlab.scorers",
 )

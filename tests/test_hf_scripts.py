@@ -245,7 +245,7 @@ def test_benchmark_writes_the_leaderboard_and_resumes(llama_with_tokenizer, tmp_
     args = [
         "scripts/benchmark.py",
         f"--model=hf:{llama_with_tokenizer}",
-        "--methods=knorm",
+        "--methods=knorm,qfilter",
         "--ratios=0.5",
         "--tasks=niah_single_1,cwe",
         "--length=96",
@@ -255,8 +255,13 @@ def test_benchmark_writes_the_leaderboard_and_resumes(llama_with_tokenizer, tmp_
     run_script(*args)
     with open(out / "leaderboard.csv") as file:
         board = list(csv.DictReader(file))
-    assert [(r["method"], r["ratio"]) for r in board] == [("none", "0.0"), ("knorm", "0.5")]
+    assert [(r["method"], r["ratio"]) for r in board] == [
+        ("none", "0.0"),
+        ("knorm", "0.5"),
+        ("qfilter", "0.5"),
+    ]
     assert float(board[1]["bytes_per_token"]) < float(board[0]["bytes_per_token"])
+    assert np.load(out / "qfilters.npz")["filters"].ndim == 3  # calibrated, kept with the run
     assert set(board[0]) >= {"score", "niah_single_1", "cwe"}
     assert (out / "leaderboard.png").stat().st_size > 0
     results = (out / "results.csv").read_text()

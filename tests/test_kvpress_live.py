@@ -19,6 +19,7 @@ import pytest
 
 import kvlab
 from kvlab.eval.benchmark import benchmark_cache
+from kvlab.eval.calibrate import q_filters, save_filters
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -45,6 +46,16 @@ def model(tmp_path_factory):
         ).eval()
 
     return cfg, params, load
+
+
+@pytest.fixture(scope="module")
+def filters(model, tmp_path_factory):
+    """(kvlab's Q-Filters of the model, calibrated on random tokens, and their file)."""
+    cfg, params, _ = model
+    found = q_filters(cfg.model, params, np.random.default_rng(1).integers(0, 256, (2, 64)))
+    path = str(tmp_path_factory.mktemp("calibration") / "qfilters.npz")
+    save_filters(path, found)
+    return found, path
 
 
 def prompt():
@@ -101,6 +112,14 @@ def kvlab_kept(cfg, params, method, ratio, **fields) -> list[list[set[int]]]:
     return out
 
 
+def qfilter_press(ratio: float, found: np.ndarray):
+    """kvpress's QFilterPress holding kvlab's filters (it would fetch its own from a hub)."""
+    press = kvpress.QFilterPress(ratio)
+    press.post_init_from_model = lambda model: None
+    press.q_filters = torch.as_tensor(found)
+    return press
+
+
 # kvpress's press of each method (compression_ratio r) and kvlab's fields beside the preset.
 CASES = {
     "knorm": (lambda r: kvpress.KnormPress(r), {}),
@@ -130,11 +149,15 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("method", list(CASES))
-def test_kvlab_keeps_kvpress_tokens(model, method):
+@pytest.mark.parametrize("method", [*CASES, "qfilter"])
+def test_kvlab_keeps_kvpress_tokens(model, filters, method):
     cfg, params, load = model
-    make, fields = CASES[method]
-    theirs = kvpress_kept(load("eager" if method == "h2o" else "sdpa"), make(1 - KEPT))
+    if method == "qfilter":
+        press, fields = qfilter_press(1 - KEPT, filters[0]), dict(options={"filters": filters[1]})
+    else:
+        make, fields = CASES[method]
+        press = make(1 - KEPT)
+    theirs = kvpress_kept(load("eager" if method == "h2o" else "sdpa"), press)
     ours = kvlab_kept(cfg, params, method, KEPT, **fields)
     for layer, (mine, peer) in enumerate(zip(ours, theirs, strict=True)):
         for head, (a, b) in enumerate(zip(mine, peer, strict=True)):

@@ -13,6 +13,8 @@
     probe.py        per-layer attention outputs and logits of a cache against a reference
     benchmark.py    kvpress's protocol: each context compressed once after its prefill,
                     its questions answered greedily (RULER's records, kvlab/data/ruler.py)
+    calibrate.py    what an eviction method computes offline from calibration text and
+                    stores with the run (Q-Filters)
 
 Training's plain-forward evaluation (kvlab.train.evaluate_forward) and the
 metrics both report (score, summarize) are kvlab.train's; the sweeps

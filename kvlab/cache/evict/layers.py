@@ -435,6 +435,7 @@ class EvictingLayer:
             raw_queries=None if queries is None else queries.raw,
             rotate=None if queries is None else queries.rotate,
             values=values,
+            key_transform=placement.transforms[0] if placement.transforms else None,
             end=(placement.lengths + placement.num_tokens)[:, None, None],
             recent=p.recent,
             options=dict(p.options),

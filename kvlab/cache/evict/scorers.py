@@ -93,6 +93,8 @@ class Candidates:
                with raw_queries
     values     () -> float32[B, E, C, group, Wv]   its values as stored (quantized:
                dequantized; a latent model: the latent, which values are read from)
+    key_transform  the cache's transform of its first tensor (kvlab/cache/transforms),
+               which `keys` went through; None without one
     end        int32[B, 1, 1]   each row's length after the step (the next position)
     recent     the layer's cache.evict.recent: candidates holding one of a row's
                `recent` latest positions stay whatever their score (`always_kept`)
@@ -119,6 +121,7 @@ class Candidates:
     raw_queries: Array | None = None
     rotate: Callable | None = None
     values: Callable[[], Array] | None = None
+    key_transform: object | None = None
     end: Array | None = None
     recent: int = 0
     options: Mapping = dataclasses.field(default_factory=dict)
