@@ -28,6 +28,7 @@ from jax import export
 import kvlab
 from kvlab.config import evict_methods, frozen
 from kvlab.eval import perplexity
+from kvlab.eval.calibrate import save_filters
 from kvlab.serve import engine
 from kvlab.train import init_state, train_step
 from tests.helpers import ROOT
@@ -173,11 +174,15 @@ def test_a_compressing_prefill_exports_for_tpu_and_cuda(attention):
     [m for m in evict_methods() if m not in ("none", "window", "sinks", "snapkv")]
     + ["chunkkv:lagkv"],
 )
-def test_every_scorer_compresses_a_prefill_that_exports_for_tpu_and_cuda(method):
+def test_every_scorer_compresses_a_prefill_that_exports_for_tpu_and_cuda(method, tmp_path):
     """Each registered scorer, and a wrapper over one, in the program that compresses
     a prompt and decodes after it (the snapkv export above, for every method)."""
     cfg = config("gqa", "snapkv", "xla")
     cfg.cache.evict.update(method=method, when="after_prefill", headroom=8)
+    if method == "qfilter":  # its calibrated filters, [layers, KV heads, head_dim]
+        shape = (cfg.model.num_layers, cfg.model.num_kv_heads, cfg.model.head_dim)
+        save_filters(tmp_path / "filters.npz", np.ones(shape))
+        cfg.cache.evict.options = {"filters": str(tmp_path / "filters.npz")}
     if method == "pyramidkv":  # per-layer budgets are fixed: a budget, not a share
         cfg.cache.evict.update(budget=12, ratio=1.0)
     program, arguments = inference(kvlab.validate_config(cfg), loops=False)
