@@ -3,6 +3,7 @@ policy, ratio and family, and a two-model slice of it runs end to end."""
 
 import csv
 
+from kvlab.cache.evict import scorer_of
 from kvlab.config import evict_methods, import_config_file
 from kvlab.sweep import expand, split_sweep_config
 from tests.helpers import ROOT, run_experiment
@@ -23,9 +24,15 @@ def test_the_eviction_grid_spans_every_policy_ratio_and_family():
     assert by_model["mqar-mha"]["16bit"].data.source == "mqar"
     for model, caches in by_model.items():
         evicted = {(c.cache.evict.method, c.cache.evict.ratio) for c in caches.values()}
+        attention = caches["16bit"].model.attention
         for method in evict_methods()[1:]:
+            scorer = scorer_of(method)
+            # every method that scores this attention kind and needs nothing calibrated
+            applies = scorer is None or (
+                attention in scorer.attention_kinds and not scorer.calibrated
+            )
             for ratio in module.RATIOS:
-                assert (method, ratio) in evicted, (model, method, ratio)
+                assert ((method, ratio) in evicted) == applies, (model, method, ratio)
         assert caches["16bit"].cache.evict.method == "none"
         assert caches["snapkv12.5"].cache.evict.ratio == 0.125
         assert "h2o50+K8V8" in caches or "h2o50+L8R16" in caches

@@ -16,8 +16,10 @@ recall accuracy. Each is evaluated through:
   keys per channel (KIVI, arXiv:2402.02750; K2V2-kivi keeps a 16-bit residual
   window of group_size tokens); for MLA, the latent at 8, 4 and 2 bits;
 - every eviction policy of kvlab/cache/evict/ (window, sinks, and every
-  registered scorer: kvlab.config.evict_methods()) keeping 75%, 50%, 25% and 12.5% of the
-  window's tokens (cache.evict.ratio), labelled '<method><percent>';
+  registered scorer: kvlab.config.evict_methods(), but those calibrated offline for a
+  model, qfilter) keeping 75%, 50%, 25% and 12.5% of the window's tokens
+  (cache.evict.ratio), labelled '<method><percent>', on the models whose attention kind
+  it scores;
 - eviction and quantization together, labelled '<method><percent>+<bits>'.
 
 The evaluation prefills each window through the cache in chunks of eval.chunk
@@ -31,10 +33,15 @@ and base are sized for an accelerator.
 import ml_collections
 
 from kvlab.config import base_config, evict_methods
+from kvlab.registry import SCORERS
 
 STEPS = {"tiny": 600, "small": 20_000, "base": 50_000}
 MQAR_STEPS = {"tiny": 4_000, "small": 20_000, "base": 20_000}
-METHODS = evict_methods()[1:]  # every method but 'none', a registered scorer's included
+# Every method but 'none', a registered scorer's included, but those that read an artefact
+# calibrated offline for a model (qfilter): these models are trained by the sweep itself.
+METHODS = tuple(
+    m for m in evict_methods()[1:] if m in ("window", "sinks") or not SCORERS.get(m).calibrated
+)
 RATIOS = (0.75, 0.5, 0.25, 0.125)
 # (method, ratio, quantized entry) evaluated together.
 COMBINATIONS = (

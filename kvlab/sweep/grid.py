@@ -21,8 +21,10 @@ the sweep's training text) once into workdir/converted/<model>/, a kvlab run
 holding it at step 0, evaluated as it is (no uptraining). A
 cache entry applies to the models that cache the tensors it names (`k_*`/`v_*`
 for grouped-query models, `latent_*`/`rope_*` for latent attention; an entry
-naming neither applies to all). The grid's units are the applicable (model,
-cache) pairs in model-major order; an empty name is refused.
+naming neither applies to all), and whose eviction method scores the model's
+attention kind (expected_attention and qfilter score grouped-query caches
+alone). The grid's units are the applicable (model, cache) pairs in
+model-major order; an empty name is refused.
 
 The sweep section may add `seeds` (default 1): each trained model entry is
 then trained that many times, with train.seed its own + 0, 1, ... (its data
@@ -41,10 +43,17 @@ from collections.abc import Mapping
 
 import ml_collections
 
+from kvlab.cache.evict import scorer_of
 from kvlab.checkpoints.convert import convert, parse_target
 from kvlab.checkpoints.gguf import load_gguf
 from kvlab.checkpoints.hf import config_from_hf, save_hf
-from kvlab.config import CACHED_PREFIXES, cached_prefixes, check_count, complete_config
+from kvlab.config import (
+    CACHED_PREFIXES,
+    UNSCORED_METHODS,
+    cached_prefixes,
+    check_count,
+    complete_config,
+)
 from kvlab.data import validate_config
 from kvlab.files import read_json, write_atomic
 from kvlab.train import initial_params, load_run_config, start_workdir
@@ -115,6 +124,15 @@ def _check_name(where: str, name: object) -> None:
             f"{where}: an entry's name must be non-empty text (it names results.csv's rows "
             f"and sweep.json's units): name it {shown!r}"
         )
+
+
+def _scores(cfg) -> bool:
+    """Whether cfg's eviction method (if any) scores cfg.model's attention kind."""
+    method = cfg.cache.evict.method
+    if method in UNSCORED_METHODS or not isinstance(method, str):
+        return True
+    kinds = scorer_of(method).attention_kinds
+    return cfg.model.attention in kinds
 
 
 def _tensors_named(overrides: Mapping) -> set:
@@ -286,6 +304,8 @@ def _cache_units(grid, model_name, model_cfg, cached, hf, seed) -> list[Unit]:
             continue  # this entry stores tensors the model does not cache
         unit_cfg = ml_collections.ConfigDict(model_cfg.to_dict())
         _apply(unit_cfg, where, cache_overrides)
+        if not _scores(unit_cfg):
+            continue  # its eviction method does not score this attention kind
         try:
             validate_config(unit_cfg)
         except ValueError as error:

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
+import os
 import re
+import tempfile
 
 import jax
 import jax.numpy as jnp
@@ -15,6 +18,7 @@ from hypothesis import strategies as st
 import kvlab
 from kvlab.attention.rope import apply_rope
 from kvlab.config import evict_methods
+from kvlab.eval.calibrate import save_filters
 from tests.helpers import VARIANTS, build, random_tokens, run_in_chunks
 
 METHODS = evict_methods()[1:]
@@ -22,9 +26,23 @@ CHUNKS = [4, 1, 4]  # 9 tokens
 MAX_LEN = 16
 
 
+@functools.cache
+def _filters(layers: int, kv_heads: int, width: int) -> str:
+    """A file of (random) Q-Filters of that shape, for methods calibrated offline."""
+    path = os.path.join(tempfile.mkdtemp(prefix="kvlab-test-filters-"), "qfilters.npz")
+    save_filters(path, np.random.default_rng(0).normal(size=(layers, kv_heads, width)))
+    return path
+
+
 def evicting(cfg, method, bits=16, **fields):
-    """A copy of cfg's cache section evicting by `method` (and stored in `bits`)."""
+    """A copy of cfg's cache section evicting by `method` (and stored in `bits`); a
+    method calibrated offline (qfilter) reads random filters of the model's shape."""
     cache = cfg.cache.copy_and_resolve_references()
+    scorer = kvlab.cache.evict.scorer_of(method)
+    if scorer is not None and scorer.calibrated and "options" not in fields:
+        model = cfg.model
+        width = model.mla.kv_rank if model.attention == "mla" else model.head_dim
+        fields["options"] = {"filters": _filters(model.num_layers, model.num_kv_heads, width)}
     cache.evict.update({"method": method, "recent": 2, **fields})
     if bits != 16:
         for prefix in kvlab.config.cached_prefixes(cfg.model):

@@ -35,7 +35,7 @@ from kvlab.registry import SCORERS
 class QFilter(Scorer):
     """Minus each key's dot product with its layer and KV head's filter."""
 
-    name = "qfilter"
+    name, calibrated = "qfilter", True
     attention_kinds = ("gqa",)
     defaults = types.MappingProxyType({"filters": ""})
 

@@ -29,6 +29,9 @@ bytes, the cache's label, the eviction sweep's grid):
     prefix_unsafe why shared prompt pages cannot stand for its state (None: they can)
     attention_kinds  the model.attention kinds it can score (expected_attention
                   needs the queries before RoPE, which only 'gqa' offers)
+    calibrated    it reads an artefact computed offline for the model (qfilter's
+                  filters, named in its options), so sweeps of freshly trained
+                  models leave it out
     fields        the shared cache.evict fields it reads, besides budget and ratio
     defaults      its own options and their defaults: cache.evict.options, which
                   may set any of them ({'pooling': 'mean'}); `check` refuses values
@@ -139,6 +142,7 @@ class Scorer:
     pooled: bool = False
     prefix_unsafe: str | None = None
     attention_kinds: tuple[str, ...] = ("gqa", "mla")
+    calibrated: bool = False
     fields: tuple[str, ...] = ("recent",)
     defaults: Mapping = NO_OPTIONS
 
@@ -181,6 +185,7 @@ class Wrapped(Scorer):
         self.name = f"{wrapper.name}:{scorer.name}"
         self.observes, self.keeps, self.pooled = scorer.observes, scorer.keeps, scorer.pooled
         self.prefix_unsafe, self.attention_kinds = scorer.prefix_unsafe, scorer.attention_kinds
+        self.calibrated = scorer.calibrated
         self.fields = tuple(dict.fromkeys((*scorer.fields, *wrapper.fields)))
         self.defaults = types.MappingProxyType({**scorer.defaults, **wrapper.defaults})
 
