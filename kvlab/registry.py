@@ -96,7 +96,10 @@ SCORERS = Registry(
 WRAPPERS = Registry(
     "eviction wrapper",
     "cache.evict.method",
-    shipped={"chunkkv": "kvlab.cache.evict.chunkkv"},
+    shipped={
+        "chunkkv": "kvlab.cache.evict.chunkkv",
+        "criticalkv": "kvlab.cache.evict.criticalkv",
+    },
     group="kvlab.wrappers",
 )
 

@@ -141,6 +141,11 @@ CASES = {
         lambda r: kvpress.LagKVPress(r, n_sink=2, lag_size=16),
         dict(options={"lag_size": 16, "sink_tokens": 2}),
     ),
+    "criticalkv:knorm": (lambda r: kvpress.CriticalKVPress(kvpress.KnormPress(r)), {}),
+    "criticalkv:snapkv": (
+        lambda r: kvpress.CriticalKVPress(kvpress.SnapKVPress(r, window_size=8, kernel_size=5)),
+        dict(obs_window=8, recent=8),
+    ),
     # 10 chunks of 10: kvpress keeps int(10 x 0.5) whole chunks, kvlab its budget of 50.
     "chunkkv:knorm": (
         lambda r: kvpress.ChunkKVPress(kvpress.KnormPress(r), chunk_length=10),

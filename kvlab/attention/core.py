@@ -80,11 +80,14 @@ class Queries(NamedTuple):
     the layer's first cached tensor (after RoPE and the cache's transform); `raw`
     the same before RoPE and the transform, and `rotate(x [B, K, Q, W], positions
     [B, Q])` what RoPE at `positions` and the transform make of raw vectors (None
-    where positions do not enter that tensor's products: a latent)."""
+    where positions do not enter that tensor's products: a latent);
+    `output_norms(v [B, K, X, Wv] as stored)` float32[B, K, G, X], the L1 norm of
+    each query head's output projection of each value (None: not offered)."""
 
     meet: Array
     raw: Array | None = None
     rotate: Callable | None = None
+    output_norms: Callable | None = None
 
 
 class Observed(NamedTuple):
@@ -92,7 +95,8 @@ class Observed(NamedTuple):
     layer (Candidates.queries and its companions, kvlab/cache/evict/scorers.py):
     vectors float32[B, K, Q, W] (`Queries.meet`), weights float32[B, Q] (1 where the
     layer observes), positions int32[B, Q], groups G; raw float32[B, K, Q, W] and
-    rotate as `Queries`' (None unless every attention offered them)."""
+    rotate as `Queries`' (None unless every attention offered them); output_norms
+    the first attention's (a cross-layer run's producer)."""
 
     vectors: Array
     weights: Array
@@ -100,6 +104,7 @@ class Observed(NamedTuple):
     groups: int
     raw: Array | None = None
     rotate: Callable | None = None
+    output_norms: Callable | None = None
 
 
 Keys = Float[Array, "B K S H"] | tuple[Float[Array, "B K S _"], ...]
@@ -158,6 +163,7 @@ class Read:
             groups=groups,
             raw=raw,
             rotate=rotate if raw is not None else None,
+            output_norms=self.queries[0].output_norms,
         )
 
     def commit(self, after: Array):

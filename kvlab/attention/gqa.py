@@ -26,6 +26,8 @@ cache (the plain forward) the queries attend over the new tokens alone.
 from __future__ import annotations
 
 import flax.linen as nn
+import jax
+import jax.numpy as jnp
 from ml_collections import FrozenConfigDict
 
 from kvlab.attention.core import Queries, attend, through_layer
@@ -95,8 +97,15 @@ class GroupedQueryAttention(nn.Module):
             turned = apply_rope(x.swapaxes(1, 2), positions, cfg.rope_theta, cfg.rope_scaling)
             return keys.forward(turned.swapaxes(1, 2))
 
+        def output_norms(v):  # v [B, K, X, H] as stored -> [B, K, G, X]: |W_o v|_1 per head
+            kernel = self.variables["params"]["out"]["kernel"].astype(jnp.float32)  # [N, H, D]
+            per_head = kernel.reshape(cfg.num_kv_heads, -1, *kernel.shape[1:]).swapaxes(0, 1)
+            v = values.inverse(v).astype(jnp.float32)
+            norm = lambda w: jnp.abs(jnp.einsum("bkxh,khd->bkxd", v, w)).sum(-1)  # noqa: E731
+            return jax.lax.map(norm, per_head).transpose(1, 2, 0, 3)  # one query head at a time
+
         def queries():  # for scorers (kvlab.attention.core.Queries)
-            return Queries(by_kv_head(q), by_kv_head(raw), rotate)
+            return Queries(by_kv_head(q), by_kv_head(raw), rotate, output_norms)
 
         out, layer = through_layer(
             layer, fresh, placement, attention, self.commits, queries=queries

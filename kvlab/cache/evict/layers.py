@@ -230,11 +230,11 @@ class EvictingLayer:
             return self._ring_slots(placement), None, None
         tags, candidates = self._candidates(placement)  # [B, E, T'], [B, E, C]
         valid = candidates >= 0
-        score = lambda: self._score(pending, placement, candidates, valid, mass, queries)  # noqa: E731
         end = (placement.lengths + placement.num_tokens)[:, None, None]
         limit = None
         if p.compresses and placement.compress is not None:
             limit = self._limit(placement, end)
+        score = lambda: self._score(pending, placement, candidates, valid, mass, queries, limit)  # noqa: E731
         return self._decide(tags, candidates, score, end, limit=limit)
 
     def _limit(self, placement: Placement, end: Array) -> Array:
@@ -377,7 +377,7 @@ class EvictingLayer:
             )
         return tags, jnp.concatenate([self.positions, tags], axis=2)
 
-    def _score(self, pending, placement, candidates, valid, mass, queries):
+    def _score(self, pending, placement, candidates, valid, mass, queries, limit=None):
         """(scores, priorities) float32[B, E, C]: the scorer's score of each candidate
         token and what the competition ranks it by."""
         p = self.policy
@@ -396,7 +396,9 @@ class EvictingLayer:
             return jnp.concatenate([stored, new], axis=2)[:, :, :, None]
 
         keys, values = lambda: tokens(0), lambda: tokens(self._values_index)  # noqa: E731
-        c = self._candidates_of(candidates, valid, 1, per_head, keys, values, placement, queries)
+        c = self._candidates_of(
+            candidates, valid, 1, per_head, keys, values, placement, queries, limit
+        )
         return _scored(p.scorer, c)
 
     @property
@@ -405,10 +407,14 @@ class EvictingLayer:
         return 0 if self.policy.latent else 1
 
     def _candidates_of(
-        self, tags, valid, group: int, mass, keys, values, placement, queries
+        self, tags, valid, group: int, mass, keys, values, placement, queries, limit=None
     ) -> Candidates:
         """What the scorer reads of candidates `tags` [B, E, C] (module docstring)."""
         p = self.policy
+        count, slots = valid.sum(-1, keepdims=True), self.positions.shape[2]
+        keep = jnp.where(count > slots, slots - p.spare, count)  # what _keep leaves
+        if limit is not None:
+            keep = jnp.where(limit >= 0, jnp.minimum(count, limit), keep)
         if p.pooled:
             positions, heads = tags // p.kv_heads, tags % p.kv_heads
         else:
@@ -435,6 +441,8 @@ class EvictingLayer:
             raw_queries=None if queries is None else queries.raw,
             rotate=None if queries is None else queries.rotate,
             values=values,
+            keep=keep,
+            output_norms=None if queries is None else queries.output_norms,
             key_transform=placement.transforms[0] if placement.transforms else None,
             end=(placement.lengths + placement.num_tokens)[:, None, None],
             recent=p.recent,

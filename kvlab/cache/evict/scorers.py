@@ -96,6 +96,12 @@ class Candidates:
                with raw_queries
     values     () -> float32[B, E, C, group, Wv]   its values as stored (quantized:
                dequantized; a latent model: the latent, which values are read from)
+    keep       int32[B, E, 1]   the candidates each head keeps after this step (its
+               slots less cache.evict.interval's spare, a compressed row's target, or
+               all of them where they fit)
+    output_norms  (values [B, K, X, Wv] as stored) -> float32[B, K, G, X]: the L1 norm
+               of each query head's output projection of each value (grouped-query
+               attention, for scorers that observe; CriticalKV), else None
     key_transform  the cache's transform of its first tensor (kvlab/cache/transforms),
                which `keys` went through; None without one
     end        int32[B, 1, 1]   each row's length after the step (the next position)
@@ -124,6 +130,8 @@ class Candidates:
     raw_queries: Array | None = None
     rotate: Callable | None = None
     values: Callable[[], Array] | None = None
+    keep: Array | None = None
+    output_norms: Callable | None = None
     key_transform: object | None = None
     end: Array | None = None
     recent: int = 0
@@ -167,6 +175,8 @@ class Wrapper:
     priorities [B, E, C] into the wrapper's."""
 
     name: str = ""
+    observes: str | None = None  # queries it needs observed when its scorer observes none
+    attention_kinds: tuple[str, ...] = ("gqa", "mla")
     fields: tuple[str, ...] = ()
     defaults: Mapping = NO_OPTIONS
 
@@ -183,8 +193,12 @@ class Wrapped(Scorer):
     def __init__(self, wrapper: Wrapper, scorer: Scorer):
         self.wrapper, self.scorer = wrapper, scorer
         self.name = f"{wrapper.name}:{scorer.name}"
-        self.observes, self.keeps, self.pooled = scorer.observes, scorer.keeps, scorer.pooled
-        self.prefix_unsafe, self.attention_kinds = scorer.prefix_unsafe, scorer.attention_kinds
+        self.observes = scorer.observes or wrapper.observes
+        self.keeps, self.pooled = scorer.keeps, scorer.pooled
+        self.prefix_unsafe = scorer.prefix_unsafe
+        self.attention_kinds = tuple(
+            k for k in scorer.attention_kinds if k in wrapper.attention_kinds
+        )
         self.calibrated = scorer.calibrated
         self.fields = tuple(dict.fromkeys((*scorer.fields, *wrapper.fields)))
         self.defaults = types.MappingProxyType({**scorer.defaults, **wrapper.defaults})

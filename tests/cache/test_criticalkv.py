@@ -1,0 +1,69 @@
+"""CriticalKV (kvlab/cache/evict/criticalkv.py), a wrapper over any scorer, against
+its definition (arXiv:2502.03805, as kvpress's CriticalKVPress computes it): the
+scorer's best half of the kept share first, the rest by (score + epsilon) times
+the L1 norm of each value's output projection, averaged over a KV head's query heads."""
+
+import numpy as np
+import pytest
+
+import kvlab
+from tests.cache.test_evict import evicting, kivi, layer0_keys, layer0_values, run
+from tests.helpers import VARIANTS, build, random_tokens
+
+
+def test_one_prefill_keeps_the_first_stage_then_the_heaviest_outputs():
+    """criticalkv over knorm, 16 tokens into 8: the 4 smallest keys, then the 4 best
+    (-|k| + 1e-4) x mean over the query heads of |W_o^h v|_1, recomputed here."""
+    cfg = VARIANTS["gqa"]()
+    model = cfg.model
+    tokens = random_tokens(cfg, (2, 16), seed=6)
+    _, params, _ = build(cfg)
+    keys, values = layer0_keys(cfg, params, tokens), layer0_values(cfg, params, tokens)
+    kernel = np.asarray(params["block_0"]["attention"]["out"]["kernel"], np.float64)  # [N, H, D]
+    groups = model.num_heads // model.num_kv_heads
+    cache_cfg = evicting(cfg, "criticalkv:knorm", budget=8, recent=0)
+    _, cache = run(cfg, cache_cfg, tokens, [16])
+    kept = np.sort(np.asarray(cache.layers[0].positions), axis=-1)
+    for b in range(2):
+        for h in range(model.num_kv_heads):
+            score = -np.linalg.norm(keys[b, :, h], axis=-1)
+            first = set(np.argsort(-score, kind="stable")[:4].tolist())
+            heads = range(h * groups, (h + 1) * groups)
+            weight = np.mean([np.abs(values[b, :, h] @ kernel[n]).sum(-1) for n in heads], 0)
+            weighed = np.where(np.isin(np.arange(16), list(first)), np.inf, (score + 1e-4) * weight)
+            np.testing.assert_array_equal(kept[b, h], np.sort(np.argsort(-weighed)[:8]))
+            assert first <= set(kept[b, h].tolist())
+
+
+@pytest.mark.parametrize("scorer", ["snapkv", "h2o", "adakv", "keydiff"])
+def test_it_wraps_observing_stateful_pooled_and_key_scorers(scorer):
+    """A budget that holds the sequence gives the full cache's logits; KIVI's settling
+    groups in pages keep within the budget."""
+    cfg = VARIANTS["gqa"]()
+    tokens = random_tokens(cfg, (2, 28))
+    method = f"criticalkv:{scorer}"
+    full, _ = run(cfg, cfg.cache, tokens, [14, 14], 32)
+    held, _ = run(cfg, evicting(cfg, method, budget=32), tokens, [14, 14], 32)
+    np.testing.assert_allclose(held, full, atol=3e-6)
+    evicted, cache = run(cfg, evicting(cfg, method, budget=10), tokens, [14, 14], 32)
+    assert np.isfinite(evicted).all()
+    cache_cfg = kivi(cfg, method, 0, budget=24)
+    cache_cfg.update(kind="paged", page_size=8)
+    out, cache = run(cfg, cache_cfg, tokens, [7] * 4, 32)
+    assert np.isfinite(out).all()
+    for layer in cache.layers:
+        stored = np.asarray(layer.stored(cache.lengths))
+        assert (stored.sum(-1) <= 24 * stored.shape[-1]).all()
+        assert layer.policy.pooled or (stored <= 24).all()
+
+
+def test_bad_options_and_a_latent_model_are_refused():
+    cfg = VARIANTS["gqa"]()
+    options = {"first_stage_ratio": 1.5}
+    with pytest.raises(ValueError, match="options.first_stage_ratio=1.5 is not a share"):
+        kvlab.init_cache(
+            cfg.model, evicting(cfg, "criticalkv:knorm", budget=8, options=options), 1, 32
+        )
+    latent = VARIANTS["mla_absorbed"]()
+    with pytest.raises(ValueError, match="cannot score a model.attention='mla' cache"):
+        kvlab.init_cache(latent.model, evicting(latent, "criticalkv:knorm", budget=8), 1, 32)
