@@ -20,8 +20,8 @@ each width (the config's axes, groups and residual), against the first; an
 entry "bf16" is the 16-bit cache in bfloat16 (cache.dtype).
 (e) With --evict=snapkv:0.5,window:0.25,snapkv:0.5:32: decode tokens/s with
 each eviction policy keeping that share of the context (cache.evict,
-kvlab/cache/evict/; a third field is cache.evict.interval), against the
-config's own cache.
+kvlab/cache/evict/; a third field is cache.evict.interval; a method under
+wrappers keeps its colons, chunkkv:knorm:0.5), against the config's own cache.
 """
 
 import json
@@ -185,16 +185,18 @@ def bench_evictions(cfg, model, params, lengths, policies, batch, steps, repeats
     'method:ratio:interval' for cache.evict.interval), against the full cache."""
     caches = {"full": {}}
     for policy in policies:
-        method, ratio, *rest = policy.split(":") + [""]
+        # The method may hold wrappers ('chunkkv:knorm'): the numbers are the last fields.
+        fields = policy.split(":")
+        numbers = 2 if len(fields) > 2 and fields[-1].isdigit() else 1
+        method, (ratio, *rest) = ":".join(fields[:-numbers]), fields[-numbers:]
         try:
-            share = float(ratio or "nan")
-            interval = int(rest[0] or 1)
+            share, interval = float(ratio), int(rest[0]) if rest else 1
         except ValueError:
             share = float("nan")
-        if share != share or len(rest) > 2:
+        if share != share or not method:
             raise ValueError(
                 f"--evict={policy!r}: give method:ratio or method:ratio:interval, "
-                "e.g. snapkv:0.5 or snapkv:0.5:32"
+                "e.g. snapkv:0.5, snapkv:0.5:32 or chunkkv:knorm:0.5"
             )
         caches[policy] = {"evict": {"method": method, "ratio": share, "interval": interval}}
     return bench_caches(cfg, model, params, lengths, caches, "evict", batch, steps, repeats)

@@ -19,6 +19,7 @@ import kvlab
 from kvlab.attention.rope import apply_rope
 from kvlab.config import evict_methods
 from kvlab.eval.calibrate import save_filters
+from kvlab.registry import SCORERS
 from tests.helpers import VARIANTS, build, random_tokens, run_in_chunks
 
 METHODS = evict_methods()[1:]
@@ -38,8 +39,9 @@ def evicting(cfg, method, bits=16, **fields):
     """A copy of cfg's cache section evicting by `method` (and stored in `bits`); a
     method calibrated offline (qfilter) reads random filters of the model's shape."""
     cache = cfg.cache.copy_and_resolve_references()
-    scorer = kvlab.cache.evict.scorer_of(method)
-    if scorer is not None and scorer.calibrated and "options" not in fields:
+    base = method.split(":")[-1]
+    calibrated = base in SCORERS.names() and SCORERS.get(base).calibrated
+    if calibrated and "options" not in fields:
         model = cfg.model
         width = model.mla.kv_rank if model.attention == "mla" else model.head_dim
         fields["options"] = {"filters": _filters(model.num_layers, model.num_kv_heads, width)}
