@@ -34,6 +34,7 @@ from kvlab.attention.core import Queries, attend, through_layer
 from kvlab.attention.rope import apply_rope
 from kvlab.cache.placement import Placement
 from kvlab.cache.transforms import IDENTITY
+from kvlab.config import dtype_of
 from kvlab.layers import RMSNorm, projection
 
 # The projections' logical axes (kvlab/sharding.py maps them to mesh axes)
@@ -97,8 +98,16 @@ class GroupedQueryAttention(nn.Module):
             turned = apply_rope(x.swapaxes(1, 2), positions, cfg.rope_theta, cfg.rope_scaling)
             return keys.forward(turned.swapaxes(1, 2))
 
+        def out_kernel():  # [N, H, D] whatever layout the parameters hold (a backend's own)
+            stored = self.variables["params"]["out"]
+            if "kernel" in stored:
+                return stored["kernel"].astype(jnp.float32)
+            basis = jnp.eye(cfg.num_heads * cfg.head_dim, dtype=dtype_of(cfg.dtype))
+            rows = out_projection(basis.reshape(-1, cfg.num_heads, cfg.head_dim))
+            return rows.astype(jnp.float32).reshape(cfg.num_heads, cfg.head_dim, -1)
+
         def output_norms(v):  # v [B, K, X, H] as stored -> [B, K, G, X]: |W_o v|_1 per head
-            kernel = self.variables["params"]["out"]["kernel"].astype(jnp.float32)  # [N, H, D]
+            kernel = out_kernel()
             per_head = kernel.reshape(cfg.num_kv_heads, -1, *kernel.shape[1:]).swapaxes(0, 1)
             v = values.inverse(v).astype(jnp.float32)
             norm = lambda w: jnp.abs(jnp.einsum("bkxh,khd->bkxd", v, w)).sum(-1)  # noqa: E731

@@ -706,3 +706,21 @@ def test_a_panel_tree_is_refused_where_it_cannot_go():
             convert(tree)
     with pytest.raises(ValueError, match=r"params has no parameter block_0/attention/key/kernel"):
         kvlab.save_hf(cfg, panels, "/nonexistent/never-written")
+
+
+@needs_native
+def test_criticalkv_weighs_values_alike_through_projections_stored_as_panels():
+    """CriticalKV reads each head's output projection: from panels (the backend's
+    layout) it rebuilds the same kernel, so the same tokens stay."""
+    cfg = kvlab.load_config(f"{ROOT}/configs/gqa.py:tiny")
+    cfg.cache.evict.update(method="criticalkv:knorm", budget=8, recent=0)
+    params = kvlab.init_params(cfg.model, jax.random.key(1))
+    tokens = random_tokens(cfg, (2, 16), 4)
+    kept = []
+    for impl, weights in (("xla", params), ("native", native.panel_projections(params))):
+        cfg.model.attention_impl = impl
+        cache = kvlab.init_cache(cfg.model, cfg.cache, batch_size=2, max_len=16)
+        _, cache = kvlab.Transformer(cfg.model).apply({"params": weights}, tokens, cache=cache)
+        kept.append([np.sort(np.asarray(layer.positions), -1) for layer in cache.layers])
+    for xla, panelled in zip(*kept, strict=True):
+        np.testing.assert_array_equal(xla, panelled)
