@@ -4,11 +4,12 @@ compressed once, its questions answered greedily from it."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 import kvlab
 from kvlab.data.ruler import ruler_records
 from kvlab.eval.benchmark import benchmark_cache, kvpress_evict, run_benchmark
-from tests.helpers import VARIANTS, build
+from tests.helpers import ROOT, VARIANTS, build, random_tokens
 
 
 class Bytes:
@@ -89,3 +90,30 @@ def test_kvpress_defaults_keep_no_recent_window():
     assert kvpress_evict("knorm") == {"recent": 0}
     ours = benchmark_cache(cfg.cache, "snapkv", 0.5, 40, kvpress=False)
     assert ours.evict.recent == cfg.cache.evict.recent
+
+
+@pytest.mark.parametrize("method", ["snapkv", "expected_attention", "tova", "chunkkv:knorm"])
+def test_the_kvpress_configs_compress_a_prompt_once_with_kvpress_defaults(method):
+    """configs/kvpress.py:<method>: the preset's fields; kept whole (ratio 1) the
+    compressed prompt and the appended answer give the full cache's greedy tokens,
+    and half of it costs fewer bytes."""
+    cfg = kvlab.load_config(f"{ROOT}/configs/kvpress.py:{method}")
+    evict = cfg.cache.evict
+    assert evict.method == method and evict.when == "after_prefill" and evict.ratio == 0.5
+    assert {k: evict[k] for k in kvpress_evict(method) if k != "options"} == {
+        k: v for k, v in kvpress_evict(method).items() if k != "options"
+    }
+    model, params, _ = build(cfg)
+    prompt = random_tokens(cfg, (2, 200), seed=1)
+    whole = cfg.cache.copy_and_resolve_references()
+    whole.evict.ratio = 1.0
+    full = cfg.cache.copy_and_resolve_references()
+    full.evict.update(method="none", when="every_step", headroom=0)
+    full.evict.options = {}
+    outputs = [
+        np.asarray(kvlab.generate(model, params, prompt, cache_cfg=c, max_new_tokens=6))
+        for c in (whole, full)
+    ]
+    np.testing.assert_array_equal(*outputs)
+    half, kept = (kvlab.cache_bytes(cfg.model, c, 2, 206) for c in (cfg.cache, whole))
+    assert half < kept

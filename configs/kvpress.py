@@ -1,0 +1,32 @@
+"""kvpress's presses as kvlab caches: a method with NVIDIA kvpress 0.5.5's defaults.
+
+    python scripts/generate.py --config configs/kvpress.py:expected_attention
+    python scripts/generate.py --config configs/kvpress.py:snapkv,small \
+        --config.cache.evict.ratio=0.25
+
+The argument is a cache.evict.method ('snapkv', 'chunkkv:knorm', ...), then
+optionally the variant after a comma (tiny, small, base; tiny by default). The
+prompt is compressed once after its prefill to the share cache.evict.ratio of
+it (0.5 here: kvpress's compression_ratio 0.5), as kvpress's pipeline does
+(cache.evict.when='after_prefill'); what follows (a question, the answer)
+appends into cache.evict.headroom slots. The method's other fields are
+kvpress's (kvlab.eval.benchmark.kvpress_evict: no recent window, SnapKV's
+window of 64 kept and averaged pooling, TOVA's last token kept, H2O averaged as
+ObservedAttentionPress, AdaKV's alpha 0.2); docs/references.md lists what
+still differs. Q-Filters read filters calibrated for the model: set
+cache.evict.options.filters (kvlab.eval.calibrate).
+"""
+
+from kvlab.config import base_config
+from kvlab.eval.benchmark import kvpress_evict
+
+
+def get_config(arg: str = "snapkv"):
+    method, _, variant = arg.partition(",")
+    cfg = base_config(variant or "tiny")
+    cfg.cache.evict.update(method=method, ratio=0.5, budget=0, when="after_prefill")
+    # The generated tokens' room (scripts/generate.py's 48 by default); a longer answer
+    # evicts within the budget as every step does.
+    cfg.cache.evict.headroom = 48 if (variant or "tiny") == "tiny" else 512
+    cfg.cache.evict.update(kvpress_evict(method))
+    return cfg
