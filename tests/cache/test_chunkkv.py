@@ -46,7 +46,7 @@ def test_a_budget_inside_a_chunk_keeps_the_best_whole_and_part_of_the_next():
             assert sorted(chunks.tolist()) == [0, 0, 0, 2, 4, 4]
 
 
-@pytest.mark.parametrize("scorer", ["snapkv", "h2o", "adakv", "lagkv"])
+@pytest.mark.parametrize("scorer", ["h2o", "adakv", "lagkv"])
 def test_it_wraps_any_scorer_over_pools_groups_and_pages(scorer):
     """Over attention-scored, stateful, pooled and key/value scorers: a budget that
     holds the sequence gives the full cache's logits; KIVI's settling groups in pages
