@@ -142,9 +142,12 @@ CASES = {
         dict(options={"lag_size": 16, "sink_tokens": 2}),
     ),
     "criticalkv:knorm": (lambda r: kvpress.CriticalKVPress(kvpress.KnormPress(r)), {}),
+    # An epsilon that weighs against SnapKV's scores: their scale (the window's mean) counts.
     "criticalkv:snapkv": (
-        lambda r: kvpress.CriticalKVPress(kvpress.SnapKVPress(r, window_size=8, kernel_size=5)),
-        dict(obs_window=8, recent=8),
+        lambda r: kvpress.CriticalKVPress(
+            kvpress.SnapKVPress(r, window_size=8, kernel_size=5), epsilon=1e-2
+        ),
+        dict(obs_window=8, recent=8, options={"epsilon": 1e-2}),
     ),
     # 10 chunks of 10: kvpress keeps int(10 x 0.5) whole chunks, kvlab its budget of 50.
     "chunkkv:knorm": (

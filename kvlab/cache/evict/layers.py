@@ -445,6 +445,7 @@ class EvictingLayer:
             output_norms=None if queries is None else queries.output_norms,
             key_transform=placement.transforms[0] if placement.transforms else None,
             end=(placement.lengths + placement.num_tokens)[:, None, None],
+            observed=_observed_count(p, placement),
             recent=p.recent,
             options=dict(p.options),
         )
@@ -592,6 +593,14 @@ class EvictingLayer:
         keys, values = lambda: tokens(0), lambda: tokens(self._values_index)  # noqa: E731
         c = self._candidates_of(candidates, valid, g, per_token, keys, values, placement, queries)
         return _scored(p.scorer, c)
+
+
+def _observed_count(policy: Policy, placement: Placement) -> Array:
+    """float32[B, 1, 1]: the queries of each row whose attention the mass sums."""
+    weights = observed_queries(policy, placement)
+    if weights is None:
+        return jnp.zeros((placement.positions.shape[0], 1, 1), jnp.float32)
+    return weights.sum(-1)[:, None, None]
 
 
 def _scored(scorer, c: Candidates) -> tuple[Array, Array]:

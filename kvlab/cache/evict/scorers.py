@@ -105,6 +105,7 @@ class Candidates:
     key_transform  the cache's transform of its first tensor (kvlab/cache/transforms),
                which `keys` went through; None without one
     end        int32[B, 1, 1]   each row's length after the step (the next position)
+    observed   float32[B, 1, 1]   the queries of each row whose attention `mass` sums
     recent     the layer's cache.evict.recent: candidates holding one of a row's
                `recent` latest positions stay whatever their score (`always_kept`)
     options    the scorer's options (its `defaults` with cache.evict.options over them)
@@ -134,6 +135,7 @@ class Candidates:
     output_norms: Callable | None = None
     key_transform: object | None = None
     end: Array | None = None
+    observed: Array | None = None
     recent: int = 0
     options: Mapping = dataclasses.field(default_factory=dict)
 
@@ -317,8 +319,9 @@ class H2O(Scorer):
 class SnapKV(Scorer):
     """SnapKV (arXiv:2404.14469): the attention of the step's last obs_window
     queries, pooled over `kernel` neighbouring positions: option `pooling`
-    'max' (kvlab's default) or 'mean' (SnapKV's reference code and kvpress,
-    `pooled_mean`)."""
+    'max' (kvlab's default: their summed attention, max-pooled) or 'mean'
+    (kvpress's: their mean attention, average-pooled as SnapKV's reference code
+    pools, `pooled_mean`; the scale matters where a wrapper adds to it)."""
 
     name, observes = "snapkv", "window"
     fields = ("recent", "obs_window", "kernel")
@@ -332,8 +335,9 @@ class SnapKV(Scorer):
             )
 
     def score(self, c: Candidates) -> Array:
-        pool = pooled_mean if c.options["pooling"] == "mean" else pooled_max
-        return pool(attention(c), c)
+        if c.options["pooling"] == "max":
+            return pooled_max(attention(c), c)
+        return pooled_mean(attention(c) / jnp.maximum(c.observed, 1.0), c)
 
 
 class PyramidKV(SnapKV):
