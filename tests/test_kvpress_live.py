@@ -8,18 +8,22 @@ with the method's kvpress preset (kvlab.eval.benchmark.kvpress_evict, the
 context compressed once after its prefill, cache.evict.when='after_prefill').
 Every layer's every KV head must keep exactly kvpress's tokens (Jaccard 1.0):
 kvpress's kept keys are found among the full prefill's keys, its AdaKV's by
-the positions it masks. Budgets are chosen where neither side breaks a tie.
+the positions it masks (scripts/kvpress_agreement.py holds the comparison and
+runs it on a real model). Budgets are chosen where neither side breaks a tie.
 """
 
 from __future__ import annotations
+
+import functools
+import importlib.util
 
 import jax
 import numpy as np
 import pytest
 
 import kvlab
-from kvlab.eval.benchmark import benchmark_cache
 from kvlab.eval.calibrate import q_filters, save_filters
+from tests.helpers import ROOT
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -62,62 +66,15 @@ def prompt():
     return np.random.default_rng(0).integers(0, 256, (1, LENGTH)).astype(np.int32)
 
 
-def kvpress_kept(hf, press) -> list[list[set[int]]]:
-    """Per layer, per KV head: the positions kvpress keeps of the prompt."""
-    ids = torch.as_tensor(prompt(), dtype=torch.long)
-    with torch.no_grad():
-        full = transformers.DynamicCache()
-        hf(ids, past_key_values=full)
-        cache = transformers.DynamicCache()
-        with press(hf):
-            hf(ids, past_key_values=cache)
-    out = []
-    for index, (before, after) in enumerate(zip(full.layers, cache.layers, strict=True)):
-        attention = hf.model.layers[index].self_attn
-        masked = getattr(attention, "masked_key_indices", None)
-        heads = []
-        for h in range(before.keys.shape[1]):
-            if masked is not None:  # AdaKV masks what it evicts in place
-                _, head, position = (x.numpy() for x in masked)
-                heads.append(set(range(LENGTH)) - set(position[head == h].tolist()))
-                continue
-            kept = after.keys[0, h].numpy()  # [n_kept, H]: which of the prompt's keys
-            distance = np.linalg.norm(kept[:, None] - before.keys[0, h].numpy()[None], axis=-1)
-            assert distance.min(-1).max() < 1e-5
-            heads.append(set(distance.argmin(-1).tolist()))
-        out.append(heads)
-    return out
-
-
-def kvlab_kept(cfg, params, method, ratio, **fields) -> list[list[set[int]]]:
-    cache_cfg = benchmark_cache(cfg.cache, method, ratio, headroom=0)
-    cache_cfg.evict.update(fields)
-    cache = kvlab.init_cache(cfg.model, cache_cfg, 1, LENGTH)
-    _, cache = kvlab.Transformer(cfg.model).apply(
-        {"params": params}, prompt(), cache=cache, compress=True
+@functools.cache  # its flags are defined once
+def agreement():
+    """scripts/kvpress_agreement.py, which holds the comparison (loaded by its path)."""
+    spec = importlib.util.spec_from_file_location(
+        "kvpress_agreement", ROOT / "scripts" / "kvpress_agreement.py"
     )
-    out = []
-    for layer in cache.layers:
-        p, positions = layer.policy, np.asarray(layer.positions[0])
-        if p.pooled:
-            tags = positions[0][positions[0] >= 0]
-            out.append(
-                [
-                    set((tags[tags % p.kv_heads == h] // p.kv_heads).tolist())
-                    for h in range(p.kv_heads)
-                ]
-            )
-        else:
-            out.append([set(row[row >= 0].tolist()) for row in positions])
-    return out
-
-
-def qfilter_press(ratio: float, found: np.ndarray):
-    """kvpress's QFilterPress holding kvlab's filters (it would fetch its own from a hub)."""
-    press = kvpress.QFilterPress(ratio)
-    press.post_init_from_model = lambda model: None
-    press.q_filters = torch.as_tensor(found)
-    return press
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 # kvpress's press of each method (compression_ratio r) and kvlab's fields beside the preset.
@@ -160,13 +117,15 @@ CASES = {
 @pytest.mark.parametrize("method", [*CASES, "qfilter"])
 def test_kvlab_keeps_kvpress_tokens(model, filters, method):
     cfg, params, load = model
+    compare = agreement()
     if method == "qfilter":
-        press, fields = qfilter_press(1 - KEPT, filters[0]), dict(options={"filters": filters[1]})
+        press = compare.qfilter_press(1 - KEPT, filters[0])
+        fields = dict(options={"filters": filters[1]})
     else:
         make, fields = CASES[method]
         press = make(1 - KEPT)
-    theirs = kvpress_kept(load("eager" if method == "h2o" else "sdpa"), press)
-    ours = kvlab_kept(cfg, params, method, KEPT, **fields)
+    theirs = compare.kvpress_kept(load("eager" if method == "h2o" else "sdpa"), press, prompt())
+    ours = compare.kvlab_kept(cfg, params, method, KEPT, prompt(), **fields)
     for layer, (mine, peer) in enumerate(zip(ours, theirs, strict=True)):
         for head, (a, b) in enumerate(zip(mine, peer, strict=True)):
             assert a == b, (

