@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import kvlab
-from tests.cache.test_evict import evicting, kivi, layer0_keys, layer0_values, run
+from tests.cache.test_evict import assert_composes, evicting, layer0_keys, layer0_values, run
 from tests.helpers import VARIANTS, build, random_tokens
 
 
@@ -37,24 +37,7 @@ def test_one_prefill_keeps_the_first_stage_then_the_heaviest_outputs():
 
 @pytest.mark.parametrize("scorer", ["h2o", "adakv"])
 def test_it_wraps_stateful_and_pooled_scorers(scorer):
-    """A budget that holds the sequence gives the full cache's logits; KIVI's settling
-    groups in pages keep within the budget."""
-    cfg = VARIANTS["gqa"]()
-    tokens = random_tokens(cfg, (2, 28))
-    method = f"criticalkv:{scorer}"
-    full, _ = run(cfg, cfg.cache, tokens, [14, 14], 32)
-    held, _ = run(cfg, evicting(cfg, method, budget=32), tokens, [14, 14], 32)
-    np.testing.assert_allclose(held, full, atol=3e-6)
-    evicted, cache = run(cfg, evicting(cfg, method, budget=10), tokens, [14, 14], 32)
-    assert np.isfinite(evicted).all()
-    cache_cfg = kivi(cfg, method, 0, budget=24)
-    cache_cfg.update(kind="paged", page_size=8)
-    out, cache = run(cfg, cache_cfg, tokens, [7] * 4, 32)
-    assert np.isfinite(out).all()
-    for layer in cache.layers:
-        stored = np.asarray(layer.stored(cache.lengths))
-        assert (stored.sum(-1) <= 24 * stored.shape[-1]).all()
-        assert layer.policy.pooled or (stored <= 24).all()
+    assert_composes(VARIANTS["gqa"](), f"criticalkv:{scorer}")
 
 
 def test_bad_options_and_a_latent_model_are_refused():

@@ -73,6 +73,25 @@ def kivi(cfg, method, residual, **fields):
 KIVI_LEN, KIVI_CHUNKS = 32, [7] * 4  # 28 tokens, one compiled step shape
 
 
+def assert_composes(cfg, method, budget=24, **fields):
+    """`method` (with cache.evict `fields`) keeping a budget that holds 28 tokens
+    gives the full cache's logits; over KIVI's settling groups in pages of 8 it
+    gives finite logits and no head holds more than `budget` (a pool: its heads
+    together no more than theirs)."""
+    tokens = random_tokens(cfg, (2, 28))
+    full, _ = run(cfg, cfg.cache, tokens, [14, 14], KIVI_LEN)
+    held, _ = run(cfg, evicting(cfg, method, budget=32, **fields), tokens, [14, 14], KIVI_LEN)
+    np.testing.assert_allclose(held, full, atol=3e-6)
+    cache_cfg = kivi(cfg, method, 0, budget=budget, **fields)
+    cache_cfg.update(kind="paged", page_size=8)
+    out, cache = run(cfg, cache_cfg, tokens, KIVI_CHUNKS, KIVI_LEN)
+    assert np.isfinite(out).all()
+    for layer in cache.layers:
+        stored = np.asarray(layer.stored(cache.lengths))
+        assert (stored.sum(-1) <= budget * stored.shape[-1]).all()
+        assert layer.policy.pooled or (stored <= budget).all()
+
+
 @pytest.mark.parametrize(
     "name, bits, methods",
     [

@@ -9,7 +9,7 @@ import pytest
 
 import kvlab
 from kvlab.eval.calibrate import q_filters, save_filters
-from tests.cache.test_evict import evicting, kivi, layer0_keys, run
+from tests.cache.test_evict import assert_composes, evicting, layer0_keys, run
 from tests.helpers import VARIANTS, build, random_tokens
 
 
@@ -80,13 +80,7 @@ def test_a_rotated_cache_turns_the_filters_with_its_keys(tmp_path):
 
 def test_it_runs_over_kivi_groups_and_pages_within_its_budget(tmp_path):
     cfg = VARIANTS["gqa"]()
-    path = calibrated(cfg, tmp_path)
-    tokens = random_tokens(cfg, (2, 28))
-    cache_cfg = kivi(cfg, "qfilter", 0, budget=24, options={"filters": path})
-    cache_cfg.update(kind="paged", page_size=8)
-    out, cache = run(cfg, cache_cfg, tokens, [7] * 4, 32)
-    assert np.isfinite(out).all()
-    assert (np.asarray(cache.layers[0].stored(cache.lengths)) <= 24).all()
+    assert_composes(cfg, "qfilter", options={"filters": calibrated(cfg, tmp_path)})
 
 
 def test_missing_or_mismatched_filters_are_refused(tmp_path):
