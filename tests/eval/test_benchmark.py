@@ -92,7 +92,7 @@ def test_kvpress_defaults_keep_no_recent_window():
     assert ours.evict.recent == cfg.cache.evict.recent
 
 
-@pytest.mark.parametrize("method", ["snapkv", "expected_attention", "tova", "chunkkv:knorm"])
+@pytest.mark.parametrize("method", ["snapkv", "chunkkv:knorm"])
 def test_the_kvpress_configs_compress_a_prompt_once_with_kvpress_defaults(method):
     """configs/kvpress.py:<method>: the preset's fields; kept whole (ratio 1) the
     compressed prompt and the appended answer give the full cache's greedy tokens,
