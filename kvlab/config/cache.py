@@ -3,6 +3,7 @@ transforms and eviction, alone and against the model section it caches for."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 
 from kvlab.config.fields import check_choice, check_int, check_known_fields, check_number, fail
@@ -202,22 +203,28 @@ def _validate_options(evict: Mapping, parts: list) -> None:
 
 
 def _check_like(field: str, value, default) -> None:
-    """`value` of the same kind as `default`: a bool, an int, a number, a string, or
-    a sequence of numbers (a float default also takes an int)."""
+    """`value` of the same kind as `default`: a bool, an int, a finite number, a
+    string, or a sequence of finite numbers (a float default also takes an int)."""
+    number = lambda x: (  # noqa: E731
+        isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+    )
     if isinstance(default, bool):
         ok = isinstance(value, bool)
     elif isinstance(default, int):
         ok = isinstance(value, int) and not isinstance(value, bool)
     elif isinstance(default, float):
-        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        ok = number(value)
     elif isinstance(default, str):
         ok = isinstance(value, str)
     else:
-        ok = isinstance(value, (list, tuple)) and all(
-            isinstance(x, (int, float)) and not isinstance(x, bool) for x in value
-        )
+        ok = isinstance(value, (list, tuple)) and all(number(x) for x in value)
     if not ok:
-        fail(field, value, f"is not of its default's kind ({default!r})", "set a value like it")
+        fail(
+            field,
+            value,
+            f"is not of its default's kind ({default!r})",
+            "set a value like it (a number: finite)",
+        )
 
 
 def _validate_cache_for_model(cache: Mapping, model: Mapping) -> None:

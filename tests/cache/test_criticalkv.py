@@ -42,11 +42,15 @@ def test_it_wraps_stateful_and_pooled_scorers(scorer):
 
 def test_bad_options_and_a_latent_model_are_refused():
     cfg = VARIANTS["gqa"]()
-    options = {"first_stage_ratio": 1.5}
-    with pytest.raises(ValueError, match="options.first_stage_ratio=1.5 is not a share"):
-        kvlab.init_cache(
-            cfg.model, evicting(cfg, "criticalkv:knorm", budget=8, options=options), 1, 32
-        )
+    for options, message in (
+        ({"first_stage_ratio": 1.5}, "options.first_stage_ratio=1.5 is not a share"),
+        ({"epsilon": -1.0}, "options.epsilon=-1.0 is negative"),
+        ({"epsilon": float("nan")}, "options.epsilon=nan is not of its default's kind"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            kvlab.init_cache(
+                cfg.model, evicting(cfg, "criticalkv:knorm", budget=8, options=options), 1, 32
+            )
     latent = VARIANTS["mla_absorbed"]()
     with pytest.raises(ValueError, match="cannot score a model.attention='mla' cache"):
         kvlab.init_cache(latent.model, evicting(latent, "criticalkv:knorm", budget=8), 1, 32)

@@ -37,6 +37,8 @@ class CriticalKV(Wrapper):
     defaults = types.MappingProxyType({"epsilon": 1e-4, "first_stage_ratio": 0.5})
 
     def check(self, options, field: str) -> None:
+        if options["epsilon"] < 0:
+            raise ValueError(f"{field}.epsilon={options['epsilon']} is negative: set >= 0")
         if not 0 <= options["first_stage_ratio"] <= 1:
             raise ValueError(
                 f"{field}.first_stage_ratio={options['first_stage_ratio']} is not a share in [0, 1]"

@@ -44,8 +44,9 @@ over any scorer: cache.evict.method='chunkkv:snapkv' is ChunkKV over SnapKV's
 scores (wrappers nest: 'a:b:snapkv'). It turns the scorer's priorities into its
 own and adds its options; the scorer's state, observations and layout stay.
 
-Built in here: h2o, snapkv, pyramidkv, adakv, knorm, random; beside: tova,
-keydiff, lagkv (scorers), chunkkv (a wrapper).
+Built in here: h2o, snapkv, pyramidkv, adakv, knorm, random; beside, a file
+each: tova, keydiff, lagkv, expected_attention, qfilter (scorers), chunkkv and
+criticalkv (wrappers).
 """
 
 from __future__ import annotations
