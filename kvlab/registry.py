@@ -99,6 +99,7 @@ WRAPPERS = Registry(
     shipped={
         "chunkkv": "kvlab.cache.evict.chunkkv",
         "criticalkv": "kvlab.cache.evict.criticalkv",
+        "per_layer": "kvlab.cache.evict.per_layer",
     },
     group="kvlab.wrappers",
 )

@@ -154,9 +154,16 @@ def resolve_budget(model_cfg: Mapping, cache_cfg: Mapping, max_len: int) -> int:
     if model_cfg["sliding_window"]:
         return min(model_cfg["sliding_window"], max_len)
     evict = cache_cfg["evict"]
-    if evict["when"] == "after_prefill":  # a share of the context, the headroom apart
-        max_len = max(1, max_len - evict["headroom"])
-    return evict["budget"] or math.ceil(evict["ratio"] * max_len)
+    return evict["budget"] or math.ceil(evict["ratio"] * budget_context(cache_cfg, max_len))
+
+
+def budget_context(cache_cfg: Mapping, max_len: int) -> int:
+    """The tokens cache.evict.ratio is a share of: max_len, the headroom apart
+    after_prefill."""
+    evict = cache_cfg["evict"]
+    if evict["when"] == "after_prefill":
+        return max(1, max_len - evict["headroom"])
+    return max_len
 
 
 def layer_budgets(model_cfg: Mapping, cache_cfg: Mapping, max_len: int) -> tuple[int, ...]:
@@ -188,15 +195,33 @@ def layer_budgets(model_cfg: Mapping, cache_cfg: Mapping, max_len: int) -> tuple
     scorer = scorer_of(method)
     if scorer is None:
         return (budget,) * layers
-    if evict["recent"] >= budget:
+    shares = scorer.shares(layers, evict)
+    if shares is None:
+        budgets = scorer.budgets(budget, layers, evict)
+    elif evict["budget"]:
+        budgets = tuple(max(1, round(evict["budget"] * s)) for s in shares)
+    else:  # the layer's share of the context, as a compression keeps it (`layer_ratios`)
+        context = budget_context(cache_cfg, max_len)
+        budgets = tuple(math.ceil(r * context) for r in layer_ratios(evict, shares))
+    least = min(budgets)
+    if evict["recent"] >= least:
+        where = f" in layer {budgets.index(least)}" if shares is not None else ""
         raise ValueError(
-            f"cache.evict.recent={evict['recent']} keeps every token of a budget of {budget} "
-            f"({source}), so nothing is scored: set cache.evict.recent below the budget, or "
-            "use cache.evict.method='window'"
+            f"cache.evict.recent={evict['recent']} keeps every token of a budget of {least}"
+            f"{where} ({source}), so nothing is scored: set cache.evict.recent below the "
+            "budget, or use cache.evict.method='window'"
         )
     # A layer never holds more than max_len tokens: slots past it (pyramidkv's first
     # layers) would be bytes that change nothing.
-    return tuple(min(b, max_len) for b in scorer.budgets(budget, layers, evict))
+    return tuple(min(b, max_len) for b in budgets)
+
+
+def layer_ratios(evict: Mapping, shares: tuple[float, ...] | None) -> tuple[float, ...] | None:
+    """Each layer's share of a row's context (cache.evict.ratio x the layer's
+    share of the budget, `Scorer.shares`), or None where every layer keeps the ratio."""
+    if shares is None:
+        return None
+    return tuple(evict["ratio"] * s for s in shares)
 
 
 def policies(model_cfg: Mapping, cache_cfg: Mapping, max_len: int) -> tuple[Policy, ...] | None:
@@ -224,6 +249,10 @@ def policies(model_cfg: Mapping, cache_cfg: Mapping, max_len: int) -> tuple[Poli
     options = () if scorer is None else scorer_options(scorer, evict)
     if compresses:
         _check_after_prefill(method, evict, settles)
+    shared = None if evict["budget"] or not compresses else evict["ratio"]
+    ratios = None
+    if shared is not None:
+        ratios = layer_ratios(evict, scorer.shares(topology.num_cache_layers(model_cfg), evict))
     out = []
     for i, budget in enumerate(layer_budgets(model_cfg, cache_cfg, max_len)):
         if compresses:  # the compressed context and the tokens after it
@@ -255,7 +284,7 @@ def policies(model_cfg: Mapping, cache_cfg: Mapping, max_len: int) -> tuple[Poli
                 interval=evict["interval"] if scorer is not None else 1,
                 when=evict["when"] if compresses else "every_step",
                 budget=budget,
-                ratio=0.0 if evict["budget"] or not compresses else evict["ratio"],
+                ratio=(shared or 0.0) if ratios is None else ratios[i],
                 floor_share=evict["adakv_floor"] if pooled else 0.0,
                 options=options,
                 latent=not grouped,

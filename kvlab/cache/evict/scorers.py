@@ -165,6 +165,12 @@ class Scorer:
         """Tokens kept per KV head in each of `layers` layers, `budget` on average."""
         return (budget,) * layers
 
+    def shares(self, layers: int, evict: Mapping) -> tuple[float, ...] | None:
+        """Each layer's budget as a multiple of the mean (mean 1), or None: the
+        layer's share of cache.evict.budget, or of the ratio of each row's context
+        a compression keeps (per_layer). Read instead of `budgets` where given."""
+        return None
+
     def score(self, c: Candidates) -> Array:
         raise NotImplementedError
 
@@ -186,8 +192,12 @@ class Wrapper:
     def check(self, options: Mapping, field: str) -> None:
         """As Scorer.check, for the wrapper's own options."""
 
+    def shares(self, layers: int, evict: Mapping) -> tuple[float, ...] | None:
+        """As Scorer.shares: per-layer budgets the wrapper sets over its scorer's."""
+        return None
+
     def priority(self, c: Candidates, priority: Array) -> Array:
-        raise NotImplementedError
+        return priority
 
 
 class Wrapped(Scorer):
@@ -212,6 +222,18 @@ class Wrapped(Scorer):
 
     def budgets(self, budget: int, layers: int, evict: Mapping) -> tuple[int, ...]:
         return self.scorer.budgets(budget, layers, evict)
+
+    def shares(self, layers: int, evict: Mapping) -> tuple[float, ...] | None:
+        own = self.wrapper.shares(layers, evict)
+        if own is None:
+            return self.scorer.shares(layers, evict)
+        if type(self.scorer).budgets is not Scorer.budgets or self.scorer.shares(layers, evict):
+            raise ValueError(
+                f"cache.evict.method={self.name!r}: {self.wrapper.name} sets each layer's "
+                f"budget, and {self.scorer.name} sets its own: put {self.wrapper.name} over a "
+                "scorer with one budget for every layer"
+            )
+        return own
 
     def score(self, c: Candidates) -> Array:
         return self.scorer.score(c)
