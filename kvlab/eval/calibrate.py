@@ -3,6 +3,8 @@
     tokens = calibration_tokens(tokenizer.encode)     # int32[8, 512]: stdlib's training files
     filters = q_filters(model_cfg, params, tokens)   # float32[cache layers, K, H]
     save_filters("runs/x/qfilters.npz", filters)     # cache.evict.options.filters
+    patterns = duo_patterns(model_cfg, params, tokens)  # float32[cache layers, K]
+    save_patterns("runs/x/duo.npz", patterns)        # cache.evict.options.patterns
 
 Q-Filters (arXiv:2503.02812, kvlab/cache/evict/qfilter.py): the model reads
 `tokens` (int32[B, T], calibration text in its tokens, e.g. the standard
@@ -12,7 +14,9 @@ model has one) are stacked over the rows and positions, at most `samples` of
 them drawn evenly, and their first right singular vector v, signed by the
 majority sign of the queries' coordinates along it (so most queries project on
 it positively), gives the filter -v; a KV head's filter is the mean of its
-query heads'. A cross-layer cache layer takes its producing layer's queries.
+query heads'. DuoAttention's patterns (arXiv:2410.10819,
+kvlab/cache/evict/duo_attention.py) are kvpress's on-the-fly estimate
+(`duo_patterns`). A cross-layer cache layer takes its producing layer's queries.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import io
 import os
 from collections.abc import Callable, Mapping, Sequence
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -46,27 +51,10 @@ def calibration_tokens(encode: Callable[[str], Sequence[int]], rows: int = 8, le
 
 def q_filters(model_cfg: Mapping, params, tokens: np.ndarray, samples: int = 4096) -> np.ndarray:
     """float32[cache layers, K, H]: each layer's Q-Filters (module docstring)."""
-    if model_cfg["attention"] != "gqa":
-        raise ValueError(
-            f"model.attention={model_cfg['attention']!r}: Q-Filters filter per-head keys, "
-            "which only grouped-query attention caches"
-        )
-    tokens = jnp.asarray(tokens, jnp.int32)
-    _, state = Transformer(model_cfg).apply(
-        {"params": params}, tokens, capture_intermediates=True, mutable=["intermediates"]
-    )
     positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
     groups = model_cfg["num_heads"] // model_cfg["num_kv_heads"]
     filters = []
-    for layer, cache_layer in enumerate(topology.cache_layers(model_cfg)):
-        if cache_layer < len(filters):  # a consumer of a cross-layer run
-            continue
-        attention = state["intermediates"][f"block_{layer}"]["attention"]
-        if "query" not in attention:
-            raise ValueError(
-                "q_filters reads the query projection: pass params before kvlab.fuse_projections"
-            )
-        query = attention.get("query_norm", attention["query"])["__call__"][0]
+    for query, _ in _projections(model_cfg, params, tokens, "Q-Filters"):
         query = apply_rope(query, positions, model_cfg["rope_theta"], model_cfg["rope_scaling"])
         stacked = np.asarray(query, np.float64).reshape(-1, *query.shape[2:])  # [B x T, N, H]
         stacked = stacked[np.linspace(0, len(stacked) - 1, min(samples, len(stacked))).astype(int)]
@@ -79,12 +67,73 @@ def q_filters(model_cfg: Mapping, params, tokens: np.ndarray, samples: int = 409
     return np.asarray(filters, np.float32)
 
 
+def duo_patterns(model_cfg: Mapping, params, tokens: np.ndarray, length: int = 500) -> np.ndarray:
+    """float32[cache layers, K]: each KV head's DuoAttention score, kvpress's on-the-fly
+    estimate: per calibration row, the mean query and the mean key (before RoPE)
+    repeated at positions 0 .. length - 1; the last query's attention over those
+    keys; the area under its cumulated curve (mean of the cumulative sum), high
+    where the attention reaches far back. Averaged over the KV head's query heads
+    and the rows (kvlab/cache/evict/duo_attention.py streams the lowest)."""
+    positions = jnp.broadcast_to(jnp.arange(length), (tokens.shape[0], length))
+    rope = lambda x: apply_rope(x, positions, model_cfg["rope_theta"], model_cfg["rope_scaling"])  # noqa: E731
+    groups = model_cfg["num_heads"] // model_cfg["num_kv_heads"]
+    scores = []
+    for query, key in _projections(model_cfg, params, tokens, "DuoAttention's patterns"):
+        mean = (
+            lambda x: jnp.broadcast_to(  # noqa: E731
+                x.astype(jnp.float32).mean(1, keepdims=True), (x.shape[0], length, *x.shape[2:])
+            )
+        )
+        q, k = rope(mean(query))[:, -1], jnp.repeat(rope(mean(key)), groups, axis=2)
+        logits = jnp.einsum("bnh,bpnh->bnp", q, k) * query.shape[-1] ** -0.5
+        area = jnp.cumsum(jax.nn.softmax(logits, axis=-1), axis=-1).mean(-1)  # [B, N]
+        scores.append(np.asarray(area.reshape(area.shape[0], -1, groups).mean((0, 2))))
+    return np.asarray(scores, np.float32)
+
+
+def _projections(model_cfg: Mapping, params, tokens: np.ndarray, what: str):
+    """Per cache layer, its producing layer's queries and keys before RoPE (after the
+    query and key norms where the model has them), [B, T, N, H] and [B, T, K, H]."""
+    if model_cfg["attention"] != "gqa":
+        raise ValueError(
+            f"model.attention={model_cfg['attention']!r}: {what} are per KV head, "
+            "which only grouped-query attention caches"
+        )
+    tokens = jnp.asarray(tokens, jnp.int32)
+    _, state = Transformer(model_cfg).apply(
+        {"params": params}, tokens, capture_intermediates=True, mutable=["intermediates"]
+    )
+    seen = -1
+    for layer, cache_layer in enumerate(topology.cache_layers(model_cfg)):
+        if cache_layer <= seen:  # a consumer of a cross-layer run
+            continue
+        seen = cache_layer
+        attention = state["intermediates"][f"block_{layer}"]["attention"]
+        if "query" not in attention:
+            raise ValueError(
+                f"{what} read the query projection: pass params before kvlab.fuse_projections"
+            )
+        query = attention.get("query_norm", attention["query"])["__call__"][0]
+        key = attention.get("key_norm", attention["key"])["__call__"][0]
+        yield query, key
+
+
 def save_filters(path: str | os.PathLike, filters: np.ndarray) -> None:
     """Writes `filters` [layers, K, H] where cache.evict.options.filters reads them
     (an .npz with the array 'filters'), atomically."""
-    filters = np.asarray(filters, np.float32)
-    if filters.ndim != 3 or not np.isfinite(filters).all():
-        raise ValueError(f"Q-Filters of shape {filters.shape} are not finite [layers, K, H]")
+    _save(path, "filters", filters, "Q-Filters", "[layers, K, H]")
+
+
+def save_patterns(path: str | os.PathLike, patterns: np.ndarray) -> None:
+    """Writes DuoAttention's `patterns` [layers, K] where cache.evict.options.patterns
+    reads them (an .npz with the array 'patterns'), atomically."""
+    _save(path, "patterns", patterns, "DuoAttention's patterns", "[layers, K]")
+
+
+def _save(path: str | os.PathLike, key: str, array: np.ndarray, what: str, shape: str) -> None:
+    array = np.asarray(array, np.float32)
+    if array.ndim != shape.count(",") + 1 or not np.isfinite(array).all():
+        raise ValueError(f"{what} of shape {array.shape} are not finite {shape}")
     buffer = io.BytesIO()
-    np.savez(buffer, filters=filters)
+    np.savez(buffer, **{key: array})
     write_atomic(path, buffer.getvalue())

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 import kvlab
 from kvlab.attention.rope import apply_rope
 from kvlab.config import evict_methods
-from kvlab.eval.calibrate import save_filters
+from kvlab.eval.calibrate import save_filters, save_patterns
 from kvlab.registry import SCORERS
 from tests.helpers import VARIANTS, build, random_tokens, run_in_chunks
 
@@ -28,23 +28,32 @@ MAX_LEN = 16
 
 
 @functools.cache
-def _filters(layers: int, kv_heads: int, width: int) -> str:
-    """A file of (random) Q-Filters of that shape, for methods calibrated offline."""
-    path = os.path.join(tempfile.mkdtemp(prefix="kvlab-test-filters-"), "qfilters.npz")
-    save_filters(path, np.random.default_rng(0).normal(size=(layers, kv_heads, width)))
-    return path
+def _artefact(method: str, shape: tuple) -> dict:
+    """The options of a method calibrated offline, naming a file of random numbers of
+    `shape` (qfilter's filters; duo_attention's head scores, its windows made small)."""
+    path = os.path.join(tempfile.mkdtemp(prefix="kvlab-test-artefact-"), f"{method}.npz")
+    array = np.random.default_rng(0).normal(size=shape)
+    if method == "duo_attention":
+        save_patterns(path, array)
+        return {"patterns": path, "sink_size": 2, "recent_size": 4}
+    save_filters(path, array)
+    return {"filters": path}
 
 
 def evicting(cfg, method, bits=16, **fields):
     """A copy of cfg's cache section evicting by `method` (and stored in `bits`); a
-    method calibrated offline (qfilter) reads random filters of the model's shape."""
+    method calibrated offline (qfilter, duo_attention) reads random artefacts of the
+    model's shape."""
     cache = cfg.cache.copy_and_resolve_references()
     base = method.split(":")[-1]
     calibrated = base in SCORERS.names() and SCORERS.get(base).calibrated
     if calibrated and "options" not in fields:
         model = cfg.model
         width = model.mla.kv_rank if model.attention == "mla" else model.head_dim
-        fields["options"] = {"filters": _filters(model.num_layers, model.num_kv_heads, width)}
+        shape = (kvlab.cache.topology.num_cache_layers(model), model.num_kv_heads)
+        fields["options"] = dict(
+            _artefact(base, shape if base == "duo_attention" else (*shape, width))
+        )
     cache.evict.update({"method": method, "recent": 2, **fields})
     if bits != 16:
         for prefix in kvlab.config.cached_prefixes(cfg.model):

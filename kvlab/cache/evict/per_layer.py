@@ -38,7 +38,7 @@ class PerLayer(Wrapper):
                 "layer: set e.g. [0.5, 1.5] for a model of two cache layers"
             )
 
-    def shares(self, layers: int, evict: Mapping) -> tuple[float, ...]:
+    def shares(self, layers: int, evict: Mapping, context: int) -> tuple[float, ...]:
         weights = tuple(float(w) for w in evict["options"]["weights"])
         if len(weights) != layers:
             raise ValueError(
@@ -48,12 +48,12 @@ class PerLayer(Wrapper):
         mean = sum(weights) / layers
         shares = tuple(w / mean for w in weights)
         if evict["when"] == "after_prefill" and not evict["budget"]:
-            if evict["ratio"] * max(shares) > 1:
+            most = evict["ratio"] * max(shares)
+            if most > 1:
                 raise ValueError(
-                    f"cache.evict.options.weights ask layer {shares.index(max(shares))} to "
-                    f"keep {evict['ratio'] * max(shares):.3g} of the context "
-                    f"(cache.evict.ratio={evict['ratio']} x {max(shares):.3g}): set weights "
-                    "closer together or a smaller cache.evict.ratio"
+                    f"cache.evict.options.weights ask layer {shares.index(max(shares))} to keep "
+                    f"{most:.3g} of the context (cache.evict.ratio={evict['ratio']} x "
+                    f"{max(shares):.3g}): set weights closer together or a smaller ratio"
                 )
         return shares
 

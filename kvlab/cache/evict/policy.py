@@ -195,13 +195,13 @@ def layer_budgets(model_cfg: Mapping, cache_cfg: Mapping, max_len: int) -> tuple
     scorer = scorer_of(method)
     if scorer is None:
         return (budget,) * layers
-    shares = scorer.shares(layers, evict)
+    context = budget_context(cache_cfg, max_len)
+    shares = scorer.shares(layers, evict, context)
     if shares is None:
         budgets = scorer.budgets(budget, layers, evict)
     elif evict["budget"]:
         budgets = tuple(max(1, round(evict["budget"] * s)) for s in shares)
     else:  # the layer's share of the context, as a compression keeps it (`layer_ratios`)
-        context = budget_context(cache_cfg, max_len)
         budgets = tuple(math.ceil(r * context) for r in layer_ratios(evict, shares))
     least = min(budgets)
     if evict["recent"] >= least:
@@ -218,10 +218,12 @@ def layer_budgets(model_cfg: Mapping, cache_cfg: Mapping, max_len: int) -> tuple
 
 def layer_ratios(evict: Mapping, shares: tuple[float, ...] | None) -> tuple[float, ...] | None:
     """Each layer's share of a row's context (cache.evict.ratio x the layer's
-    share of the budget, `Scorer.shares`), or None where every layer keeps the ratio."""
+    share of the budget, `Scorer.shares`, at most 1), or None where every layer
+    keeps the ratio."""
     if shares is None:
         return None
-    return tuple(evict["ratio"] * s for s in shares)
+    # A layer keeps at most its whole context (DuoAttention's layer of retrieval heads).
+    return tuple(min(1.0, evict["ratio"] * s) for s in shares)
 
 
 def policies(model_cfg: Mapping, cache_cfg: Mapping, max_len: int) -> tuple[Policy, ...] | None:
@@ -239,6 +241,7 @@ def policies(model_cfg: Mapping, cache_cfg: Mapping, max_len: int) -> tuple[Poli
     grouped = model_cfg["attention"] != "mla"
     kv_heads = model_cfg["num_kv_heads"] if grouped else 1
     pooled = scorer is not None and scorer.pooled and kv_heads > 1
+    floored = pooled and "adakv_floor" in scorer.fields  # AdaKV's floor; other pools have none
     # Quantized with a residual window or per-channel scales (KIVI): tokens settle in
     # groups of g and only settled groups compete, for the slots settled_slots allows.
     layout = quantized_layout(model_cfg, cache_cfg, max_len)
@@ -252,7 +255,9 @@ def policies(model_cfg: Mapping, cache_cfg: Mapping, max_len: int) -> tuple[Poli
     shared = None if evict["budget"] or not compresses else evict["ratio"]
     ratios = None
     if shared is not None:
-        ratios = layer_ratios(evict, scorer.shares(topology.num_cache_layers(model_cfg), evict))
+        layers = topology.num_cache_layers(model_cfg)
+        shares = scorer.shares(layers, evict, budget_context(cache_cfg, max_len))
+        ratios = layer_ratios(evict, shares)
     out = []
     for i, budget in enumerate(layer_budgets(model_cfg, cache_cfg, max_len)):
         if compresses:  # the compressed context and the tokens after it
@@ -275,7 +280,7 @@ def policies(model_cfg: Mapping, cache_cfg: Mapping, max_len: int) -> tuple[Poli
                 recent=evict["recent"] if scorer is not None else 0,
                 obs_window=evict["obs_window"],
                 kernel=evict["kernel"],
-                floor=math.floor(evict["adakv_floor"] * units) if pooled else 0,
+                floor=math.floor(evict["adakv_floor"] * units) if floored else 0,
                 seed=evict["seed"],
                 layer=i,
                 residual=residual if settles else 0,
@@ -285,7 +290,7 @@ def policies(model_cfg: Mapping, cache_cfg: Mapping, max_len: int) -> tuple[Poli
                 when=evict["when"] if compresses else "every_step",
                 budget=budget,
                 ratio=(shared or 0.0) if ratios is None else ratios[i],
-                floor_share=evict["adakv_floor"] if pooled else 0.0,
+                floor_share=evict["adakv_floor"] if floored else 0.0,
                 options=options,
                 latent=not grouped,
             )

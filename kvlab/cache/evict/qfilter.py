@@ -20,16 +20,19 @@ no per-head keys to filter); a settled group scores the mean of its tokens'.
 
 from __future__ import annotations
 
-import functools
-import os
 import types
 
 import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array
 
-from kvlab.cache.evict.scorers import Candidates, Scorer
+from kvlab.cache.evict.scorers import Candidates, Scorer, read_artefact
 from kvlab.registry import SCORERS
+
+FIX = (
+    "write them with kvlab.eval.calibrate.save_filters (scripts/benchmark.py "
+    "calibrates them for --methods qfilter)"
+)
 
 
 class QFilter(Scorer):
@@ -40,16 +43,7 @@ class QFilter(Scorer):
     defaults = types.MappingProxyType({"filters": ""})
 
     def check(self, options, field: str) -> None:
-        path = options["filters"]
-        fix = (
-            "write them with kvlab.eval.calibrate.save_filters (scripts/benchmark.py "
-            "calibrates them for --methods qfilter)"
-        )
-        if not path:
-            raise ValueError(f"{field}.filters='' names no file of Q-Filters: {fix}")
-        if not os.path.isfile(path):
-            raise ValueError(f"{field}.filters={path!r} is no file: {fix}")
-        read_filters(path)
+        read_filters(options["filters"])
 
     def score(self, c: Candidates) -> Array:
         path = c.options["filters"]
@@ -67,27 +61,9 @@ class QFilter(Scorer):
         return -jnp.einsum("bkcgw,kw->bkcg", keys, direction).mean(-1)
 
 
-@functools.lru_cache(maxsize=8)
-def _read(path: str, modified: float) -> np.ndarray:
-    try:
-        with np.load(path) as stored:
-            filters = np.asarray(stored["filters"], np.float32)
-    except (OSError, ValueError, KeyError) as error:
-        raise ValueError(
-            f"cache.evict.options.filters={path!r} is no .npz file with an array 'filters' "
-            f"({error}): write it with kvlab.eval.calibrate.save_filters"
-        ) from None
-    if filters.ndim != 3 or not np.isfinite(filters).all():
-        raise ValueError(
-            f"cache.evict.options.filters={path!r} holds {filters.shape} filters, not finite "
-            "[layers, KV heads, head_dim]: write them with kvlab.eval.calibrate.save_filters"
-        )
-    return filters
-
-
 def read_filters(path: str) -> np.ndarray:
     """float32[layers, K, W]: the Q-Filters stored at `path` (read once per version)."""
-    return _read(path, os.path.getmtime(path))
+    return read_artefact(path, "filters", "[layers, KV heads, head_dim]", "filters", FIX)
 
 
 SCORERS.register(QFilter())

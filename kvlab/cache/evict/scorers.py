@@ -45,17 +45,20 @@ scores (wrappers nest: 'a:b:snapkv'). It turns the scorer's priorities into its
 own and adds its options; the scorer's state, observations and layout stay.
 
 Built in here: h2o, snapkv, pyramidkv, adakv, knorm, random; beside, a file
-each: tova, keydiff, lagkv, expected_attention, qfilter (scorers), chunkkv and
-criticalkv (wrappers).
+each: tova, keydiff, lagkv, expected_attention, qfilter, duo_attention
+(scorers), chunkkv, criticalkv and per_layer (wrappers).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import os
 import types
 from collections.abc import Callable, Mapping
 
 import jax.numpy as jnp
+import numpy as np
 from jaxtyping import Array
 
 from kvlab.registry import SCORERS, WRAPPERS
@@ -165,7 +168,7 @@ class Scorer:
         """Tokens kept per KV head in each of `layers` layers, `budget` on average."""
         return (budget,) * layers
 
-    def shares(self, layers: int, evict: Mapping) -> tuple[float, ...] | None:
+    def shares(self, layers: int, evict: Mapping, context: int) -> tuple[float, ...] | None:
         """Each layer's budget as a multiple of the mean (mean 1), or None: the
         layer's share of cache.evict.budget, or of the ratio of each row's context
         a compression keeps (per_layer). Read instead of `budgets` where given."""
@@ -192,7 +195,7 @@ class Wrapper:
     def check(self, options: Mapping, field: str) -> None:
         """As Scorer.check, for the wrapper's own options."""
 
-    def shares(self, layers: int, evict: Mapping) -> tuple[float, ...] | None:
+    def shares(self, layers: int, evict: Mapping, context: int) -> tuple[float, ...] | None:
         """As Scorer.shares: per-layer budgets the wrapper sets over its scorer's."""
         return None
 
@@ -223,11 +226,12 @@ class Wrapped(Scorer):
     def budgets(self, budget: int, layers: int, evict: Mapping) -> tuple[int, ...]:
         return self.scorer.budgets(budget, layers, evict)
 
-    def shares(self, layers: int, evict: Mapping) -> tuple[float, ...] | None:
-        own = self.wrapper.shares(layers, evict)
+    def shares(self, layers: int, evict: Mapping, context: int) -> tuple[float, ...] | None:
+        own = self.wrapper.shares(layers, evict, context)
         if own is None:
-            return self.scorer.shares(layers, evict)
-        if type(self.scorer).budgets is not Scorer.budgets or self.scorer.shares(layers, evict):
+            return self.scorer.shares(layers, evict, context)
+        inner = self.scorer.shares(layers, evict, context)
+        if type(self.scorer).budgets is not Scorer.budgets or inner is not None:
             raise ValueError(
                 f"cache.evict.method={self.name!r}: {self.wrapper.name} sets each layer's "
                 f"budget, and {self.scorer.name} sets its own: put {self.wrapper.name} over a "
@@ -306,6 +310,30 @@ def _pooled(score: Array, c: Candidates, counted: Array, fold) -> Array:
     b = jnp.arange(order.shape[0])[:, None, None]
     e = jnp.arange(order.shape[1])[None, :, None]
     return jnp.zeros_like(out).at[b, e, order].set(out)
+
+
+def read_artefact(path: str, key: str, shape: str, option: str, fix: str) -> np.ndarray:
+    """float32 array `key` of the .npz file at `path`, a calibrated scorer's artefact
+    (read once per version of the file); ValueError naming cache.evict.options.<option>
+    and `fix` where there is no such file or array of `shape`'s rank, or it is not finite."""
+    field = f"cache.evict.options.{option}={path!r}"
+    if not path or not os.path.isfile(path):
+        raise ValueError(f"{field} names no file: {fix}")
+    array = _read_npz(path, key, os.path.getmtime(path))
+    if isinstance(array, str):
+        raise ValueError(f"{field} is no .npz file with an array {key!r} ({array}): {fix}")
+    if array.ndim != shape.count(",") + 1 or not np.isfinite(array).all():
+        raise ValueError(f"{field} holds {array.shape}, not finite {shape}: {fix}")
+    return array
+
+
+@functools.lru_cache(maxsize=8)
+def _read_npz(path: str, key: str, modified: float) -> np.ndarray | str:
+    try:
+        with np.load(path) as stored:
+            return np.asarray(stored[key], np.float32)
+    except (OSError, ValueError, KeyError) as error:
+        return str(error)
 
 
 def hash01(x: Array) -> Array:
