@@ -227,7 +227,11 @@ class Transformer(nn.Module):
         the last prompt token's alone; the output projection of every position
         would cost more than the rest of a long prompt's prefill). `compress`
         (bool or bool[B]): these rows' context ends with this step, so a cache with
-        cache.evict.when='after_prefill' compresses them after it (others ignore it).
+        cache.evict.when='after_prefill' compresses them after it (others ignore it);
+        int32[B]: each row's whole context length (0: no compression), its target
+        taken of that many tokens, so a context prefilled in blocks is compressed
+        after each block to what the whole keeps (kvpress's BlockPress, KeyDiff's
+        block-wise prefill: no row ever holds more than its target and a block).
         The forward runs under the backend model.attention_impl names
         (kvlab.backends.running)."""
         with backends.running(backends.get(self.config.attention_impl)):
@@ -250,8 +254,13 @@ class Transformer(nn.Module):
             tokens, num_tokens, errors, invalid = flag_invalid(cfg, tokens, cache, num_tokens)
             placement = cache.place(length, num_tokens)
             if compress is not None:
-                compress = jnp.broadcast_to(jnp.asarray(compress, bool), (batch,))
-                placement = placement._replace(compress=compress)
+                compress = jnp.asarray(compress)
+                if jnp.issubdtype(compress.dtype, jnp.integer):
+                    context = jnp.broadcast_to(compress.astype(jnp.int32), (batch,))
+                    placement = placement._replace(compress=context > 0, context=context)
+                else:
+                    compress = jnp.broadcast_to(compress.astype(bool), (batch,))
+                    placement = placement._replace(compress=compress)
             layers = cache.layers
 
         embed = Embedding(cfg, name="embed")

@@ -148,7 +148,8 @@ def place_params(model_cfg: Mapping, params, mesh: Mesh | None, rules: tuple | N
 @functools.partial(jax.jit, static_argnums=0, donate_argnums=2)
 def prefill(model: Transformer, params, cache: Cache, tokens, num_tokens=None, compress=None):
     """Appends tokens [B, T] (num_tokens[b] real per row) and returns all logits;
-    `compress` (bool or bool[B]): the rows' context ends here (Transformer)."""
+    `compress` (bool or bool[B]): the rows' context ends here; int32[B]: each row's
+    whole context length, compressed block by block (Transformer)."""
     return model.apply(
         {"params": params}, tokens, cache=cache, num_tokens=num_tokens, compress=compress
     )

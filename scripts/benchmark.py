@@ -20,7 +20,9 @@ JSON/JSON-lines/parquet file. Each method of --methods runs at each compression
 ratio of --ratios (kvpress's: the share of the context removed) through
 kvlab.eval.benchmark: the context compressed once after its prefill
 (cache.evict.when='after_prefill'), with kvpress's defaults for the method
-unless --kvlab_defaults, then each question answered greedily from it. The full
+unless --kvlab_defaults (--block_size N: the context prefilled N tokens a step,
+compressed after each, kvpress's BlockPress), then each question answered
+greedily from it. The full
 cache is the first row. Writes into --out: results.csv (every record),
 leaderboard.csv and leaderboard.md (method x ratio: the mean RULER score, per
 task, bytes per token of the cache) and leaderboard.png; each atomically.
@@ -63,6 +65,7 @@ _SEED = flags.DEFINE_integer("seed", 0, "Seed of the generated records.")
 _RECORDS = flags.DEFINE_string("records", "", "A kvpress-format file instead of RULER's tasks.")
 _BATCH = flags.DEFINE_integer("batch_size", 8, "Contexts compressed together.")
 _QUERY_AWARE = flags.DEFINE_bool("query_aware", False, "Compress the question with the context.")
+_BLOCK = flags.DEFINE_integer("block_size", 0, "Prefill contexts in blocks (0: one step).")
 _KVLAB = flags.DEFINE_bool("kvlab_defaults", False, "kvlab's defaults, not kvpress's.")
 _CACHE_DTYPE = flags.DEFINE_string("cache_dtype", "bfloat16", "cache.dtype (the 16-bit cache).")
 _OUT = flags.DEFINE_string("out", "runs/benchmark", "Folder for the tables and the plot.")
@@ -171,6 +174,7 @@ def main(argv):
             cache,
             query_aware=_QUERY_AWARE.value,
             batch_size=_BATCH.value,
+            block_size=_BLOCK.value,
         )
         results += [dict(method=method, ratio=ratio, **row) for row in rows]
         # Each cache compiles programs of its own that nothing reuses: without this
@@ -185,6 +189,7 @@ def main(argv):
     header = (
         f"{len(records)} records ({', '.join(tasks)}), model {_MODEL.value}, "
         f"{'kvlab' if _KVLAB.value else 'kvpress'} defaults, query_aware={_QUERY_AWARE.value}, "
+        f"block_size={_BLOCK.value}, "
         f"{jax.device_count()} {jax.default_backend()} device(s), wall {wall:.0f} s\n\n"
     )
     write_atomic(os.path.join(_OUT.value, "leaderboard.md"), header + markdown(board))
@@ -195,13 +200,14 @@ def main(argv):
 def settings(records: list[dict]) -> dict:
     """What the results in --out depend on, besides the method and ratio."""
     digest = hashlib.sha256(json.dumps(records, sort_keys=True).encode()).hexdigest()
-    return dict(
+    found = dict(
         model=_MODEL.value,
         records=digest,
         query_aware=_QUERY_AWARE.value,
         kvlab_defaults=_KVLAB.value,
         cache_dtype=_CACHE_DTYPE.value,
     )
+    return {**found, "block_size": _BLOCK.value} if _BLOCK.value else found
 
 
 def resumed(out: str, wanted: dict) -> list[dict]:

@@ -47,6 +47,9 @@ class Placement(NamedTuple):
                  applies before storing it (static; () without a cache: none)
     compress     bool[B] | None  rows whose write compresses their cache to its
                  target (cache.evict.when='after_prefill'; other layers ignore it)
+    context      int32[B] | None  the tokens of the whole context a compressing row's
+                 target is taken of (a context prefilled in blocks); None: the row's
+                 length after the step
     """
 
     positions: Int[Array, "B T"]
@@ -57,6 +60,7 @@ class Placement(NamedTuple):
     pages: Int[Array, "B n"] | None = None
     transforms: tuple = ()
     compress: Bool[Array, " B"] | None = None
+    context: Int[Array, " B"] | None = None
 
 
 def place_without_cache(batch: int, length: int, window: int = 0) -> Placement:

@@ -9,7 +9,13 @@ Transformer's compress=True), then the question and the answer prefix are fed
 and the answer generated greedily from that one compressed cache; records with
 the same context share it (its questions are answered from copies).
 `query_aware=True` compresses context and question together (kvpress's
-query-aware mode): the question is then part of what is scored. The cache
+query-aware mode): the question is then part of what is scored. `block_size`
+prefills each context that many tokens a step, each row compressed after every
+step to the target of its whole context (kvpress's BlockPress, the block-wise
+prefill of KeyDiff's paper; Transformer's compress=lengths): no row ever holds
+more than its target and one block, and, unlike BlockPress, which scores blocks
+of a context whose keys came from one full forward, each block attends only to
+what the earlier blocks kept (a real chunked prefill). The cache
 really holds only what it keeps: `bytes_per_token` is its allocated bytes per
 row over its capacity (kvlab.cache_bytes), the number kvpress cannot give.
 
@@ -88,16 +94,26 @@ def _padded(rows: Sequence[Sequence[int]], width: int) -> tuple[np.ndarray, np.n
     return tokens, np.asarray([len(r) for r in rows], np.int32)
 
 
+def _prefill(model, params, cache, tokens, lengths, block: int):
+    """The contexts in one step (block 0), or `block` tokens a step with each row
+    compressed after every step to its whole context's target (BlockPress); the
+    cache is reused (copies)."""
+    block = block or tokens.shape[1]
+    for start in range(0, tokens.shape[1], block):
+        fed = np.clip(lengths - start, 0, block).astype(np.int32)
+        cache = _prefill_step(model, params, cache, tokens[:, start : start + block], fed, lengths)
+    return cache
+
+
 @functools.partial(jax.jit, static_argnums=0)
-def _prefill(model, params, cache, tokens, lengths):
-    """The contexts in one step, compressed after it (copies: the cache is reused)."""
+def _prefill_step(model, params, cache, tokens, fed, lengths):
     _, cache = model.apply(
         {"params": params},
         tokens,
         cache=cache,
-        num_tokens=lengths,
-        compress=True,
-        logits_at=lengths - 1,
+        num_tokens=fed,
+        compress=lengths,  # each row's whole context: its target
+        logits_at=jnp.zeros_like(fed),
     )
     return cache
 
@@ -136,9 +152,17 @@ def run_benchmark(
     *,
     query_aware: bool = False,
     batch_size: int = 8,
+    block_size: int = 0,
 ) -> list[dict]:
     """One row per record: task, score (RULER's string_match_all), the prediction,
-    the context's tokens, and the cache's bytes per token and label fields."""
+    the context's tokens, and the cache's bytes per token and label fields.
+    `block_size` > 0 prefills each context `block_size` tokens a step, compressed
+    after each (module docstring)."""
+    if block_size < 0 or (block_size and query_aware):
+        raise ValueError(
+            f"block_size={block_size}: set 0 (one prefill step) or a positive number of "
+            "tokens, without query_aware (the question is not prefilled in blocks)"
+        )
     model = Transformer(model_cfg)
     contexts = [tokenizer.encode(r["context"]) for r in records]
     questions = [tokenizer.encode(r["question"] + r["answer_prefix"]) for r in records]
@@ -170,7 +194,7 @@ def run_benchmark(
             out, errors = _answer(model, params, cache, tokens, lengths, steps, True)
             found = [(g[0], out[row], errors[row]) for row, g in enumerate(chunk)]
         else:
-            cache = _prefill(model, params, cache, tokens, lengths)
+            cache = _prefill(model, params, cache, tokens, lengths, block_size)
             found = []
             for turn in range(max(map(len, chunk))):  # the turn-th question of each context
                 asked = [g[turn] if turn < len(g) else g[0] for g in chunk]

@@ -114,6 +114,32 @@ def test_each_row_keeps_its_share_of_its_own_context_and_the_slots_are_the_promi
     assert np.asarray(cache.layers[0].stored(cache.lengths)).max() == slots
 
 
+@pytest.mark.parametrize("method", ["knorm", "snapkv"])
+def test_a_context_prefilled_in_blocks_keeps_the_target_of_the_whole(method):
+    """compress=lengths: rows of 16 and 11 tokens fed 4 at a time, each block
+    compressed to floor(0.5 x the whole row): each head ends at 8 and 5 tokens,
+    never held more than its target and a block, and knorm's first layer (keys
+    alone: the iterated top-k is the whole's) keeps what one step keeps."""
+    cfg = VARIANTS["gqa"]()
+    _, params, apply = build(cfg)
+    tokens = random_tokens(cfg, (2, 16), seed=11)
+    lengths = np.asarray([16, 11], np.int32)
+    cache_cfg = after_prefill(cfg, method, ratio=0.5, recent=0)
+    one = kvlab.init_cache(cfg.model, cache_cfg, 2, 32)
+    _, one = apply({"params": params}, tokens, cache=one, num_tokens=lengths, compress=True)
+    cache = kvlab.init_cache(cfg.model, cache_cfg, 2, 32)
+    for start in range(0, 16, 4):
+        fed = np.clip(lengths - start, 0, 4).astype(np.int32)
+        block = tokens[:, start : start + 4]
+        _, cache = apply({"params": params}, block, cache=cache, num_tokens=fed, compress=lengths)
+        seen = np.minimum(lengths, start + 4)
+        for layer in cache.layers:
+            held = np.asarray(layer.stored(cache.lengths))
+            assert (held == np.minimum(seen, lengths // 2)[:, None]).all()
+    if method == "knorm":
+        assert kept(cache.layers[0]) == kept(one.layers[0])
+
+
 def test_paged_and_quantized_slots_compress_alike():
     """8-bit codes per token in pages of 2 slots (block tables reversed): the same
     kept tokens and logits as the dense 8-bit cache, bytes counted."""

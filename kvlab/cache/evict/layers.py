@@ -239,10 +239,13 @@ class EvictingLayer:
 
     def _limit(self, placement: Placement, end: Array) -> Array:
         """int32[B, 1, 1]: candidates a head keeps at most this step: after_prefill's
-        target in the rows given compress (a pool: its K heads' targets), -1 in
-        the others (the slots, less the interval's spare when they overflow)."""
+        target in the rows given compress (of their whole context's length where
+        given, Placement.context; a pool: its K heads' targets), -1 in the others
+        (the slots, less the interval's spare when they overflow)."""
         p = self.policy
         rows = (placement.compress & (placement.num_tokens > 0))[:, None, None]
+        if placement.context is not None:
+            end = placement.context[:, None, None]
         target = p.target(end) * (p.kv_heads if p.pooled else 1)
         return jnp.where(rows, target, -1)
 
