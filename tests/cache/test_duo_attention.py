@@ -104,6 +104,45 @@ def test_its_patterns_are_calibrated_per_head_and_it_composes(tmp_path):
     assert_composes(cfg, "duo_attention", options={"patterns": path, "recent_size": 8})
 
 
+def _rope(x, positions, theta):
+    """RoPE in float64 (kvlab's half-split convention): x [..., H] at positions [P]."""
+    half = x.shape[-1] // 2
+    angles = positions[:, None] * theta ** (-np.arange(half) / half)  # [P, H/2]
+    sin, cos = np.sin(angles)[:, None, :], np.cos(angles)[:, None, :]
+    first, second = x[..., :half], x[..., half:]
+    return np.concatenate([first * cos - second * sin, second * cos + first * sin], axis=-1)
+
+
+def test_the_first_layers_patterns_are_kvpress_on_the_fly_estimate():
+    """duo_patterns' first layer against kvpress's duo_attention_on_the_fly written out
+    in float64 from the parameters: per row the mean query and key of the normed
+    embeddings, repeated at positions 0 .. P - 1 under RoPE; the last query's
+    softmax over those keys; the mean of its cumulative sum; per KV head the
+    mean over its query heads, then over the rows."""
+    cfg = VARIANTS["gqa"]()
+    m = cfg.model
+    _, params, _ = build(cfg)
+    tokens, length = random_tokens(cfg, (3, 40), seed=4), 50
+    found = duo_patterns(m, params, tokens, length=length)
+    block = params["block_0"]
+    x = np.asarray(params["embed"]["embedding"], np.float64)[tokens]  # [B, T, D]
+    h = x / np.sqrt((x**2).mean(-1, keepdims=True) + m.norm_eps)
+    h = h * np.asarray(block["attention_norm"]["scale"], np.float64)
+    q = np.einsum("btd,dnh->btnh", h, np.asarray(block["attention"]["query"]["kernel"], np.float64))
+    k = np.einsum("btd,dkh->btkh", h, np.asarray(block["attention"]["key"]["kernel"], np.float64))
+    positions = np.arange(length, dtype=np.float64)
+    groups = m.num_heads // m.num_kv_heads
+    areas = []
+    for row in range(tokens.shape[0]):
+        last = _rope(q[row].mean(0), positions[-1:], m.rope_theta)[0]  # [N, H]
+        keys = np.repeat(_rope(k[row].mean(0), positions, m.rope_theta), groups, axis=1)
+        logits = np.einsum("nh,pnh->np", last, keys) / np.sqrt(m.head_dim)
+        weights = np.exp(logits - logits.max(-1, keepdims=True))
+        weights /= weights.sum(-1, keepdims=True)
+        areas.append(np.cumsum(weights, -1).mean(-1).reshape(-1, groups).mean(-1))
+    np.testing.assert_allclose(found[0], np.mean(areas, 0), rtol=0, atol=2e-6)
+
+
 @pytest.mark.parametrize(
     "options, message",
     [
