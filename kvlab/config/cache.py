@@ -11,6 +11,7 @@ from kvlab.config.schema import (
     BIT_WIDTHS,
     CACHE_KINDS,
     CACHED_PREFIXES,
+    COMPOSED_OPTIONS,
     DTYPES,
     EVICT_WHEN,
     GROUP_AXES,
@@ -133,7 +134,8 @@ def _validate_evict(cache: Mapping) -> None:
         fail(f"{section}.adakv_floor", evict["adakv_floor"], "is above 1", "set a share in [0, 1]")
     method = evict["method"]
     _validate_options(evict, parts)
-    why = None if method in UNSCORED_METHODS else parts[-1].prefix_unsafe
+    unsafe = [getattr(part, "prefix_unsafe", None) for part in parts]
+    why = next((reason for reason in unsafe if reason), None)
     if why and cache["prefix_caching"]:
         fail(
             "cache.prefix_caching",
@@ -149,19 +151,48 @@ def evict_methods() -> tuple[str, ...]:
     return (*UNSCORED_METHODS, *SCORERS.names())
 
 
+class _Composition:
+    """The options of a composed method 'a+b' (kvlab/cache/evict/scorers.py, Composed)."""
+
+    name, defaults, attention_kinds = "a+b", COMPOSED_OPTIONS, None
+
+    def check(self, options: Mapping, field: str) -> None:
+        if not 0 < options["share"] <= 1:
+            raise ValueError(
+                f"{field}.share={options['share']} is not a share in (0, 1]: set the share "
+                "of the first scorer's tokens the second keeps"
+            )
+
+
 def _method_parts(evict: Mapping) -> list:
     """cache.evict.method's wrappers (outermost first) and its scorer, as registered
-    (none for an unscored layout); ValueError naming the field for an unknown part."""
+    (none for an unscored layout); a composed 'a+b': each stage's, then the
+    composition's own options; ValueError naming the field for an unknown part."""
     method = evict["method"]
+    if isinstance(method, str) and "+" in method:
+        stages = method.split("+")
+        if len(stages) != 2 or not all(stages):
+            fail(
+                "cache.evict.method",
+                method,
+                "composes other than two scorers",
+                "name two, the first's survivors ranked by the second: e.g. 'snapkv+knorm'",
+            )
+        return [*(p for s in stages for p in _stage_parts(s, method)), _Composition()]
     if not isinstance(method, str) or ":" not in method:
         check_choice("cache.evict", evict, "method", evict_methods())
         return [] if method in UNSCORED_METHODS else [SCORERS.get(method)]
-    *wrappers, base = method.split(":")
+    return _stage_parts(method, method)
+
+
+def _stage_parts(stage: str, method: str) -> list:
+    """A scorer under its wrappers ('chunkkv:snapkv'), as registered, outermost first."""
+    *wrappers, base = stage.split(":")
     if base not in SCORERS.names():
         fail(
             "cache.evict.method",
             method,
-            f"puts wrappers over {base!r}, which is no scorer",
+            f"{'puts wrappers over' if wrappers else 'composes'} {base!r}, which is no scorer",
             f"put them over one of {', '.join(map(repr, SCORERS.names()))}, e.g. 'chunkkv:snapkv'",
         )
     for name in wrappers:

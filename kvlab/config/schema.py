@@ -3,6 +3,7 @@ what it means), what each attention kind caches, and the dtypes a config names."
 
 from __future__ import annotations
 
+import types
 from collections.abc import Mapping
 from typing import NamedTuple
 
@@ -21,6 +22,9 @@ CACHE_KINDS = ("dense", "paged")
 # (kvlab.registry.SCORERS: kvlab/cache/evict/scorers.py and the methods added beside it),
 # each perhaps under wrappers (kvlab.registry.WRAPPERS: 'chunkkv:snapkv').
 UNSCORED_METHODS = ("none", "window", "sinks")
+# A composed cache.evict.method 'a+b' (kvpress's ComposedPress, scorers one after the
+# other): its own options beside its scorers' (kvlab/cache/evict/scorers.py, Composed).
+COMPOSED_OPTIONS = types.MappingProxyType({"share": 0.5})
 EVICT_WHEN = ("every_step", "after_prefill")  # cache.evict.when
 BIT_WIDTHS = (16, 8, 4, 2)
 GROUP_AXES = ("token", "channel")

@@ -62,9 +62,16 @@ KVPRESS_DEFAULTS = {
 
 
 def kvpress_evict(method: str) -> dict:
-    """cache.evict fields that give `method` kvpress's defaults."""
-    scorer = method.split(":")[-1]
-    return {**KVPRESS_DEFAULTS["*"], **KVPRESS_DEFAULTS.get(scorer, {})}
+    """cache.evict fields that give `method` kvpress's defaults (a composed 'a+b':
+    both scorers', their options together)."""
+    fields: dict = dict(KVPRESS_DEFAULTS["*"])
+    for stage in method.split("+"):
+        preset = KVPRESS_DEFAULTS.get(stage.split(":")[-1], {})
+        options = {**fields.get("options", {}), **preset.get("options", {})}
+        fields.update(preset)
+        if options:
+            fields["options"] = options
+    return fields
 
 
 def benchmark_cache(
@@ -81,6 +88,16 @@ def benchmark_cache(
     if kvpress:
         cache.evict.update(kvpress_evict(method))
     return cache
+
+
+def context_width(tokenizer, records: Sequence[Mapping], query_aware: bool = False) -> int:
+    """The tokens run_benchmark gives each context: the longest (with its question
+    where query-aware), rounded up to a multiple of 64."""
+    contexts = [tokenizer.encode(r["context"]) for r in records]
+    if query_aware:
+        questions = [tokenizer.encode(r["question"] + r["answer_prefix"]) for r in records]
+        contexts = [c + q for c, q in zip(contexts, questions, strict=True)]
+    return _width(max(map(len, contexts)), 64)
 
 
 def _width(n: int, multiple: int) -> int:
@@ -169,11 +186,11 @@ def run_benchmark(
     if query_aware:  # the question belongs to the compressed part
         contexts = [c + q for c, q in zip(contexts, questions, strict=True)]
         questions = [[] for _ in records]
-    context_width = _width(max(map(len, contexts)), 64)
+    width = context_width(tokenizer, records, query_aware)
     question_width = _width(max(map(len, questions)), 16) if not query_aware else 0
     steps = max(r["max_new_tokens"] for r in records)
     headroom = question_width + steps
-    max_len = context_width + headroom
+    max_len = width + headroom
     cache_cfg = ml_collections.ConfigDict(cache_cfg).copy_and_resolve_references()
     if cache_cfg.evict.method != "none":
         cache_cfg.evict.headroom = headroom
@@ -188,7 +205,7 @@ def run_benchmark(
     for start in range(0, len(groups), batch_size):
         chunk = groups[start : start + batch_size]
         began = time.perf_counter()
-        tokens, lengths = _padded([contexts[g[0]] for g in chunk], context_width)
+        tokens, lengths = _padded([contexts[g[0]] for g in chunk], width)
         cache = init_cache(model_cfg, cache_cfg, len(chunk), max_len)
         if query_aware:
             out, errors = _answer(model, params, cache, tokens, lengths, steps, True)

@@ -55,13 +55,15 @@ def test_streaming_heads_keep_their_sinks_and_latest_tokens_retrieval_heads_all(
     [
         (13, [0, 1, *range(6, LENGTH)], [0, 1, 20, 21, 22, 23]),  # 4 slots short
         (17, list(range(LENGTH)), [0, 1, *range(16, LENGTH)]),  # 4 to spare
+        (3, [0, 1], [0, 1, 22, 23]),  # the sinks last of all
     ],
 )
 def test_a_budget_off_its_need_costs_the_retrieval_heads_or_widens_the_windows(
     budget, retrieval, streaming, tmp_path
 ):
     """With fewer slots than it needs the retrieval heads drop their oldest tokens
-    after the sinks; with more, the streaming heads keep more of their latest."""
+    after the sinks, then the streaming heads their oldest latest ones, the sinks
+    going last; with more, the streaming heads keep more of their latest."""
     cfg = VARIANTS["gqa"]()
     cache_cfg = duo(cfg, [[0.9, 0.1], [0.8, 0.2]], tmp_path, budget=budget)
     _, params, apply = build(cfg)

@@ -16,18 +16,20 @@ every token. The bytes are real: a layer's heads share one pool (as AdaKV's),
 the layers' budgets shared by what their heads need for a context of the
 budget's length (`shares`: retrieval heads the context, streaming ones their
 window), so a layer of more retrieval heads gets more slots, and the mean is
-cache.evict.budget (or ratio) as for every method. In the pool, a streaming
-head's window ranks first, retrieval heads' tokens next, a streaming head's
-other tokens last, each newest first (every head's first sink_size tokens
-rank with the windows): with the budget DuoAttention needs, it keeps exactly
-DuoAttention's tokens; a larger budget widens the streaming heads' recent
-windows, a smaller one drops the retrieval heads' oldest tokens after their
-sinks. Grouped-query attention only; a settled group of a quantized
-layout ranks by its first position (in a window if any of its tokens is).
+cache.evict.budget (or ratio) as for every method. In the pool, every head's
+first sink_size tokens rank first, a streaming head's latest next, retrieval
+heads' other tokens next, a streaming head's other tokens last, each newest
+first: with the budget DuoAttention needs, it keeps exactly DuoAttention's
+tokens; a larger budget widens the streaming heads' recent windows, a smaller
+one drops the retrieval heads' oldest tokens after their sinks, then the
+streaming heads' oldest latest ones; the sinks go last. Grouped-query
+attention only; a settled group of a quantized layout ranks by its first
+position (in a window if any of its tokens is).
 """
 
 from __future__ import annotations
 
+import math
 import types
 from collections.abc import Mapping
 
@@ -84,8 +86,8 @@ class DuoAttention(Scorer):
         streaming = ~jnp.asarray(retrieval[c.layer])[c.heads]  # [B, E, C]
         sinks = c.positions < options["sink_size"]
         latest = c.positions + (c.group - 1) >= c.end - options["recent_size"]
-        rank = jnp.where(sinks | (streaming & latest), 2.0, jnp.where(streaming, 0.0, 1.0))
-        return rank * TIER + c.positions.astype(jnp.float32)
+        rank = jnp.where(streaming, jnp.where(latest, 2.0, 0.0), 1.0)
+        return jnp.where(sinks, 3.0, rank) * TIER + c.positions.astype(jnp.float32)
 
 
 def needs(options: Mapping, layers: int, context: int) -> np.ndarray:
@@ -101,12 +103,13 @@ def needs(options: Mapping, layers: int, context: int) -> np.ndarray:
     return retrieval.sum(1) * context + (~retrieval).sum(1) * window
 
 
-def needed_ratio(options: Mapping, layers: int, context: int) -> float:
-    """The cache.evict.ratio at which DuoAttention with `options` keeps exactly its
-    tokens of a `context`-token row (what its heads need over all they could hold)."""
+def needed_budget(options: Mapping, layers: int, context: int) -> int:
+    """The cache.evict.budget (tokens per KV head, the mean) at which DuoAttention with
+    `options` keeps all its tokens of every row of up to `context` tokens: what its
+    heads need, and one more for the rounding of the layers' shares."""
     options = {**DuoAttention.defaults, **dict(options.items())}
-    retrieval = retrieval_heads(options["patterns"], options["head_ratio"])
-    return float(needs(options, layers, context).sum() / (retrieval.size * context))
+    heads = retrieval_heads(options["patterns"], options["head_ratio"]).size
+    return math.ceil(needs(options, layers, context).sum() / heads) + 1
 
 
 def read_patterns(path: str) -> np.ndarray:

@@ -61,6 +61,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array
 
+from kvlab.config.schema import COMPOSED_OPTIONS
 from kvlab.registry import SCORERS, WRAPPERS
 
 
@@ -246,9 +247,88 @@ class Wrapped(Scorer):
         return self.wrapper.priority(c, self.scorer.priority(c, score))
 
 
+class Composed(Scorer):
+    """Two scorers one after the other (kvpress's ComposedPress): cache.evict.method
+    'snapkv+knorm'. In each competition the first keeps its best
+    ceil(kept / options.share) candidates of a head (the always-kept among them),
+    and the second ranks those for the `kept` (Candidates.keep) that stay; the
+    others go first. Scorers that keep a state per slot or share a pool cannot be
+    staged, nor two that observe different queries; per-layer budgets are one
+    stage's or the same in both."""
+
+    def __init__(self, first: Scorer, second: Scorer):
+        self.first, self.second = first, second
+        self.name = f"{first.name}+{second.name}"
+        where = f"cache.evict.method={self.name!r}"
+        for part in (first, second):
+            if part.keeps or part.pooled:
+                what = "keeps a state per slot" if part.keeps else "pools its heads"
+                raise ValueError(
+                    f"{where}: {part.name} {what}, which a composition cannot stage: "
+                    "compose scorers that score each step afresh"
+                )
+        observing = {first.observes, second.observes} - {None}
+        if len(observing) > 1:
+            raise ValueError(
+                f"{where}: its scorers observe different queries "
+                f"({' and '.join(sorted(observing))}): compose scorers that observe the "
+                "same queries, or one that observes none"
+            )
+        self.observes = observing.pop() if observing else None
+        self.prefix_unsafe = first.prefix_unsafe or second.prefix_unsafe
+        self.attention_kinds = tuple(
+            k for k in first.attention_kinds if k in second.attention_kinds
+        )
+        self.calibrated = first.calibrated or second.calibrated
+        self.fields = tuple(dict.fromkeys((*first.fields, *second.fields)))
+        self.defaults = types.MappingProxyType(
+            {**first.defaults, **second.defaults, **COMPOSED_OPTIONS}
+        )
+
+    def check(self, options: Mapping, field: str) -> None:
+        self.first.check(options, field)
+        self.second.check(options, field)
+
+    def budgets(self, budget: int, layers: int, evict: Mapping) -> tuple[int, ...]:
+        return self._setter(layers, evict).budgets(budget, layers, evict)
+
+    def shares(self, layers: int, evict: Mapping, context: int) -> tuple[float, ...] | None:
+        return self._setter(layers, evict, context).shares(layers, evict, context)
+
+    def _setter(self, layers: int, evict: Mapping, context: int = 1) -> Scorer:
+        """The stage that sets per-layer budgets (shares, or budgets that differ by
+        layer; the first where neither does); refused where both do."""
+        probe = 1 << 20  # a budget whose per-layer schedule shows
+        setting = [
+            part
+            for part in (self.first, self.second)
+            if part.shares(layers, evict, context) is not None
+            or part.budgets(probe, layers, evict) != (probe,) * layers
+        ]
+        if len(setting) > 1:
+            raise ValueError(
+                f"cache.evict.method={self.name!r}: both stages set per-layer budgets: "
+                "give them to one stage"
+            )
+        return setting[0] if setting else self.first
+
+    def score(self, c: Candidates) -> Array:
+        return self.first.score(c)
+
+    def priority(self, c: Candidates, score: Array) -> Array:
+        first = jnp.where(c.valid, self.first.priority(c, score), -jnp.inf)
+        first = jnp.where(always_kept(c), jnp.inf, first)
+        rank = jnp.argsort(jnp.argsort(-first, axis=-1), axis=-1)  # 0: the best
+        staged = jnp.ceil(c.keep / c.options["share"]).astype(jnp.int32)
+        second = self.second.priority(c, self.second.score(c))
+        return jnp.where(rank < staged, second, -jnp.inf)
+
+
 def compose(method: str) -> Scorer:
-    """The scorer of a scored cache.evict.method: 'snapkv', or wrappers over a
-    scorer, outermost first ('chunkkv:snapkv')."""
+    """The scorer of a scored cache.evict.method: 'snapkv', wrappers over a scorer,
+    outermost first ('chunkkv:snapkv'), or two of those composed ('snapkv+knorm')."""
+    if "+" in method:
+        return Composed(*(compose(stage) for stage in method.split("+")))
     *wrappers, base = method.split(":")
     scorer = SCORERS.get(base)
     for name in reversed(wrappers):
