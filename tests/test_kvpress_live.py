@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 
 import kvlab
-from kvlab.eval.calibrate import q_filters, save_filters
+from kvlab.eval.calibrate import duo_patterns, q_filters, save_filters, save_patterns
 from tests.helpers import ROOT
 
 torch = pytest.importorskip("torch")
@@ -126,9 +126,56 @@ def test_kvlab_keeps_kvpress_tokens(model, filters, method):
         press = make(1 - KEPT)
     theirs = compare.kvpress_kept(load("eager" if method == "h2o" else "sdpa"), press, prompt())
     ours = compare.kvlab_kept(cfg, params, method, KEPT, prompt(), **fields)
+    assert_same(method, ours, theirs)
+
+
+def assert_same(method, ours, theirs):
     for layer, (mine, peer) in enumerate(zip(ours, theirs, strict=True)):
         for head, (a, b) in enumerate(zip(mine, peer, strict=True)):
             assert a == b, (
                 f"{method}: layer {layer}, KV head {head}: only kvlab keeps {sorted(a - b)}, "
                 f"only kvpress {sorted(b - a)}"
             )
+
+
+def test_per_layer_and_composed_presses_keep_kvpress_tokens(model):
+    """PerLayerCompressionPress over KnormPress (compression 0.25, 0.5, 0.75 by
+    layer) is per_layer:knorm with weights 0.75, 0.5, 0.25 at ratio 0.5; ComposedPress
+    of KeyDiffPress then KnormPress, each at 0.5, is keydiff+knorm keeping 0.25
+    with share 0.5 (knorm scores each survivor alone)."""
+    cfg, params, load = model
+    compare = agreement()
+    press = kvpress.PerLayerCompressionPress(kvpress.KnormPress(), [0.25, 0.5, 0.75])
+    theirs = compare.kvpress_kept(load("sdpa"), press, prompt())
+    assert [len(layer[0]) for layer in theirs] == [75, 50, 25]
+    weights = {"options": {"weights": [0.75, 0.5, 0.25]}}
+    assert_same(
+        "per_layer",
+        compare.kvlab_kept(cfg, params, "per_layer:knorm", 0.5, prompt(), **weights),
+        theirs,
+    )
+    press = kvpress.ComposedPress([kvpress.KeyDiffPress(0.5), kvpress.KnormPress(0.5)])
+    theirs = compare.kvpress_kept(load("sdpa"), press, prompt())
+    assert {len(head) for layer in theirs for head in layer} == {25}
+    ours = compare.kvlab_kept(cfg, params, "keydiff+knorm", 0.25, prompt(), options={"share": 0.5})
+    assert_same("composed", ours, theirs)
+
+
+def test_duo_attention_keeps_kvpress_tokens(model, tmp_path):
+    """DuoAttentionPress with kvlab's calibrated head scores (its pattern loader
+    handed them, sinks 4, recent 16) streams the same half of the heads: kvlab at
+    the budget they need (60 = 3 retrieval heads x 100 + 3 streaming x 20, over 6)
+    keeps exactly the tokens kvpress leaves unmasked."""
+    cfg, params, load = model
+    patterns = duo_patterns(cfg.model, params, np.random.default_rng(2).integers(0, 256, (2, 64)))
+    path = str(tmp_path / "duo.npz")
+    save_patterns(path, patterns)
+    press = kvpress.DuoAttentionPress(head_compression_ratio=0.5)
+    press.load_attention_pattern = lambda model: (4, 16, patterns.astype(np.float64))
+    theirs = agreement().kvpress_kept(load("sdpa"), press, prompt())
+    assert sorted(len(head) for layer in theirs for head in layer) == [20] * 3 + [100] * 3
+    options = {"patterns": path, "head_ratio": 0.5, "sink_size": 4, "recent_size": 16}
+    ours = agreement().kvlab_kept(
+        cfg, params, "duo_attention", KEPT, prompt(), budget=60, options=options
+    )
+    assert_same("duo_attention", ours, theirs)
