@@ -302,11 +302,9 @@ class EvictingLayer:
         b = jnp.arange(candidates.shape[0])[:, None, None]
         e = jnp.arange(candidates.shape[1])[None, :, None]
         # New tokens that stay take the free slots (emptied or lost), lowest first:
-        # the r-th kept new token, the slot where the free count reaches r.
-        free = jnp.cumsum(~kept_stored, axis=-1)  # [B, E, S]
+        # the r-th kept new token the r-th free slot.
         rank = jnp.cumsum(kept_new, axis=-1)  # [B, E, T'], from 1
-        find = jax.vmap(jax.vmap(lambda f, r: jnp.searchsorted(f, r, side="left")))
-        dest = jnp.where(kept_new, find(free, rank), slots)
+        dest = jnp.where(kept_new, _free_slots(kept_stored, rank), slots)
         positions = jnp.where(kept_stored, self.positions, -1)
         positions = positions.at[b, e, dest].set(tags, mode="drop")
         scores = self.scores
@@ -596,6 +594,24 @@ class EvictingLayer:
         keys, values = lambda: tokens(0), lambda: tokens(self._values_index)  # noqa: E731
         c = self._candidates_of(candidates, valid, g, per_token, keys, values, placement, queries)
         return _scored(p.scorer, c)
+
+
+FEW_NEW = 16  # a step of at most this many candidates finds its free slots by a top-k
+
+
+def _free_slots(kept: Array, rank: Array) -> Array:
+    """int32[B, E, T']: the rank[..]-th (from 1) of the slots not `kept` [B, E, S],
+    lowest first. A decode step's few new tokens take the lowest free slots by a
+    top-k over the slots' indices; a long step's by their running count
+    (a cumulative sum over S costs far more than the top-k of a few)."""
+    slots, new = kept.shape[-1], rank.shape[-1]
+    if new <= FEW_NEW:
+        index = jnp.arange(slots, dtype=jnp.float32)  # exact: slots stay below 2**24
+        _, lowest = jax.lax.top_k(jnp.where(kept, -jnp.inf, -index), min(new, slots))
+        return jnp.take_along_axis(lowest, jnp.clip(rank - 1, 0, lowest.shape[-1] - 1), -1)
+    free = jnp.cumsum(~kept, axis=-1)  # [B, E, S]
+    find = jax.vmap(jax.vmap(lambda f, r: jnp.searchsorted(f, r, side="left")))
+    return find(free, rank)
 
 
 def _observed_count(policy: Policy, placement: Placement) -> Array:
