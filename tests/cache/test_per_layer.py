@@ -83,3 +83,11 @@ def test_weights_that_cannot_be_kept_are_refused_naming_the_field(method, fields
         fields["budget"] = 0
     with pytest.raises(ValueError, match=message):
         kvlab.init_cache(cfg.model, evicting(cfg, method, **fields), 1, 32)
+
+
+@pytest.mark.parametrize("method", ["per_layer:chunkkv:knorm", "chunkkv:per_layer:knorm"])
+def test_it_nests_with_other_wrappers(method):
+    cfg = VARIANTS["gqa"]()
+    options = {"weights": [1, 3], "chunk_length": 4}
+    cache = kvlab.init_cache(cfg.model, evicting(cfg, method, budget=8, options=options), 1, 32)
+    assert [layer.policy.slots for layer in cache.layers] == [4, 12]

@@ -231,8 +231,7 @@ class Wrapped(Scorer):
         own = self.wrapper.shares(layers, evict, context)
         if own is None:
             return self.scorer.shares(layers, evict, context)
-        inner = self.scorer.shares(layers, evict, context)
-        if type(self.scorer).budgets is not Scorer.budgets or inner is not None:
+        if sets_layers(self.scorer, layers, evict, context):
             raise ValueError(
                 f"cache.evict.method={self.name!r}: {self.wrapper.name} sets each layer's "
                 f"budget, and {self.scorer.name} sets its own: put {self.wrapper.name} over a "
@@ -298,12 +297,8 @@ class Composed(Scorer):
     def _setter(self, layers: int, evict: Mapping, context: int = 1) -> Scorer:
         """The stage that sets per-layer budgets (shares, or budgets that differ by
         layer; the first where neither does); refused where both do."""
-        probe = 1 << 20  # a budget whose per-layer schedule shows
         setting = [
-            part
-            for part in (self.first, self.second)
-            if part.shares(layers, evict, context) is not None
-            or part.budgets(probe, layers, evict) != (probe,) * layers
+            part for part in (self.first, self.second) if sets_layers(part, layers, evict, context)
         ]
         if len(setting) > 1:
             raise ValueError(
@@ -322,6 +317,15 @@ class Composed(Scorer):
         staged = jnp.ceil(c.keep / c.options["share"]).astype(jnp.int32)
         second = self.second.priority(c, self.second.score(c))
         return jnp.where(rank < staged, second, -jnp.inf)
+
+
+def sets_layers(scorer: Scorer, layers: int, evict: Mapping, context: int) -> bool:
+    """Whether `scorer` sets budgets that differ by layer (its shares, or budgets
+    that are not one number for every layer)."""
+    probe = 1 << 20  # a budget whose per-layer schedule shows
+    if scorer.shares(layers, evict, context) is not None:
+        return True
+    return scorer.budgets(probe, layers, evict) != (probe,) * layers
 
 
 def compose(method: str) -> Scorer:
