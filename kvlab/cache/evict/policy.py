@@ -202,7 +202,7 @@ def layer_budgets(model_cfg: Mapping, cache_cfg: Mapping, max_len: int) -> tuple
     elif evict["budget"]:
         budgets = tuple(max(1, round(evict["budget"] * s)) for s in shares)
     else:  # the layer's share of the context, as a compression keeps it (`layer_ratios`)
-        budgets = tuple(math.ceil(r * context) for r in layer_ratios(evict, shares))
+        budgets = tuple(max(1, math.ceil(r * context)) for r in layer_ratios(evict, shares))
     least = min(budgets)
     if evict["recent"] >= least:
         where = f" in layer {budgets.index(least)}" if shares is not None else ""
