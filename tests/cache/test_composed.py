@@ -40,12 +40,13 @@ def test_it_composes_with_observing_scorers_groups_pages_and_kvpress_presets():
     per-layer budgets are the composition's."""
     cfg = VARIANTS["gqa"]()
     assert_composes(cfg, "snapkv+knorm", options={"share": 0.5})
-    assert_composes(cfg, "chunkkv:tova+knorm")
     preset = kvpress_evict("snapkv+knorm")
     assert preset["obs_window"] == 64 and preset["options"] == {"pooling": "mean"}
     label = kvlab.cache.cache_label(cfg.model, evicting(cfg, "snapkv+knorm", budget=8))
     assert "snapkv+knorm keeping 8 tokens" in label
-    layered = evicting(cfg, "knorm+per_layer:keydiff", budget=8, options={"weights": [1, 3]})
+    layered = evicting(
+        cfg, "chunkkv:knorm+per_layer:keydiff", budget=8, options={"weights": [1, 3]}
+    )
     cache = kvlab.init_cache(cfg.model, layered, 1, 32)
     assert [layer.policy.slots for layer in cache.layers] == [4, 12]  # one stage's budgets
 

@@ -17,7 +17,7 @@ def prefill(cfg, cache_cfg, tokens, max_len, **kwargs):
     return apply({"params": params}, tokens, cache=cache, **kwargs)[1]
 
 
-@pytest.mark.parametrize("scorer", ["knorm", "snapkv"])
+@pytest.mark.parametrize("scorer", ["snapkv"])
 def test_each_layer_keeps_its_share_of_the_budget_as_its_scorer_alone_would(scorer):
     """Weights [1, 3] over a budget of 8: layer 0 holds what a budget of 4 keeps,
     layer 1 what a budget of 12 keeps (one prefill: each layer's keys are the

@@ -81,7 +81,7 @@ def test_the_protocol_generates_what_generate_does_and_compression_saves_bytes()
     )
     assert [r["prediction"] for r in aware] == [r["prediction"] for r in full]
     # contexts prefilled 64 tokens a step (kvpress's BlockPress), nothing evicted: the
-    # full cache's answers; a quarter kept: as few bytes as one step's
+    # full cache's answers
     blocks = run_benchmark(
         cfg.model,
         params,
@@ -92,8 +92,6 @@ def test_the_protocol_generates_what_generate_does_and_compression_saves_bytes()
     )
     assert [r["prediction"] for r in blocks] == [r["prediction"] for r in full]
     cache = benchmark_cache(cfg.cache, "knorm", 0.25, 0)
-    blocks = run_benchmark(cfg.model, params, tokenizer, asked, cache, block_size=64)
-    assert blocks[0]["bytes_per_token"] == quarter[0]["bytes_per_token"]
     with pytest.raises(ValueError, match="block_size=64: set 0"):
         run_benchmark(cfg.model, params, tokenizer, asked, cache, block_size=64, query_aware=True)
 
