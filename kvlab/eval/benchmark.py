@@ -93,11 +93,17 @@ def benchmark_cache(
 def context_width(tokenizer, records: Sequence[Mapping], query_aware: bool = False) -> int:
     """The tokens run_benchmark gives each context: the longest (with its question
     where query-aware), rounded up to a multiple of 64."""
+    return _width(max(map(len, _prompts(tokenizer, records, query_aware)[0])), 64)
+
+
+def _prompts(tokenizer, records: Sequence[Mapping], query_aware: bool):
+    """(contexts, questions) in tokens; query-aware, each question joins its context."""
     contexts = [tokenizer.encode(r["context"]) for r in records]
-    if query_aware:
-        questions = [tokenizer.encode(r["question"] + r["answer_prefix"]) for r in records]
+    questions = [tokenizer.encode(r["question"] + r["answer_prefix"]) for r in records]
+    if query_aware:  # the question belongs to the compressed part
         contexts = [c + q for c, q in zip(contexts, questions, strict=True)]
-    return _width(max(map(len, contexts)), 64)
+        questions = [[] for _ in records]
+    return contexts, questions
 
 
 def _width(n: int, multiple: int) -> int:
@@ -181,12 +187,8 @@ def run_benchmark(
             "tokens, without query_aware (the question is not prefilled in blocks)"
         )
     model = Transformer(model_cfg)
-    contexts = [tokenizer.encode(r["context"]) for r in records]
-    questions = [tokenizer.encode(r["question"] + r["answer_prefix"]) for r in records]
-    if query_aware:  # the question belongs to the compressed part
-        contexts = [c + q for c, q in zip(contexts, questions, strict=True)]
-        questions = [[] for _ in records]
-    width = context_width(tokenizer, records, query_aware)
+    contexts, questions = _prompts(tokenizer, records, query_aware)
+    width = _width(max(map(len, contexts)), 64)
     question_width = _width(max(map(len, questions)), 16) if not query_aware else 0
     steps = max(r["max_new_tokens"] for r in records)
     headroom = question_width + steps

@@ -48,7 +48,8 @@ TIER = float(2**22)  # ranks apart (positions below 2**22 rank exactly within a 
 
 
 class DuoAttention(Scorer):
-    """Streaming heads' windows, then retrieval heads, then the rest, newest first."""
+    """Sinks, then streaming heads' latest, then retrieval heads' tokens, then the
+    rest, each newest first."""
 
     name, pooled, calibrated = "duo_attention", True, True
     attention_kinds = ("gqa",)
