@@ -14,7 +14,8 @@ kvpress's (kvlab.eval.benchmark.kvpress_evict: no recent window, SnapKV's
 window of 64 kept and averaged pooling, TOVA's last token kept, H2O averaged as
 ObservedAttentionPress, AdaKV's alpha 0.2); docs/references.md lists what
 still differs. Q-Filters read filters calibrated for the model: set
-cache.evict.options.filters (kvlab.eval.calibrate).
+cache.evict.options.filters; DuoAttention its heads' scores,
+cache.evict.options.patterns (both from kvlab.eval.calibrate).
 """
 
 from kvlab.config import base_config

@@ -440,8 +440,10 @@ def _masses(weights, factor, total, observe, groups: int) -> list:
     queries weighted by `observe` (none without it: nothing was kept)."""
     if observe is None:
         return []
-    query = observe.astype(jnp.float32) / groups
-    return [jnp.einsum("BKTGS,BT->BKS", w * factor / total, query) for w in weights]
+    query = (observe.astype(jnp.float32) / groups)[:, None, :, None, None]  # [B, 1, T, 1, 1]
+    # A product and a sum over T and G, not an einsum: XLA:CPU made that a dot over
+    # T with G summed apart, which cost more than the rest of a decode step.
+    return [(w * factor / total * query).sum((2, 3)) for w in weights]
 
 
 def attend(
