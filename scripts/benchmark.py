@@ -44,6 +44,7 @@ from absl import flags
 import kvlab
 from kvlab import cli
 from kvlab.cache.evict.duo_attention import needed_budget
+from kvlab.cache.evict.scorers import base_scorers
 from kvlab.data.ruler import RULER_TASKS, read_records, ruler_records
 from kvlab.eval.benchmark import benchmark_cache, context_width, run_benchmark
 from kvlab.eval.calibrate import (
@@ -140,11 +141,11 @@ def main(argv):
         raise ValueError(f"--tasks={unknown} are not RULER tasks here: choose from {RULER_TASKS}")
     cfg, params, tokenizer = cli.load_model(_MODEL.value)
     cfg.cache.dtype = _CACHE_DTYPE.value
-    calibrated = [m for m in _METHODS.value if set(scorers(m)) & set(CALIBRATED)]
+    calibrated = [m for m in _METHODS.value if set(base_scorers(m)) & set(CALIBRATED)]
     for method in _METHODS.value:  # every name checked before anything compiles
         if method not in calibrated:
             kvlab.validate_config(_with(cfg, method_cache(cfg, method, 0.5)))
-    for name in dict.fromkeys(s for m in calibrated for s in scorers(m) if s in CALIBRATED):
+    for name in dict.fromkeys(s for m in calibrated for s in base_scorers(m) if s in CALIBRATED):
         file, calibrate, save = CALIBRATED[name]
         if not os.path.exists(os.path.join(_OUT.value, file)):  # stored with the run
             os.makedirs(_OUT.value, exist_ok=True)
@@ -248,9 +249,9 @@ def method_cache(cfg, method: str, kept: float, width: int = 0):
     method reads the run's file; duo_attention streams 1 - kept of its heads, its
     budget what they need for contexts of up to `width` tokens, default --length)."""
     cache = benchmark_cache(cfg.cache, method, kept, 0, not _KVLAB.value)
-    if "qfilter" in scorers(method):
+    if "qfilter" in base_scorers(method):
         cache.evict.options.filters = os.path.join(_OUT.value, CALIBRATED["qfilter"][0])
-    if scorers(method) == ["duo_attention"]:
+    if base_scorers(method) == ["duo_attention"]:
         path = os.path.join(_OUT.value, CALIBRATED["duo_attention"][0])
         options = dict(patterns=path, head_ratio=1 - kept)
         cache.evict.options.update(options)
@@ -259,11 +260,6 @@ def method_cache(cfg, method: str, kept: float, width: int = 0):
             width = width or _LENGTH.value
             cache.evict.budget = needed_budget(cache.evict.options, layers, width)
     return cache
-
-
-def scorers(method: str) -> list[str]:
-    """The scorers a cache.evict.method names ('criticalkv:snapkv+knorm': snapkv, knorm)."""
-    return [stage.split(":")[-1] for stage in method.split("+")]
 
 
 def _with(cfg, cache):

@@ -40,6 +40,7 @@ import ml_collections
 import numpy as np
 
 from kvlab.cache import cache_bytes, init_cache
+from kvlab.cache.evict.scorers import base_scorers
 from kvlab.config import validate_cache_config
 from kvlab.data.ruler import score
 from kvlab.model import Transformer
@@ -65,8 +66,8 @@ def kvpress_evict(method: str) -> dict:
     """cache.evict fields that give `method` kvpress's defaults (a composed 'a+b':
     both scorers', their options together)."""
     fields: dict = dict(KVPRESS_DEFAULTS["*"])
-    for stage in method.split("+"):
-        preset = KVPRESS_DEFAULTS.get(stage.split(":")[-1], {})
+    for scorer in base_scorers(method):
+        preset = KVPRESS_DEFAULTS.get(scorer, {})
         options = {**fields.get("options", {}), **preset.get("options", {})}
         fields.update(preset)
         if options:

@@ -328,6 +328,12 @@ def sets_layers(scorer: Scorer, layers: int, evict: Mapping, context: int) -> bo
     return scorer.budgets(probe, layers, evict) != (probe,) * layers
 
 
+def base_scorers(method: str) -> list[str]:
+    """The scorers a scored cache.evict.method names, each without its wrappers
+    ('criticalkv:snapkv+knorm': snapkv, knorm)."""
+    return [stage.split(":")[-1] for stage in method.split("+")]
+
+
 def compose(method: str) -> Scorer:
     """The scorer of a scored cache.evict.method: 'snapkv', wrappers over a scorer,
     outermost first ('chunkkv:snapkv'), or two of those composed ('snapkv+knorm')."""
