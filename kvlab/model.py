@@ -45,7 +45,7 @@ from kvlab.attention.mla import MultiHeadLatentAttention
 from kvlab.cache import topology
 from kvlab.cache.dense import BAD_COUNT, BAD_TOKEN, OVERFLOW, Cache
 from kvlab.cache.evict import EvictingLayer, PagedEvictingLayer
-from kvlab.cache.placement import Placement, place_without_cache
+from kvlab.cache.placement import Placement, place_without_cache, stored_end
 from kvlab.config import cached_tensors, frozen, validate_model_config
 from kvlab.layers import Embedding, RMSNorm, logical_axes, projection
 from kvlab.moe import MLP, MoE, uses_experts
@@ -181,14 +181,15 @@ def check_cache(config, cache: Cache) -> None:
             )
 
 
-def flag_invalid(config, tokens, cache: Cache, num_tokens):
+def flag_invalid(config, tokens, cache: Cache, num_tokens, context=None):
     """What a compiled step does with invalid values: (tokens, num_tokens, errors, invalid).
 
     Rows with a real token outside the vocabulary, num_tokens outside 0..T or
     a negative length are `invalid`: they take num_tokens 0 (nothing is
     written) and token 0 in place of every id (no garbage reaches the
     arithmetic); their bits are added to the cache's error flags, as is
-    OVERFLOW for rows given more tokens than the capacity holds.
+    OVERFLOW for rows given more tokens than the capacity holds (a probing
+    row's `context`: its tokens past it are not held, Placement.context).
     """
     length = tokens.shape[1]
     real = jnp.arange(length)[None, :] < num_tokens[:, None]
@@ -197,7 +198,7 @@ def flag_invalid(config, tokens, cache: Cache, num_tokens):
     bad_count = (num_tokens < 0) | (num_tokens > length) | (cache.lengths < 0)
     invalid = bad_token | bad_count
     num_tokens = jnp.where(invalid, 0, num_tokens)
-    overflow = cache.lengths + num_tokens > cache.capacity
+    overflow = stored_end(cache.lengths, num_tokens, context) > cache.capacity
     errors = (
         cache.errors
         | jnp.where(bad_token, BAD_TOKEN, 0)
@@ -232,6 +233,9 @@ class Transformer(nn.Module):
         taken of that many tokens, so a context prefilled in blocks is compressed
         after each block to what the whole keeps (kvpress's BlockPress, KeyDiff's
         block-wise prefill: no row ever holds more than its target and a block).
+        Over a cache that probes (KVzip), a row's tokens past its context are its
+        probes: they attend and score the context, and are not stored; the row's
+        length ends at the context (Placement.context).
         The forward runs under the backend model.attention_impl names
         (kvlab.backends.running)."""
         with backends.running(backends.get(self.config.attention_impl)):
@@ -251,16 +255,21 @@ class Transformer(nn.Module):
             if num_tokens is None:
                 num_tokens = jnp.full((batch,), length, jnp.int32)
             num_tokens = num_tokens.astype(jnp.int32)
-            tokens, num_tokens, errors, invalid = flag_invalid(cfg, tokens, cache, num_tokens)
+            compress, context = _compression(compress, batch)
+            if cache.probes and compress is not None and context is None:
+                raise ValueError(
+                    "compress=True over a cache that scores a context by the probes fed "
+                    "after it (cache.evict.method='kvzip'): feed each context, then its "
+                    "probes (Scorer.probe_tokens), with compress=int32 context lengths, as "
+                    "kvlab.eval.benchmark does"
+                )
+            probes = context if cache.probes else None
+            tokens, num_tokens, errors, invalid = flag_invalid(
+                cfg, tokens, cache, num_tokens, probes
+            )
             placement = cache.place(length, num_tokens)
             if compress is not None:
-                compress = jnp.asarray(compress)
-                if jnp.issubdtype(compress.dtype, jnp.integer):
-                    context = jnp.broadcast_to(compress.astype(jnp.int32), (batch,))
-                    placement = placement._replace(compress=context > 0, context=context)
-                else:
-                    compress = jnp.broadcast_to(compress.astype(bool), (batch,))
-                    placement = placement._replace(compress=compress)
+                placement = placement._replace(compress=compress, context=context)
             layers = cache.layers
 
         embed = Embedding(cfg, name="embed")
@@ -287,9 +296,20 @@ class Transformer(nn.Module):
         logits = jnp.where(invalid[:, None, None], jnp.nan, logits)
         if cache is None:
             return logits, None
-        return logits, cache.replace(
-            layers=tuple(new_layers), lengths=cache.lengths + num_tokens, errors=errors
-        )
+        lengths = stored_end(cache.lengths, num_tokens, probes)
+        return logits, cache.replace(layers=tuple(new_layers), lengths=lengths, errors=errors)
+
+
+def _compression(compress, batch: int):
+    """Transformer's `compress` as (bool[B] rows that compress, int32[B] their whole
+    context's length or None), or (None, None)."""
+    if compress is None:
+        return None, None
+    compress = jnp.asarray(compress)
+    if jnp.issubdtype(compress.dtype, jnp.integer):
+        context = jnp.broadcast_to(compress.astype(jnp.int32), (batch,))
+        return context > 0, context
+    return jnp.broadcast_to(compress.astype(bool), (batch,)), None
 
 
 def init_params(model_cfg: Mapping, key: jax.Array):

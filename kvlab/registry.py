@@ -87,6 +87,7 @@ SCORERS = Registry(
         "expected_attention": "kvlab.cache.evict.expected_attention",
         "qfilter": "kvlab.cache.evict.qfilter",
         "duo_attention": "kvlab.cache.evict.duo_attention",
+        "kvzip": "kvlab.cache.evict.kvzip",
     },
     group="kvlab.scorers",
 )

@@ -27,9 +27,12 @@ def test_the_eviction_grid_spans_every_policy_ratio_and_family():
         attention = caches["16bit"].model.attention
         for method in evict_methods()[1:]:
             scorer = scorer_of(method)
-            # every method that scores this attention kind and needs nothing calibrated
+            # every method that scores this attention kind, needs nothing calibrated
+            # and no probes after a context
             applies = scorer is None or (
-                attention in scorer.attention_kinds and not scorer.calibrated
+                attention in scorer.attention_kinds
+                and not scorer.calibrated
+                and scorer.observes != "probes"
             )
             for ratio in module.RATIOS:
                 assert ((method, ratio) in evicted) == applies, (model, method, ratio)

@@ -26,6 +26,7 @@ import pytest
 from jax import export
 
 import kvlab
+from kvlab.cache.evict import scorer_of
 from kvlab.config import evict_methods, frozen
 from kvlab.eval import perplexity
 from kvlab.eval.calibrate import save_filters, save_patterns
@@ -176,7 +177,8 @@ def test_a_compressing_prefill_exports_for_tpu_and_cuda(attention):
 )
 def test_every_scorer_compresses_a_prefill_that_exports_for_tpu_and_cuda(method, tmp_path):
     """Each registered scorer, and a wrapper over one, in the program that compresses
-    a prompt and decodes after it (the snapkv export above, for every method)."""
+    a prompt (compress= each row's context length: kvzip's, half of it, the rest its
+    probes) and decodes after it."""
     cfg = config("gqa", "snapkv", "xla")
     cfg.cache.evict.update(method=method, when="after_prefill", headroom=8)
     if method == "qfilter":  # its calibrated filters, [layers, KV heads, head_dim]
@@ -188,8 +190,16 @@ def test_every_scorer_compresses_a_prefill_that_exports_for_tpu_and_cuda(method,
         cfg.cache.evict.options = {"patterns": str(tmp_path / "patterns.npz"), "recent_size": 4}
     if method == "pyramidkv":  # per-layer budgets are fixed: a budget, not a share
         cfg.cache.evict.update(budget=12, ratio=1.0)
-    program, arguments = inference(kvlab.validate_config(cfg), loops=False)
-    assert_exports(program, arguments, kernel=False)
+    cfg = kvlab.validate_config(cfg)
+    model = kvlab.Transformer(cfg.model)
+    share = 2 if scorer_of(method).observes == "probes" else 1
+
+    def program(params, cache, prompt, token, rng):
+        context = jnp.full(prompt.shape[:1], prompt.shape[1] // share, jnp.int32)
+        _, cache = model.apply({"params": params}, prompt, cache=cache, compress=context)
+        return kvlab.decode_step(model, params, cache, token)
+
+    assert_exports(jax.jit(program), inference(cfg, loops=False)[1], kernel=False)
 
 
 @pytest.mark.parametrize("impl", IMPLS)

@@ -17,7 +17,8 @@ recall accuracy. Each is evaluated through:
   window of group_size tokens); for MLA, the latent at 8, 4 and 2 bits;
 - every eviction policy of kvlab/cache/evict/ (window, sinks, and every
   registered scorer: kvlab.config.evict_methods(), but those calibrated offline for a
-  model, qfilter) keeping 75%, 50%, 25% and 12.5% of the window's tokens
+  model, qfilter and duo_attention, and kvzip, which scores a context by probes fed
+  after it) keeping 75%, 50%, 25% and 12.5% of the window's tokens
   (cache.evict.ratio), labelled '<method><percent>', on the models whose attention kind
   it scores;
 - eviction and quantization together, labelled '<method><percent>+<bits>'.
@@ -38,9 +39,13 @@ from kvlab.registry import SCORERS
 STEPS = {"tiny": 600, "small": 20_000, "base": 50_000}
 MQAR_STEPS = {"tiny": 4_000, "small": 20_000, "base": 20_000}
 # Every method but 'none', a registered scorer's included, but those that read an artefact
-# calibrated offline for a model (qfilter): these models are trained by the sweep itself.
+# calibrated offline for a model (qfilter: these models are trained by the sweep itself)
+# and those scoring a context by probes fed after it (kvzip: a perplexity window has none).
 METHODS = tuple(
-    m for m in evict_methods()[1:] if m in ("window", "sinks") or not SCORERS.get(m).calibrated
+    m
+    for m in evict_methods()[1:]
+    if m in ("window", "sinks")
+    or not (SCORERS.get(m).calibrated or SCORERS.get(m).observes == "probes")
 )
 RATIOS = (0.75, 0.5, 0.25, 0.125)
 # (method, ratio, quantized entry) evaluated together.

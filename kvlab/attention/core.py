@@ -223,7 +223,8 @@ def _observing(attention, read: Read):
     only in a step whose write scores (`layer.competes`, a traced bool; None:
     every step): other steps attend as a layer without eviction does (streamed,
     or a backend's kernel) and hand zeros, which their write does not read."""
-    attend = lambda: attention(read.regions, read.observe, read.cached)  # noqa: E731
+    observe = Peak(read.observe) if read.layer.peaks else read.observe
+    attend = lambda: attention(read.regions, observe, read.cached)  # noqa: E731
     competes = read.layer.competes(read.placement)
     if competes is None:
         return attend()
@@ -435,11 +436,23 @@ class Attention:
         return *self.empty(blocks[0][1].shape[3]), kept if observe is not None else []
 
 
+class Peak(NamedTuple):
+    """Observed queries whose mass is, per key, the largest probability any of them
+    (and any query head of the key's group) gave it, not their weighted sum
+    (KVzip's reconstruction, Scorer.peaks): attend's `observe` as weights > 0."""
+
+    weights: Array
+
+
 def _masses(weights, factor, total, observe, groups: int) -> list:
     """Per block, the mass its keys got (weights x factor / total) from the
-    queries weighted by `observe` (none without it: nothing was kept)."""
+    queries weighted by `observe` (none without it: nothing was kept); a `Peak`:
+    the largest probability from an observed query."""
     if observe is None:
         return []
+    if isinstance(observe, Peak):
+        seen = (observe.weights > 0)[:, None, :, None, None]  # [B, 1, T, 1, 1]
+        return [jnp.where(seen, w * factor / total, 0.0).max((2, 3)) for w in weights]
     query = (observe.astype(jnp.float32) / groups)[:, None, :, None, None]  # [B, 1, T, 1, 1]
     # A product and a sum over T and G, not an einsum: XLA:CPU made that a dot over
     # T with G summed apart, which cost more than the rest of a decode step.
@@ -460,7 +473,8 @@ def attend(
     head and query head of its group). With `observe` (weights of the T
     queries) it returns (out, mass): per block float32[B, K, S], the
     probability each key received, summed over the queries by their weights
-    and averaged over each KV head's G query heads. `impl` names the backend
+    and averaged over each KV head's G query heads (a `Peak`: the largest from
+    any observed query and query head). `impl` names the backend
     (kvlab.backends; model.attention_impl) whose kernels compute the blocks
     it claims; "xla" is this function alone.
     """

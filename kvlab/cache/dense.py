@@ -113,6 +113,12 @@ class Cache:
         return self.layers[0].capacity
 
     @property
+    def probes(self) -> bool:
+        """Whether a compressing step's tokens past a row's context are probes that
+        are not stored (an evicting layer whose scorer observes "probes": KVzip)."""
+        return any(getattr(layer, "probes", False) for layer in self.layers)
+
+    @property
     def batch_size(self) -> int:
         return self.lengths.shape[0]
 

@@ -49,7 +49,9 @@ class Placement(NamedTuple):
                  target (cache.evict.when='after_prefill'; other layers ignore it)
     context      int32[B] | None  the tokens of the whole context a compressing row's
                  target is taken of (a context prefilled in blocks); None: the row's
-                 length after the step
+                 length after the step. Over a cache that probes (`Cache.probes`:
+                 KVzip), a row's tokens at positions >= context are probes: they
+                 attend and are observed, and are never stored (`stored_end`)
     """
 
     positions: Int[Array, "B T"]
@@ -61,6 +63,18 @@ class Placement(NamedTuple):
     transforms: tuple = ()
     compress: Bool[Array, " B"] | None = None
     context: Int[Array, " B"] | None = None
+
+
+def stored_end(
+    lengths: Int[Array, " B"], num_tokens: Int[Array, " B"], context: Int[Array, " B"] | None
+) -> Int[Array, " B"]:
+    """int32[B]: each row's length after a step: lengths + num_tokens, or where a
+    probing row's `context` (> 0) ends earlier, there (its tokens past it are
+    probes, Placement.context), never below `lengths`."""
+    end = lengths + num_tokens
+    if context is None:
+        return end
+    return jnp.where(context > 0, jnp.clip(context, lengths, end), end)
 
 
 def place_without_cache(batch: int, length: int, window: int = 0) -> Placement:

@@ -40,6 +40,7 @@ import ml_collections
 import numpy as np
 
 from kvlab.cache import cache_bytes, init_cache
+from kvlab.cache.evict.policy import scorer_of
 from kvlab.cache.evict.scorers import base_scorers
 from kvlab.config import validate_cache_config
 from kvlab.data.ruler import score
@@ -118,13 +119,15 @@ def _padded(rows: Sequence[Sequence[int]], width: int) -> tuple[np.ndarray, np.n
     return tokens, np.asarray([len(r) for r in rows], np.int32)
 
 
-def _prefill(model, params, cache, tokens, lengths, block: int):
+def _prefill(model, params, cache, tokens, lengths, block: int, counts=None):
     """The contexts in one step (block 0), or `block` tokens a step with each row
     compressed after every step to its whole context's target (BlockPress); the
-    cache is reused (copies)."""
+    cache is reused (copies). `counts`: each row's tokens, its context's `lengths`
+    and the probes after it (KVzip's), default the contexts alone."""
     block = block or tokens.shape[1]
+    counts = lengths if counts is None else counts
     for start in range(0, tokens.shape[1], block):
-        fed = np.clip(lengths - start, 0, block).astype(np.int32)
+        fed = np.clip(counts - start, 0, block).astype(np.int32)
         cache = _prefill_step(model, params, cache, tokens[:, start : start + block], fed, lengths)
     return cache
 
@@ -187,6 +190,14 @@ def run_benchmark(
             f"block_size={block_size}: set 0 (one prefill step) or a positive number of "
             "tokens, without query_aware (the question is not prefilled in blocks)"
         )
+    method = cache_cfg["evict"]["method"]
+    scorer = scorer_of(method)
+    probing = scorer is not None and scorer.observes == "probes"
+    if probing and (query_aware or block_size):
+        raise ValueError(
+            f"cache.evict.method={method!r} scores each context by probes fed after it "
+            "whole in one step: run it with query_aware=False and block_size=0"
+        )
     model = Transformer(model_cfg)
     contexts, questions = _prompts(tokenizer, records, query_aware)
     width = _width(max(map(len, contexts)), 64)
@@ -209,12 +220,17 @@ def run_benchmark(
         chunk = groups[start : start + batch_size]
         began = time.perf_counter()
         tokens, lengths = _padded([contexts[g[0]] for g in chunk], width)
+        counts = None
+        if probing:  # each context, then its probes, in the step that compresses it
+            rows = [contexts[g[0]] for g in chunk]
+            rows = [[*c, *scorer.probe_tokens(tokenizer.encode, c)] for c in rows]
+            tokens, counts = _padded(rows, _width(max(map(len, rows)), 64))
         cache = init_cache(model_cfg, cache_cfg, len(chunk), max_len)
         if query_aware:
             out, errors = _answer(model, params, cache, tokens, lengths, steps, True)
             found = [(g[0], out[row], errors[row]) for row, g in enumerate(chunk)]
         else:
-            cache = _prefill(model, params, cache, tokens, lengths, block_size)
+            cache = _prefill(model, params, cache, tokens, lengths, block_size, counts)
             found = []
             for turn in range(max(map(len, chunk))):  # the turn-th question of each context
                 asked = [g[turn] if turn < len(g) else g[0] for g in chunk]

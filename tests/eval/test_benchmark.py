@@ -91,6 +91,13 @@ def test_the_protocol_generates_what_generate_does_and_compression_saves_bytes()
         block_size=64,
     )
     assert [r["prediction"] for r in blocks] == [r["prediction"] for r in full]
+    # KVzip's probes (the context repeated) fed after each context leave nothing behind
+    zipped = benchmark_cache(cfg.cache, "kvzip", 1.0, 0)
+    repeated = run_benchmark(cfg.model, params, tokenizer, asked, zipped)
+    assert [r["prediction"] for r in repeated] == [r["prediction"] for r in full]
+    assert repeated[0]["bytes_per_token"] == kept[0]["bytes_per_token"]
+    with pytest.raises(ValueError, match="whole in one step"):
+        run_benchmark(cfg.model, params, tokenizer, asked, zipped, query_aware=True)
     cache = benchmark_cache(cfg.cache, "knorm", 0.25, 0)
     with pytest.raises(ValueError, match="block_size=64: set 0"):
         run_benchmark(cfg.model, params, tokenizer, asked, cache, block_size=64, query_aware=True)

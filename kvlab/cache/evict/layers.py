@@ -82,7 +82,7 @@ from kvlab.cache.evict.stored import (
     tensor_heads,
     tensor_width,
 )
-from kvlab.cache.placement import Placement, write_tokens
+from kvlab.cache.placement import Placement, stored_end, write_tokens
 from kvlab.cache.quant import QuantizedLayer, dequantize_tokens, write_ring
 
 KEPT = 3.0e38  # priority of a token that must stay (recent); scores stay far below
@@ -121,6 +121,14 @@ class EvictingLayer:
     @property
     def slots(self) -> int:
         return self.policy.slots
+
+    @property
+    def probes(self) -> bool:
+        return self.policy.probes
+
+    @property
+    def peaks(self) -> bool:
+        return self.policy.peaks
 
     def tensor_shapes(self) -> tuple[tuple[int, int], ...]:
         if self.policy.pooled:  # the pool stands for K heads
@@ -230,7 +238,7 @@ class EvictingLayer:
             return self._ring_slots(placement), None, None
         tags, candidates = self._candidates(placement)  # [B, E, T'], [B, E, C]
         valid = candidates >= 0
-        end = (placement.lengths + placement.num_tokens)[:, None, None]
+        end = self._end(placement)[:, None, None]
         limit = None
         if p.compresses and placement.compress is not None:
             limit = self._limit(placement, end)
@@ -359,10 +367,16 @@ class EvictingLayer:
 
     def _candidates(self, placement: Placement):
         """Tags of the step's tokens [B, E, T'] and of every candidate [B, E, S + T']
-        (stored slots first); -1 for empty slots and padding."""
+        (stored slots first); -1 for empty slots, padding and probes."""
         length = placement.positions.shape[1]
         real = jnp.arange(length)[None, :] < placement.num_tokens[:, None]
+        real = real & (placement.positions < self._end(placement)[:, None])
         return self._tagged(jnp.where(real, placement.positions, -1))  # [B, T]
+
+    def _end(self, placement: Placement) -> Array:
+        """int32[B]: each row's length after the step (a probing row's: its context)."""
+        context = placement.context if self.policy.probes else None
+        return stored_end(placement.lengths, placement.num_tokens, context)
 
     def _tagged(self, new: Array):
         """New positions [B, T] (-1: none) as tags per storage head [B, E, T'] and
@@ -445,7 +459,7 @@ class EvictingLayer:
             keep=keep,
             output_norms=None if queries is None else queries.output_norms,
             key_transform=placement.transforms[0] if placement.transforms else None,
-            end=(placement.lengths + placement.num_tokens)[:, None, None],
+            end=self._end(placement)[:, None, None],
             observed=_observed_count(p, placement),
             recent=p.recent,
             options=dict(p.options),

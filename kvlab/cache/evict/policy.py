@@ -111,6 +111,17 @@ class Policy:
         return self.scorer is not None and self.scorer.keeps
 
     @property
+    def probes(self) -> bool:
+        """Whether a compressing step's tokens past a row's context are probes
+        (Placement.context): observed, never stored (`Scorer.observes` "probes")."""
+        return self.scorer is not None and self.scorer.observes == "probes"
+
+    @property
+    def peaks(self) -> bool:
+        """Whether the mass is each token's largest probability (`Scorer.peaks`)."""
+        return self.scorer is not None and self.scorer.peaks
+
+    @property
     def ring(self) -> bool:
         """Slots in a ring whose positions follow from the length (a window over
         tokens stored one by one; over settling groups the newest groups stay)."""
@@ -249,6 +260,11 @@ def policies(model_cfg: Mapping, cache_cfg: Mapping, max_len: int) -> tuple[Poli
     settles = residual > 0 or g > 1
     sinks = evict["sinks"] if method == "sinks" else 0
     compresses = evict["when"] == "after_prefill" and scorer is not None
+    if scorer is not None and scorer.observes == "probes" and not compresses:
+        raise ValueError(
+            f"cache.evict.method={method!r} scores a context by the probes fed after it "
+            "in the step that compresses it: set cache.evict.when='after_prefill'"
+        )
     options = () if scorer is None else scorer_options(scorer, evict)
     if compresses:
         _check_after_prefill(method, evict, settles)
@@ -424,12 +440,18 @@ def stored_tokens(positions: Array | None, policy: Policy, lengths: Array) -> Ar
 
 def observed_queries(policy: Policy, placement: Placement) -> Array | None:
     """float32[B, T]: the queries whose attention the scorer reads (`observes`:
-    "all" real ones, the last obs_window of a "window", the "last" one), or None."""
+    "all" real ones, the last obs_window of a "window", the "last" one, the
+    "probes" past a compressing row's context), or None."""
     observes = None if policy.scorer is None else policy.scorer.observes
     if observes is None:
         return None
     steps = jnp.arange(placement.positions.shape[1])[None, :]
     real = steps < placement.num_tokens[:, None]
+    if observes == "probes":
+        if placement.context is None:  # no probes: nothing observed
+            return jnp.zeros(real.shape, jnp.float32)
+        probe = placement.positions >= placement.context[:, None]
+        return (real & probe & (placement.context[:, None] > 0)).astype(jnp.float32)
     if observes != "all":
         window = policy.obs_window if observes == "window" else 1
         real = real & (steps >= placement.num_tokens[:, None] - window)

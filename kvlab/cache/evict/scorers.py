@@ -21,7 +21,12 @@ bytes, the cache's label, the eviction sweep's grid):
     observes      None, or whose attention and queries the layer hands it
                   (`Candidates.mass`, `.queries`):
                   "all" (every real query of a step, h2o), "window" (the last
-                  cache.evict.obs_window, snapkv) or "last" (the last one)
+                  cache.evict.obs_window, snapkv), "last" (the last one) or
+                  "probes" (tokens fed after the context in the step that
+                  compresses it, attending to it and never stored: KVzip's
+                  reconstruction, `probe_tokens`; Placement.context)
+    peaks         `Candidates.mass` is each token's largest probability from an
+                  observed query (and query head of its group), not their sum
     keeps         a float32 per slot carried to the next step (the score of a kept
                   token: h2o's accumulated attention), counted in the cache's bytes
     pooled        a layer's K heads share one pool of K x budget slots, each head at
@@ -35,6 +40,7 @@ bytes, the cache's label, the eviction sweep's grid):
     fields        the shared cache.evict fields it reads, besides budget and ratio
     defaults      its own options and their defaults: cache.evict.options, which
                   may set any of them ({'pooling': 'mean'}); `check` refuses values
+    probe_tokens()  the probes to feed after a context (observes "probes")
     budgets()     the per-layer budgets (pyramidkv), uniform by default
     priority()    what the competition compares, from its score (default: the
                   score; a scorer that `keeps` its score may rank by another number)
@@ -153,6 +159,7 @@ class Scorer:
 
     name: str = ""
     observes: str | None = None
+    peaks: bool = False
     keeps: bool = False
     pooled: bool = False
     prefix_unsafe: str | None = None
@@ -168,6 +175,11 @@ class Scorer:
     def budgets(self, budget: int, layers: int, evict: Mapping) -> tuple[int, ...]:
         """Tokens kept per KV head in each of `layers` layers, `budget` on average."""
         return (budget,) * layers
+
+    def probe_tokens(self, encode: Callable[[str], list], context: list) -> list:
+        """The token ids to feed after `context` (ids) in the step that compresses it,
+        for a scorer that observes "probes"; `encode` turns text into ids."""
+        raise NotImplementedError(f"{self.name} observes no probes")
 
     def shares(self, layers: int, evict: Mapping, context: int) -> tuple[float, ...] | None:
         """Each layer's budget as a multiple of the mean (mean 1), or None: the
@@ -211,7 +223,7 @@ class Wrapped(Scorer):
         self.wrapper, self.scorer = wrapper, scorer
         self.name = f"{wrapper.name}:{scorer.name}"
         self.observes = scorer.observes or wrapper.observes
-        self.keeps, self.pooled = scorer.keeps, scorer.pooled
+        self.peaks, self.keeps, self.pooled = scorer.peaks, scorer.keeps, scorer.pooled
         self.prefix_unsafe = scorer.prefix_unsafe
         self.attention_kinds = tuple(
             k for k in scorer.attention_kinds if k in wrapper.attention_kinds
@@ -239,6 +251,9 @@ class Wrapped(Scorer):
             )
         return own
 
+    def probe_tokens(self, encode: Callable[[str], list], context: list) -> list:
+        return self.scorer.probe_tokens(encode, context)
+
     def score(self, c: Candidates) -> Array:
         return self.scorer.score(c)
 
@@ -260,8 +275,14 @@ class Composed(Scorer):
         self.name = f"{first.name}+{second.name}"
         where = f"cache.evict.method={self.name!r}"
         for part in (first, second):
-            if part.keeps or part.pooled:
-                what = "keeps a state per slot" if part.keeps else "pools its heads"
+            if part.keeps or part.pooled or part.peaks:
+                what = (
+                    "keeps a state per slot"
+                    if part.keeps
+                    else "pools its heads"
+                    if part.pooled
+                    else "reads peak probabilities"
+                )
                 raise ValueError(
                     f"{where}: {part.name} {what}, which a composition cannot stage: "
                     "compose scorers that score each step afresh"

@@ -1,0 +1,67 @@
+"""KVzip (arXiv:2505.23416): a context's tokens scored by how much the model needs
+them to repeat the context.
+
+    cfg.cache.evict.method = "kvzip"       # kvlab.registry.SCORERS ships it by this name
+    cfg.cache.evict.when = "after_prefill"
+    probes = SCORERS.get("kvzip").probe_tokens(tokenizer.encode, context)
+    model.apply(..., context + probes, cache, compress=len(context))
+
+The step that compresses a context is fed the context and, after it, a request to
+repeat it ("\\n\\nRepeat the previous context exactly.", then "\\n") and the
+context again: the probes (Placement.context). They attend as any later tokens
+do (to the context and, causally, to each other) and are never stored; the row's
+length ends at its context. A context token's score in a layer is the largest
+probability any probe gave it from any query head of its KV head's group
+(`Scorer.peaks`); the first `sinks` tokens score 1 (the largest a probability
+can be). The tokens a layer keeps are chosen over all its KV heads together
+(one pool per layer, as AdaKV's without a floor: kvpress's `layerwise=True`), so
+heads keep unequal shares at the bytes of a uniform budget.
+
+Differences from kvpress's KVzipPress, by design: kvpress (`layerwise=False`, its
+default) ranks a whole model's tokens together, so layers keep unequal shares;
+kvlab's layers hold static slots, so each layer keeps its share. kvpress repeats
+a context longer than 2,048 tokens a chunk at a time, each chunk's probes
+scoring that chunk; kvlab repeats it whole in one step (the same scores for a
+context up to 2,048 tokens). kvpress wraps the context in the tokenizer's chat
+template and scores none of the template's tokens but the first `n_sink`;
+kvlab's benchmark feeds the plain context. KVzip+'s normalization is not here.
+"""
+
+from __future__ import annotations
+
+import types
+from collections.abc import Callable, Mapping
+
+import jax.numpy as jnp
+from jaxtyping import Array
+
+from kvlab.cache.evict.scorers import Candidates, Scorer
+from kvlab.registry import SCORERS
+
+REPEAT = "\n\nRepeat the previous context exactly."
+SUFFIX = "\n"  # kvpress's for a tokenizer without a chat template
+
+
+class KVzip(Scorer):
+    """The largest probability a probe (the context's reconstruction) gave each token."""
+
+    name, observes, peaks, pooled = "kvzip", "probes", True, True
+    prefix_unsafe = "its heads share one pool, so a prefix's tokens are not in slot order"
+    defaults = types.MappingProxyType({"sinks": 4})
+
+    def check(self, options: Mapping, field: str) -> None:
+        sinks = options["sinks"]
+        if isinstance(sinks, bool) or not isinstance(sinks, int) or sinks < 0:
+            raise ValueError(
+                f"{field}.sinks={sinks!r} is no count of first tokens: set an int >= 0"
+            )
+
+    def probe_tokens(self, encode: Callable[[str], list], context: list) -> list:
+        return [*encode(REPEAT), *encode(SUFFIX), *context]
+
+    def score(self, c: Candidates) -> Array:
+        peak = c.mass.max(-1)  # [B, E, C]: a group's tokens, its best
+        return jnp.where(c.positions < c.options["sinks"], 1.0, peak)
+
+
+SCORERS.register(KVzip())

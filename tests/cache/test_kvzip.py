@@ -1,0 +1,145 @@
+"""KVzip (kvlab/cache/evict/kvzip.py) against its definition (arXiv:2505.23416, as
+kvpress's KVzipPress scores one chunk): the probes (a request to repeat the
+context, then the context again) fed after the context in the step that
+compresses it score each context token by the largest probability any probe
+query gave it; they leave nothing in the cache."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import kvlab
+from kvlab.registry import SCORERS
+from tests.cache.test_after_prefill import kept
+from tests.cache.test_duo_attention import _rope
+from tests.cache.test_evict import evicting
+from tests.helpers import VARIANTS, build, random_tokens
+
+CONTEXT, MAX_LEN, HEADROOM = 40, 64, 8
+KVZIP = SCORERS.get("kvzip")
+
+
+def encode(text):  # a tokenizer for the test's vocabulary
+    return [ord(ch) % 50 for ch in text]
+
+
+def compressed(cfg, contexts, ratio, bits=16, storage=None, **fields):
+    """(cache, cache_cfg, params) after one step of each row's context and probes
+    (padded); `storage`: cache fields over the evicting section's."""
+    cache_cfg = evicting(cfg, "kvzip", bits, when="after_prefill", ratio=ratio, headroom=HEADROOM)
+    cache_cfg.evict.update(fields)
+    cache_cfg.update(storage or {})
+    rows = [[*c, *KVZIP.probe_tokens(encode, list(c))] for c in contexts]
+    width = max(map(len, rows))
+    tokens = np.zeros((len(rows), width), np.int32)
+    for i, row in enumerate(rows):
+        tokens[i, : len(row)] = row
+    _, params, apply = build(cfg)
+    cache = kvlab.init_cache(cfg.model, cache_cfg, len(rows), MAX_LEN)
+    lengths = jnp.asarray([len(c) for c in contexts], jnp.int32)
+    counts = jnp.asarray([len(r) for r in rows], jnp.int32)
+    _, cache = apply({"params": params}, tokens, cache=cache, num_tokens=counts, compress=lengths)
+    return cache, cache_cfg, params
+
+
+def reference_scores(cfg, params, context):
+    """float64 from the parameters, the first layer: per KV head and context token,
+    the largest softmax probability (causal over context and probes) any probe
+    query of the head's group gave it; the first `sinks` (4) score 1."""
+    m = cfg.model
+    tokens = np.asarray([*context, *KVZIP.probe_tokens(encode, list(context))])
+    block = params["block_0"]
+    x = np.asarray(params["embed"]["embedding"], np.float64)[tokens]  # [T, D]
+    h = x / np.sqrt((x**2).mean(-1, keepdims=True) + m.norm_eps)
+    h = h * np.asarray(block["attention_norm"]["scale"], np.float64)
+    q = np.einsum("td,dnh->tnh", h, np.asarray(block["attention"]["query"]["kernel"], np.float64))
+    k = np.einsum("td,dkh->tkh", h, np.asarray(block["attention"]["key"]["kernel"], np.float64))
+    positions = np.arange(len(tokens), dtype=np.float64)
+    q, k = _rope(q, positions, m.rope_theta), _rope(k, positions, m.rope_theta)
+    groups = m.num_heads // m.num_kv_heads
+    logits = np.einsum("qnh,knh->nqk", q, np.repeat(k, groups, axis=1)) / np.sqrt(m.head_dim)
+    logits = np.where(np.tril(np.ones((len(tokens),) * 2, bool)), logits, -np.inf)
+    weights = np.exp(logits - logits.max(-1, keepdims=True))
+    weights /= weights.sum(-1, keepdims=True)  # [N, T, T]
+    n = len(context)
+    peak = weights[:, n:, :n].max(1).reshape(m.num_kv_heads, groups, n).max(1)  # [K, n]
+    peak[:, :4] = 1.0
+    return peak
+
+
+@pytest.mark.parametrize("ratio", [0.5, 0.25])
+def test_the_first_layer_keeps_the_tokens_its_probes_peak_on(ratio):
+    """The first layer's pool holds, over its two KV heads together, the
+    floor(ratio x length) x 2 tokens of highest float64 score (reference_scores); rows of
+    40 and 29 tokens compressed in one padded step keep what each alone keeps, and
+    end at their contexts' lengths."""
+    cfg = VARIANTS["gqa"]()
+    contexts = [random_tokens(cfg, (CONTEXT,), seed=1), random_tokens(cfg, (29,), seed=2)]
+    cache, cache_cfg, params = compressed(cfg, contexts, ratio, recent=0)
+    np.testing.assert_array_equal(cache.lengths, [40, 29])
+    assert not np.asarray(cache.errors).any()
+    for row, context in enumerate(contexts):
+        score = reference_scores(cfg, params, context)
+        target = int(ratio * len(context)) * cfg.model.num_kv_heads
+        order = np.argsort(-score.reshape(-1), kind="stable")
+        best = score.reshape(-1)[order]
+        assert best[target - 1] - best[target] > 1e-6  # no tie at the cut
+        head, position = np.divmod(order[:target], len(context))
+        expect = [sorted(position[head == h].tolist()) for h in range(cfg.model.num_kv_heads)]
+        assert kept(cache.layers[0])[row] == expect
+    assert kvlab.cache_bytes(cfg.model, cache_cfg, 2, MAX_LEN) == kvlab.tree_bytes(cache)
+
+
+@pytest.mark.parametrize(
+    "variant, bits, storage",
+    [("gqa", 16, {"kind": "paged", "page_size": 8}), ("gqa", 4, None), ("mla_absorbed", 16, None)],
+)
+def test_it_composes_with_pages_quantized_tokens_and_a_latent(variant, bits, storage):
+    """In pages (the same tokens as the dense cache), over 4-bit tokens or a latent:
+    rows end at their contexts, each layer keeps its target over its heads together
+    (a latent: one head), and the bytes counted are the tree's."""
+    cfg = VARIANTS[variant]()
+    contexts = [random_tokens(cfg, (CONTEXT,), seed=1), random_tokens(cfg, (29,), seed=2)]
+    cache, cache_cfg, _ = compressed(cfg, contexts, 0.5, bits, storage, recent=0)
+    np.testing.assert_array_equal(cache.lengths, [40, 29])
+    assert not np.asarray(cache.errors).any()
+    heads = cfg.model.num_kv_heads if variant == "gqa" else 1
+    for layer in cache.layers:
+        held = np.asarray(layer.stored(cache.lengths)).sum(-1)
+        np.testing.assert_array_equal(held, [20 * heads, 14 * heads])
+    assert kvlab.cache_bytes(cfg.model, cache_cfg, 2, MAX_LEN) == kvlab.tree_bytes(cache)
+    if storage:
+        dense, _, _ = compressed(cfg, contexts, 0.5, recent=0)
+        for paged, plain in zip(cache.layers, dense.layers, strict=True):
+            assert kept(paged) == kept(plain)
+
+
+def test_the_probes_leave_nothing_behind():
+    """Kept whole (ratio 1), the context after its probes answers as the full cache:
+    the question's logits equal a cache without eviction fed context then question."""
+    cfg = VARIANTS["gqa"]()
+    context, question = random_tokens(cfg, (24,), seed=3), random_tokens(cfg, (1, 6), seed=4)
+    cache, _, params = compressed(cfg, [context], 1.0)
+    _, _, apply = build(cfg)
+    got, after = apply({"params": params}, question, cache=cache)
+    full = kvlab.init_cache(cfg.model, cfg.cache, 1, MAX_LEN)
+    _, full = apply({"params": params}, context[None], cache=full)
+    want, _ = apply({"params": params}, question, cache=full)
+    np.testing.assert_allclose(got, want, atol=3e-6)
+    assert int(after.lengths[0]) == 30
+
+
+def test_it_is_refused_where_no_step_compresses_and_for_a_bad_sink_count():
+    """Refused before anything compiles: every step's eviction, a compression without
+    the contexts' lengths (no probes to tell), a negative sink count."""
+    cfg = VARIANTS["gqa"]()
+    cache_cfg = evicting(cfg, "kvzip", when="after_prefill", ratio=0.5)
+    cache = kvlab.init_cache(cfg.model, cache_cfg, 1, MAX_LEN)
+    model, params, _ = build(cfg)
+    with pytest.raises(ValueError, match="feed each context, then its probes"):
+        model.apply({"params": params}, random_tokens(cfg, (1, 8)), cache=cache, compress=True)
+    with pytest.raises(ValueError, match="when='after_prefill'"):
+        kvlab.init_cache(cfg.model, evicting(cfg, "kvzip", ratio=0.5), 1, MAX_LEN)
+    bad = evicting(cfg, "kvzip", when="after_prefill", ratio=0.5, options={"sinks": -1})
+    with pytest.raises(ValueError, match=r"options.sinks=-1"):
+        kvlab.init_cache(cfg.model, bad, 1, MAX_LEN)
