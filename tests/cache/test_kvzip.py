@@ -129,6 +129,21 @@ def test_the_probes_leave_nothing_behind():
     assert int(after.lengths[0]) == 30
 
 
+def test_tokens_past_the_headroom_evict_without_probes():
+    """After the compression, steps carry no probes: a row fed more tokens than its
+    headroom evicts (its pool of 2 x 22 slots full), keeping its sinks, no flag."""
+    cfg = VARIANTS["gqa"]()
+    cache, _, params = compressed(cfg, [random_tokens(cfg, (CONTEXT,), seed=1)], 0.25)
+    _, _, apply = build(cfg)
+    for t in range(16):
+        logits, cache = apply({"params": params}, random_tokens(cfg, (1, 1), seed=t), cache=cache)
+        assert np.isfinite(logits).all()
+    assert int(cache.lengths[0]) == 56 and not np.asarray(cache.errors).any()
+    for layer in cache.layers:
+        assert layer.policy.slots == 44 and int(layer.stored(cache.lengths).sum()) == 44
+        assert all(head[:4] == [0, 1, 2, 3] for head in kept(layer)[0])
+
+
 def test_it_is_refused_where_no_step_compresses_and_for_a_bad_sink_count():
     """Refused before anything compiles: every step's eviction, a compression without
     the contexts' lengths (no probes to tell), a negative sink count."""

@@ -60,7 +60,9 @@ class KVzip(Scorer):
         return [*encode(REPEAT), *encode(SUFFIX), *context]
 
     def score(self, c: Candidates) -> Array:
-        peak = c.mass.max(-1)  # [B, E, C]: a group's tokens, its best
+        # A step without probes (tokens after the compression that overflow the
+        # headroom) has no scores: the sinks stay, then the earlier tokens.
+        peak = 0.0 if c.mass is None else c.mass.max(-1)  # [B, E, C]: a group's best
         return jnp.where(c.positions < c.options["sinks"], 1.0, peak)
 
 

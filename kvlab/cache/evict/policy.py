@@ -441,15 +441,16 @@ def stored_tokens(positions: Array | None, policy: Policy, lengths: Array) -> Ar
 def observed_queries(policy: Policy, placement: Placement) -> Array | None:
     """float32[B, T]: the queries whose attention the scorer reads (`observes`:
     "all" real ones, the last obs_window of a "window", the "last" one, the
-    "probes" past a compressing row's context), or None."""
+    "probes" past a compressing row's context), or None (a step without
+    probes: the attention computes no mass)."""
     observes = None if policy.scorer is None else policy.scorer.observes
     if observes is None:
         return None
     steps = jnp.arange(placement.positions.shape[1])[None, :]
     real = steps < placement.num_tokens[:, None]
     if observes == "probes":
-        if placement.context is None:  # no probes: nothing observed
-            return jnp.zeros(real.shape, jnp.float32)
+        if placement.context is None:  # no probes this step: nothing observed
+            return None
         probe = placement.positions >= placement.context[:, None]
         return (real & probe & (placement.context[:, None] > 0)).astype(jnp.float32)
     if observes != "all":
