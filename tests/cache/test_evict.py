@@ -452,6 +452,53 @@ def test_snapkv_after_one_prefill_keeps_the_top_pooled_tokens():
             np.testing.assert_array_equal(kept[b, h], np.sort([*best, 10, 11]))
 
 
+@settings(max_examples=25, deadline=None)
+@given(
+    heads=st.sampled_from([(2, 1), (1, 3), (1, 1)]),  # (storage heads, KV heads): a pool
+    count=st.integers(1, 20),
+    max_len=st.integers(20, 40),
+    seed=st.integers(0, 2**16),
+)
+def test_candidates_rank_by_position_per_kv_head_valid_ones_first(heads, count, max_len, seed):
+    """scorers.position_rank (a count over marked positions) against the definition:
+    per storage head, the valid candidates by (KV head, position) 0 .. n - 1, then
+    the others in candidate order."""
+    from kvlab.cache.evict.scorers import Candidates, position_rank
+
+    storage, kv_heads = heads
+    rng = np.random.default_rng(seed)
+    shape = (2, storage, count)
+    owner = rng.integers(0, kv_heads, shape)
+    positions = np.stack(
+        [np.stack([rng.permutation(max_len)[:count] for _ in range(storage)]) for _ in range(2)]
+    )
+    valid = rng.random(shape) < 0.7
+    per_storage = np.broadcast_to(np.arange(storage)[:, None], shape)
+    c = Candidates(
+        tags=jnp.asarray(np.where(valid, positions, -1)),
+        valid=jnp.asarray(valid),
+        positions=jnp.asarray(np.where(valid, positions, -1)),
+        heads=jnp.asarray(owner if storage == 1 else per_storage),
+        held=0,
+        group=1,
+        mass=None,
+        state=None,
+        keys=lambda: None,
+        kernel=1,
+        seed=0,
+        layer=0,
+        kv_heads=kv_heads,
+        max_len=max_len,
+    )
+    rank = np.asarray(position_rank(c))
+    key = np.where(valid, np.asarray(c.heads) * max_len + positions, 10**6 + np.arange(count))
+    want = np.argsort(np.argsort(key, axis=-1, kind="stable"), axis=-1)
+    np.testing.assert_array_equal(rank, want)
+    # and position_rank without max_len (a comparison sort) agrees
+    sorted_rank = position_rank(dataclasses.replace(c, max_len=0))
+    np.testing.assert_array_equal(np.asarray(sorted_rank), want)
+
+
 def test_snapkv_mean_pooling_averages_the_prefix_before_the_window():
     """pooling='mean' (SnapKV's reference code and kvpress): the attention of the
     last obs_window queries to the tokens before the window, average-pooled over

@@ -29,10 +29,8 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array
 
-from kvlab.cache.evict.scorers import Candidates, Scorer
+from kvlab.cache.evict.scorers import Candidates, Scorer, position_order, position_rank
 from kvlab.registry import SCORERS
-
-NONE = 2**30  # the sort key of an empty candidate: after every position
 
 
 class LagKV(Scorer):
@@ -53,10 +51,10 @@ class LagKV(Scorer):
         lag, sinks = c.options["lag_size"], c.options["sink_tokens"]
         batch, heads, count, g = c.valid.shape + (c.group,)
         tokens = count * g  # candidates' tokens, in position order below
-        position = (c.positions[..., None] + jnp.arange(g)).reshape(batch, heads, tokens)
-        valid = jnp.repeat(c.valid, g, axis=-1)
-        order = jnp.argsort(jnp.where(valid, position, NONE), axis=-1)  # [B, E, n]
-        n = valid.sum(-1, keepdims=True)  # real tokens per head [B, E, 1]
+        # Each candidate's g tokens in a row, the candidates by position (valid first).
+        order = position_order(position_rank(c))[..., None] * g + jnp.arange(g)
+        order = order.reshape(batch, heads, tokens)  # [B, E, n]
+        n = c.valid.sum(-1, keepdims=True) * g  # real tokens per head [B, E, 1]
         rank = jnp.arange(tokens)
         # Too few candidates for a partition and its reference: the newest stay.
         fallback = jnp.where(rank < sinks, 1.0, (rank - sinks) / jnp.maximum(n - sinks, 1))

@@ -459,6 +459,7 @@ class EvictingLayer:
             keep=keep,
             output_norms=None if queries is None else queries.output_norms,
             key_transform=placement.transforms[0] if placement.transforms else None,
+            max_len=p.max_len,
             end=self._end(placement)[:, None, None],
             observed=_observed_count(p, placement),
             recent=p.recent,

@@ -115,6 +115,8 @@ class Candidates:
                attention, for scorers that observe; CriticalKV), else None
     key_transform  the cache's transform of its first tensor (kvlab/cache/transforms),
                which `keys` went through; None without one
+    max_len    the layer's capacity: every candidate's position is below it
+               (`position_rank` counts positions; 0: unknown, it sorts them)
     end        int32[B, 1, 1]   each row's length after the step (the next position)
     observed   float32[B, 1, 1]   the queries of each row whose attention `mass` sums
     recent     the layer's cache.evict.recent: candidates holding one of a row's
@@ -145,6 +147,7 @@ class Candidates:
     keep: Array | None = None
     output_norms: Callable | None = None
     key_transform: object | None = None
+    max_len: int = 0
     end: Array | None = None
     observed: Array | None = None
     recent: int = 0
@@ -406,8 +409,8 @@ def _pooled(score: Array, c: Candidates, counted: Array, fold) -> Array:
     """Each valid candidate's score folded (`fold(acc, neighbour, ok)`) with those
     of the `kernel` // 2 nearest candidates of its KV head on each side in
     position order (`ok`: the neighbour exists and is `counted`): score [B, E, C]."""
-    key = c.heads * (1 << 24) + c.positions  # head-major; positions stay below 2**24
-    order = jnp.argsort(jnp.where(c.valid, key, jnp.iinfo(jnp.int32).max), axis=-1)
+    rank = position_rank(c)
+    order = position_order(rank)
     take = lambda x: jnp.take_along_axis(x, order, axis=-1)  # noqa: E731
     s, v, n, h = take(score), take(c.valid), take(counted), take(c.heads)
     out = s
@@ -417,10 +420,36 @@ def _pooled(score: Array, c: Candidates, counted: Array, fold) -> Array:
             ok = jnp.roll(n, d, axis=-1) & (jnp.roll(h, d, axis=-1) == h)
             ok = ok & ((edge >= d) if d > 0 else (edge < s.shape[-1] + d))
             out = fold(out, jnp.roll(s, d, axis=-1), ok & v)
-    # Back to candidate order: a scatter through the permutation (no second sort).
-    b = jnp.arange(order.shape[0])[:, None, None]
-    e = jnp.arange(order.shape[1])[None, :, None]
-    return jnp.zeros_like(out).at[b, e, order].set(out)
+    return jnp.take_along_axis(out, rank, axis=-1)  # back to candidate order
+
+
+def position_order(rank: Array) -> Array:
+    """int32[B, E, C]: the candidates in the order `position_rank` gives them
+    (order[.., i] is the candidate of rank i)."""
+    b = jnp.arange(rank.shape[0])[:, None, None]
+    e = jnp.arange(rank.shape[1])[None, :, None]
+    return jnp.zeros_like(rank).at[b, e, rank].set(jnp.arange(rank.shape[-1]))
+
+
+def position_rank(c: Candidates) -> Array:
+    """int32[B, E, C]: each candidate's place in the order of its storage head's
+    candidates by (KV head, position): the valid ones 0 .. n - 1, the others after
+    them in candidate order. Positions are distinct per KV head and below
+    `c.max_len`, so a count over a mark per position ranks them (a cumulative sum
+    over max_len: several times cheaper on CPU than a comparison sort of C)."""
+    count = c.valid.shape[-1]
+    lanes = c.kv_heads if c.valid.shape[1] == 1 else 1  # a pool: its heads one after another
+    if not c.max_len:
+        key = c.heads * (1 << 24) + c.positions  # positions stay below 2**24
+        order = jnp.argsort(jnp.where(c.valid, key, jnp.iinfo(jnp.int32).max), axis=-1)
+        return jnp.argsort(order, axis=-1)
+    span = lanes * c.max_len
+    key = (c.heads if lanes > 1 else 0) * c.max_len + c.positions
+    key = jnp.where(c.valid, jnp.clip(key, 0, span - 1), span + jnp.arange(count))
+    b = jnp.arange(key.shape[0])[:, None, None]
+    e = jnp.arange(key.shape[1])[None, :, None]
+    marks = jnp.zeros((*key.shape[:2], span + count), jnp.int32).at[b, e, key].set(1)
+    return jnp.take_along_axis(jnp.cumsum(marks, axis=-1) - 1, key, axis=-1)
 
 
 def read_artefact(path: str, key: str, shape: str, option: str, fix: str) -> np.ndarray:
