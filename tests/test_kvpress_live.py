@@ -179,3 +179,32 @@ def test_duo_attention_keeps_kvpress_tokens(model, tmp_path):
         cfg, params, "duo_attention", KEPT, prompt(), budget=60, options=options
     )
     assert_same("duo_attention", ours, theirs)
+
+
+def test_kvzip_keeps_kvpress_tokens(model, tmp_path):
+    """KVzipPress (layerwise: each layer its share) reads the model folder's tokenizer
+    for its request to repeat the context: with a byte-level one of the model's 256
+    ids (no chat template) it repeats the plain context, as kvlab's probes do, and
+    both keep the same half of every layer's tokens over its heads together."""
+    tokenizers = pytest.importorskip("tokenizers")
+    cfg, params, _ = model
+    backend = tokenizers.Tokenizer(tokenizers.models.BPE())
+    backend.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = tokenizers.decoders.ByteLevel()
+    alphabet = tokenizers.pre_tokenizers.ByteLevel.alphabet()
+    trainer = tokenizers.trainers.BpeTrainer(
+        vocab_size=256, initial_alphabet=alphabet, show_progress=False
+    )
+    backend.train_from_iterator(["".join(alphabet)], trainer)
+    backend.save(str(tmp_path / "tokenizer.json"))
+    tokenizer = kvlab.data.load_tokenizer(str(tmp_path / "tokenizer.json"))
+    folder = tmp_path / "hf"
+    kvlab.save_hf(cfg, params, folder, tokenizer)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        folder, dtype=torch.float32, attn_implementation="sdpa"
+    ).eval()
+    press = kvpress.KVzipPress(1 - KEPT, layerwise=True)
+    theirs = agreement().kvpress_kept(hf, press, prompt())
+    assert sum(len(head) for head in theirs[0]) == LENGTH * cfg.model.num_kv_heads // 2
+    ours = agreement().kvlab_kept(cfg, params, "kvzip", KEPT, prompt(), tokenizer.encode)
+    assert_same("kvzip", ours, theirs)

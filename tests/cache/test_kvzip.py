@@ -45,7 +45,7 @@ def compressed(cfg, contexts, ratio, bits=16, storage=None, **fields):
 def reference_scores(cfg, params, context):
     """float64 from the parameters, the first layer: per KV head and context token,
     the largest softmax probability (causal over context and probes) any probe
-    query of the head's group gave it; the first `sinks` (4) score 1."""
+    query of the head's group gave it; the first `sinks` (4) score 2."""
     m = cfg.model
     tokens = np.asarray([*context, *KVZIP.probe_tokens(encode, list(context))])
     block = params["block_0"]
@@ -63,7 +63,7 @@ def reference_scores(cfg, params, context):
     weights /= weights.sum(-1, keepdims=True)  # [N, T, T]
     n = len(context)
     peak = weights[:, n:, :n].max(1).reshape(m.num_kv_heads, groups, n).max(1)  # [K, n]
-    peak[:, :4] = 1.0
+    peak[:, :4] = 2.0
     return peak
 
 

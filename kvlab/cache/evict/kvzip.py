@@ -12,19 +12,19 @@ context again: the probes (Placement.context). They attend as any later tokens
 do (to the context and, causally, to each other) and are never stored; the row's
 length ends at its context. A context token's score in a layer is the largest
 probability any probe gave it from any query head of its KV head's group
-(`Scorer.peaks`); the first `sinks` tokens score 1 (the largest a probability
-can be). The tokens a layer keeps are chosen over all its KV heads together
-(one pool per layer, as AdaKV's without a floor: kvpress's `layerwise=True`), so
-heads keep unequal shares at the bytes of a uniform budget.
+(`Scorer.peaks`); the first `sinks` tokens score 2, above any probability, so
+they stay (kvpress 0.5.5's n_sink). The tokens a layer keeps are chosen over all
+its KV heads together (one pool per layer, as AdaKV's without a floor: kvpress's
+`layerwise=True`), so heads keep unequal shares at the bytes of a uniform budget.
 
 Differences from kvpress's KVzipPress, by design: kvpress (`layerwise=False`, its
 default) ranks a whole model's tokens together, so layers keep unequal shares;
 kvlab's layers hold static slots, so each layer keeps its share. kvpress repeats
 a context longer than 2,048 tokens a chunk at a time, each chunk's probes
 scoring that chunk; kvlab repeats it whole in one step (the same scores for a
-context up to 2,048 tokens). kvpress wraps the context in the tokenizer's chat
-template and scores none of the template's tokens but the first `n_sink`;
-kvlab's benchmark feeds the plain context. KVzip+'s normalization is not here.
+context up to 2,048 tokens). kvpress's pipeline wraps the context in the
+tokenizer's chat template, whose prefix it does not score; kvlab's benchmark
+feeds the plain context. KVzip+'s normalization is not here.
 """
 
 from __future__ import annotations
@@ -63,7 +63,7 @@ class KVzip(Scorer):
         # A step without probes (tokens after the compression that overflow the
         # headroom) has no scores: the sinks stay, then the earlier tokens.
         peak = 0.0 if c.mass is None else c.mass.max(-1)  # [B, E, C]: a group's best
-        return jnp.where(c.positions < c.options["sinks"], 1.0, peak)
+        return jnp.where(c.positions < c.options["sinks"], 2.0, peak)
 
 
 SCORERS.register(KVzip())

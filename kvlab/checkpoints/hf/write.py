@@ -55,11 +55,12 @@ def save_hf(
     """Writes `params` of the model `cfg.model` as a transformers checkpoint in the
     folder `path` (created if needed): config.json and model.safetensors, and with
     `tokenizer` (a kvlab.data.tokenizer.Tokenizer: load_gguf's, or load_tokenizer's)
-    its tokenizer.json and, when it has an end token, tokenizer_config.json naming
-    it as eos_token; each replaced atomically. AutoModelForCausalLM.from_pretrained(path)
-    computes the same logits; tensors are written in model.param_dtype. `params` may be
-    fused (kvlab.model.fuse_projections). A model whose vocabulary is not the 256 byte
-    values needs its tokenizer in the folder for kvlab to read text (load_hf)."""
+    its tokenizer.json and tokenizer_config.json (its class for transformers and, when
+    it has an end token, that as eos_token); each replaced atomically.
+    AutoModelForCausalLM.from_pretrained(path) computes the same logits; tensors are
+    written in model.param_dtype. `params` may be fused (kvlab.model.fuse_projections).
+    A model whose vocabulary is not the 256 byte values needs its tokenizer in the
+    folder for kvlab to read text (load_hf)."""
     model = cfg.model
     if tokenizer is not None and not isinstance(tokenizer, Tokenizer):
         raise ValueError(
@@ -96,7 +97,11 @@ def save_hf(
     if tokenizer is not None:
         write_atomic(os.path.join(folder, TOKENIZER_FILE), tokenizer.backend.to_str())
         eos = tokenizer.end_token
-        config = {} if eos is None else {"eos_token": tokenizer.backend.id_to_token(eos)}
+        # The class transformers' AutoTokenizer reads tokenizer.json with as it is (from
+        # the model's type alone it guesses a slow tokenizer's class and its vocabulary).
+        config = {"tokenizer_class": "PreTrainedTokenizerFast"}
+        if eos is not None:
+            config["eos_token"] = tokenizer.backend.id_to_token(eos)
         write_atomic(os.path.join(folder, "tokenizer_config.json"), json.dumps(config) + "\n")
     write_atomic(
         os.path.join(folder, "config.json"),
