@@ -410,14 +410,24 @@ def _pooled(score: Array, c: Candidates, counted: Array, fold) -> Array:
     of the `kernel` // 2 nearest candidates of its KV head on each side in
     position order (`ok`: the neighbour exists and is `counted`): score [B, E, C]."""
     rank = position_rank(c)
-    order = position_order(rank)
-    take = lambda x: jnp.take_along_axis(x, order, axis=-1)  # noqa: E731
-    s, v, n, h = take(score), take(c.valid), take(counted), take(c.heads)
-    out = s
+    # In rank order: the scores and whether each is counted, in one gather; the valid
+    # ones are the first n; a pool's heads run one after another.
+    order = position_order(rank)[..., None]
+    packed = jnp.stack([score, counted.astype(score.dtype)], axis=-1)
+    s, n = jnp.moveaxis(jnp.take_along_axis(packed, order, axis=-2), -1, 0)
+    n = n > 0
     edge = jnp.arange(s.shape[-1])
+    v = edge < c.valid.sum(-1, keepdims=True)
+    h = None
+    if c.valid.shape[1] == 1 and c.kv_heads > 1:  # a pool: the head of each rank
+        per_head = (c.valid & (c.heads == jnp.arange(c.kv_heads)[:, None, None, None])).sum(-1)
+        h = (edge >= jnp.cumsum(per_head, axis=0)[..., None]).sum(0)  # [B, 1, C]
+    out = s
     for shift in range(1, c.kernel // 2 + 1):
         for d in (shift, -shift):
-            ok = jnp.roll(n, d, axis=-1) & (jnp.roll(h, d, axis=-1) == h)
+            ok = jnp.roll(n, d, axis=-1)
+            if h is not None:
+                ok = ok & (jnp.roll(h, d, axis=-1) == h)
             ok = ok & ((edge >= d) if d > 0 else (edge < s.shape[-1] + d))
             out = fold(out, jnp.roll(s, d, axis=-1), ok & v)
     return jnp.take_along_axis(out, rank, axis=-1)  # back to candidate order
