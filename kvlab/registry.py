@@ -115,6 +115,7 @@ TRANSFORMS = Registry(
     shipped={
         "none": "kvlab.cache.transforms",
         "hadamard": "kvlab.cache.transforms.hadamard",
+        "orthogonal": "kvlab.cache.transforms.orthogonal",
     },
     group="kvlab.transforms",
 )

@@ -52,7 +52,9 @@ CACHES = {
         evict=dict(method="snapkv", ratio=0.5),
     ),
     "sliding window": dict(window=16),
-    "rotated 4-bit": dict(k_bits=4, v_bits=4, k_axis="token", k_transform="hadamard"),
+    "rotated 4-bit": dict(  # keys (a latent) by Hadamard, values (RoPE keys) at random
+        k_bits=4, v_bits=4, k_axis="token", k_transform="hadamard", v_transform="orthogonal"
+    ),
     "cross-layer 4-bit": dict(topology="cla:2", k_bits=4, v_bits=4, k_axis="token"),
     "normal-float 4-bit": dict(k_bits=4, v_bits=4, k_format="nf", v_format="nf", k_axis="token"),
 }

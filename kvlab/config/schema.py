@@ -209,7 +209,7 @@ def base_config(variant: str = "tiny") -> ml_collections.ConfigDict:
             symmetric=False,  # int codes without a zero point (fp8 and nf never have one)
             scale_dtype="bfloat16",  # dtype of scales and zero points
             k_transform="none",  # an orthogonal map applied before a tensor is stored and
-            v_transform="none",  # folded into its reads: 'none', 'hadamard' or one registered
+            v_transform="none",  # folded into its reads: 'none', 'hadamard', 'orthogonal', ...
             latent_transform="none",  # (kvlab/cache/transforms; kvlab.registry.TRANSFORMS)
             rope_transform="none",
         )

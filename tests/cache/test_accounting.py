@@ -70,8 +70,8 @@ def test_tree_bytes_counts_params():
 
 CACHE_FIELDS = dict(
     k_bits=st.sampled_from([16, 8, 4, 2]),
-    k_transform=st.sampled_from(["none", "hadamard"]),
-    v_transform=st.sampled_from(["none", "hadamard"]),
+    k_transform=st.sampled_from(["none", "hadamard", "orthogonal"]),
+    v_transform=st.sampled_from(["none", "hadamard", "orthogonal"]),
     v_bits=st.sampled_from([16, 8, 4]),
     k_format=st.sampled_from(["int", "fp8"]),
     k_axis=st.sampled_from(["token", "channel"]),

@@ -1,7 +1,8 @@
 """Key/value transforms (kvlab/cache/transforms): applied before storing, folded
 into the reads, they change no logit at 16 bits; a Hadamard rotation is the
-normalized Walsh-Hadamard matrix times fixed signs, and spreads outlier
-channels so 4-bit keys lose less."""
+normalized Walsh-Hadamard matrix times fixed signs, a random orthogonal one a
+seeded Haar matrix of any width, and both spread outlier channels so 4-bit keys
+lose less."""
 
 import jax
 import jax.numpy as jnp
@@ -12,6 +13,7 @@ from hypothesis import strategies as st
 
 import kvlab
 from kvlab.cache.transforms.hadamard import Hadamard, signs, walsh_hadamard
+from kvlab.cache.transforms.orthogonal import Orthogonal, rotation
 from kvlab.eval import evaluate, evaluate_reference, full_cache
 from tests.helpers import VARIANTS, build, random_tokens, run_in_chunks
 
@@ -40,16 +42,34 @@ def test_hadamard_is_the_signed_walsh_hadamard_matrix_and_orthogonal(log_width, 
     )
 
 
-def rotated(cache_cfg, prefixes, **cache_fields):
+@given(width=st.sampled_from([1, 3, 12, 64, 80, 576]), seed=st.integers(0, 2**16))
+def test_orthogonal_is_a_seeded_orthogonal_matrix_of_any_width(width, seed):
+    """The same matrix every time for a width (seeded), orthogonal, inverted by its
+    transpose, dot products unchanged."""
+    r = rotation(width)
+    np.testing.assert_allclose(r @ r.T, np.eye(width), atol=1e-5)
+    assert np.array_equal(r, rotation.__wrapped__(width))  # recomputed: the same
+    x = np.random.default_rng(seed).standard_normal((3, width)).astype(np.float32)
+    q = np.random.default_rng(seed + 1).standard_normal((3, width)).astype(np.float32)
+    forward = Orthogonal().forward(jnp.asarray(x))
+    np.testing.assert_allclose(forward, x @ r, atol=1e-4)
+    np.testing.assert_allclose(Orthogonal().inverse(forward), x, atol=1e-4)
+    np.testing.assert_allclose(
+        (Orthogonal().forward(jnp.asarray(q)) * forward).sum(-1), (q * x).sum(-1), atol=1e-3
+    )
+
+
+def rotated(cache_cfg, prefixes, transform="hadamard", **cache_fields):
     """A copy of `cache_cfg` with these fields, storing `prefixes` rotated."""
     cache = cache_cfg.copy_and_resolve_references()
     cache.update(cache_fields)
-    cache.update({f"{p}_transform": "hadamard" for p in prefixes})
+    cache.update({f"{p}_transform": transform for p in prefixes})
     return cache
 
 
+@pytest.mark.parametrize("transform", ["hadamard", "orthogonal"])
 @pytest.mark.parametrize("name", ["gqa", "mla_absorbed", "mla_expanded"])
-def test_a_16_bit_cache_under_rotations_gives_the_same_logits(name):
+def test_a_16_bit_cache_under_rotations_gives_the_same_logits(name, transform):
     """Chunks of a prefill and decode steps through a cache whose every tensor
     is stored rotated equal the plain forward's logits within float rounding,
     dense and paged, and the bytes are the unrotated cache's."""
@@ -60,9 +80,9 @@ def test_a_16_bit_cache_under_rotations_gives_the_same_logits(name):
     want, _ = apply({"params": params}, tokens)
     prefixes = kvlab.config.cached_prefixes(model_cfg)
     for fields in ({}, {"kind": "paged", "page_size": 4}):
-        cache_cfg = rotated(cfg.cache, prefixes, **fields)
+        cache_cfg = rotated(cfg.cache, prefixes, transform, **fields)
         cache = kvlab.init_cache(model_cfg, cache_cfg, 2, 16)
-        assert cache.transforms == ("hadamard", "hadamard")
+        assert cache.transforms == (transform, transform)
         got, cache = run_in_chunks(apply, params, cache, tokens, [4, 1, 4])
         np.testing.assert_allclose(got, want, atol=2e-5, rtol=0)
         plain = kvlab.init_cache(model_cfg, cfg.cache.copy_and_resolve_references(), 2, 16)
@@ -74,8 +94,10 @@ def test_a_16_bit_cache_under_rotations_gives_the_same_logits(name):
 def test_rotated_keys_with_outlier_channels_lose_less_at_4_bits():
     """Keys with a few channels 30 times larger than the rest: one scale per
     token at 4 bits rounds the others to nothing. Rotated first, the outliers
-    spread over every channel, and the next-token distributions move far less
-    from the full cache's (KL), through the same evaluation."""
+    spread over every channel, and the next-token distributions move less from
+    the full cache's (KL), through the same evaluation: Hadamard's even spread
+    (every rotated channel a +-1/sqrt(n) share of each) to less than half, a
+    random rotation's uneven one less far (QuaRot's finding)."""
     cfg = VARIANTS["gqa"]()
     _, params, _ = build(cfg)
     kernel = params["block_0"]["attention"]["key"]["kernel"]  # [D, K, H]
@@ -87,17 +109,18 @@ def test_rotated_keys_with_outlier_channels_lose_less_at_4_bits():
     four.update(k_bits=4, k_axis="token", group_size=16)
     reference = evaluate_reference(cfg.model, full_cache(four), params, [batch], chunk=8)
     kl = {
-        rotate: evaluate(
+        transform: evaluate(
             cfg.model,
-            rotated(four, ["k"] if rotate else []),
+            rotated(four, ["k"], transform),
             params,
             [batch],
             chunk=8,
             reference=reference,
         )["kl_mean"]
-        for rotate in (False, True)
+        for transform in ("none", "hadamard", "orthogonal")
     }
-    assert kl[True] < kl[False] / 2, kl
+    assert kl["hadamard"] < kl["none"] / 2, kl
+    assert kl["hadamard"] < kl["orthogonal"] < kl["none"], kl
 
 
 def test_a_transform_that_does_not_fit_is_refused_naming_the_field():
