@@ -452,11 +452,11 @@ def test_snapkv_after_one_prefill_keeps_the_top_pooled_tokens():
             np.testing.assert_array_equal(kept[b, h], np.sort([*best, 10, 11]))
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=12, deadline=None)
 @given(
     heads=st.sampled_from([(2, 1), (1, 3), (1, 1)]),  # (storage heads, KV heads): a pool
-    count=st.integers(1, 20),
-    max_len=st.integers(20, 40),
+    count=st.sampled_from([1, 7, 20]),  # few shapes: each compiles
+    max_len=st.sampled_from([20, 33]),
     seed=st.integers(0, 2**16),
 )
 def test_candidates_rank_by_position_per_kv_head_valid_ones_first(heads, count, max_len, seed):
