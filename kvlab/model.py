@@ -130,7 +130,7 @@ def check_inputs(config, tokens, cache: Cache | None, num_tokens, probes=None) -
         given = None if probes is None else jnp.asarray(probes)
         if given is not None and jnp.issubdtype(given.dtype, jnp.integer) and _is_concrete(given):
             context = np.broadcast_to(sharding.fetch(given), after.shape)
-            after = np.where(context > 0, np.clip(context, np.asarray(cache.lengths), after), after)
+            after = np.asarray(stored_end(np.asarray(cache.lengths), counts, context))
         if (after > cache.capacity).any():
             row = int(np.argmax(after > cache.capacity))
             raise ValueError(
@@ -264,7 +264,7 @@ class Transformer(nn.Module):
             if num_tokens is None:
                 num_tokens = jnp.full((batch,), length, jnp.int32)
             num_tokens = num_tokens.astype(jnp.int32)
-            if cache.probes and compress is not None and context is None:
+            if probing and context is None:
                 raise ValueError(
                     "compress=True over a cache that scores a context by the probes fed "
                     "after it (cache.evict.method='kvzip'): feed each context, then its "

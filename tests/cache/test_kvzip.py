@@ -129,6 +129,23 @@ def test_the_probes_leave_nothing_behind():
     assert int(after.lengths[0]) == 30
 
 
+def test_a_context_that_fills_the_cache_takes_its_probes_past_the_capacity():
+    """The probes are not held: a context of max_len tokens with its probes after it
+    (past max_len) is no overflow; a context longer than max_len is flagged under
+    jit and refused outside it."""
+    cfg = VARIANTS["gqa"]()
+    cache, cache_cfg, params = compressed(cfg, [random_tokens(cfg, (MAX_LEN,), seed=5)], 0.5)
+    assert int(cache.lengths[0]) == MAX_LEN and not np.asarray(cache.errors).any()
+    long = random_tokens(cfg, (MAX_LEN + 1,), seed=5)
+    cache, _, _ = compressed(cfg, [long], 0.5)
+    assert np.asarray(cache.errors)[0] & kvlab.cache.dense.OVERFLOW
+    model, _, _ = build(cfg)
+    tokens = np.asarray([[*long, *KVZIP.probe_tokens(encode, list(long))]], np.int32)
+    empty = kvlab.init_cache(cfg.model, cache_cfg, 1, MAX_LEN)
+    with pytest.raises(ValueError, match=f"would hold {MAX_LEN + 1} tokens"):
+        model.apply({"params": params}, tokens, cache=empty, compress=np.asarray([MAX_LEN + 1]))
+
+
 def test_tokens_past_the_headroom_evict_without_probes():
     """After the compression, steps carry no probes: a row fed more tokens than its
     headroom evicts (its pool of 2 x 22 slots full), keeping its sinks, no flag."""
