@@ -223,7 +223,7 @@ def _observing(attention, read: Read):
     only in a step whose write scores (`layer.competes`, a traced bool; None:
     every step): other steps attend as a layer without eviction does (streamed,
     or a backend's kernel) and hand zeros, which their write does not read."""
-    observe = Peak(read.observe) if read.layer.peaks else read.observe
+    observe = Peak(read.observe) if read.layer.policy.peaks else read.observe
     attend = lambda: attention(read.regions, observe, read.cached)  # noqa: E731
     competes = read.layer.competes(read.placement)
     if competes is None:

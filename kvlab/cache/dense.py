@@ -116,7 +116,9 @@ class Cache:
     def probes(self) -> bool:
         """Whether a compressing step's tokens past a row's context are probes that
         are not stored (an evicting layer whose scorer observes "probes": KVzip)."""
-        return any(getattr(layer, "probes", False) for layer in self.layers)
+        return any(
+            getattr(getattr(layer, "policy", None), "probes", False) for layer in self.layers
+        )
 
     @property
     def batch_size(self) -> int:

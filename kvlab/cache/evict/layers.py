@@ -122,14 +122,6 @@ class EvictingLayer:
     def slots(self) -> int:
         return self.policy.slots
 
-    @property
-    def probes(self) -> bool:
-        return self.policy.probes
-
-    @property
-    def peaks(self) -> bool:
-        return self.policy.peaks
-
     def tensor_shapes(self) -> tuple[tuple[int, int], ...]:
         if self.policy.pooled:  # the pool stands for K heads
             return tuple((self.policy.kv_heads, tensor_width(t)) for t in self.tensors)

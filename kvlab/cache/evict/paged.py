@@ -107,14 +107,6 @@ class PagedEvictingLayer:
     def stored(self, lengths: Int[Array, " B"]) -> Int[Array, "B K"]:
         return stored_tokens(self.positions, self.policy, lengths)
 
-    @property
-    def probes(self) -> bool:
-        return self.policy.probes
-
-    @property
-    def peaks(self) -> bool:
-        return self.policy.peaks
-
     def observe(self, placement: Placement) -> Float[Array, "B T"] | None:
         return observed_queries(self.policy, placement)
 
