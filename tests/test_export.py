@@ -175,10 +175,11 @@ def test_a_compressing_prefill_exports_for_tpu_and_cuda(attention):
 @pytest.mark.parametrize(
     "method",
     [m for m in evict_methods() if m not in ("none", "window", "sinks", "snapkv")]
-    + ["chunkkv:lagkv"],
+    + ["chunkkv:lagkv", "think:knorm"],
 )
 def test_every_scorer_compresses_a_prefill_that_exports_for_tpu_and_cuda(method, tmp_path):
-    """Each registered scorer, and a wrapper over one, in the program that compresses
+    """Each registered scorer, and wrappers over one (think: keys stored pruned of
+    channels, read by their own reader), in the program that compresses
     a prompt (compress= each row's context length: kvzip's, half of it, the rest its
     probes) and decodes after it."""
     cfg = config("gqa", "snapkv", "xla")

@@ -138,6 +138,23 @@ def assert_same(method, ours, theirs):
             )
 
 
+def test_think_keeps_kvpress_tokens_and_channels(model):
+    """ComposedPress([SnapKVPress, ThinKPress(0.5)]) is think:snapkv: the same
+    tokens, and in every layer and KV head the same half of the key channels
+    (those kvpress leaves unzeroed, kvlab stores)."""
+    cfg, params, load = model
+    compare = agreement()
+    make, fields = CASES["snapkv"]
+    press = kvpress.ComposedPress([make(1 - KEPT), kvpress.ThinKPress(0.5)])
+    theirs = compare.kvpress_kept(load("sdpa"), press, prompt())
+    ours = compare.kvlab_kept(cfg, params, "think:snapkv", KEPT, prompt(), **fields)
+    assert_same("think:snapkv", ours, theirs)
+    cache = compare.kvlab_compressed(cfg, params, "think:snapkv", KEPT, prompt(), **fields)
+    channels = compare.kvpress_channels(load("sdpa"), press, prompt())
+    assert {len(head) for layer in channels for head in layer} == {cfg.model.head_dim // 2}
+    assert_same("think:snapkv channels", compare.kvlab_channels(cache), channels)
+
+
 def test_per_layer_and_composed_presses_keep_kvpress_tokens(model):
     """PerLayerCompressionPress over KnormPress (compression 0.25, 0.5, 0.75 by
     layer) is per_layer:knorm with weights 0.75, 0.5, 0.25 at ratio 0.5; ComposedPress

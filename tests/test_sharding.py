@@ -342,6 +342,8 @@ CACHES = {
     "paged_quantized": dict(kind="paged", page_size=16, k_bits=4, v_bits=4, residual=16),
     # 6 of 11 tokens kept per KV head in pages (h2o), positions and scores per row
     "paged_evicting": dict(kind="paged", page_size=4, evict=dict(method="h2o", budget=6, recent=2)),
+    # keys stored pruned of half their channels (ThinK), the channel ids per row and head
+    "pruned_keys": dict(evict=dict(method="think:snapkv", budget=6, recent=2)),
 }
 LAID_OUT = {
     "quantized": dict(k_bits=4, v_bits=8, residual=16),

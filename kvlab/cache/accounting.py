@@ -12,12 +12,14 @@ latent attention stores (kv_rank + rope_dim) numbers per token and layer instead
 packed payload (bits / 8 bytes a number), one scale (and zero point) per group
 and the full-precision ring of recent tokens, laid out as kvlab/cache/quant/
 describes. A paged cache counts its page pools (num_pages x page_size token
-rows, shared by the rows) and each row's ring instead. An evicting cache counts its budget slots
-(kvlab/cache/evict/), and per slot an int32 position (and h2o's float32
-score) unless it is a ring; one whose quantized tokens settle in groups (a
-residual, per-channel scales) counts slots of g tokens, its ring and (h2o) a
-float32 score per ring slot. Plus the bookkeeping the
-cache carries: one int32 length and one int32 of error flags per row
+rows, shared by the rows) and each row's ring instead. An evicting cache
+counts its budget slots (kvlab/cache/evict/), and per slot an int32 position
+(and h2o's float32 score) unless it is a ring; keys pruned of channels (ThinK)
+count their kept channels and an int32 id per kept channel, row and KV head;
+a cache whose quantized tokens settle in groups (a residual, per-channel
+scales) counts slots of g tokens, its ring and (h2o) a float32 score per ring
+slot. Plus the bookkeeping the cache carries: one int32 length and one int32
+of error flags per row
 (ROW_BYTES) and, paged, the block tables.
 """
 
@@ -44,6 +46,7 @@ ROW_BYTES = 4 + 4  # per row: an int32 length and int32 error flags
 TABLE_ENTRY_BYTES = 4  # paged: one int32 page id per row and page
 SLOT_BYTES = 4  # evicting caches (scored methods): the int32 position of each slot's token
 SCORE_BYTES = 4  # a scorer that keeps: the float32 each slot carries (h2o's attention)
+CHANNEL_BYTES = 4  # pruned keys (ThinK): the int32 id of each kept channel per row and KV head
 
 
 def cache_bytes(
@@ -115,6 +118,10 @@ def _evicting_bytes(plan, tensors, cache_cfg: Mapping, batch_size: int, rows_hel
         tables = rows_held * paged.pages_per_row(cache_cfg, row_slots) * TABLE_ENTRY_BYTES
     for policy in plan:
         stored = [(spec, 1 if policy.pooled else t.heads, t.width) for t, spec in tensors]
+        if policy.key_channels:  # pruned keys: their kept channels, and an int32 index of them
+            spec, heads, _ = stored[0]
+            stored[0] = (spec, heads, policy.key_channels)
+            per_layer += rows_held * heads * policy.key_channels * CHANNEL_BYTES
         if cache_cfg["kind"] == "paged":
             per_layer += sum(_tensor_bytes(s, h, w, pooled, 0) for s, h, w in stored)
         else:  # slots (settling: of g payload rows each) per storage head

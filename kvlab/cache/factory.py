@@ -149,12 +149,21 @@ def _evicting_layer(policy, specs, shapes, dtype, batch_size: int) -> evict.Evic
             tensors.append(tensor.replace(ring=ring))
             continue
         heads = 1 if policy.pooled else heads
-        if spec.quantized:
+        if policy.key_channels and not tensors:  # pruned keys (ThinK): the first tensor
+            kept = policy.key_channels
+            zeros = jnp.zeros((batch_size, heads, policy.slots, kept), dtype)
+            tensors.append(evict.PrunedKeys(zeros, _channels(batch_size, heads, kept), width))
+        elif spec.quantized:
             layout = quant.Layout(policy.slots, 0, 1)
             tensors.append(quant.init_tensor(spec, layout, batch_size, heads, width))
         else:
             tensors.append(jnp.zeros((batch_size, heads, policy.slots, width), dtype))
     return evict.init_layer(policy, tuple(tensors), batch_size)
+
+
+def _channels(batch_size: int, heads: int, kept: int) -> jnp.ndarray:
+    """Pruned keys' channel ids before a row's first write chooses them."""
+    return jnp.broadcast_to(jnp.arange(kept, dtype=jnp.int32), (batch_size, heads, kept))
 
 
 def _paged_evicting_cache(plan, specs, shapes, dtype, cache_cfg, batch_size, own_pages, rows):
@@ -169,7 +178,11 @@ def _paged_evicting_cache(plan, specs, shapes, dtype, cache_cfg, batch_size, own
         pools = []
         for spec, (heads, width) in zip(specs, shapes, strict=True):
             pool_heads = 1 if policy.pooled else heads
-            if spec.quantized or policy.settles:
+            if policy.key_channels and not pools:  # pruned keys (ThinK): channels per row
+                kept = policy.key_channels
+                zeros = jnp.zeros((pool_heads, num_pages, page, kept), dtype)
+                pools.append(evict.PrunedKeys(zeros, _channels(batch_size, heads, kept), width))
+            elif spec.quantized or policy.settles:
                 # one page's arrays (per-channel scales: page / g rows) as the template
                 one_page = quant.empty_tensor(spec, 1, pool_heads, width, page, 0)
                 arrays = {
@@ -257,7 +270,10 @@ def _layer_axes(layer):
 
 
 def _stored_axes(tensor, axes: PartitionSpec):
-    """A stored tensor's axes: `axes` for its arrays, a QuantizedTensor's ring per row."""
+    """A stored tensor's axes: `axes` for its arrays, a QuantizedTensor's ring per
+    row, pruned keys' channels per row and head."""
+    if isinstance(tensor, evict.PrunedKeys):
+        return tensor.replace(kept=axes, channels=PartitionSpec("cache_batch", "cache_heads", None))
     spec = jax.tree.map(lambda _: axes, tensor)
     if isinstance(tensor, quant.QuantizedTensor) and tensor.ring is not None:
         spec = spec.replace(ring=ROW_AXES)

@@ -74,15 +74,20 @@ def test_layers_sharing_a_cache_layer_give_every_request_what_it_gets_alone():
 
 @pytest.mark.parametrize(
     "method, storage",
-    [("snapkv", {}), ("tova", dict(KIVI, k_axis="token", k_transform="hadamard"))],
-    ids=["snapkv", "tova_rotated_4_bit"],
+    [
+        ("snapkv", {}),
+        ("tova", dict(KIVI, k_axis="token", k_transform="hadamard")),
+        ("think:snapkv", {}),
+    ],
+    ids=["snapkv", "tova_rotated_4_bit", "think_snapkv"],
 )
 def test_evicting_at_half_the_context_gives_every_request_what_it_gets_alone(method, storage):
     """Evicting in a shared pool: each slot keeps 12 of up to 24 tokens (3 pages
     of 4, not 6), the pool of 7 pages preempts, and every request gets the output
     it gets alone in the engine with the same policy (its generated tokens are
     replayed one by one after a preemption). Also TOVA over keys rotated before
-    4-bit storage (the methods added through registries, docs/adding-a-method.md)."""
+    4-bit storage (the methods added through registries, docs/adding-a-method.md),
+    and keys pruned of half their channels (ThinK: chosen per slot's request)."""
     cfg = engine_config(False, num_pages=7, num_kv_heads=2)
     cfg.cache.update(page_size=4, **storage)
     cfg.cache.evict.update(method=method, ratio=0.5, recent=2, obs_window=4)

@@ -30,15 +30,19 @@ from kvlab.cache.evict.policy import (
     stored_tokens,
     window_groups,
 )
-from kvlab.cache.evict.scorers import Candidates, Scorer, Wrapper
+from kvlab.cache.evict.scorers import Candidates, Channels, Scorer, Wrapper
+from kvlab.cache.evict.stored import ChannelReader, PrunedKeys
 
 __all__ = [
     "MAX_SCORED_LEN",
     "RING_METHODS",
     "Candidates",
+    "ChannelReader",
+    "Channels",
     "EvictingLayer",
     "PagedEvictingLayer",
     "Policy",
+    "PrunedKeys",
     "Scorer",
     "Wrapper",
     "banded",

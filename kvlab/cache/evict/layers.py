@@ -72,8 +72,9 @@ from kvlab.cache.evict.policy import (
     ring_positions,
     stored_tokens,
 )
-from kvlab.cache.evict.scorers import Candidates
+from kvlab.cache.evict.scorers import Candidates, Channels
 from kvlab.cache.evict.stored import (
+    PrunedKeys,
     as_pending,
     as_stored,
     put_tokens,
@@ -149,7 +150,9 @@ class EvictingLayer:
         if p.settles:
             return self._read_settling(fresh, placement)
         pending = tuple(as_pending(x, t) for x, t in zip(fresh, self.tensors, strict=True))
-        fresh = tuple(as_stored(x, t) for x, t in zip(pending, self.tensors, strict=True))
+        fresh = tuple(
+            as_stored(x, t, placement.lengths) for x, t in zip(pending, self.tensors, strict=True)
+        )
         stored = tuple(reader_of(t) for t in self.tensors)
         q_positions = placement.positions[:, :, None]  # [B, T, 1]
         if p.ring:
@@ -219,8 +222,37 @@ class EvictingLayer:
         if self.policy.settles:
             return self.write_settling(pending, placement, mass, queries=queries)
         slots, positions, scores = self.destinations(pending, placement, mass, queries)
-        tensors = tuple(put_tokens(t, x, slots) for t, x in zip(self.tensors, pending, strict=True))
+        tensors = self.with_channels(pending, placement, slots, queries)
+        tensors = tuple(put_tokens(t, x, slots) for t, x in zip(tensors, pending, strict=True))
         return EvictingLayer(tensors, positions, scores, self.policy)
+
+    def with_channels(self, pending: tuple, placement: Placement, slots: Array, queries):
+        """The stored tensors, pruned keys (policy.key_channels) with the channels
+        of the rows in their first write chosen (Scorer.choose_channels) from the
+        step's keys those rows keep (`slots` [B, K, T], S: not stored)."""
+        keys = self.tensors[0]
+        if not isinstance(keys, PrunedKeys):
+            return self.tensors
+        p = self.policy
+        if queries is None:
+            raise ValueError(
+                f"cache.evict.method={p.method!r} chooses key channels from the step's "
+                "queries, and this attention offered none"
+            )
+        c = Channels(
+            keys=pending[0].astype(jnp.float32),
+            kept=slots < self.positions.shape[2],
+            queries=queries.vectors,
+            query_positions=queries.positions,
+            positions=placement.positions,
+            end=placement.lengths + placement.num_tokens,
+            count=p.key_channels,
+            width=keys.width,
+            options=dict(p.options),
+        )
+        starting = (placement.lengths == 0) & (placement.num_tokens > 0)
+        chosen = jnp.where(starting[:, None, None], p.scorer.choose_channels(c), keys.channels)
+        return (keys.replace(channels=chosen), *self.tensors[1:])
 
     def destinations(self, pending: tuple, placement: Placement, mass=None, queries=None):
         """Where the step's tokens go: (slots [B, T] for a ring, else per storage
@@ -397,7 +429,7 @@ class EvictingLayer:
 
         def tokens(i):  # cached tensor i's, stored and new, as stored
             stored = stored_values(self.tensors[i])
-            new = as_stored(pending[i], self.tensors[i]).astype(jnp.float32)
+            new = as_stored(pending[i], self.tensors[i], placement.lengths).astype(jnp.float32)
             if p.pooled:
                 (new,) = self._pool_tensors((new,))
             return jnp.concatenate([stored, new], axis=2)[:, :, :, None]

@@ -25,7 +25,7 @@ from kvlab.cache.evict.policy import (
     overflows,
     stored_tokens,
 )
-from kvlab.cache.evict.stored import tensor_width
+from kvlab.cache.evict.stored import PrunedKeys, tensor_width
 from kvlab.cache.paged import gather_pages, write_pages
 from kvlab.cache.placement import Placement
 from kvlab.cache.quant import QuantizedTensor, quantize_tokens
@@ -42,6 +42,8 @@ def _entries(array: Array, rows: int, page: int) -> int:
 def _gather(pool, pages: Array, rows: int, page: int):
     """A pool's dense view [B, KH, rows, X] (a quantized tensor's arrays alike; its
     ring stays per row)."""
+    if isinstance(pool, PrunedKeys):  # its channels are per row already
+        return pool.replace(kept=gather_pages(pool.kept, pages, rows))
     if not isinstance(pool, QuantizedTensor):
         return gather_pages(pool, pages, rows)
     views = {
@@ -55,6 +57,8 @@ def _gather(pool, pages: Array, rows: int, page: int):
 
 def _put_pages(pool, new: Array, slots: Array, pages: Array, size: int):
     """`new` [B, KH, T, W] written at the rows' slots, in their pages."""
+    if isinstance(pool, PrunedKeys):
+        return pool.replace(kept=write_pages(pool.kept, pool.narrow(new), slots, pages, size))
     if not isinstance(pool, QuantizedTensor):
         return write_pages(pool, new, slots, pages, size)
     if not pool.spec.quantized:
@@ -75,7 +79,9 @@ class PagedEvictingLayer:
 
     pools        per cached tensor: [KH, P, L, W] in cache.dtype, or a QuantizedTensor
                  whose payload, scale and zero are such pools (per-channel scales:
-                 L / g entries per page); a settling policy's ring stays per row
+                 L / g entries per page); a settling policy's ring stays per row;
+                 pruned keys (stored.PrunedKeys): kept channels in a pool
+                 [KH, P, L, Wk], the channel ids per row [B, K, Wk]
     positions, scores, policy, ring_scores: as EvictingLayer's
     """
 
@@ -100,7 +106,7 @@ class PagedEvictingLayer:
         return EvictingLayer(tensors, self.positions, self.scores, p, self.ring_scores)
 
     def tensor_shapes(self) -> tuple[tuple[int, int], ...]:
-        pool_heads = lambda t: (t.payload if isinstance(t, QuantizedTensor) else t).shape[0]  # noqa: E731
+        pool_heads = lambda t: jax.tree.leaves(t)[0].shape[0]  # noqa: E731  payload, kept first
         heads = lambda t: self.policy.kv_heads if self.policy.pooled else pool_heads(t)  # noqa: E731
         return tuple((heads(t), tensor_width(t)) for t in self.pools)
 
@@ -132,9 +138,13 @@ class PagedEvictingLayer:
                 layer.tensors, layer.positions, layer.scores, p, layer.ring_scores
             )
         slots, positions, scores = view.destinations(pending, placement, mass, queries)
+        pools = self.pools
+        if isinstance(pools[0], PrunedKeys):  # the channels the rows' first writes choose
+            chosen = view.with_channels(pending, placement, slots, queries)[0]
+            pools = (pools[0].replace(channels=chosen.channels), *pools[1:])
         pools = tuple(
             _put_pages(pool, x, slots, pages, p.slots)
-            for pool, x in zip(self.pools, pending, strict=True)
+            for pool, x in zip(pools, pending, strict=True)
         )
         return PagedEvictingLayer(pools, positions, scores, p)
 
@@ -157,6 +167,8 @@ def copy_pages(layer, sources: Array, targets: Array):
     copy = lambda pool: pool.at[:, targets].set(pool[:, sources], mode="drop")  # noqa: E731
 
     def copied(pool):
+        if isinstance(pool, PrunedKeys):  # not the per-row channels
+            return pool.replace(kept=copy(pool.kept))
         if not isinstance(pool, QuantizedTensor):
             return copy(pool)
         arrays = {name: getattr(pool, name) for name in _POOLED}  # not the per-row ring

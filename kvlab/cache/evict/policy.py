@@ -37,6 +37,7 @@ from kvlab.cache import topology
 from kvlab.cache.evict.scorers import Scorer, compose
 from kvlab.cache.placement import Placement
 from kvlab.cache.quant import Layout, quantized_layout
+from kvlab.config import cached_tensors
 
 RING_METHODS = ("window", "sinks")
 MAX_SCORED_LEN = 2**24 - 2**16  # positions (and a step's tokens) stay below 2**24: sort keys
@@ -69,6 +70,7 @@ class Policy:
     floor_share: float = 0.0  # adakv_floor (after_prefill: a floor per compressed row)
     options: tuple = ()  # the scorer's options: (name, value) pairs (Candidates.options)
     latent: bool = False  # the first cached tensor is a latent values are read from
+    key_channels: int = 0  # channels of each key a slot stores (ThinK); 0: all of them
 
     @property
     def compresses(self) -> bool:
@@ -266,6 +268,7 @@ def policies(model_cfg: Mapping, cache_cfg: Mapping, max_len: int) -> tuple[Poli
             "in the step that compresses it: set cache.evict.when='after_prefill'"
         )
     options = () if scorer is None else scorer_options(scorer, evict)
+    key_channels = _key_channels(scorer, model_cfg, cache_cfg, dict(options), pooled, settles)
     if compresses:
         _check_after_prefill(method, evict, settles)
     shared = None if evict["budget"] or not compresses else evict["ratio"]
@@ -309,10 +312,37 @@ def policies(model_cfg: Mapping, cache_cfg: Mapping, max_len: int) -> tuple[Poli
                 floor_share=evict["adakv_floor"] if floored else 0.0,
                 options=options,
                 latent=not grouped,
+                key_channels=key_channels,
             )
         )
         _check_interval(out[-1], evict)
     return tuple(out)
+
+
+def _key_channels(scorer, model_cfg, cache_cfg, options, pooled: bool, settles: bool) -> int:
+    """The channels each stored key keeps under a wrapper that prunes them (ThinK),
+    0 when it keeps all; refuses the storage such keys cannot live in."""
+    if scorer is None:
+        return 0
+    width = cached_tensors(model_cfg)[0].width
+    kept = scorer.key_channels(width, options)
+    if kept >= width:
+        return 0
+    method = cache_cfg["evict"]["method"]
+    refused = [
+        (scorer.observes == "probes", "compresses by probes (a row's first write may see none)"),
+        (pooled, "pools its heads' slots (one pool reads every head's channels)"),
+        (cache_cfg["k_bits"] < 16, f"has quantized keys (cache.k_bits={cache_cfg['k_bits']})"),
+        (settles, "settles tokens in groups (cache.residual > 0 or per-channel scales)"),
+    ]
+    for refuses, why in refused:
+        if refuses:
+            raise ValueError(
+                f"cache.evict.method={method!r} stores pruned keys, which a cache that {why} "
+                "cannot hold: prune keys over a scorer with its own slots per head in a "
+                "dense cache with 16-bit keys, or drop the pruning wrapper"
+            )
+    return kept
 
 
 def _check_after_prefill(method: str, evict: Mapping, settles: bool) -> None:

@@ -41,6 +41,8 @@ bytes, the cache's label, the eviction sweep's grid):
     defaults      its own options and their defaults: cache.evict.options, which
                   may set any of them ({'pooling': 'mean'}); `check` refuses values
     probe_tokens()  the probes to feed after a context (observes "probes")
+    key_channels()  the channels of each key a slot stores (fewer under a wrapper
+                  that prunes them: ThinK), and choose_channels() which (`Channels`)
     budgets()     the per-layer budgets (pyramidkv), uniform by default
     priority()    what the competition compares, from its score (default: the
                   score; a scorer that `keeps` its score may rank by another number)
@@ -52,7 +54,7 @@ own and adds its options; the scorer's state, observations and layout stay.
 
 Built in here: h2o, snapkv, pyramidkv, adakv, knorm, random; beside, a file
 each: tova, keydiff, lagkv, expected_attention, qfilter, duo_attention
-(scorers), chunkkv, criticalkv and per_layer (wrappers).
+(scorers), chunkkv, criticalkv, per_layer and think (wrappers).
 """
 
 from __future__ import annotations
@@ -154,6 +156,33 @@ class Candidates:
     options: Mapping = dataclasses.field(default_factory=dict)
 
 
+@dataclasses.dataclass(frozen=True)
+class Channels:
+    """What a wrapper that prunes key channels (`Scorer.choose_channels`, ThinK)
+    reads in a row's first write, when each KV head's channels are chosen.
+
+    keys       float32[B, K, T, W]   the step's keys (after RoPE and the transform)
+    kept       bool[B, K, T]   the ones the layer keeps after the step
+    queries    float32[B, K, Q, W]   the step's queries as they meet the keys
+               (Candidates.queries), with their positions int32[B, Q]
+    positions  int32[B, T]   each key's position (-1: padding)
+    end        int32[B]   each row's length after the step
+    count      the channels each KV head keeps (its `key_channels`)
+    width      W
+    options    the method's options
+    """
+
+    keys: Array
+    kept: Array
+    queries: Array
+    query_positions: Array
+    positions: Array
+    end: Array
+    count: int
+    width: int
+    options: Mapping
+
+
 NO_OPTIONS: Mapping = types.MappingProxyType({})
 
 
@@ -184,6 +213,15 @@ class Scorer:
         for a scorer that observes "probes"; `encode` turns text into ids."""
         raise NotImplementedError(f"{self.name} observes no probes")
 
+    def key_channels(self, width: int, options: Mapping) -> int:
+        """Channels of each key (of `width`) a slot stores: fewer under a wrapper
+        that prunes them (ThinK, `choose_channels`)."""
+        return width
+
+    def choose_channels(self, c: Channels) -> Array:
+        """int32[B, K, c.count]: the key channels each row's KV heads keep, ascending."""
+        raise NotImplementedError(f"{self.name} prunes no key channels")
+
     def shares(self, layers: int, evict: Mapping, context: int) -> tuple[float, ...] | None:
         """Each layer's budget as a multiple of the mean (mean 1), or None: the
         layer's share of cache.evict.budget, or of the ratio of each row's context
@@ -204,6 +242,7 @@ class Wrapper:
 
     name: str = ""
     observes: str | None = None  # queries it needs observed when its scorer observes none
+    prefix_unsafe: str | None = None  # as Scorer's
     attention_kinds: tuple[str, ...] = ("gqa", "mla")
     fields: tuple[str, ...] = ()
     defaults: Mapping = NO_OPTIONS
@@ -218,6 +257,13 @@ class Wrapper:
     def priority(self, c: Candidates, priority: Array) -> Array:
         return priority
 
+    def key_channels(self, width: int, options: Mapping) -> int:
+        """As Scorer.key_channels: a wrapper may prune the keys of any scorer."""
+        return width
+
+    def choose_channels(self, c: Channels) -> Array:
+        raise NotImplementedError(f"{self.name} prunes no key channels")
+
 
 class Wrapped(Scorer):
     """`wrapper` over `scorer`: cache.evict.method 'wrapper:scorer'."""
@@ -227,7 +273,7 @@ class Wrapped(Scorer):
         self.name = f"{wrapper.name}:{scorer.name}"
         self.observes = scorer.observes or wrapper.observes
         self.peaks, self.keeps, self.pooled = scorer.peaks, scorer.keeps, scorer.pooled
-        self.prefix_unsafe = scorer.prefix_unsafe
+        self.prefix_unsafe = scorer.prefix_unsafe or wrapper.prefix_unsafe
         self.attention_kinds = tuple(
             k for k in scorer.attention_kinds if k in wrapper.attention_kinds
         )
@@ -262,6 +308,15 @@ class Wrapped(Scorer):
 
     def priority(self, c: Candidates, score: Array) -> Array:
         return self.wrapper.priority(c, self.scorer.priority(c, score))
+
+    def key_channels(self, width: int, options: Mapping) -> int:
+        own = self.wrapper.key_channels(width, options)
+        return own if own < width else self.scorer.key_channels(width, options)
+
+    def choose_channels(self, c: Channels) -> Array:
+        if self.wrapper.key_channels(c.width, c.options) < c.width:
+            return self.wrapper.choose_channels(c)
+        return self.scorer.choose_channels(c)
 
 
 class Composed(Scorer):
@@ -311,6 +366,16 @@ class Composed(Scorer):
     def check(self, options: Mapping, field: str) -> None:
         self.first.check(options, field)
         self.second.check(options, field)
+
+    def key_channels(self, width: int, options: Mapping) -> int:
+        for part in (self.first, self.second):
+            if part.key_channels(width, options) < width:
+                raise ValueError(
+                    f"cache.evict.method={self.name!r}: {part.name} prunes the keys' channels, "
+                    "which every stage of a layer shares: prune them in a method that is "
+                    "not composed (e.g. 'think:snapkv')"
+                )
+        return width
 
     def budgets(self, budget: int, layers: int, evict: Mapping) -> tuple[int, ...]:
         return self._setter(layers, evict).budgets(budget, layers, evict)

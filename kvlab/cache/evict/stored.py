@@ -1,11 +1,17 @@
-"""The stored tensors of an evicting layer: arrays in the cache dtype, or
-QuantizedTensors quantized per token as they are stored. layers.py reads and
-writes its slots through these (paged.py writes its page pools itself).
+"""The stored tensors of an evicting layer: arrays in the cache dtype,
+QuantizedTensors quantized per token as they are stored, or keys stored with a
+subset of their channels (PrunedKeys: a wrapper that prunes key channels,
+ThinK, kvlab/cache/evict/think.py). layers.py reads and writes its slots
+through these (paged.py writes its page pools itself).
 """
 
 from __future__ import annotations
 
+import dataclasses
+
+import jax
 import jax.numpy as jnp
+from flax import struct
 from jaxtyping import Array
 
 from kvlab.cache.placement import write_tokens
@@ -13,8 +19,87 @@ from kvlab.cache.quant import QuantizedTensor, dequantize_tokens, quantize_token
 from kvlab.config import dtype_of
 
 
+@struct.dataclass
+class PrunedKeys:
+    """Keys whose slots store `channels` of their `width` channels, chosen per row
+    and KV head at the row's first write (a wrapper's `key_channels`).
+
+    kept      [B, K, S, Wk] in the cache dtype: channel channels[b, k, j] of each key at j
+    channels  int32[B, K, Wk], ascending
+    width     W, the keys' channels (static)
+
+    A key reads as zero in the channels not kept, so attention scores are the
+    kept channels' products (ChannelReader gathers the queries' kept channels).
+    """
+
+    kept: Array
+    channels: Array
+    width: int = struct.field(pytree_node=False)
+
+    @property
+    def dtype(self):
+        return self.kept.dtype
+
+    def narrow(self, x: Array) -> Array:
+        """Keys x [B, K, N, W] as stored: their kept channels [B, K, N, Wk]."""
+        return jnp.take_along_axis(x, self.channels[:, :, None, :], axis=-1)
+
+    def expand(self, kept: Array) -> Array:
+        """Kept channels [B, K, N, Wk] as float32 keys [B, K, N, W], zero elsewhere."""
+        b, k, n, _ = kept.shape
+        out = jnp.zeros((b, k, n, self.width), jnp.float32)
+        rows = jnp.arange(b)[:, None, None, None], jnp.arange(k)[None, :, None, None]
+        tokens = jnp.arange(n)[None, None, :, None]
+        return out.at[rows[0], rows[1], tokens, self.channels[:, :, None, :]].set(
+            kept.astype(jnp.float32)
+        )
+
+    def seen(self, x: Array, chosen: Array) -> Array:
+        """A step's keys x [B, K, T, W] as its queries see them: in the rows whose
+        channels are `chosen` (bool[B]) zero in the pruned ones, as stored; whole
+        in a row's first write, which chooses them after its attention."""
+        kept = self.expand(self.narrow(x)).astype(x.dtype)
+        return jnp.where(chosen[:, None, None, None], kept, x)
+
+
+@dataclasses.dataclass(frozen=True)
+class ChannelReader:
+    """Attention over PrunedKeys (kvlab.cache.protocols.Reader): each query's kept
+    channels meet the stored ones, nothing is expanded."""
+
+    keys: PrunedKeys
+
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        b, k, s, _ = self.keys.kept.shape
+        return (b, k, s, self.keys.width)
+
+    step = 1
+
+    def scores(self, q: Array) -> Array:
+        gathered = jnp.take_along_axis(q, self.keys.channels[:, :, None, :], axis=-1)
+        return jnp.einsum(
+            "BKMd,BKSd->BKMS", gathered.astype(jnp.float32), self.keys.kept.astype(jnp.float32)
+        )
+
+    def weighted_sum(self, w: Array) -> Array:
+        out = jnp.einsum(
+            "BKMS,BKSd->BKMd", w.astype(jnp.float32), self.keys.kept.astype(jnp.float32)
+        )
+        return self.keys.expand(out)
+
+    def dequantize(self) -> Array:
+        return self.keys.expand(self.keys.kept)
+
+    def chunk(self, start, size: int):
+        kept = jax.lax.dynamic_slice_in_dim(self.keys.kept, start, size, axis=2)
+        return ChannelReader(self.keys.replace(kept=kept))
+
+
 def reader_of(tensor):
     """What attention reads a stored tensor through."""
+    if isinstance(tensor, PrunedKeys):
+        return ChannelReader(tensor)
     return tensor.reader() if isinstance(tensor, QuantizedTensor) else tensor
 
 
@@ -25,9 +110,13 @@ def as_pending(x: Array, tensor) -> Array:
     return x.astype(dtype_of(tensor.spec.dtype))
 
 
-def as_stored(x: Array, tensor) -> Array:
+def as_stored(x: Array, tensor, lengths: Array | None = None) -> Array:
     """New tokens (from `as_pending`) as attention will see them stored:
-    quantized ones as their dequantized codes."""
+    quantized ones as their dequantized codes; pruned keys without their pruned
+    channels in rows past their first write (`lengths` [B]: the rows' lengths
+    before the step, PrunedKeys.seen)."""
+    if isinstance(tensor, PrunedKeys):
+        return tensor.seen(x, lengths > 0)
     if not isinstance(tensor, QuantizedTensor) or not tensor.spec.quantized:
         return x
     return dequantize_tokens(*quantize_tokens(x, tensor.spec), tensor.spec)
@@ -35,6 +124,8 @@ def as_stored(x: Array, tensor) -> Array:
 
 def stored_values(tensor) -> Array:
     """The stored tokens as an array [B, KH, S, W] (knorm's key norms)."""
+    if isinstance(tensor, PrunedKeys):
+        return tensor.expand(tensor.kept)
     if isinstance(tensor, QuantizedTensor):
         return tensor.dequantize()
     return tensor.astype(jnp.float32)
@@ -42,6 +133,8 @@ def stored_values(tensor) -> Array:
 
 def put_tokens(tensor, new: Array, slots: Array):
     """`new` [B, KH, T, W] written at `slots` [B, T] or per head [B, E, T]."""
+    if isinstance(tensor, PrunedKeys):
+        return tensor.replace(kept=write_tokens(tensor.kept, tensor.narrow(new), slots, axis=2))
     if not isinstance(tensor, QuantizedTensor):
         return write_tokens(tensor, new, slots, axis=2)
     if not tensor.spec.quantized:
@@ -56,10 +149,15 @@ def put_tokens(tensor, new: Array, slots: Array):
 
 def tensor_heads(tensor) -> int:
     """KH: the heads a stored tensor holds."""
+    if isinstance(tensor, PrunedKeys):
+        return tensor.kept.shape[1]
     array = tensor.payload if isinstance(tensor, QuantizedTensor) else tensor
     return array.shape[1]
 
 
 def tensor_width(tensor) -> int:
-    """W: numbers per token and head (a quantized payload's, unpacked)."""
-    return tensor.width if isinstance(tensor, QuantizedTensor) else tensor.shape[3]
+    """W: numbers per token and head (a quantized payload's, unpacked; pruned keys'
+    whole width)."""
+    if isinstance(tensor, (QuantizedTensor, PrunedKeys)):
+        return tensor.width
+    return tensor.shape[3]
