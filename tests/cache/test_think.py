@@ -17,7 +17,7 @@ from kvlab.cache.evict import ChannelReader, PrunedKeys
 from tests.cache.test_after_prefill import kept
 from tests.cache.test_duo_attention import _rope
 from tests.cache.test_evict import evicting
-from tests.helpers import VARIANTS, build, random_tokens
+from tests.helpers import VARIANTS, build, random_tokens, tiny_config
 
 MAX_LEN, HEADROOM = 64, 8
 
@@ -203,18 +203,37 @@ def test_in_pages_and_beside_quantized_values_it_is_the_dense_cache(values):
         np.testing.assert_array_equal(a.tensors[0].channels, b.pools[0].channels)
 
 
-def test_pallas_reads_pruned_keys_as_the_reference_does():
-    """The Pallas backend declines the pruned keys' reader (stored.ChannelReader):
-    the same logits as the XLA reference after a compression."""
-    cfg = VARIANTS["gqa"]()
-    context, question = random_tokens(cfg, (40,), seed=10), random_tokens(cfg, (1, 3), seed=11)
-    cache, _, _ = compressed(cfg, [context])
+@pytest.mark.parametrize("impl", ["pallas", "native"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_kernel_backends_read_pruned_keys_as_the_reference_does(impl, dtype):
+    """The native kernels read the kept channels as keys of that width against the
+    queries' kept channels (kvlab.kernels.native.NativeChannels: here 16 of 32
+    channels in 1,048 slots of bfloat16, streamed by the reference); Pallas declines the reader
+    (stored.ChannelReader): a question and a decode step after a compression give
+    the XLA reference's logits."""
+    cfg = tiny_config(num_kv_heads=2, head_dim=32)
+    cfg.cache.dtype = dtype
+    context = random_tokens(cfg, (1, 2080), seed=10)
+    question = random_tokens(cfg, (1, 3), seed=11)
     _, params, apply = build(cfg)
-    want, _ = apply({"params": params}, question, cache=cache)
-    cfg.model.attention_impl = "pallas"
-    _, _, pallas = build(cfg)
-    got, _ = pallas({"params": params}, question, cache=cache)
+    cache_cfg = evicting(cfg, "think:snapkv", when="after_prefill", ratio=0.5, headroom=8)
+    cache = kvlab.init_cache(cfg.model, cache_cfg, 1, 2100)
+    _, cache = apply({"params": params}, context, cache=cache, compress=True)
+    want, after = apply({"params": params}, question, cache=cache)
+    want_next, _ = apply({"params": params}, question[:, :1], cache=after)
+    cfg.model.attention_impl = impl
+    model, _, kernel = build(cfg)
+    got, after = kernel({"params": params}, question, cache=cache)
+    got_next, _ = kernel({"params": params}, question[:, :1], cache=after)
     np.testing.assert_allclose(got, want, atol=2e-5, rtol=0)
+    np.testing.assert_allclose(got_next, want_next, atol=2e-5, rtol=0)
+    if (
+        impl == "native"
+        and dtype == "bfloat16"
+        and kvlab.backends.get("native").unavailable_reason() is None
+    ):
+        program = jax.jit(model.apply).lower({"params": params}, question[:, :1], cache=after)
+        assert "kvlab_scores" in program.as_text()  # the kernels read the pruned keys
 
 
 @settings(max_examples=20, deadline=None)

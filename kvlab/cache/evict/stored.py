@@ -58,8 +58,11 @@ class PrunedKeys:
         """A step's keys x [B, K, T, W] as its queries see them: in the rows whose
         channels are `chosen` (bool[B]) zero in the pruned ones, as stored; whole
         in a row's first write, which chooses them after its attention."""
-        kept = self.expand(self.narrow(x)).astype(x.dtype)
-        return jnp.where(chosen[:, None, None, None], kept, x)
+        b, k, _ = self.channels.shape
+        rows = jnp.arange(b)[:, None, None], jnp.arange(k)[None, :, None]
+        kept = jnp.zeros((b, k, self.width), bool).at[rows[0], rows[1], self.channels].set(True)
+        keep = kept[:, :, None, :] | ~chosen[:, None, None, None]
+        return jnp.where(keep, x, jnp.zeros((), x.dtype))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,19 +77,24 @@ class ChannelReader:
         b, k, s, _ = self.keys.kept.shape
         return (b, k, s, self.keys.width)
 
-    step = 1
+    @property
+    def step(self) -> int:
+        """float32 keys are read whole, as a float32 array is (one product per head
+        at memory bandwidth); 16-bit ones a slice at a time, widened in cache."""
+        kept = self.keys.kept
+        return kept.shape[2] if kept.dtype == jnp.float32 else 1
+
+    # float32 products, as a quantized payload's (PayloadReader) and a streamed
+    # 16-bit slice's: the queries and weights are not rounded to the cache dtype.
 
     def scores(self, q: Array) -> Array:
         gathered = jnp.take_along_axis(q, self.keys.channels[:, :, None, :], axis=-1)
-        return jnp.einsum(
-            "BKMd,BKSd->BKMS", gathered.astype(jnp.float32), self.keys.kept.astype(jnp.float32)
-        )
+        kept = self.keys.kept.astype(jnp.float32)
+        return jnp.einsum("BKMd,BKSd->BKMS", gathered.astype(jnp.float32), kept)
 
     def weighted_sum(self, w: Array) -> Array:
-        out = jnp.einsum(
-            "BKMS,BKSd->BKMd", w.astype(jnp.float32), self.keys.kept.astype(jnp.float32)
-        )
-        return self.keys.expand(out)
+        kept = self.keys.kept.astype(jnp.float32)
+        return self.keys.expand(jnp.einsum("BKMS,BKSd->BKMd", w.astype(jnp.float32), kept))
 
     def dequantize(self) -> Array:
         return self.keys.expand(self.keys.kept)

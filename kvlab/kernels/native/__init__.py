@@ -13,7 +13,9 @@ lowered for TPU or CUDA, from any host, holds the reference path alone):
   tokens dequantized at a time in the core's caches), float page pools
   through their block tables (`NativePool`), bfloat16/float16 arrays long
   enough to be streamed (`NativeRows`, widened in registers) and float32
-  arrays of at least ATTENTION_MIN_BYTES read by 2 to 16 queries per head;
+  arrays of at least ATTENTION_MIN_BYTES read by 2 to 16 queries per head,
+  and keys pruned of channels as such arrays of their kept channels where
+  they are whole vectors wide (`NativeChannels`, ThinK);
   each block whole, up to one past the last slot any query sees, as one
   partial merged with the others';
 - the cache write of a 16-bit buffer in a one-device process, in place
@@ -45,6 +47,7 @@ from jax import Array
 
 from kvlab import backends
 from kvlab.attention.core import Attention, narrow, on_platforms, streamed_alone, tensors
+from kvlab.cache.evict import ChannelReader
 from kvlab.cache.paged import PagedPayloadReader, PagedReader
 from kvlab.cache.placement import scatter_tokens
 from kvlab.cache.protocols import Reader
@@ -55,6 +58,9 @@ from kvlab.layers import Embedding
 PANEL = ffi.PANEL  # columns per panel
 READS = ("int", "fp8")  # the storage formats (kvlab/cache/formats) the kernels dequantize
 _UNAVAILABLE = ffi.load()  # built and registered here, never while a program is traced
+
+
+LANES = 16  # float32 numbers of a vector: keys of another width are read masked, a key at a time
 
 
 def unavailable_reason() -> str | None:
@@ -172,6 +178,30 @@ class NativePool(ReadWhole):
         return self.reader.dequantize()
 
 
+@dataclasses.dataclass(frozen=True)
+class NativeChannels(ReadWhole):
+    """Keys pruned of channels (kvlab.cache.evict.ChannelReader) whose kept
+    channels the kernels read as keys of that width (`rows`), against the
+    queries' kept channels."""
+
+    reader: ChannelReader
+    rows: NativeRows
+
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        return self.reader.shape
+
+    def scores(self, q: Array) -> Array:
+        kept = self.reader.keys.channels[:, :, None, :]
+        return self.rows.scores(jnp.take_along_axis(q, kept, axis=-1))
+
+    def weighted_sum(self, w: Array) -> Array:
+        return self.reader.keys.expand(self.rows.weighted_sum(w))
+
+    def dequantize(self) -> Array:
+        return self.reader.dequantize()
+
+
 def _read(x, limit, rows: int, long: bool):
     """What the kernels read `x` (a block's keys or values) through, `x` itself
     where XLA's product stays, or None where the block cannot be theirs."""
@@ -187,6 +217,11 @@ def _read(x, limit, rows: int, long: bool):
         if not ffi.reads_pool(x.pool, rows) or (x.dtype != jnp.float32 and not long):
             return x if ffi.reads_pool(x.pool, rows) else None
         return NativePool(x, limit)
+    elif isinstance(x, ChannelReader):  # its kept channels, as an array of keys
+        if x.keys.kept.shape[-1] % LANES:  # a key each product would read masked
+            return x
+        inner = _read(x.keys.kept, limit, rows, long)
+        return NativeChannels(x, inner) if isinstance(inner, NativeRows) else x
     elif isinstance(x, Reader):
         return None
     elif narrow(x):  # a long 16-bit array, widened in registers as the reference widens it
