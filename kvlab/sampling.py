@@ -34,6 +34,7 @@ from flax import struct
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from kvlab import sharding
+from kvlab.cache import evict
 from kvlab.cache.dense import Cache, check_errors
 from kvlab.cache.factory import compiled_builder
 from kvlab.cache.placement import write_tokens
@@ -197,21 +198,29 @@ def generate_loop(
     max_new_tokens,
     pad_token,
     rng,
+    probes=None,
+    probe_lengths=None,
 ):
     """generate's one compiled program (its arguments checked by `generate`): the
     prompts' prefill, then sampled decode steps in a `lax.while_loop` until every
     row has max_new_tokens or end_token. Returns (tokens int32[B, capacity], the
-    cache's error flags)."""
+    cache's error flags). `probes` int32[B, P] (`probe_lengths` of each row): fed
+    right after each row's prompt in its prefill, which compresses the prompt by
+    them (a cache whose scorer observes probes, KVzip); they are never stored."""
     # The cache comes in as an argument: built inside, its zeros are constants
     # XLA folds reductions over (seconds of compile per layer at batch 8).
     batch, prompt_len = prompts.shape
+    fed, counts, compress = prompts, prompt_lengths, True  # the prompt is the context
+    if probes is not None:
+        fed, counts = _after_prompts(prompts, prompt_lengths, probes, probe_lengths)
+        compress = prompt_lengths  # the context each row's probes follow
     logits, cache = model.apply(
         {"params": params},
-        prompts,
+        fed,
         cache=cache,
-        num_tokens=prompt_lengths,
+        num_tokens=counts,
         logits_at=prompt_lengths - 1,
-        compress=True,  # the prompt is the context (cache.evict.when='after_prefill')
+        compress=compress,  # (cache.evict.when='after_prefill')
     )
     rng, key = jax.random.split(rng)
     token = sampler(logits[:, 0], key)
@@ -242,6 +251,51 @@ def generate_loop(
 
     state = jax.lax.while_loop(running, step, state)
     return state.out, state.cache.errors
+
+
+def _after_prompts(prompts, prompt_lengths, probes, probe_lengths):
+    """int32[B, T + P]: each row's probes right after its prompt, padded with 0; and
+    the tokens fed per row."""
+    width = prompts.shape[1] + probes.shape[1]
+    index = jnp.arange(width)[None, :]
+    start, end = prompt_lengths[:, None], (prompt_lengths + probe_lengths)[:, None]
+    take = lambda x, i: jnp.take_along_axis(x, jnp.clip(i, 0, x.shape[1] - 1), axis=1)  # noqa: E731
+    tokens = jnp.where(index < start, take(prompts, index), take(probes, index - start))
+    return jnp.where(index < end, tokens, 0), prompt_lengths + probe_lengths
+
+
+def _checked_probes(model: Transformer, cache_cfg: Mapping, probes, batch: int):
+    """generate's `probes` checked against the cache (ValueError naming the fix):
+    int32[B, P] and each row's count, or (None, None) without them."""
+    scorer = evict.scorer_of(cache_cfg["evict"]["method"])
+    probing = scorer is not None and scorer.observes == "probes"
+    if probes is None:
+        if probing:
+            raise ValueError(
+                f"cache.evict.method={cache_cfg['evict']['method']!r} compresses each prompt "
+                "by probes fed after it: pass probes=, per row the token ids of "
+                "kvlab.cache.evict.scorer_of(method).probe_tokens(encode, prompt)"
+            )
+        return None, None
+    if not probing:
+        raise ValueError(
+            f"probes= given, but cache.evict.method={cache_cfg['evict']['method']!r} reads "
+            "no probes: leave probes out, or compress by a scorer that observes them (kvzip)"
+        )
+    rows = [np.asarray(row, np.int64).reshape(-1) for row in probes]
+    if len(rows) != batch:
+        raise ValueError(f"probes has {len(rows)} rows for {batch} prompts: give one per prompt")
+    vocab = model.config.vocab_size
+    for b, row in enumerate(rows):
+        if not len(row) or row.min() < 0 or row.max() >= vocab:
+            raise ValueError(
+                f"probes[{b}] is empty or leaves the vocabulary 0..{vocab - 1}: give each "
+                "row its probe token ids"
+            )
+    out = np.zeros((batch, max(map(len, rows))), np.int32)
+    for b, row in enumerate(rows):
+        out[b, : len(row)] = row
+    return out, np.array([len(row) for row in rows], np.int32)
 
 
 def _checked_arguments(
@@ -302,6 +356,7 @@ def generate(
     max_len: int | None = None,
     rng: jax.Array | None = None,
     rules: tuple | None = None,
+    probes=None,
 ) -> jax.Array:
     """Samples up to `max_new_tokens` after each prompt.
 
@@ -312,6 +367,11 @@ def generate(
     output). The cache holds `max_len` tokens (default T + max_new_tokens):
     one compiled loop serves every call with the same batch size, prompt width,
     max_len and sampler.
+
+    Over a cache that compresses each prompt by probes fed after it (a scorer
+    that observes "probes", KVzip: cache.evict.when='after_prefill'), `probes`
+    gives each row's token ids (`Scorer.probe_tokens(encode, prompt)`): they
+    follow the row's prompt in its prefill and are never stored or returned.
 
     Prompts laid out on a mesh (a NamedSharding, kvlab/sharding.py) run there:
     the cache is laid out by `rules` (default kvlab.sharding.axis_rules()) and
@@ -327,11 +387,15 @@ def generate(
     batch, prompt_len = prompts.shape
     needed = prompt_len + max_new_tokens
     validate_cache_config(cache_cfg, model.config)
+    probes, probe_lengths = _checked_probes(model, cache_cfg, probes, batch)
     rng = jax.random.key(0) if rng is None else rng
     lengths = jnp.asarray(prompt_lengths, jnp.int32)
+    if probes is not None:
+        probes, probe_lengths = jnp.asarray(probes), jnp.asarray(probe_lengths)
     if mesh is not None and jax.process_count() > 1:  # host values given to every host's devices
-        lengths, rng = sharding.put_global(
-            (prompt_lengths.astype(np.int32), rng), sharding.replicated(mesh)
+        lengths, rng, probes, probe_lengths = sharding.put_global(
+            (prompt_lengths.astype(np.int32), rng, probes, probe_lengths),
+            sharding.replicated(mesh),
         )
     # Laid out on the prompts' mesh when they have one (kvlab/cache/factory.py).
     build = compiled_builder(model.config, cache_cfg, batch, max_len, mesh=mesh, rules=rules)
@@ -347,6 +411,8 @@ def generate(
         jnp.int32(max_new_tokens),
         jnp.int32(pad_token),
         rng,
+        probes,
+        probe_lengths,
     )
     check_errors(errors)  # the inputs were checked above: a flag here is a bug in the loop
     return _returned(out, needed, placed if mesh is not None else None)

@@ -17,6 +17,8 @@
     python scripts/generate.py --config configs/gqa.py:tiny \
         --config.mesh.data=2 --config.mesh.tensor=4   # on 8 devices (kvlab.sharding.make_mesh)
 
+    python scripts/generate.py --config configs/kvpress.py:kvzip   # KVzip's probes after prompts
+
 Tokens are bytes (vocab 256) and a row stops after a newline, unless the
 config's data.tokenizer names a real model's tokenizer.json: then prompts are
 encoded by it, the output decoded by it, and a row stops after its end token
@@ -43,6 +45,7 @@ from ml_collections import config_flags
 
 import kvlab
 from kvlab import cli, sharding
+from kvlab.cache.evict import scorer_of
 from kvlab.data import load_tokenizer
 from kvlab.data.text import decode_bytes
 from kvlab.sampling import place_params
@@ -122,6 +125,11 @@ def main(argv):
         params = place_params(cfg.model, params, mesh, rules)
         prompts = sharding.put_global(prompts, sharding.batch_sharding(mesh, rules, len(prompts)))
 
+    scorer = scorer_of(cfg.cache.evict.method)
+    probes = None
+    if scorer is not None and scorer.observes == "probes":  # KVzip: each prompt repeated after it
+        probes = [scorer.probe_tokens(encode, tokens) for tokens in encoded]
+
     def run():
         return kvlab.generate(
             model,
@@ -134,6 +142,7 @@ def main(argv):
             end_token=end,
             rng=jax.random.key(_SEED.value),
             rules=rules,
+            probes=probes,
         ).block_until_ready()
 
     run()  # compile

@@ -175,3 +175,61 @@ def test_it_is_refused_where_no_step_compresses_and_for_a_bad_sink_count():
     bad = evicting(cfg, "kvzip", when="after_prefill", ratio=0.5, options={"sinks": -1})
     with pytest.raises(ValueError, match=r"options.sinks=-1"):
         kvlab.init_cache(cfg.model, bad, 1, MAX_LEN)
+
+
+def test_generate_feeds_each_rows_probes_after_its_prompt():
+    """kvlab.generate(probes=) over a kvzip cache: each row's prompt, its probes
+    right after it (compress= the prompt), then greedy steps give the tokens of
+    that prefill fed by hand; without probes it is refused naming probes=, and
+    probes over a cache that reads none are refused."""
+    cfg = VARIANTS["gqa"]()
+    model, params, apply = build(cfg)
+    contexts = [random_tokens(cfg, (CONTEXT,), seed=7), random_tokens(cfg, (29,), seed=8)]
+    probes = [KVZIP.probe_tokens(encode, list(c)) for c in contexts]
+    cache_cfg = evicting(cfg, "kvzip", when="after_prefill", ratio=0.5, headroom=HEADROOM)
+    prompts = np.zeros((2, CONTEXT), np.int32)
+    prompts[1, :29] = contexts[1]
+    prompts[0] = contexts[0]
+    lengths = np.array([CONTEXT, 29])
+    rows = [[*c, *p] for c, p in zip(contexts, probes, strict=True)]
+    fed = np.zeros((2, max(map(len, rows))), np.int32)
+    for i, row in enumerate(rows):
+        fed[i, : len(row)] = row
+    fresh = kvlab.init_cache(cfg.model, cache_cfg, 2, MAX_LEN)
+    logits, cache = apply(
+        {"params": params},
+        fed,
+        cache=fresh,
+        num_tokens=jnp.asarray([len(r) for r in rows]),
+        compress=jnp.asarray(lengths),
+    )
+    token = jnp.argmax(logits[jnp.arange(2), lengths - 1], -1)
+    want = [token]
+    for _ in range(3):
+        logits, cache = apply({"params": params}, token[:, None], cache=cache)
+        token = jnp.argmax(logits[:, 0], -1)
+        want.append(token)
+    out = kvlab.generate(
+        model,
+        params,
+        prompts,
+        cache_cfg=cache_cfg,
+        max_new_tokens=4,
+        prompt_lengths=lengths,
+        max_len=MAX_LEN,
+        probes=probes,
+    )
+    for row, length in enumerate(lengths):
+        np.testing.assert_array_equal(out[row, length : length + 4], np.stack(want)[:, row])
+        np.testing.assert_array_equal(out[row, :length], prompts[row, :length])
+    arguments = dict(cache_cfg=cache_cfg, max_new_tokens=4, prompt_lengths=lengths, max_len=MAX_LEN)
+    with pytest.raises(ValueError, match="probes="):
+        kvlab.generate(model, params, prompts, **arguments)
+    with pytest.raises(ValueError, match="reads no probes"):
+        kvlab.generate(
+            model, params, prompts, **{**arguments, "cache_cfg": cfg.cache}, probes=probes
+        )
+    with pytest.raises(ValueError, match="1 rows for 2 prompts"):
+        kvlab.generate(model, params, prompts, **arguments, probes=probes[:1])
+    with pytest.raises(ValueError, match=r"probes\[1\] is empty"):
+        kvlab.generate(model, params, prompts, **arguments, probes=[probes[0], []])
