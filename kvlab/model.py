@@ -29,6 +29,7 @@ Without a cache, rows with an invalid id get NaN logits.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Mapping
 
@@ -46,6 +47,7 @@ from kvlab.cache import topology
 from kvlab.cache.dense import BAD_COUNT, BAD_TOKEN, OVERFLOW, Cache
 from kvlab.cache.evict import EvictingLayer, PagedEvictingLayer
 from kvlab.cache.placement import Placement, place_without_cache, stored_end
+from kvlab.cache.quant import QuantizedTensor
 from kvlab.config import cached_tensors, frozen, validate_model_config
 from kvlab.layers import Embedding, RMSNorm, logical_axes, projection
 from kvlab.moe import MLP, MoE, uses_experts
@@ -167,6 +169,7 @@ def check_cache(config, cache: Cache) -> None:
     layout = [(slotted(x), x.dtype) for x in jax.tree.leaves(first)]
 
     def structure(layer):  # an evicting layer's policy names its layer: compare the arrays
+        layer = jax.tree.map(_untabled, layer, is_leaf=lambda x: isinstance(x, QuantizedTensor))
         if isinstance(layer, EVICTING):
             arrays = layer.pools if isinstance(layer, PagedEvictingLayer) else layer.tensors
             return type(layer), jax.tree.structure((arrays, layer.positions, layer.scores))
@@ -185,6 +188,14 @@ def check_cache(config, cache: Cache) -> None:
             raise ValueError(
                 f"cache layer {i} differs from layer 0 in structure, shape or dtype: {fix}"
             )
+
+
+def _untabled(x):
+    """A quantized tensor without its layer's levels (Storage.table: a codebook
+    fitted per layer), which are all that may differ between layers."""
+    if isinstance(x, QuantizedTensor):
+        return x.replace(spec=dataclasses.replace(x.spec, table=()))
+    return x
 
 
 def flag_invalid(config, tokens, cache: Cache, num_tokens, context=None):

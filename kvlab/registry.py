@@ -130,6 +130,7 @@ FORMATS = Registry(
     shipped={
         **dict.fromkeys(("int", "fp8"), "kvlab.cache.formats"),
         "nf": "kvlab.cache.formats.normal_float",
+        "codebook": "kvlab.cache.formats.codebook",
     },
     group="kvlab.formats",
 )

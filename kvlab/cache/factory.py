@@ -90,7 +90,6 @@ def init_cache(
     max_len = check_count("max_len", max_len)
     tensors = cached_tensors(model_cfg)
     shapes = [(t.heads, t.width) for t in tensors]
-    specs = quant.storages(model_cfg, cache_cfg)
     layout = quant.quantized_layout(model_cfg, cache_cfg, max_len)
     dtype = dtype_of(cache_cfg["dtype"])
     rows = dict(
@@ -100,38 +99,40 @@ def init_cache(
         transforms=tuple(cache_cfg[f"{t.prefix}_transform"] for t in tensors),
     )
     plan = evict.policies(model_cfg, cache_cfg, max_len)
+    # Each layer's storages, with the levels a format fitted per layer reads (codebooks).
+    specs = [
+        quant.storages(model_cfg, cache_cfg, layer)
+        for layer in range(topology.num_cache_layers(model_cfg))
+    ]
     if plan is not None and cache_cfg["kind"] == "paged":
         return _paged_evicting_cache(
             plan, specs, shapes, dtype, cache_cfg, batch_size, own_pages, rows
         )
     if plan is not None:
-        return Cache(
-            layers=tuple(_evicting_layer(p, specs, shapes, dtype, batch_size) for p in plan), **rows
-        )
+        layers = tuple(_evicting_layer(p, specs[p.layer], shapes, dtype, batch_size) for p in plan)
+        return Cache(layers=layers, **rows)
     if cache_cfg["kind"] != "paged":
         if layout is None:
-            new_layer = lambda: DenseLayer(  # noqa: E731
+            new_layer = lambda _: DenseLayer(  # noqa: E731
                 tuple(jnp.zeros((batch_size, h, max_len, w), dtype) for h, w in shapes)
             )
         else:
-            new_layer = lambda: quant.init_layer(specs, layout, batch_size, shapes)  # noqa: E731
-        return Cache(
-            layers=tuple(new_layer() for _ in range(topology.num_cache_layers(model_cfg))), **rows
-        )
+            new_layer = lambda i: quant.init_layer(specs[i], layout, batch_size, shapes)  # noqa: E731
+        return Cache(layers=tuple(new_layer(i) for i in range(len(specs))), **rows)
 
     page = cache_cfg["page_size"]
     n = paged.pages_per_row(cache_cfg, max_len)
     num_pages = paged.pool_size(cache_cfg, batch_size, max_len)
     _check_pool(cache_cfg, num_pages, batch_size, n, own_pages, f"max_len={max_len}")
     if layout is None:
-        new_layer = lambda: paged.PagedLayer(  # noqa: E731
+        new_layer = lambda _: paged.PagedLayer(  # noqa: E731
             tuple(jnp.zeros((h, num_pages, page, w), dtype) for h, w in shapes), max_len
         )
     else:
-        new_layer = lambda: _paged_quantized_layer(  # noqa: E731
-            quant.init_layer(specs, layout, 1, shapes), batch_size, num_pages, page
+        new_layer = lambda i: _paged_quantized_layer(  # noqa: E731
+            quant.init_layer(specs[i], layout, 1, shapes), batch_size, num_pages, page
         )
-    layers = tuple(new_layer() for _ in range(topology.num_cache_layers(model_cfg)))
+    layers = tuple(new_layer(i) for i in range(len(specs)))
     return paged.PagedCache(layers=layers, block_tables=_tables(batch_size, n, own_pages), **rows)
 
 
@@ -167,7 +168,8 @@ def _channels(batch_size: int, heads: int, kept: int) -> jnp.ndarray:
 
 
 def _paged_evicting_cache(plan, specs, shapes, dtype, cache_cfg, batch_size, own_pages, rows):
-    """Pools of pages holding each row's slots (as many as the widest layer's), and block tables."""
+    """Pools of pages holding each row's slots (as many as the widest layer's), and block
+    tables; `specs` each cache layer's storages."""
     page = cache_cfg["page_size"]
     slots = max(p.rows for p in plan)
     n = paged.pages_per_row(cache_cfg, slots)
@@ -176,7 +178,7 @@ def _paged_evicting_cache(plan, specs, shapes, dtype, cache_cfg, batch_size, own
     layers = []
     for policy in plan:
         pools = []
-        for spec, (heads, width) in zip(specs, shapes, strict=True):
+        for spec, (heads, width) in zip(specs[policy.layer], shapes, strict=True):
             pool_heads = 1 if policy.pooled else heads
             if policy.key_channels and not pools:  # pruned keys (ThinK): channels per row
                 kept = policy.key_channels

@@ -41,6 +41,8 @@ def validate_cache_config(cache: Mapping, model: Mapping | None = None) -> None:
         fail("cache.prefix_caching", cache["prefix_caching"], "is not a bool", "set True or False")
     if not isinstance(cache["symmetric"], bool):
         fail("cache.symmetric", cache["symmetric"], "is not a bool", "set True or False")
+    if not isinstance(cache["codebooks"], str):
+        fail("cache.codebooks", cache["codebooks"], "is not a path", "set an .npz path, or ''")
     for prefix in CACHED_PREFIXES:
         check_choice("cache", cache, f"{prefix}_transform", TRANSFORMS.names())
         check_choice("cache", cache, f"{prefix}_bits", BIT_WIDTHS)

@@ -195,7 +195,8 @@ def base_config(variant: str = "tiny") -> ml_collections.ConfigDict:
             v_bits=16,
             latent_bits=16,
             rope_bits=16,
-            k_format="int",  # a storage format (kvlab/cache/formats): 'int', 'fp8' (8 bits), 'nf'
+            k_format="int",  # a storage format (kvlab/cache/formats): 'int', 'fp8' (8 bits),
+            #                  'nf', 'codebook' (fitted per layer: cache.codebooks)
             v_format="int",
             latent_format="int",
             rope_format="int",
@@ -208,6 +209,8 @@ def base_config(variant: str = "tiny") -> ml_collections.ConfigDict:
             #              when a tensor groups along tokens)
             symmetric=False,  # int codes without a zero point (fp8 and nf never have one)
             scale_dtype="bfloat16",  # dtype of scales and zero points
+            codebooks="",  # format 'codebook': the .npz of its levels per layer
+            #                (kvlab.eval.calibrate.save_codebooks)
             k_transform="none",  # an orthogonal map applied before a tensor is stored and
             v_transform="none",  # folded into its reads: 'none', 'hadamard', 'orthogonal', ...
             latent_transform="none",  # (kvlab/cache/transforms; kvlab.registry.TRANSFORMS)

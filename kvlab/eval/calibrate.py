@@ -1,10 +1,12 @@
-"""Artefacts an eviction method computes offline from calibration text, stored with a run.
+"""Artefacts a method computes offline from calibration text, stored with a run.
 
     tokens = calibration_tokens(tokenizer.encode)     # int32[8, 512]: stdlib's training files
     filters = q_filters(model_cfg, params, tokens)   # float32[cache layers, K, H]
     save_filters("runs/x/qfilters.npz", filters)     # cache.evict.options.filters
     patterns = duo_patterns(model_cfg, params, tokens)  # float32[cache layers, K]
     save_patterns("runs/x/duo.npz", patterns)        # cache.evict.options.patterns
+    books = codebooks(cfg.model, cfg.cache, params, tokens)  # the 'codebook' format's levels
+    save_codebooks("runs/x/codebooks.npz", books)    # cache.codebooks
 
 Q-Filters (arXiv:2503.02812, kvlab/cache/evict/qfilter.py): the model reads
 `tokens` (int32[B, T], calibration text in its tokens, e.g. the standard
@@ -27,10 +29,15 @@ from collections.abc import Callable, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
+import ml_collections
 import numpy as np
 
 from kvlab.attention.rope import apply_rope
 from kvlab.cache import topology
+from kvlab.cache.factory import init_cache
+from kvlab.cache.formats import normal_float
+from kvlab.cache.quant.storage import by_groups, storages
+from kvlab.config import cached_tensors
 from kvlab.data.text import decode_bytes, load_corpus
 from kvlab.files import write_atomic
 from kvlab.model import Transformer
@@ -116,6 +123,80 @@ def _projections(model_cfg: Mapping, params, tokens: np.ndarray, what: str):
         query = attention.get("query_norm", attention["query"])["__call__"][0]
         key = attention.get("key_norm", attention["key"])["__call__"][0]
         yield query, key
+
+
+def codebooks(
+    model_cfg: Mapping, cache_cfg: Mapping, params, tokens: np.ndarray, samples: int = 1 << 16
+) -> dict[str, np.ndarray]:
+    """Per cached tensor stored in the 'codebook' format (cache.<prefix>_format,
+    below 16 bits): float32[cache layers, 2^bits] levels, fitted by Lloyd-Max to
+    the layer's numbers as the cache stores them (after its transform), each
+    divided by the largest magnitude of its group (cache.<prefix>_axis,
+    group_size), over the model's read of `tokens` (at most `samples` numbers
+    per layer, drawn evenly). kvlab/cache/formats/codebook.py reads them."""
+    specs = storages(model_cfg, cache_cfg)
+    fitted = [
+        (tensor.prefix, index, spec)
+        for index, (tensor, spec) in enumerate(zip(cached_tensors(model_cfg), specs, strict=True))
+        if spec.quantized and spec.format == "codebook"
+    ]
+    if not fitted:
+        raise ValueError(
+            "no cached tensor is stored in the 'codebook' format: set cache.<prefix>_format="
+            "'codebook' and cache.<prefix>_bits below 16 for the tensors to calibrate"
+        )
+    whole = ml_collections.ConfigDict(dict(cache_cfg)).copy_and_resolve_references()
+    whole.update(kind="dense", dtype="float32", residual=0)
+    whole.update({f"{prefix}_bits": 16 for prefix, _, _ in fitted})
+    whole.evict.method = "none"
+    tokens = jnp.asarray(tokens, jnp.int32)
+    cache = init_cache(model_cfg, whole, tokens.shape[0], tokens.shape[1])
+    _, cache = Transformer(model_cfg).apply({"params": params}, tokens, cache=cache)
+    out = {}
+    for prefix, index, spec in fitted:
+        rows = []
+        for layer in cache.layers:
+            stored = np.asarray(layer.tensors[index], np.float32)  # [B, K, T, W]
+            if spec.axis == "channel":  # whole groups of tokens
+                stored = stored[:, :, : stored.shape[2] // spec.group_size * spec.group_size]
+            grouped, axis = by_groups(stored, spec)
+            top = np.abs(grouped).max(axis=axis, keepdims=True)
+            scaled = (grouped / np.where(top > 0, top, 1.0)).reshape(-1)
+            pick = np.linspace(0, scaled.size - 1, min(samples, scaled.size)).astype(np.int64)
+            rows.append(lloyd_max(scaled[pick], spec.bits))
+        out[prefix] = np.stack(rows)
+    return out
+
+
+def lloyd_max(values: np.ndarray, bits: int, iterations: int = 100) -> np.ndarray:
+    """float32[2^bits]: the levels of least squared error for `values` in [-1, 1]
+    (Lloyd's algorithm from the normal-float grid: each number to its nearest
+    level, each level to the mean of its numbers, until they stay), ascending."""
+    levels = normal_float.grid(bits).astype(np.float64)
+    values = np.asarray(values, np.float64)
+    for _ in range(iterations):
+        bins = np.searchsorted((levels[1:] + levels[:-1]) / 2, values)
+        counts = np.bincount(bins, minlength=levels.size)
+        sums = np.bincount(bins, weights=values, minlength=levels.size)
+        moved = np.where(counts > 0, sums / np.maximum(counts, 1), levels)
+        if np.array_equal(moved, levels):
+            break
+        levels = moved
+    return np.sort(levels).astype(np.float32)
+
+
+def save_codebooks(path: str | os.PathLike, books: Mapping[str, np.ndarray]) -> None:
+    """Writes `codebooks`' levels where cache.codebooks reads them (an .npz with one
+    array [cache layers, 2^bits] per tensor prefix), atomically."""
+    arrays = {name: np.asarray(levels, np.float32) for name, levels in books.items()}
+    for name, levels in arrays.items():
+        if levels.ndim != 2 or not np.isfinite(levels).all():
+            raise ValueError(
+                f"codebook {name!r} of shape {levels.shape} is not finite [layers, 2^bits]"
+            )
+    buffer = io.BytesIO()
+    np.savez(buffer, **arrays)
+    write_atomic(path, buffer.getvalue())
 
 
 def save_filters(path: str | os.PathLike, filters: np.ndarray) -> None:

@@ -21,7 +21,8 @@ decline the others, which then take the reference path: a format needs no
 kernel to be exact.
 
 Registered by name (kvlab.registry.FORMATS): "int" and "fp8" here,
-"nf" in normal_float.py; a new one is a file that subclasses `Format` and
+"nf" in normal_float.py, "codebook" (levels fitted per layer offline) in
+codebook.py; a new one is a file that subclasses `Format` and
 registers itself.
 """
 
@@ -29,6 +30,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import Array
 
 from kvlab.config import dtype_of
@@ -56,6 +58,16 @@ def absmax_scale(x: Array, axis: int, top_level: float, scale_dtype: str) -> tup
     return scale, x / jnp.expand_dims(safe, axis)
 
 
+def nearest_levels(x: Array, axis: int, levels, scale_dtype: str) -> tuple[Array, Array, None]:
+    """Codes of a group scaled by its largest magnitude (`absmax_scale`) as the
+    nearest of `levels` (ascending, in [-1, 1]; a bisection on their midpoints),
+    its scale, no zero point: a format of fixed levels ('nf', 'codebook')."""
+    scale, scaled = absmax_scale(x, axis, 1.0, scale_dtype)
+    levels = np.asarray(levels, np.float32)
+    between = jnp.asarray((levels[1:] + levels[:-1]) / 2)
+    return jnp.searchsorted(between, scaled).astype(jnp.uint8), scale, None
+
+
 class Format:
     """Codes for the numbers of one group. `spec` is the tensor's
     kvlab.cache.quant.Storage (bits, axis, group_size, symmetric, scale_dtype).
@@ -78,6 +90,12 @@ class Format:
     def scale_numbers(self, spec) -> int:
         """Numbers of cache.scale_dtype stored per group."""
         return 1 + self.has_zero(spec)
+
+    def table(self, cache_cfg, prefix: str, bits: int, layer: int, layers: int) -> tuple:
+        """The static levels of layer `layer` (of `layers`) a format fitted per layer
+        reads (`Storage.table`; codebook.py), () for one that needs none; raises
+        ValueError naming the cache field that cannot give them."""
+        return ()
 
     def quantize(self, x: Array, spec, axis: int) -> tuple[Array, Array, Array | None]:
         raise NotImplementedError

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import Array
 
-from kvlab.cache.formats import Format, absmax_scale
+from kvlab.cache.formats import Format, nearest_levels
 from kvlab.registry import FORMATS
 
 
@@ -41,10 +41,7 @@ class NormalFloat(Format):
     name = "nf"
 
     def quantize(self, x: Array, spec, axis: int) -> tuple[Array, Array, Array | None]:
-        scale, scaled = absmax_scale(x, axis, 1.0, spec.scale_dtype)
-        levels = grid(spec.bits)
-        between = jnp.asarray((levels[1:] + levels[:-1]) / 2)  # nearest level: a bisection
-        return jnp.searchsorted(between, scaled).astype(jnp.uint8), scale, None
+        return nearest_levels(x, axis, grid(spec.bits), spec.scale_dtype)
 
     def levels(self, codes: Array, spec) -> Array:
         return jnp.asarray(grid(spec.bits))[codes]

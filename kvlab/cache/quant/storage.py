@@ -12,6 +12,7 @@ from collections.abc import Mapping
 import jax.numpy as jnp
 from jaxtyping import Array
 
+from kvlab.cache import topology
 from kvlab.cache.formats import Format
 from kvlab.config import cached_tensors
 from kvlab.registry import FORMATS
@@ -28,6 +29,7 @@ class Storage:
     symmetric: bool  # int only: no zero point
     scale_dtype: str
     dtype: str  # the cache dtype (16-bit payload and the ring)
+    table: tuple = ()  # a format fitted per layer: this layer's levels (Format.table)
 
     @property
     def quantized(self) -> bool:
@@ -43,24 +45,35 @@ class Storage:
         return self.quantized and self.codes.has_zero(self)
 
 
-def storages(model_cfg: Mapping, cache_cfg: Mapping) -> tuple[Storage, ...]:
-    """The storage of each tensor a layer caches, in `cached_tensors` order.
+def storages(model_cfg: Mapping, cache_cfg: Mapping, layer: int | None = None) -> tuple:
+    """The storage of each tensor a layer caches, in `cached_tensors` order: of cache
+    layer `layer` with the levels a format fitted per layer reads (`Format.table`,
+    ValueError where cache.codebooks cannot give them), or without (None: shapes
+    and bytes, which the levels do not change).
 
     Grouped-query attention caches (k, v) under cache.k_* and cache.v_*;
     latent attention caches (c_kv, k_rope) under cache.latent_* and cache.rope_*.
     """
-    return tuple(
-        Storage(
-            bits=cache_cfg[f"{tensor.prefix}_bits"],
-            format=cache_cfg[f"{tensor.prefix}_format"],
-            axis=cache_cfg[f"{tensor.prefix}_axis"],
-            group_size=cache_cfg["group_size"],
-            symmetric=cache_cfg["symmetric"],
-            scale_dtype=cache_cfg["scale_dtype"],
-            dtype=cache_cfg["dtype"],
+    layers = topology.num_cache_layers(model_cfg)
+    out = []
+    for tensor in cached_tensors(model_cfg):
+        bits, name = cache_cfg[f"{tensor.prefix}_bits"], cache_cfg[f"{tensor.prefix}_format"]
+        table = ()
+        if layer is not None and bits < 16:
+            table = FORMATS.get(name).table(cache_cfg, tensor.prefix, bits, layer, layers)
+        out.append(
+            Storage(
+                bits=bits,
+                format=name,
+                axis=cache_cfg[f"{tensor.prefix}_axis"],
+                group_size=cache_cfg["group_size"],
+                symmetric=cache_cfg["symmetric"],
+                scale_dtype=cache_cfg["scale_dtype"],
+                dtype=cache_cfg["dtype"],
+                table=table,
+            )
         )
-        for tensor in cached_tensors(model_cfg)
-    )
+    return tuple(out)
 
 
 @dataclasses.dataclass(frozen=True)

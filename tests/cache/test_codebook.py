@@ -1,0 +1,201 @@
+"""The 'codebook' storage format (kvlab/cache/formats/codebook.py): levels per layer
+fitted offline by Lloyd-Max (kvlab.eval.calibrate.codebooks) to the numbers the
+cache stores, read from cache.codebooks."""
+
+import dataclasses
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import kvlab
+from kvlab.cache.quant import dequantize_tokens, quantize_tokens
+from kvlab.eval import calibrate
+from tests.helpers import VARIANTS, build, random_tokens
+from tests.test_export import assert_exports, inference
+
+FOUR_BIT = dict(k_bits=4, v_bits=4, k_axis="token", v_axis="token", group_size=8)
+
+
+def calibrated(cfg, tmp_path, fmt="codebook", seed=0, **storage):
+    """cfg's cache section storing k and v in `fmt`, its codebooks calibrated on
+    random tokens and saved under tmp_path."""
+    cache_cfg = cfg.cache.copy_and_resolve_references()
+    cache_cfg.update(FOUR_BIT, k_format=fmt, v_format=fmt, **storage)
+    _, params, _ = build(cfg)
+    books = calibrate.codebooks(cfg.model, cache_cfg, params, random_tokens(cfg, (4, 96), seed))
+    path = str(tmp_path / "codebooks.npz")
+    calibrate.save_codebooks(path, books)
+    cache_cfg.codebooks = path
+    return cache_cfg, books
+
+
+@settings(max_examples=10, deadline=None)
+@given(
+    bits=st.sampled_from([2, 4]),
+    scale=st.floats(0.1, 10.0),
+    heavy=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_lloyd_max_levels_lose_less_than_the_grid_they_start_from(bits, scale, heavy, seed):
+    """On numbers in [-1, 1] (Gaussian or heavy-tailed, squashed), the fitted levels
+    are ascending and distinct, and their squared error is at most the normal-float
+    grid's, from which Lloyd's algorithm starts (each step lowers it)."""
+    rng = np.random.default_rng(seed)
+    raw = rng.standard_t(2, 4096) if heavy else rng.standard_normal(4096)
+    values = np.tanh(raw * scale / 3)
+    levels = calibrate.lloyd_max(values, bits)
+    grid = kvlab.cache.formats.normal_float.grid(bits)
+
+    def error(table):
+        nearest = table[np.abs(values[:, None] - table[None]).argmin(-1)]
+        return ((nearest - values) ** 2).mean()
+
+    assert len(levels) == 2**bits and (np.diff(levels) > 0).all()
+    assert error(levels) <= error(grid) + 1e-12
+
+
+def test_calibrated_levels_lose_less_than_nf_and_int_codes_at_equal_bytes(tmp_path):
+    """Keys and values of held-out text, 4 and 2 bits, one scale per 8 numbers: the
+    layer's fitted levels restore them with less squared error than the
+    normal-float grid and symmetric int codes, which store the same bytes."""
+    cfg = VARIANTS["gqa"]()
+    _, params, apply = build(cfg)
+    held_out = kvlab.init_cache(cfg.model, cfg.cache, 2, 64)
+    _, held_out = apply({"params": params}, random_tokens(cfg, (2, 64), seed=9), cache=held_out)
+    for bits in (4, 2):
+        cache_cfg, _ = calibrated(cfg, tmp_path, k_bits=bits, v_bits=bits)
+        sizes = set()
+        for layer in range(cfg.model.num_layers):
+            codebook = kvlab.cache.quant.storages(cfg.model, cache_cfg, layer)
+            for index, spec in enumerate(codebook):
+                x = jnp.asarray(held_out.layers[layer].tensors[index], jnp.float32)
+                errors = {}
+                for fmt in ("codebook", "nf", "int"):
+                    s = spec
+                    if fmt != "codebook":
+                        s = dataclasses.replace(spec, format=fmt, symmetric=True, table=())
+                    restored = dequantize_tokens(*quantize_tokens(x, s), s)
+                    errors[fmt] = float(jnp.mean((restored - x) ** 2))
+                assert errors["codebook"] < errors["nf"], (bits, layer, index, errors)
+                assert errors["codebook"] < errors["int"], (bits, layer, index, errors)
+        for fmt in ("codebook", "nf", "int"):
+            cache_cfg.update(k_format=fmt, v_format=fmt, symmetric=True)
+            sizes.add(kvlab.cache_bytes(cfg.model, cache_cfg, 2, 64))
+        assert len(sizes) == 1
+
+
+def test_each_layer_reads_its_own_levels(tmp_path):
+    """Every cache layer's storage carries its row of the file; the layers differ."""
+    cfg = VARIANTS["gqa"]()
+    cache_cfg, books = calibrated(cfg, tmp_path)
+    cache = kvlab.init_cache(cfg.model, cache_cfg, 1, 32)
+    for layer, stored in enumerate(cache.layers):
+        for tensor, prefix in zip(stored.tensors, ("k", "v"), strict=True):
+            np.testing.assert_allclose(tensor.spec.table, books[prefix][layer], rtol=0, atol=0)
+    assert cache.layers[0].tensors[0].spec.table != cache.layers[1].tensors[0].spec.table
+
+
+@pytest.mark.parametrize(
+    "storage",
+    [
+        {"kind": "paged", "page_size": 8},
+        {"evict": {"method": "snapkv", "budget": 24, "recent": 2}},
+        {"attention_impl": "native"},
+    ],
+    ids=["paged", "evicting", "native"],
+)
+def test_it_is_the_dense_cache_in_pages_under_eviction_and_the_kernels(tmp_path, storage):
+    """A prefill and three decode steps through the codebook cache: in pages, the
+    dense cache's logits; evicting with a budget that holds every token, the
+    dense cache's too; under the native kernels (which decline codes they do not
+    dequantize), the reference's. The bytes counted are the tree's."""
+    cfg = VARIANTS["gqa"]()
+    cache_cfg, _ = calibrated(cfg, tmp_path)
+    tokens = random_tokens(cfg, (2, 15), seed=4)
+
+    def run(cfg, cache_cfg):
+        _, params, apply = build(cfg)
+        cache = kvlab.init_cache(cfg.model, cache_cfg, 2, 32)
+        logits, cache = apply({"params": params}, tokens[:, :12], cache=cache)
+        out = [logits[:, -1]]
+        for t in range(12, 15):
+            logits, cache = apply({"params": params}, tokens[:, t : t + 1], cache=cache)
+            out.append(logits[:, -1])
+        assert kvlab.cache_bytes(cfg.model, cache_cfg, 2, 32) == kvlab.tree_bytes(cache)
+        return np.stack(out)
+
+    want = run(cfg, cache_cfg)
+    other_cfg, other_cache = (
+        cfg.copy_and_resolve_references(),
+        cache_cfg.copy_and_resolve_references(),
+    )
+    if "attention_impl" in storage:
+        other_cfg.model.attention_impl = storage["attention_impl"]
+    elif "evict" in storage:
+        other_cache.evict.update(storage["evict"])
+    else:
+        other_cache.update(storage)
+    np.testing.assert_allclose(run(other_cfg, other_cache), want, atol=2e-5, rtol=0)
+
+
+def test_without_usable_levels_the_cache_is_refused_naming_the_field(tmp_path):
+    cfg = VARIANTS["gqa"]()
+    cache_cfg, books = calibrated(cfg, tmp_path)
+
+    def refused(match, **fields):
+        broken = cache_cfg.copy_and_resolve_references()
+        broken.update(fields)
+        with pytest.raises(ValueError, match=match):
+            kvlab.init_cache(cfg.model, broken, 1, 32)
+
+    refused(r"cache.codebooks, which is empty", codebooks="")
+    refused(r"cannot be read", codebooks=str(tmp_path / "missing.npz"))
+    refused(r"not finite \[2 cache layers, 4 levels\] for cache.k_bits=2", k_bits=2)
+    only_v = str(tmp_path / "only_v.npz")
+    calibrate.save_codebooks(only_v, {"v": books["v"]})
+    refused(r"holds no levels for 'k'", codebooks=only_v)
+    repeated = str(tmp_path / "repeated.npz")
+    calibrate.save_codebooks(repeated, {"k": np.zeros_like(books["k"]), "v": books["v"]})
+    refused(r"not distinct numbers in \[-1, 1\]", codebooks=repeated)
+    with pytest.raises(ValueError, match="cache.codebooks"):
+        kvlab.config.validate_cache_config({**cache_cfg.to_dict(), "codebooks": 3}, cfg.model)
+
+
+def test_calibrating_nothing_is_refused():
+    cfg = VARIANTS["gqa"]()
+    _, params, _ = build(cfg)
+    with pytest.raises(ValueError, match="format='codebook'"):
+        calibrate.codebooks(cfg.model, cfg.cache, params, random_tokens(cfg, (1, 16)))
+
+
+def test_a_latent_model_calibrates_and_runs(tmp_path):
+    """MLA's latent and RoPE key in codebook codes (their own arrays in the file)."""
+    cfg = VARIANTS["mla_absorbed"]()
+    cache_cfg = cfg.cache.copy_and_resolve_references()
+    cache_cfg.update(
+        latent_bits=4, rope_bits=4, latent_format="codebook", rope_format="codebook",
+        latent_axis="token", rope_axis="token", group_size=8,
+    )  # fmt: skip
+    _, params, apply = build(cfg)
+    books = calibrate.codebooks(cfg.model, cache_cfg, params, random_tokens(cfg, (2, 64)))
+    assert set(books) == {"latent", "rope"}
+    path = str(tmp_path / "mla.npz")
+    calibrate.save_codebooks(path, books)
+    cache_cfg.codebooks = path
+    cache = kvlab.init_cache(cfg.model, cache_cfg, 1, 32)
+    logits, _ = apply({"params": params}, random_tokens(cfg, (1, 10), seed=2), cache=cache)
+    assert np.isfinite(np.asarray(logits)).all()
+
+
+@pytest.mark.parametrize("impl", ["xla", "pallas"])
+def test_a_codebook_cache_exports_for_tpu_and_cuda(tmp_path, impl):
+    """The prefill and the decode step over codebook codes, lowered for TPU and CUDA
+    from this host: no CPU-only call, and no Pallas kernel (they decline the codes)."""
+    cfg = VARIANTS["gqa"]()
+    cfg.cache, _ = calibrated(cfg, tmp_path)
+    cfg.model.attention_impl = impl
+    program, arguments = inference(cfg, loops=False)
+    assert_exports(program, arguments, kernel=False)
