@@ -91,6 +91,14 @@ def plain_rope(x, positions, theta):
     return rotated.astype(x.dtype)
 
 
+def right_padded(rows) -> np.ndarray:
+    """int32[len(rows), longest]: each row's tokens, then zeros."""
+    tokens = np.zeros((len(rows), max(map(len, rows))), np.int32)
+    for i, row in enumerate(rows):
+        tokens[i, : len(row)] = row
+    return tokens
+
+
 def random_tokens(cfg, shape, seed: int = 0):
     return np.random.default_rng(seed).integers(0, cfg.model.vocab_size, shape, dtype=np.int32)
 

@@ -13,7 +13,7 @@ from kvlab.registry import SCORERS
 from tests.cache.test_after_prefill import kept
 from tests.cache.test_duo_attention import _rope
 from tests.cache.test_evict import evicting
-from tests.helpers import VARIANTS, build, random_tokens
+from tests.helpers import VARIANTS, build, random_tokens, right_padded
 
 CONTEXT, MAX_LEN, HEADROOM = 40, 64, 8
 KVZIP = SCORERS.get("kvzip")
@@ -30,10 +30,7 @@ def compressed(cfg, contexts, ratio, bits=16, storage=None, **fields):
     cache_cfg.evict.update(fields)
     cache_cfg.update(storage or {})
     rows = [[*c, *KVZIP.probe_tokens(encode, list(c))] for c in contexts]
-    width = max(map(len, rows))
-    tokens = np.zeros((len(rows), width), np.int32)
-    for i, row in enumerate(rows):
-        tokens[i, : len(row)] = row
+    tokens = right_padded(rows)
     _, params, apply = build(cfg)
     cache = kvlab.init_cache(cfg.model, cache_cfg, len(rows), MAX_LEN)
     lengths = jnp.asarray([len(c) for c in contexts], jnp.int32)
@@ -187,14 +184,9 @@ def test_generate_feeds_each_rows_probes_after_its_prompt():
     contexts = [random_tokens(cfg, (CONTEXT,), seed=7), random_tokens(cfg, (29,), seed=8)]
     probes = [KVZIP.probe_tokens(encode, list(c)) for c in contexts]
     cache_cfg = evicting(cfg, "kvzip", when="after_prefill", ratio=0.5, headroom=HEADROOM)
-    prompts = np.zeros((2, CONTEXT), np.int32)
-    prompts[1, :29] = contexts[1]
-    prompts[0] = contexts[0]
-    lengths = np.array([CONTEXT, 29])
+    prompts, lengths = right_padded(contexts), np.array([CONTEXT, 29])
     rows = [[*c, *p] for c, p in zip(contexts, probes, strict=True)]
-    fed = np.zeros((2, max(map(len, rows))), np.int32)
-    for i, row in enumerate(rows):
-        fed[i, : len(row)] = row
+    fed = right_padded(rows)
     fresh = kvlab.init_cache(cfg.model, cache_cfg, 2, MAX_LEN)
     logits, cache = apply(
         {"params": params},

@@ -17,7 +17,7 @@ from kvlab.cache.evict import ChannelReader, PrunedKeys
 from tests.cache.test_after_prefill import kept
 from tests.cache.test_duo_attention import _rope
 from tests.cache.test_evict import evicting
-from tests.helpers import VARIANTS, build, random_tokens, tiny_config
+from tests.helpers import VARIANTS, build, random_tokens, right_padded, tiny_config
 
 MAX_LEN, HEADROOM = 64, 8
 
@@ -27,10 +27,7 @@ def compressed(cfg, contexts, method="think:snapkv", ratio=0.5, **fields):
     row's context (after_prefill, keeping `ratio` of it)."""
     cache_cfg = evicting(cfg, method, when="after_prefill", ratio=ratio, headroom=HEADROOM)
     cache_cfg.evict.update(fields)
-    width = max(map(len, contexts))
-    tokens = np.zeros((len(contexts), width), np.int32)
-    for i, row in enumerate(contexts):
-        tokens[i, : len(row)] = row
+    tokens = right_padded(contexts)
     _, params, apply = build(cfg)
     cache = kvlab.init_cache(cfg.model, cache_cfg, len(contexts), MAX_LEN)
     counts = jnp.asarray([len(c) for c in contexts], jnp.int32)
