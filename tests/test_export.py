@@ -255,7 +255,12 @@ def test_a_training_step_exports_for_tpu_and_cuda(attention, impl):
 def test_an_exported_step_round_trips_with_its_cache(cache):
     """Serialized and read back, the step (lowered for this CPU and for TPU) runs
     to the logits and cache the model computes, the cache a pytree of its kind."""
-    cfg = config("gqa", cache, "xla")
+    assert_round_trips(config("gqa", cache, "xla"))
+
+
+def assert_round_trips(cfg):
+    """A step over cfg's cache, exported for this CPU and TPU, serialized and read
+    back, gives the logits and the cache (of the same tree) the model computes."""
     model = kvlab.Transformer(cfg.model)
     params = kvlab.init_params(cfg.model, jax.random.key(0))
     cache = kvlab.init_cache(cfg.model, cfg.cache, 2, 64)

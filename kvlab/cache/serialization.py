@@ -22,7 +22,7 @@ from typing import Any
 from jax import export
 
 from kvlab.cache.dense import Cache, DenseLayer
-from kvlab.cache.evict import EvictingLayer, PagedEvictingLayer
+from kvlab.cache.evict import EvictingLayer, PagedEvictingLayer, PrunedKeys
 from kvlab.cache.paged import PagedCache, PagedLayer, PagedQuantizedLayer
 from kvlab.cache.quant import Flush, QuantizedLayer, QuantizedTensor
 
@@ -37,6 +37,7 @@ PYTREES = (
     PagedQuantizedLayer,
     EvictingLayer,
     PagedEvictingLayer,
+    PrunedKeys,
 )
 
 

@@ -14,7 +14,7 @@ import kvlab
 from kvlab.cache.quant import dequantize_tokens, quantize_tokens
 from kvlab.eval import calibrate
 from tests.helpers import VARIANTS, build, random_tokens
-from tests.test_export import assert_exports, inference
+from tests.test_export import assert_exports, assert_round_trips, inference
 
 FOUR_BIT = dict(k_bits=4, v_bits=4, k_axis="token", v_axis="token", group_size=8)
 
@@ -199,3 +199,10 @@ def test_a_codebook_cache_exports_for_tpu_and_cuda(tmp_path, impl):
     cfg.model.attention_impl = impl
     program, arguments = inference(cfg, loops=False)
     assert_exports(program, arguments, kernel=False)
+
+
+def test_an_exported_step_over_codebook_codes_round_trips(tmp_path):
+    """Each layer's levels (Storage.table) survive jax.export's serialization."""
+    cfg = VARIANTS["gqa"]()
+    cfg.cache, _ = calibrated(cfg, tmp_path)
+    assert_round_trips(cfg)

@@ -18,6 +18,7 @@ from tests.cache.test_after_prefill import kept
 from tests.cache.test_duo_attention import _rope
 from tests.cache.test_evict import evicting
 from tests.helpers import VARIANTS, build, random_tokens, right_padded, tiny_config
+from tests.test_export import assert_round_trips
 
 MAX_LEN, HEADROOM = 64, 8
 
@@ -311,3 +312,11 @@ def test_a_latent_model_is_refused():
     cfg = VARIANTS["mla_absorbed"]()
     with pytest.raises(ValueError, match="think scores 'gqa'"):
         kvlab.init_cache(cfg.model, evicting(cfg, "think:snapkv", ratio=0.5), 1, MAX_LEN)
+
+
+def test_an_exported_step_over_pruned_keys_round_trips():
+    """Serialized by jax.export and read back (stored.PrunedKeys registered with the
+    cache's pytrees), a step gives the model's logits and cache."""
+    cfg = VARIANTS["gqa"]()
+    cfg.cache = evicting(cfg, "think:snapkv", budget=24)
+    assert_round_trips(cfg)
