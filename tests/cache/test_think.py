@@ -206,16 +206,17 @@ def test_in_pages_and_beside_quantized_values_it_is_the_dense_cache(values):
 def test_the_kernel_backends_read_pruned_keys_as_the_reference_does(impl, dtype):
     """The native kernels read the kept channels as keys of that width against the
     queries' kept channels (kvlab.kernels.native.NativeChannels: here 16 of 32
-    channels in 1,048 slots of bfloat16, streamed by the reference); Pallas declines the reader
-    (stored.ChannelReader): a question and a decode step after a compression give
-    the XLA reference's logits."""
+    channels in 1,040 slots of bfloat16, which the reference streams); Pallas
+    declines the reader (stored.ChannelReader): a question and a decode step after
+    a compression (every token kept, half the channels) give the XLA reference's
+    logits."""
     cfg = tiny_config(num_kv_heads=2, head_dim=32)
     cfg.cache.dtype = dtype
-    context = random_tokens(cfg, (1, 2080), seed=10)
+    context = random_tokens(cfg, (1, 1030), seed=10)
     question = random_tokens(cfg, (1, 3), seed=11)
     _, params, apply = build(cfg)
-    cache_cfg = evicting(cfg, "think:snapkv", when="after_prefill", ratio=0.5, headroom=8)
-    cache = kvlab.init_cache(cfg.model, cache_cfg, 1, 2100)
+    cache_cfg = evicting(cfg, "think:snapkv", when="after_prefill", ratio=1.0, headroom=8)
+    cache = kvlab.init_cache(cfg.model, cache_cfg, 1, 1040)
     _, cache = apply({"params": params}, context, cache=cache, compress=True)
     want, after = apply({"params": params}, question, cache=cache)
     want_next, _ = apply({"params": params}, question[:, :1], cache=after)

@@ -244,7 +244,6 @@ class EvictingLayer:
             kept=slots < self.positions.shape[2],
             queries=queries.vectors,
             query_positions=queries.positions,
-            positions=placement.positions,
             end=placement.lengths + placement.num_tokens,
             count=p.key_channels,
             width=keys.width,

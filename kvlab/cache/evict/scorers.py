@@ -165,7 +165,6 @@ class Channels:
     kept       bool[B, K, T]   the ones the layer keeps after the step
     queries    float32[B, K, Q, W]   the step's queries as they meet the keys
                (Candidates.queries), with their positions int32[B, Q]
-    positions  int32[B, T]   each key's position (-1: padding)
     end        int32[B]   each row's length after the step
     count      the channels each KV head keeps (its `key_channels`)
     width      W
@@ -176,7 +175,6 @@ class Channels:
     kept: Array
     queries: Array
     query_positions: Array
-    positions: Array
     end: Array
     count: int
     width: int
