@@ -261,6 +261,19 @@ def _check_like(field: str, value, default) -> None:
 
 
 def _validate_cache_for_model(cache: Mapping, model: Mapping) -> None:
+    fitted = [
+        p
+        for p in cached_prefixes(model)
+        if cache[f"{p}_bits"] < 16 and cache[f"{p}_format"] == "codebook"
+    ]
+    if cache["codebooks"] and not fitted:
+        fail(
+            "cache.codebooks",
+            cache["codebooks"],
+            "is read by no tensor: none of this model's quantized tensors has "
+            "cache.<prefix>_format='codebook'",
+            "set the format of the tensors it holds levels for, or cache.codebooks=''",
+        )
     for part in _method_parts(cache["evict"]):
         kinds = getattr(part, "attention_kinds", None)
         if kinds is not None and model["attention"] not in kinds:

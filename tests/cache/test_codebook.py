@@ -82,7 +82,8 @@ def test_calibrated_levels_lose_less_than_nf_and_int_codes_at_equal_bytes(tmp_pa
                 assert errors["codebook"] < errors["nf"], (bits, layer, index, errors)
                 assert errors["codebook"] < errors["int"], (bits, layer, index, errors)
         for fmt in ("codebook", "nf", "int"):
-            cache_cfg.update(k_format=fmt, v_format=fmt, symmetric=True)
+            path = cache_cfg.codebooks if fmt == "codebook" else ""
+            cache_cfg.update(k_format=fmt, v_format=fmt, symmetric=True, codebooks=path)
             sizes.add(kvlab.cache_bytes(cfg.model, cache_cfg, 2, 64))
         assert len(sizes) == 1
 
@@ -160,6 +161,9 @@ def test_without_usable_levels_the_cache_is_refused_naming_the_field(tmp_path):
     repeated = str(tmp_path / "repeated.npz")
     calibrate.save_codebooks(repeated, {"k": np.zeros_like(books["k"]), "v": books["v"]})
     refused(r"not distinct numbers in \[-1, 1\]", codebooks=repeated)
+    with pytest.raises(ValueError, match="cache.codebooks=.* is read by no tensor"):
+        refused_fields = {**cache_cfg.to_dict(), "k_format": "int", "v_format": "int"}
+        kvlab.config.validate_cache_config(refused_fields, cfg.model)
     with pytest.raises(ValueError, match="cache.codebooks"):
         kvlab.config.validate_cache_config({**cache_cfg.to_dict(), "codebooks": 3}, cfg.model)
 
