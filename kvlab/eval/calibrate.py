@@ -37,7 +37,7 @@ from kvlab.cache import topology
 from kvlab.cache.factory import init_cache
 from kvlab.cache.formats import normal_float
 from kvlab.cache.quant.storage import by_groups, storages
-from kvlab.config import cached_tensors
+from kvlab.config import base_config, cached_tensors
 from kvlab.data.text import decode_bytes, load_corpus
 from kvlab.files import write_atomic
 from kvlab.model import Transformer
@@ -145,10 +145,11 @@ def codebooks(
             "no cached tensor is stored in the 'codebook' format: set cache.<prefix>_format="
             "'codebook' and cache.<prefix>_bits below 16 for the tensors to calibrate"
         )
+    # The numbers as stored (after the transforms), every tensor whole, nothing evicted.
     whole = ml_collections.ConfigDict(dict(cache_cfg)).copy_and_resolve_references()
-    whole.update(kind="dense", dtype="float32", residual=0)
-    whole.update({f"{prefix}_bits": 16 for prefix, _, _ in fitted})
-    whole.evict.method = "none"
+    whole.update(kind="dense", dtype="float32", residual=0, codebooks="", prefix_caching=False)
+    whole.update({f"{tensor.prefix}_bits": 16 for tensor in cached_tensors(model_cfg)})
+    whole.evict = base_config().cache.evict
     tokens = jnp.asarray(tokens, jnp.int32)
     cache = init_cache(model_cfg, whole, tokens.shape[0], tokens.shape[1])
     _, cache = Transformer(model_cfg).apply({"params": params}, tokens, cache=cache)

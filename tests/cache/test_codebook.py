@@ -88,6 +88,22 @@ def test_calibrated_levels_lose_less_than_nf_and_int_codes_at_equal_bytes(tmp_pa
         assert len(sizes) == 1
 
 
+def test_calibrating_a_cache_that_evicts_and_names_its_codebooks_gives_the_same_levels(
+    tmp_path,
+):
+    """The levels come from the tensors as stored, whole: a cache section that already
+    names its codebooks, quantizes its values as ints and compresses after its
+    prefill calibrates to the same keys' levels."""
+    cfg = VARIANTS["gqa"]()
+    cache_cfg, books = calibrated(cfg, tmp_path)
+    cache_cfg.update(v_format="int")
+    cache_cfg.evict.update(method="snapkv", when="after_prefill", ratio=0.5, headroom=4)
+    _, params, _ = build(cfg)
+    again = calibrate.codebooks(cfg.model, cache_cfg, params, random_tokens(cfg, (4, 96), 0))
+    assert set(again) == {"k"}
+    np.testing.assert_array_equal(again["k"], books["k"])
+
+
 def test_each_layer_reads_its_own_levels(tmp_path):
     """Every cache layer's storage carries its row of the file; the layers differ."""
     cfg = VARIANTS["gqa"]()

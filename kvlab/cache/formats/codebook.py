@@ -56,7 +56,6 @@ class Codebook(Format):
     """Levels per layer from cache.codebooks (module docstring)."""
 
     name = "codebook"
-    widths = (8, 4, 2)
 
     def table(self, cache_cfg, prefix: str, bits: int, layer: int, layers: int) -> tuple:
         path = cache_cfg["codebooks"]
