@@ -326,7 +326,7 @@ def test_a_checkpoint_the_disk_refuses_is_one_line_and_the_run_resumes(finished_
     assert lines[0].startswith(
         f"checkpoint step 4 was not saved in {checkpoints} (File too large, writing "
         "4.orbax-checkpoint-tmp/"
-    )
+    ), lines[0]  # the whole line: which file orbax was writing when the limit hit
     assert lines[0].endswith(
         f"): free space on the disk holding {checkpoints} or raise the file-size limit "
         "(ulimit -f), then run again: training resumes from the last complete checkpoint, step 2"
