@@ -48,7 +48,7 @@ from kvlab.cache.dense import BAD_COUNT, BAD_TOKEN, OVERFLOW, Cache
 from kvlab.cache.evict import EvictingLayer, PagedEvictingLayer
 from kvlab.cache.placement import Placement, place_without_cache, stored_end
 from kvlab.cache.quant import QuantizedTensor
-from kvlab.config import cached_tensors, frozen, validate_model_config
+from kvlab.config import cached_tensors, frozen, layer_windows, validate_model_config
 from kvlab.layers import Embedding, RMSNorm, logical_axes, projection
 from kvlab.moe import MLP, MoE, uses_experts
 
@@ -144,8 +144,9 @@ def check_inputs(config, tokens, cache: Cache | None, num_tokens, probes=None) -
 def check_cache(config, cache: Cache) -> None:
     """Raises ValueError unless `cache` was built for this model: one layer per
     cache layer of its topology (kvlab/cache/topology), each caching what the
-    model's attention caches (names, heads, widths), all layers alike
-    (structure, shapes, dtypes). Shapes are static, so this also runs under jit."""
+    model's attention caches (names, heads, widths), a sliding layer's a ring of
+    its window, the layers of each kind (a hybrid model's sliding and full ones)
+    alike (structure, shapes, dtypes). Shapes are static, so this also runs under jit."""
     fix = "build the cache with kvlab.init_cache(cfg.model, cfg.cache, ...) for this model"
     expected = cached_tensors(config)
     if tuple(cache.tensors) != expected:
@@ -163,10 +164,20 @@ def check_cache(config, cache: Cache) -> None:
             f"the cache has {len(cache.layers)} layers but model.num_layers="
             f"{config.num_layers}{shared}: {fix}"
         )
-    first = cache.layers[0]
+    windows = topology.cache_windows(config)
+    for i, (layer, window) in enumerate(zip(cache.layers, windows, strict=True)):
+        policy = getattr(layer, "policy", None)
+        if window and not (
+            policy is not None
+            and policy.method == "window"
+            and policy.span == min(window, policy.max_len)
+        ):
+            raise ValueError(
+                f"cache layer {i} is not a ring of the model's window: the model's layer "
+                f"slides over model.sliding_window={window} positions: {fix}"
+            )
     # Evicting layers may keep different budgets (pyramidkv): their slot axis may differ.
-    slotted = lambda x: x.shape[:2] + x.shape[3:] if isinstance(first, EVICTING) else x.shape  # noqa: E731
-    layout = [(slotted(x), x.dtype) for x in jax.tree.leaves(first)]
+    slotted = lambda x, first: x.shape[:2] + x.shape[3:] if isinstance(first, EVICTING) else x.shape  # noqa: E731
 
     def structure(layer):  # an evicting layer's policy names its layer: compare the arrays
         layer = jax.tree.map(_untabled, layer, is_leaf=lambda x: isinstance(x, QuantizedTensor))
@@ -181,12 +192,15 @@ def check_cache(config, cache: Cache) -> None:
                 f"cache layer {i} stores (heads, width) {layer.tensor_shapes()} but the "
                 f"cached tensors are {[(t.heads, t.width) for t in expected]}: {fix}"
             )
-        same = structure(layer) == structure(first) and layout == [
-            (slotted(x), x.dtype) for x in jax.tree.leaves(layer)
-        ]
+        # Layers of one kind (a hybrid model's sliding and full layers differ) are alike.
+        j = windows.index(windows[i])
+        first = cache.layers[j]
+        same = structure(layer) == structure(first) and [
+            (slotted(x, first), x.dtype) for x in jax.tree.leaves(first)
+        ] == [(slotted(x, first), x.dtype) for x in jax.tree.leaves(layer)]
         if not same:
             raise ValueError(
-                f"cache layer {i} differs from layer 0 in structure, shape or dtype: {fix}"
+                f"cache layer {i} differs from layer {j} in structure, shape or dtype: {fix}"
             )
 
 
@@ -267,7 +281,8 @@ class Transformer(nn.Module):
         compress, context = _compression(compress, batch)
         probes = context if probing else None
         if cache is None:
-            placement = place_without_cache(batch, length, cfg.sliding_window)
+            # Each window's band (a hybrid model's sliding and full layers differ).
+            placement = {w: place_without_cache(batch, length, w) for w in set(layer_windows(cfg))}
             layers = (None,) * topology.num_cache_layers(cfg)
             invalid = jnp.any((tokens < 0) | (tokens >= cfg.vocab_size), axis=1)
             tokens = jnp.where(invalid[:, None], 0, tokens)
@@ -294,13 +309,15 @@ class Transformer(nn.Module):
         x = embed(tokens)  # [B, T, D]
         # Each run of model layers that share a cache layer (kvlab/cache/topology):
         # the first reads it, each attends, the last writes it.
-        owner = topology.cache_layers(cfg)
+        owner, windows = topology.cache_layers(cfg), layer_windows(cfg)
         new_layers, state = [], None
         for i, c in enumerate(owner):
             produces = i == 0 or owner[i - 1] != c
             commits = i == len(owner) - 1 or owner[i + 1] != c
             block = Block(cfg, i, produces, commits, name=f"block_{i}")
-            x, state = block(x, placement, layers[c] if produces else state)
+            # With a cache, a sliding layer's ring bands its reads itself (kvlab/cache/evict/).
+            placed = placement[windows[i]] if cache is None else placement
+            x, state = block(x, placed, layers[c] if produces else state)
             if commits:
                 new_layers.append(state)
         if logits_at is not None:

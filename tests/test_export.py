@@ -57,6 +57,9 @@ CACHES = {
     ),
     "cross-layer 4-bit": dict(topology="cla:2", k_bits=4, v_bits=4, k_axis="token"),
     "normal-float 4-bit": dict(k_bits=4, v_bits=4, k_format="nf", v_format="nf", k_axis="token"),
+    "hybrid 4-bit": dict(  # a sliding layer's plain ring beside a full layer's 4-bit codes
+        window=16, layer_types=("sliding", "full"), k_bits=4, v_bits=4, k_axis="token"
+    ),
 }
 PAGED_SNAPKV = dict(kind="paged", evict=dict(method="snapkv", ratio=0.5))
 # The engine's caches: page pools, evicting or not (the engine owns the pages).
@@ -69,6 +72,7 @@ STORED = (
     "paged 4-bit",
     "rotated 4-bit",
     "cross-layer 4-bit",
+    "hybrid 4-bit",
 )
 TRITON = "__gpu$xla.gpu.triton"
 MOSAIC = "tpu_custom_call"
@@ -82,8 +86,11 @@ def config(attention: str, cache: str, impl: str):
     fields = dict({**CACHES, "paged snapkv": PAGED_SNAPKV}[cache])
     cfg.model.sliding_window = fields.pop("window", 0)
     cfg.model.topology = fields.pop("topology", "layerwise")
-    # One layer (lowering a program costs about its layers) unless layers share a cache.
-    cfg.model.num_layers = 1 if cfg.model.topology == "layerwise" else 2
+    cfg.model.layer_types = fields.pop("layer_types", ())
+    # One layer (lowering a program costs about its layers) unless layers share a cache
+    # or differ in kind.
+    layerwise = cfg.model.topology == "layerwise" and not cfg.model.layer_types
+    cfg.model.num_layers = 1 if layerwise else 2
     cfg.cache.evict.update(fields.pop("evict", {}))
     if attention == "mla":
         fields = {re.sub("^k_", "latent_", re.sub("^v_", "rope_", k)): v for k, v in fields.items()}

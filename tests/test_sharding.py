@@ -376,6 +376,19 @@ def test_on_mesh_the_methods_added_through_registries_are_unchanged():
     assert len(cache.layers) == 2
 
 
+@on_eight
+def test_on_mesh_a_hybrid_model_is_unchanged():
+    """A sliding layer's ring of 4 slots beside a full layer's 4-bit codes
+    (model.layer_types), laid out by the same rules."""
+    cfg = model_config((2, 2, 2), num_layers=2, sliding_window=4, layer_types=("sliding", "full"))
+    cfg.cache.update(k_bits=4, v_bits=4, k_axis="token")
+    mesh, rules = mesh_of(cfg)
+    params = kvlab.init_params(cfg.model, jax.random.key(0))
+    placed = placed_params(cfg, params, mesh, rules)
+    cache = through_the_cache(cfg, mesh, rules, kvlab.Transformer(cfg.model), params, placed)
+    assert [type(layer).__name__ for layer in cache.layers] == ["EvictingLayer", "QuantizedLayer"]
+
+
 def through_the_cache(cfg, mesh, rules, model, params, placed):
     """A prefill and three decode steps on the mesh give one device's logits, with
     the cache laid out by the rules before and after; returns the cache."""

@@ -38,6 +38,8 @@ from kvlab.config import (
     cached_prefixes,
     cached_tensors,
     dtype_of,
+    is_hybrid,
+    layer_sections,
     validate_cache_config,
     validate_model_config,
 )
@@ -78,6 +80,20 @@ def cache_bytes(
     if per_device:
         rules = sharding.axis_rules() if rules is None else rules
         split = lambda logical, size: sharding.pieces(logical, size, mesh, rules)  # noqa: E731
+    rows_held = batch_size // split("cache_batch", batch_size)  # rows on one device
+    # Each kind of layer (a hybrid model's sliding and full ones) as its own sections.
+    windows = topology.cache_windows(model_cfg)
+    layers = sum(
+        _layers_bytes(
+            m, c, [i for i, x in enumerate(windows) if x == w], batch_size, seq_len, split
+        )
+        for w, (m, c) in layer_sections(model_cfg, cache_cfg).items()
+    )
+    return layers + ROW_BYTES * rows_held
+
+
+def _layers_bytes(model_cfg, cache_cfg, layers: list, batch_size: int, seq_len: int, split) -> int:
+    """The cache layers `layers` of a model whose layers are alike, and its block tables."""
     layout = quantized_layout(model_cfg, cache_cfg, seq_len)
     tensors = [
         (t._replace(heads=t.heads // split("cache_heads", t.heads)), spec)
@@ -88,8 +104,8 @@ def cache_bytes(
     plan = evict.policies(model_cfg, cache_cfg, seq_len)
     # Token rows each tensor stores: a row's S (or P settled) tokens, or a page pool.
     if plan is not None:
-        layers = _evicting_bytes(plan, tensors, cache_cfg, batch_size, rows_held, split)
-        return layers + ROW_BYTES * rows_held
+        plan = [p for p in plan if p.layer in layers]
+        return _evicting_bytes(plan, tensors, cache_cfg, batch_size, rows_held, split)
     if cache_cfg["kind"] == "paged":
         pages = paged.pool_size(cache_cfg, batch_size, seq_len)
         pooled = pages // split("cache_pages", pages) * cache_cfg["page_size"]
@@ -104,7 +120,7 @@ def cache_bytes(
             _tensor_bytes(s, t.heads, t.width, rows, ring) for t, s in tensors
         )
         tables = 0
-    return topology.num_cache_layers(model_cfg) * per_layer + tables + ROW_BYTES * rows_held
+    return len(layers) * per_layer + tables
 
 
 def _evicting_bytes(plan, tensors, cache_cfg: Mapping, batch_size: int, rows_held: int, split):
@@ -211,7 +227,17 @@ def cache_label(model_cfg: Mapping, cache_cfg: Mapping) -> str:
         layout = f"paged ({cache_cfg['page_size']} tokens a page"
         layout += ", prefix reuse)" if cache_cfg["prefix_caching"] else ")"
     stored = f"{bits_label(model_cfg, cache_cfg)} ({'; '.join(details)})"
-    return f"{stored}, {layout}, {_kept_label(model_cfg, cache_cfg['evict'])}"
+    kept = _kept_label(model_cfg, cache_cfg["evict"])
+    if is_hybrid(model_cfg):  # the cache section's storage and eviction are the full layers'
+        windows = topology.cache_windows(model_cfg)
+        full = _kept_label({**model_cfg, "sliding_window": 0}, cache_cfg["evict"])
+        plain = cache_cfg["sliding_layers"] == "plain"
+        kept = (
+            f"{full} in {windows.count(0)} full layers; the last {model_cfg['sliding_window']} "
+            f"tokens in {len(windows) - windows.count(0)} sliding layers"
+            + (f" (in {cache_cfg['dtype']})" if plain else "")
+        )
+    return f"{stored}, {layout}, {kept}"
 
 
 def _kept_label(model_cfg: Mapping, evict_cfg: Mapping) -> str:

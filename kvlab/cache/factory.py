@@ -99,26 +99,27 @@ def init_cache(
         transforms=tuple(cache_cfg[f"{t.prefix}_transform"] for t in tensors),
     )
     plan = evict.policies(model_cfg, cache_cfg, max_len)
-    # Each layer's storages, with the levels a format fitted per layer reads (codebooks).
-    specs = [
-        quant.storages(model_cfg, cache_cfg, layer)
-        for layer in range(topology.num_cache_layers(model_cfg))
-    ]
+    # Each layer's sections (a hybrid model's sliding and full layers differ) and its
+    # storages, with the levels a format fitted per layer reads (codebooks).
+    sections = topology.sections(model_cfg, cache_cfg)
+    specs = [quant.storages(m, c, layer) for layer, (m, c) in enumerate(sections)]
     if plan is not None and cache_cfg["kind"] == "paged":
         return _paged_evicting_cache(
             plan, specs, shapes, dtype, cache_cfg, batch_size, own_pages, rows
         )
-    if plan is not None:
-        layers = tuple(_evicting_layer(p, specs[p.layer], shapes, dtype, batch_size) for p in plan)
-        return Cache(layers=layers, **rows)
     if cache_cfg["kind"] != "paged":
-        if layout is None:
-            new_layer = lambda _: DenseLayer(  # noqa: E731
-                tuple(jnp.zeros((batch_size, h, max_len, w), dtype) for h, w in shapes)
-            )
-        else:
-            new_layer = lambda i: quant.init_layer(specs[i], layout, batch_size, shapes)  # noqa: E731
-        return Cache(layers=tuple(new_layer(i) for i in range(len(specs))), **rows)
+        layers = []
+        for i, (layer_model, layer_cache) in enumerate(sections):
+            policy = None if plan is None else plan[i]
+            layer_layout = quant.quantized_layout(layer_model, layer_cache, max_len)
+            if policy is not None:
+                layers.append(_evicting_layer(policy, specs[i], shapes, dtype, batch_size))
+            elif layer_layout is None:
+                zeros = [jnp.zeros((batch_size, h, max_len, w), dtype) for h, w in shapes]
+                layers.append(DenseLayer(tuple(zeros)))
+            else:
+                layers.append(quant.init_layer(specs[i], layer_layout, batch_size, shapes))
+        return Cache(layers=tuple(layers), **rows)
 
     page = cache_cfg["page_size"]
     n = paged.pages_per_row(cache_cfg, max_len)

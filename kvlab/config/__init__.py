@@ -30,7 +30,7 @@ Each module imports only the rows below its own (sections > cache | model > sche
 fields); this file re-exports their public names.
 """
 
-from kvlab.config.cache import evict_methods, validate_cache_config
+from kvlab.config.cache import evict_methods, layer_sections, validate_cache_config
 from kvlab.config.fields import check_count, frozen, import_config_file
 from kvlab.config.model import parse_rope_scaling, validate_model_config
 from kvlab.config.schema import (
@@ -45,6 +45,7 @@ from kvlab.config.schema import (
     EVAL_TASKS,
     EVICT_WHEN,
     GROUP_AXES,
+    LAYER_TYPES,
     LOGICAL_AXIS_RULES,
     MESH_AXES,
     MOE_ROUTINGS,
@@ -58,6 +59,8 @@ from kvlab.config.schema import (
     cached_prefixes,
     cached_tensors,
     dtype_of,
+    is_hybrid,
+    layer_windows,
 )
 from kvlab.config.sections import (
     check_mesh_shape,
@@ -82,6 +85,7 @@ __all__ = [
     "EVAL_TASKS",
     "EVICT_WHEN",
     "GROUP_AXES",
+    "LAYER_TYPES",
     "LOGICAL_AXIS_RULES",
     "MESH_AXES",
     "MOE_ROUTINGS",
@@ -101,6 +105,9 @@ __all__ = [
     "evict_methods",
     "frozen",
     "import_config_file",
+    "is_hybrid",
+    "layer_sections",
+    "layer_windows",
     "mesh_axes",
     "parse_rope_scaling",
     "validate_cache_config",

@@ -6,7 +6,16 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 
-from kvlab.config.fields import check_choice, check_int, check_known_fields, check_number, fail
+import ml_collections
+
+from kvlab.config.fields import (
+    check_choice,
+    check_int,
+    check_known_fields,
+    check_number,
+    fail,
+    frozen,
+)
 from kvlab.config.schema import (
     BIT_WIDTHS,
     CACHE_KINDS,
@@ -15,10 +24,13 @@ from kvlab.config.schema import (
     DTYPES,
     EVICT_WHEN,
     GROUP_AXES,
+    SLIDING_LAYERS,
     UNSCORED_METHODS,
     base_config,
     cached_prefixes,
     cached_tensors,
+    is_hybrid,
+    layer_windows,
 )
 from kvlab.registry import FORMATS, SCORERS, TRANSFORMS, WRAPPERS
 
@@ -33,6 +45,7 @@ def validate_cache_config(cache: Mapping, model: Mapping | None = None) -> None:
     check_choice("cache", cache, "kind", CACHE_KINDS)
     check_choice("cache", cache, "dtype", tuple(DTYPES))
     check_choice("cache", cache, "scale_dtype", tuple(DTYPES))
+    check_choice("cache", cache, "sliding_layers", SLIDING_LAYERS)
     check_int("cache", cache, "group_size")
     check_int("cache", cache, "residual", minimum=0)
     check_int("cache", cache, "page_size")
@@ -260,7 +273,62 @@ def _check_like(field: str, value, default) -> None:
         )
 
 
+def layer_sections(model: Mapping, cache: Mapping) -> dict[int, tuple[Mapping, Mapping]]:
+    """The (model, cache) sections each kind of layer is cached as, by its window
+    (kvlab.config.layer_windows). A model whose layers are alike: {its window:
+    (model, cache)}. A hybrid one (model.layer_types): its full layers (0) as a
+    model without a window, with `cache`; its sliding ones as a model whose every
+    layer slides, with cache.evict off (the window decides what they keep) and,
+    under cache.sliding_layers='plain', nothing quantized. Each is a section a
+    cache of layers alike is built, counted and checked from."""
+    if not is_hybrid(model):
+        return {layer_windows(model)[0]: (model, cache)}
+    window = model["sliding_window"]
+    plain = {}
+    if cache["sliding_layers"] == "plain":
+        plain = {f"{p}_bits": 16 for p in CACHED_PREFIXES} | dict(residual=0, codebooks="")
+    alike = dict(sliding_layers="plain")  # each section is a model of layers alike
+    return {
+        0: (_replaced(model, sliding_window=0, layer_types=()), _replaced(cache, **alike)),
+        window: (
+            _replaced(model, layer_types=()),
+            _replaced(cache, evict=dict(method="none"), **alike, **plain),
+        ),
+    }
+
+
+def _replaced(section: Mapping, **fields) -> ml_collections.FrozenConfigDict:
+    """A frozen copy of `section` with `fields` set (a dict value updates that subsection)."""
+    copy = ml_collections.ConfigDict(frozen(section).as_configdict().to_dict())
+    for name, value in fields.items():
+        if isinstance(value, dict):
+            copy[name].update(value)
+        else:
+            copy[name] = value
+    return frozen(copy)
+
+
 def _validate_cache_for_model(cache: Mapping, model: Mapping) -> None:
+    if is_hybrid(model):
+        if cache["kind"] == "paged":
+            fail(
+                "cache.kind",
+                "paged",
+                f"cannot hold model.layer_types={tuple(model['layer_types'])!r} yet: its "
+                "sliding layers keep a ring per row, which pages and prefix reuse do not share",
+                "set cache.kind='dense' for a model that mixes sliding and full layers",
+            )
+        for layer_model, layer_cache in layer_sections(model, cache).values():
+            _validate_cache_for_model(layer_cache, layer_model)
+        return
+    if cache["sliding_layers"] != "plain":
+        fail(
+            "cache.sliding_layers",
+            cache["sliding_layers"],
+            "applies to a model whose layers mix sliding and full attention, and this "
+            "model's layers are alike (model.layer_types)",
+            "leave cache.sliding_layers='plain'",
+        )
     fitted = [
         p
         for p in cached_prefixes(model)

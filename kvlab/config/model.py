@@ -9,7 +9,14 @@ import ml_collections
 
 from kvlab import backends
 from kvlab.config.fields import check_choice, check_int, check_known_fields, check_number, fail
-from kvlab.config.schema import ATTENTION_KINDS, DTYPES, MOE_ROUTINGS, ROPE_SCALINGS, base_config
+from kvlab.config.schema import (
+    ATTENTION_KINDS,
+    DTYPES,
+    LAYER_TYPES,
+    MOE_ROUTINGS,
+    ROPE_SCALINGS,
+    base_config,
+)
 from kvlab.registry import TOPOLOGIES
 
 
@@ -34,6 +41,7 @@ def validate_model_config(model: Mapping) -> None:
     check_choice("model", model, "attention", ATTENTION_KINDS)
     check_choice("model", model, "attention_impl", backends.names())
     _validate_topology(model)
+    _validate_layer_types(model)
     for name in ("tie_embeddings", "qkv_bias", "qk_norm"):
         if not isinstance(model[name], bool):
             fail(f"model.{name}", model[name], "is not a bool", "set True or False")
@@ -66,6 +74,54 @@ def _validate_topology(model: Mapping) -> None:
             "frequency pairs, so a layer cannot read another's)",
             "set model.topology='layerwise' for a model converted from grouped-query attention",
         )
+
+
+def _validate_layer_types(model: Mapping) -> None:
+    """model.layer_types: () or one of LAYER_TYPES per layer, with a window for the
+    sliding ones, the same kind over each run of layers that share a cache layer."""
+    types, window, layers = model["layer_types"], model["sliding_window"], model["num_layers"]
+    if not types:
+        return
+    if not isinstance(types, (tuple, list)) or any(t not in LAYER_TYPES for t in types):
+        fail(
+            "model.layer_types",
+            types,
+            f"is not a tuple of {' / '.join(map(repr, LAYER_TYPES))}",
+            "give one per layer, e.g. ('sliding',) * 5 + ('full',), or () for layers alike",
+        )
+    if len(types) != layers:
+        fail(
+            "model.layer_types",
+            types,
+            f"names {len(types)} layers but model.num_layers={layers}",
+            f"give {layers} entries, or () for layers alike",
+        )
+    if "sliding" in types and not window:
+        fail(
+            "model.layer_types",
+            types,
+            "has sliding layers but model.sliding_window=0 gives them no window",
+            "set model.sliding_window to the sliding layers' window",
+        )
+    if "sliding" not in types and window:
+        fail(
+            "model.sliding_window",
+            window,
+            "is read by no layer: model.layer_types has no 'sliding' layer",
+            "set model.sliding_window=0, or mark the sliding layers in model.layer_types",
+        )
+    name, _, arg = model["topology"].partition(":")
+    owner = TOPOLOGIES.get(name).layers(arg, layers)
+    for i in range(1, layers):
+        if owner[i] == owner[i - 1] and types[i] != types[i - 1]:
+            fail(
+                "model.layer_types",
+                types,
+                f"gives layers {i - 1} and {i}, which share a cache layer under "
+                f"model.topology={model['topology']!r}, different kinds ({types[i - 1]!r}, "
+                f"{types[i]!r}): one cache layer holds one window",
+                "give the layers of each shared run the same kind, or another topology",
+            )
 
 
 def _validate_grouped(model: Mapping) -> None:

@@ -105,6 +105,10 @@ def base_config(variant: str = "tiny") -> ml_collections.ConfigDict:
             sliding_window=0,  # 0 = full causal attention; W = each query sees the last W
             #                    positions, itself included (Mistral, Gemma); its cache is a
             #                    ring of W slots (kvlab/cache/evict/)
+            layer_types=(),  # () = every layer alike (sliding when sliding_window > 0);
+            #                  else one of 'full' | 'sliding' per layer: hybrid attention
+            #                  (Gemma 2/3, GPT-OSS, Qwen2/3 layer_types), the sliding ones
+            #                  over model.sliding_window; see layer_windows
             attention_impl="xla",  # the backend (kvlab.backends) whose kernels attend over
             #                        stored blocks and write caches: 'xla' (plain JAX, any
             #                        platform), 'pallas' (kvlab/kernels/pallas: Triton on
@@ -215,6 +219,11 @@ def base_config(variant: str = "tiny") -> ml_collections.ConfigDict:
             v_transform="none",  # folded into its reads: 'none', 'hadamard', 'orthogonal', ...
             latent_transform="none",  # (kvlab/cache/transforms; kvlab.registry.TRANSFORMS)
             rope_transform="none",
+            # model.layer_types mixing 'sliding' and 'full' layers: what a sliding layer's
+            # ring of model.sliding_window slots stores. 'plain': cache.dtype, whatever the
+            # bits above (they and cache.evict apply to the full layers); 'as_full': the
+            # storage above (bits, formats, groups, residual) as the full layers store it
+            sliding_layers="plain",
         )
     )
     # Token eviction (kvlab/cache/evict/): each layer stores `budget` tokens per
@@ -374,6 +383,22 @@ def cached_tensors(model: Mapping) -> tuple[CachedTensor, CachedTensor]:
         CachedTensor("k", "k", heads, width, "model.head_dim"),
         CachedTensor("v", "v", heads, width, "model.head_dim"),
     )
+
+
+LAYER_TYPES = ("full", "sliding")  # model.layer_types entries
+SLIDING_LAYERS = ("plain", "as_full")  # cache.sliding_layers
+
+
+def layer_windows(model: Mapping) -> tuple[int, ...]:
+    """Each model layer's attention window: model.sliding_window where the layer
+    slides (every layer without model.layer_types), 0 (full causal attention) elsewhere."""
+    types = model.get("layer_types") or ("sliding",) * model["num_layers"]
+    return tuple(model["sliding_window"] if kind == "sliding" else 0 for kind in types)
+
+
+def is_hybrid(model: Mapping) -> bool:
+    """Whether the model's layers mix windowed and full attention (model.layer_types)."""
+    return len(set(layer_windows(model))) > 1
 
 
 def cached_prefixes(model: Mapping) -> tuple[str, str]:

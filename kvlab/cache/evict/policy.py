@@ -37,7 +37,7 @@ from kvlab.cache import topology
 from kvlab.cache.evict.scorers import Scorer, compose
 from kvlab.cache.placement import Placement
 from kvlab.cache.quant import Layout, quantized_layout
-from kvlab.config import cached_tensors
+from kvlab.config import cached_tensors, layer_sections
 
 RING_METHODS = ("window", "sinks")
 MAX_SCORED_LEN = 2**24 - 2**16  # positions (and a step's tokens) stay below 2**24: sort keys
@@ -239,8 +239,27 @@ def layer_ratios(evict: Mapping, shares: tuple[float, ...] | None) -> tuple[floa
     return tuple(min(1.0, evict["ratio"] * s) for s in shares)
 
 
-def policies(model_cfg: Mapping, cache_cfg: Mapping, max_len: int) -> tuple[Policy, ...] | None:
-    """One Policy per layer, or None for a cache that keeps every token."""
+def policies(
+    model_cfg: Mapping, cache_cfg: Mapping, max_len: int
+) -> tuple[Policy | None, ...] | None:
+    """One Policy per cache layer, or None for a cache that keeps every token. A
+    hybrid model (model.layer_types) has a window policy for each sliding layer and,
+    for each full layer, cache.evict's policy, or None where it keeps every token:
+    each kind's layers are planned as a model whose layers are all of that kind
+    (kvlab.config.layer_sections), so a per-layer schedule (pyramidkv) follows a
+    layer's depth in the whole stack."""
+    kinds = layer_sections(model_cfg, cache_cfg)
+    if len(kinds) == 1:
+        return _policies(model_cfg, cache_cfg, max_len)
+    plans = {w: _policies(m, c, max_len) for w, (m, c) in kinds.items()}
+    return tuple(
+        None if plans[w] is None else plans[w][i]
+        for i, w in enumerate(topology.cache_windows(model_cfg))
+    )
+
+
+def _policies(model_cfg: Mapping, cache_cfg: Mapping, max_len: int) -> tuple[Policy, ...] | None:
+    """`policies` for a model whose layers are alike."""
     evict = cache_cfg["evict"]
     method = "window" if model_cfg["sliding_window"] else evict["method"]
     if method == "none":

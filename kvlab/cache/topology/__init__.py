@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+from kvlab.config import layer_sections, layer_windows
 from kvlab.registry import TOPOLOGIES
 
 
@@ -65,3 +66,18 @@ def produces(model_cfg: Mapping, index: int) -> bool:
     """Whether model layer `index` computes keys and values (the first of its run)."""
     layers = cache_layers(model_cfg)
     return index == 0 or layers[index - 1] != layers[index]
+
+
+def cache_windows(model_cfg: Mapping) -> tuple[int, ...]:
+    """The attention window of each cache layer (its run's, kvlab.config.layer_windows;
+    0: full attention)."""
+    windows, owner = layer_windows(model_cfg), cache_layers(model_cfg)
+    return tuple(windows[owner.index(c)] for c in range(owner[-1] + 1))
+
+
+def sections(model_cfg: Mapping, cache_cfg: Mapping) -> tuple[tuple[Mapping, Mapping], ...]:
+    """The (model, cache) sections each cache layer is built, counted and read as
+    (kvlab.config.layer_sections): the same pair for every layer of a model whose
+    layers are alike; a hybrid model's sliding and full layers each their own."""
+    kinds = layer_sections(model_cfg, cache_cfg)
+    return tuple(kinds[w] for w in cache_windows(model_cfg))

@@ -14,10 +14,10 @@ Families (config.json's model_type) and what they become:
                      V3 sigmoid routing with its score-correction bias)
 
 Mistral's sliding_window W becomes model.sliding_window (null: 0, full causal
-attention); both let the query at position p see keys p - W + 1 .. p. kvlab
-has one window for all layers, so a Qwen2/Qwen3 window loads only when every
-layer slides (use_sliding_window with max_window_layers 0, or layer_types all
-'sliding_attention'); a window on some layers is refused.
+attention); both let the query at position p see keys p - W + 1 .. p. A
+Qwen2/Qwen3 window on some layers only (max_window_layers, or layer_types
+mixing 'sliding_attention' and 'full_attention') becomes model.layer_types: a
+hybrid model whose sliding layers cache a ring of the window.
 
 Every config.json field that changes what the model computes is mapped to a
 kvlab field or checked to hold the value kvlab computes (hidden_act 'silu', no
@@ -309,7 +309,7 @@ def _grouped_fields(hf: HFConfig, model: ml_collections.ConfigDict) -> None:
         # Mistral slides every layer: None is full causal attention.
         model.sliding_window = _window(hf, "sliding_window")
     if family in ("qwen2", "qwen3"):
-        model.sliding_window = _qwen_window(hf, model.num_layers)
+        model.sliding_window, model.layer_types = _qwen_window(hf, model.num_layers)
 
 
 def _window(hf: HFConfig, key: str) -> int:
@@ -320,44 +320,46 @@ def _window(hf: HFConfig, key: str) -> int:
     return hf.count(key) if key in hf else 0
 
 
-def _qwen_window(hf: HFConfig, num_layers: int) -> int:
-    """model.sliding_window for Qwen2/Qwen3, whose windows are per layer.
+def _qwen_window(hf: HFConfig, num_layers: int) -> tuple[int, tuple[str, ...]]:
+    """(model.sliding_window, model.layer_types) for Qwen2/Qwen3, whose windows are
+    per layer.
 
     As transformers 5 reads the config: the window is sliding_window when
     use_sliding_window is true, else there is none; layer i slides when
     layer_types[i] is 'sliding_attention' or, without layer_types, when there is a
-    window and i >= max_window_layers. kvlab has one window for every layer, so
-    only checkpoints whose layers all slide, or none, load."""
+    window and i >= max_window_layers. Layers that all slide, or none, need no
+    model.layer_types; a mix becomes a hybrid model (kvlab.config.layer_windows)."""
     window = _window(hf, "sliding_window") if hf.get("use_sliding_window", False) else 0
     layer_types = hf.get("layer_types")
     if layer_types is None:
-        key, value = "max_window_layers", hf.count("max_window_layers", 28, minimum=0)
+        value = hf.count("max_window_layers", 28, minimum=0)
         sliding = [bool(window) and i >= value for i in range(num_layers)]
     else:
-        key, value = "layer_types", layer_types
         kinds = ["full_attention", "sliding_attention"]
-        if not isinstance(value, list) or len(value) != num_layers or not set(value) <= {*kinds}:
-            hf.refuse(key, value, "is not a layer kind per layer", f"give {num_layers} of {kinds}")
-        sliding = [kind == "sliding_attention" for kind in value]
+        if (
+            not isinstance(layer_types, list)
+            or len(layer_types) != num_layers
+            or not set(layer_types) <= {*kinds}
+        ):
+            hf.refuse(
+                "layer_types", layer_types, "is not a layer kind per layer",
+                f"give {num_layers} of {kinds}",
+            )  # fmt: skip
+        sliding = [kind == "sliding_attention" for kind in layer_types]
         if any(sliding) and not window:
             hf.refuse(
-                key,
-                value,
+                "layer_types",
+                layer_types,
                 "has sliding-attention layers but config.json gives them no window "
                 f"(use_sliding_window={hf.get('use_sliding_window', False)!r}, "
                 f"sliding_window={hf.get('sliding_window')!r})",
                 "set use_sliding_window true and sliding_window, or only 'full_attention' layers",
             )
-    if any(sliding) and not all(sliding):
-        hf.refuse(
-            key,
-            value,
-            f"slides {sum(sliding)} of the {num_layers} layers (sliding_window={window}) and "
-            "lets the others attend to every position",
-            "kvlab has one model.sliding_window for every layer: only checkpoints whose layers "
-            "all slide, or none, load",
-        )
-    return window if all(sliding) else 0
+    if not any(sliding):
+        return 0, ()
+    if all(sliding):
+        return window, ()
+    return window, tuple("sliding" if s else "full" for s in sliding)
 
 
 def _latent_fields(hf: HFConfig, model: ml_collections.ConfigDict) -> None:

@@ -6,8 +6,9 @@
 given the tokenizer); AutoModelForCausalLM.from_pretrained computes the same
 logits. Export picks the family from the model: latent attention ->
 deepseek_v3 with sigmoid routing, else deepseek_v2; qk_norm -> qwen3; qkv_bias
--> qwen2; else mistral with a sliding window, llama without (a window on latent
-attention is refused: DeepSeek has none). Import then export then import gives
+-> qwen2 (a hybrid model's layer_types: one of these two); else mistral with a
+sliding window, llama without (a window on latent attention is refused:
+DeepSeek has none). Import then export then import gives
 bit-identical parameters (layouts.py: nothing is rounded).
 """
 
@@ -171,6 +172,12 @@ def _export_family(model) -> str:
         )
     if model.qk_norm or model.qkv_bias:
         return "qwen3" if model.qk_norm else "qwen2"
+    if model.layer_types:
+        raise ValueError(
+            f"model.layer_types={tuple(model.layer_types)!r} cannot be exported as llama or "
+            "mistral, whose layers are alike: qwen2 and qwen3 write a window per layer, so "
+            "kvlab writes a hybrid model with model.qkv_bias=True or model.qk_norm=True"
+        )
     # Mistral is Llama with a window over every layer (Llama has none).
     return "mistral" if model.sliding_window else "llama"
 
@@ -233,9 +240,10 @@ def _hf_config(model, family: str) -> dict:
             config["sliding_window"] = window
         if family in ("qwen2", "qwen3"):
             config.update(use_sliding_window=window is not None, sliding_window=window)
-            if window:  # every layer slides
+            if window:  # the layers that slide: every one, or model.layer_types'
+                kinds = model.layer_types or ("sliding",) * model.num_layers
                 config.update(
-                    max_window_layers=0, layer_types=["sliding_attention"] * model.num_layers
+                    max_window_layers=0, layer_types=[f"{kind}_attention" for kind in kinds]
                 )
         return config
     mla, moe = model.mla, model.moe

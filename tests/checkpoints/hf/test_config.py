@@ -6,6 +6,8 @@ with transformers' own save_pretrained; each holds the logits transformers
 computed on a token batch and its greedy continuation (reference.npz).
 """
 
+import json
+
 import jax
 import numpy as np
 import pytest
@@ -73,25 +75,6 @@ CONFIG_REFUSALS = {
         "qwen2",
         {"layer_types": ["full_attention", "sliding_attention"]},
         r"layer_types=.*has sliding-attention layers but config.json gives them no window",
-    ),
-    "qwen some layers sliding": (
-        "qwen2",
-        {
-            "use_sliding_window": True,
-            "sliding_window": 4,
-            "layer_types": ["full_attention", "sliding_attention"],
-        },
-        r"layer_types=.*slides 1 of the 2 layers \(sliding_window=4\).*one model.sliding_window",
-    ),
-    "qwen layers from max_window_layers sliding": (
-        "qwen3",
-        {
-            "use_sliding_window": True,
-            "sliding_window": 4,
-            "max_window_layers": 1,
-            "layer_types": None,
-        },
-        r"max_window_layers=1 slides 1 of the 2 layers",
     ),
     "dynamic rope": (
         "llama",
@@ -162,6 +145,25 @@ def test_qwen_window_loads_when_every_layer_slides(changes, window, tmp_path):
     the layers layer_types names or, without layer_types, from max_window_layers on."""
     folder = copy_fixture("qwen2", tmp_path, {"layer_types": None, **changes})
     assert kvlab.load_hf(folder)[0].model.sliding_window == window
+
+
+@pytest.mark.parametrize(
+    "family, changes",
+    [
+        ("qwen2", {"layer_types": ["full_attention", "sliding_attention"]}),
+        ("qwen3", {"max_window_layers": 1, "layer_types": None}),
+    ],
+)
+def test_qwen_window_on_some_layers_is_a_hybrid_model(family, changes, tmp_path):
+    """Qwen's window on some layers (layer_types, or max_window_layers without them)
+    loads as model.layer_types, and save_hf writes the same layer kinds back."""
+    changes = {"use_sliding_window": True, "sliding_window": 4, **changes}
+    cfg, params = kvlab.load_hf(copy_fixture(family, tmp_path / "in", changes))
+    assert (cfg.model.sliding_window, cfg.model.layer_types) == (4, ("full", "sliding"))
+    kvlab.save_hf(cfg, params, tmp_path / "out")
+    written = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert written["layer_types"] == ["full_attention", "sliding_attention"]
+    assert kvlab.load_hf(tmp_path / "out")[0].model.to_dict() == cfg.model.to_dict()
 
 
 @pytest.mark.parametrize("case", sorted(CONFIG_REFUSALS))

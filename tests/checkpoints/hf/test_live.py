@@ -54,6 +54,13 @@ KVLAB_MODELS = {
         rope_scaling=dict(type="llama3", factor=8.0, original_max_len=64),
         tie_embeddings=False,
     ),
+    # Gemma-3-like hybrid attention: sliding layers of window 3 between full ones.
+    "qwen2_hybrid": dict(
+        qkv_bias=True,
+        num_layers=4,
+        sliding_window=3,
+        layer_types=("sliding", "full", "sliding", "full"),
+    ),
     "deepseek_v2_dense": dict(
         attention="mla",
         head_dim=24,
