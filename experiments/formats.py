@@ -30,8 +30,7 @@ from absl import flags
 
 import kvlab
 from kvlab import cli
-from kvlab.data.text import decode_bytes, load_corpus
-from kvlab.eval import calibrate, evaluate, evaluate_reference
+from kvlab.eval import calibrate, evaluate, evaluate_reference, loss_change
 from kvlab.files import write_atomic
 
 _MODEL = flags.DEFINE_string("model", "smollm2", "smollm2, gguf:FILE or hf:DIR.")
@@ -52,29 +51,9 @@ FORMATS = {  # name: (format, symmetric)
 
 def held_out(encode, windows: int, length: int) -> list[dict]:
     """One batch of `windows` rows of `length` + 1 tokens of the 'test' files."""
-    split = load_corpus("stdlib", "")["test"]
-    tokens: list[int] = []
-    for start, end in zip(split.offsets[:-1], split.offsets[1:], strict=True):
-        tokens += encode(decode_bytes(split.tokens[start:end]))
-        if len(tokens) >= windows * (length + 1):
-            break
-    rows = np.asarray(tokens[: windows * (length + 1)], np.int32).reshape(windows, length + 1)
-    return [
-        {
-            "inputs": rows[:, :-1],
-            "targets": rows[:, 1:],
-            "weights": np.ones((windows, length), np.float32),
-        }
-    ]
-
-
-def interval(result: dict, reference: dict) -> tuple[float, float]:
-    """The mean change of per-window mean loss and its 95% half-width."""
-    change = [
-        w["nll"] / w["weight"] - r["nll"] / r["weight"]
-        for w, r in zip(result["windows"], reference["windows"], strict=True)
-    ]
-    return float(np.mean(change)), float(1.96 * np.std(change, ddof=1) / np.sqrt(len(change)))
+    rows = calibrate.calibration_tokens(encode, windows, length + 1, split="test")
+    weights = np.ones((windows, length), np.float32)
+    return [{"inputs": rows[:, :-1], "targets": rows[:, 1:], "weights": weights}]
 
 
 def plot(rows: list[dict], path: str) -> None:
@@ -131,7 +110,7 @@ def main(argv):
                     calibrate.save_codebooks(path, books)
                     cache.codebooks = path
                 result = evaluate(cfg.model, cache, params, batches, **on, reference=reference)
-                change, half = interval(result, reference.result)
+                change, half = loss_change(result, reference.result)
                 rows.append(
                     dict(
                         bits=bits,

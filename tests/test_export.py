@@ -60,10 +60,11 @@ CACHES = {
     "hybrid 4-bit": dict(  # a sliding layer's plain ring beside a full layer's 4-bit codes
         window=16, layer_types=("sliding", "full"), k_bits=4, v_bits=4, k_axis="token"
     ),
+    "hybrid paged": dict(kind="paged", window=16, layer_types=("sliding", "full")),
 }
 PAGED_SNAPKV = dict(kind="paged", evict=dict(method="snapkv", ratio=0.5))
 # The engine's caches: page pools, evicting or not (the engine owns the pages).
-ENGINE_CACHES = ("paged", "paged 4-bit", "paged snapkv")
+ENGINE_CACHES = ("paged", "paged 4-bit", "paged snapkv", "hybrid paged")
 # Stored data Pallas reads (not normal-float codes: the kernels decline them)
 STORED = (
     "8-bit per token",
@@ -73,6 +74,7 @@ STORED = (
     "rotated 4-bit",
     "cross-layer 4-bit",
     "hybrid 4-bit",
+    "hybrid paged",
 )
 TRITON = "__gpu$xla.gpu.triton"
 MOSAIC = "tpu_custom_call"

@@ -18,7 +18,10 @@ counts its budget slots (kvlab/cache/evict/), and per slot an int32 position
 count their kept channels and an int32 id per kept channel, row and KV head;
 a cache whose quantized tokens settle in groups (a residual, per-channel
 scales) counts slots of g tokens, its ring and (h2o) a float32 score per ring
-slot. Plus the bookkeeping the cache carries: one int32 length and one int32
+slot. A hybrid model (model.layer_types) counts each kind of layer as its
+section stores it (kvlab.config.layer_sections: a sliding layer's ring of the
+window, in cache.dtype unless cache.sliding_layers='as_full'). Plus the
+bookkeeping the cache carries: one int32 length and one int32
 of error flags per row
 (ROW_BYTES) and, paged, the block tables.
 """

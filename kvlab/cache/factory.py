@@ -73,7 +73,8 @@ def init_cache(
 ) -> Cache:
     """An empty cache for `batch_size` rows of up to `max_len` tokens each.
 
-    cache.kind='paged' gives a paged.PagedCache. Its rows each own
+    cache.kind='paged' gives a paged.PagedCache (a hybrid model's sliding layers
+    keep their rings per row, outside the pools). Its rows each own
     ceil(max_len / page_size) pages; with own_pages=False the block tables start
     empty (-1) and the pool (cache.num_pages) may be smaller than that: a
     scheduler (kvlab.Engine) hands the pages out.
@@ -90,7 +91,6 @@ def init_cache(
     max_len = check_count("max_len", max_len)
     tensors = cached_tensors(model_cfg)
     shapes = [(t.heads, t.width) for t in tensors]
-    layout = quant.quantized_layout(model_cfg, cache_cfg, max_len)
     dtype = dtype_of(cache_cfg["dtype"])
     rows = dict(
         lengths=jnp.zeros((batch_size,), jnp.int32),
@@ -98,43 +98,57 @@ def init_cache(
         tensors=tensors,
         transforms=tuple(cache_cfg[f"{t.prefix}_transform"] for t in tensors),
     )
-    plan = evict.policies(model_cfg, cache_cfg, max_len)
-    # Each layer's sections (a hybrid model's sliding and full layers differ) and its
-    # storages, with the levels a format fitted per layer reads (codebooks).
+    # Each layer's sections (a hybrid model's sliding and full layers differ), its
+    # policy and its storages, with the levels a format fitted per layer reads (codebooks).
     sections = topology.sections(model_cfg, cache_cfg)
+    plan = evict.policies(model_cfg, cache_cfg, max_len) or (None,) * len(sections)
     specs = [quant.storages(m, c, layer) for layer, (m, c) in enumerate(sections)]
-    if plan is not None and cache_cfg["kind"] == "paged":
-        return _paged_evicting_cache(
-            plan, specs, shapes, dtype, cache_cfg, batch_size, own_pages, rows
-        )
-    if cache_cfg["kind"] != "paged":
-        layers = []
-        for i, (layer_model, layer_cache) in enumerate(sections):
-            policy = None if plan is None else plan[i]
-            layer_layout = quant.quantized_layout(layer_model, layer_cache, max_len)
-            if policy is not None:
-                layers.append(_evicting_layer(policy, specs[i], shapes, dtype, batch_size))
-            elif layer_layout is None:
-                zeros = [jnp.zeros((batch_size, h, max_len, w), dtype) for h, w in shapes]
-                layers.append(DenseLayer(tuple(zeros)))
-            else:
-                layers.append(quant.init_layer(specs[i], layer_layout, batch_size, shapes))
+    layers, in_pages = [], []
+    for i, (layer_model, layer_cache) in enumerate(sections):
+        if layer_cache["kind"] == "paged":
+            in_pages.append(i)
+            layers.append(None)
+            continue
+        layout = quant.quantized_layout(layer_model, layer_cache, max_len)
+        if plan[i] is not None:
+            layers.append(_evicting_layer(plan[i], specs[i], shapes, dtype, batch_size))
+        elif layout is None:
+            zeros = [jnp.zeros((batch_size, h, max_len, w), dtype) for h, w in shapes]
+            layers.append(DenseLayer(tuple(zeros)))
+        else:
+            layers.append(quant.init_layer(specs[i], layout, batch_size, shapes))
+    if not in_pages:
         return Cache(layers=tuple(layers), **rows)
 
-    page = cache_cfg["page_size"]
-    n = paged.pages_per_row(cache_cfg, max_len)
-    num_pages = paged.pool_size(cache_cfg, batch_size, max_len)
-    _check_pool(cache_cfg, num_pages, batch_size, n, own_pages, f"max_len={max_len}")
-    if layout is None:
-        new_layer = lambda _: paged.PagedLayer(  # noqa: E731
-            tuple(jnp.zeros((h, num_pages, page, w), dtype) for h, w in shapes), max_len
+    # The layers in page pools (a hybrid model's full ones: its sliding rings stay per
+    # row), all evicting or none: one kind's sections.
+    paged_plan = [plan[i] for i in in_pages]
+    paged_specs = [specs[i] for i in in_pages]
+    if paged_plan[0] is not None:
+        pooled, tables = _paged_evicting_layers(
+            paged_plan, paged_specs, shapes, dtype, cache_cfg, batch_size, own_pages
         )
     else:
-        new_layer = lambda i: _paged_quantized_layer(  # noqa: E731
-            quant.init_layer(specs[i], layout, 1, shapes), batch_size, num_pages, page
+        layout = quant.quantized_layout(*sections[in_pages[0]], max_len)
+        page = cache_cfg["page_size"]
+        n = paged.pages_per_row(cache_cfg, max_len)
+        num_pages = paged.pool_size(cache_cfg, batch_size, max_len)
+        _check_pool(cache_cfg, num_pages, batch_size, n, own_pages, f"max_len={max_len}")
+        if layout is None:
+            new_layer = lambda _: paged.PagedLayer(  # noqa: E731
+                tuple(jnp.zeros((h, num_pages, page, w), dtype) for h, w in shapes), max_len
+            )
+        else:
+            new_layer = lambda spec: _paged_quantized_layer(  # noqa: E731
+                quant.init_layer(spec, layout, 1, shapes), batch_size, num_pages, page
+            )
+        pooled, tables = (
+            [new_layer(spec) for spec in paged_specs],
+            _tables(batch_size, n, own_pages),
         )
-    layers = tuple(new_layer(i) for i in range(len(specs)))
-    return paged.PagedCache(layers=layers, block_tables=_tables(batch_size, n, own_pages), **rows)
+    for i, layer in zip(in_pages, pooled, strict=True):
+        layers[i] = layer
+    return paged.PagedCache(layers=tuple(layers), block_tables=tables, **rows)
 
 
 def _evicting_layer(policy, specs, shapes, dtype, batch_size: int) -> evict.EvictingLayer:
@@ -168,18 +182,18 @@ def _channels(batch_size: int, heads: int, kept: int) -> jnp.ndarray:
     return jnp.broadcast_to(jnp.arange(kept, dtype=jnp.int32), (batch_size, heads, kept))
 
 
-def _paged_evicting_cache(plan, specs, shapes, dtype, cache_cfg, batch_size, own_pages, rows):
-    """Pools of pages holding each row's slots (as many as the widest layer's), and block
-    tables; `specs` each cache layer's storages."""
+def _paged_evicting_layers(plan, specs, shapes, dtype, cache_cfg, batch_size, own_pages):
+    """Layers whose pools of pages hold each row's slots (as many as the widest layer's),
+    and their block tables; `specs` each layer's storages."""
     page = cache_cfg["page_size"]
     slots = max(p.rows for p in plan)
     n = paged.pages_per_row(cache_cfg, slots)
     num_pages = paged.pool_size(cache_cfg, batch_size, slots)
     _check_pool(cache_cfg, num_pages, batch_size, n, own_pages, f"{slots} kept tokens")
     layers = []
-    for policy in plan:
+    for policy, layer_specs in zip(plan, specs, strict=True):
         pools = []
-        for spec, (heads, width) in zip(specs[policy.layer], shapes, strict=True):
+        for spec, (heads, width) in zip(layer_specs, shapes, strict=True):
             pool_heads = 1 if policy.pooled else heads
             if policy.key_channels and not pools:  # pruned keys (ThinK): channels per row
                 kept = policy.key_channels
@@ -200,8 +214,7 @@ def _paged_evicting_cache(plan, specs, shapes, dtype, cache_cfg, batch_size, own
             else:
                 pools.append(jnp.zeros((pool_heads, num_pages, page, width), dtype))
         layers.append(evict.init_paged_layer(policy, tuple(pools), batch_size))
-    tables = _tables(batch_size, n, own_pages)
-    return paged.PagedCache(layers=tuple(layers), block_tables=tables, **rows)
+    return layers, _tables(batch_size, n, own_pages)
 
 
 def _check_pool(cache_cfg, num_pages: int, batch_size: int, n: int, own_pages: bool, what: str):

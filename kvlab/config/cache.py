@@ -279,8 +279,9 @@ def layer_sections(model: Mapping, cache: Mapping) -> dict[int, tuple[Mapping, M
     (model, cache)}. A hybrid one (model.layer_types): its full layers (0) as a
     model without a window, with `cache`; its sliding ones as a model whose every
     layer slides, with cache.evict off (the window decides what they keep) and,
-    under cache.sliding_layers='plain', nothing quantized. Each is a section a
-    cache of layers alike is built, counted and checked from."""
+    under cache.sliding_layers='plain', nothing quantized, and a ring per row even in
+    a paged cache (whose pages hold the full layers). Each is a section a cache of
+    layers alike is built, counted and checked from."""
     if not is_hybrid(model):
         return {layer_windows(model)[0]: (model, cache)}
     window = model["sliding_window"]
@@ -288,12 +289,11 @@ def layer_sections(model: Mapping, cache: Mapping) -> dict[int, tuple[Mapping, M
     if cache["sliding_layers"] == "plain":
         plain = {f"{p}_bits": 16 for p in CACHED_PREFIXES} | dict(residual=0, codebooks="")
     alike = dict(sliding_layers="plain")  # each section is a model of layers alike
+    # A ring of the window per row: no pages (a paged cache's full layers hold those).
+    ring = dict(evict=dict(method="none"), kind="dense", prefix_caching=False, num_pages=0)
     return {
         0: (_replaced(model, sliding_window=0, layer_types=()), _replaced(cache, **alike)),
-        window: (
-            _replaced(model, layer_types=()),
-            _replaced(cache, evict=dict(method="none"), **alike, **plain),
-        ),
+        window: (_replaced(model, layer_types=()), _replaced(cache, **alike, **ring, **plain)),
     }
 
 
@@ -310,13 +310,13 @@ def _replaced(section: Mapping, **fields) -> ml_collections.FrozenConfigDict:
 
 def _validate_cache_for_model(cache: Mapping, model: Mapping) -> None:
     if is_hybrid(model):
-        if cache["kind"] == "paged":
+        if cache["prefix_caching"]:
             fail(
-                "cache.kind",
-                "paged",
-                f"cannot hold model.layer_types={tuple(model['layer_types'])!r} yet: its "
-                "sliding layers keep a ring per row, which pages and prefix reuse do not share",
-                "set cache.kind='dense' for a model that mixes sliding and full layers",
+                "cache.prefix_caching",
+                True,
+                f"cannot serve model.layer_types={tuple(model['layer_types'])!r}: a sliding "
+                "layer keeps its window in a ring per row, which no shared page holds",
+                "set cache.prefix_caching=False for a model that mixes sliding and full layers",
             )
         for layer_model, layer_cache in layer_sections(model, cache).values():
             _validate_cache_for_model(layer_cache, layer_model)

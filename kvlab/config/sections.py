@@ -60,7 +60,7 @@ def validate_sections(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDi
         complete_config(cfg)
     check_known_fields("config", cfg, schema)
     validate_model_config(cfg.model)
-    _canonical_rope_pairs(cfg)
+    _canonical_tuples(cfg)
     validate_cache_config(cfg.cache, cfg.model)
     _validate_train(cfg.train, schema.train)
     _validate_data(cfg, schema.data)
@@ -71,16 +71,20 @@ def validate_sections(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDi
     return cfg
 
 
-def _canonical_rope_pairs(cfg: ml_collections.ConfigDict) -> None:
-    """Turns model.mla.rope_pairs' lists into tuples, in place."""
+def _canonical_tuples(cfg: ml_collections.ConfigDict) -> None:
+    """Turns the lists of model.mla.rope_pairs and model.layer_types into tuples, in place."""
     pairs = cfg.model.mla.rope_pairs
-    canonical = tuple(tuple(map(tuple, layer)) for layer in pairs)
-    if pairs != canonical:
+    _set_canonical(cfg.model.mla, "rope_pairs", tuple(tuple(map(tuple, p)) for p in pairs))
+    _set_canonical(cfg.model, "layer_types", tuple(cfg.model.layer_types))
+
+
+def _set_canonical(section: ml_collections.ConfigDict, name: str, canonical: tuple) -> None:
+    if section[name] != canonical:
         # One form for equal configs: a config.json gives lists where Python gave
         # tuples (and a field read as a list keeps converting tuples to lists).
-        with cfg.unlocked():
-            del cfg.model.mla["rope_pairs"]
-            cfg.model.mla.rope_pairs = canonical
+        with section.unlocked():
+            del section[name]
+            section[name] = canonical
 
 
 def _validate_train(train: ml_collections.ConfigDict, schema: ml_collections.ConfigDict) -> None:

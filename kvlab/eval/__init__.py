@@ -30,6 +30,7 @@ from kvlab.eval.perplexity import (
     evaluate_reference,
     full_cache,
     full_precision,
+    loss_change,
 )
 from kvlab.eval.probe import cache_error, run_through_cache
 from kvlab.eval.tasks import evaluate_tasks, needle_matrix, plot_needle_grid
@@ -45,6 +46,7 @@ __all__ = [
     "evaluate_tasks",
     "full_cache",
     "full_precision",
+    "loss_change",
     "needle_matrix",
     "plot_needle_grid",
     "run_through_cache",

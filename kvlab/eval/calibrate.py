@@ -43,17 +43,19 @@ from kvlab.files import write_atomic
 from kvlab.model import Transformer
 
 
-def calibration_tokens(encode: Callable[[str], Sequence[int]], rows: int = 8, length: int = 512):
+def calibration_tokens(
+    encode: Callable[[str], Sequence[int]], rows: int = 8, length: int = 512, split: str = "train"
+):
     """int32[rows, length]: the standard library's training files (kvlab.data.text's
     'train' split, never a benchmark's haystack) in a model's tokens, file after
-    file, cut into rows."""
-    split = load_corpus("stdlib", "")["train"]
+    file, cut into rows; split='test': its held-out files, to evaluate on."""
+    text = load_corpus("stdlib", "")[split]
     tokens: list[int] = []
-    for start, end in zip(split.offsets[:-1], split.offsets[1:], strict=True):
-        tokens += encode(decode_bytes(split.tokens[start:end]))
+    for start, end in zip(text.offsets[:-1], text.offsets[1:], strict=True):
+        tokens += encode(decode_bytes(text.tokens[start:end]))
         if len(tokens) >= rows * length:
             return np.asarray(tokens[: rows * length], np.int32).reshape(rows, length)
-    raise ValueError(f"the standard library's training files hold under {rows * length} tokens")
+    raise ValueError(f"the standard library's {split!r} files hold under {rows * length} tokens")
 
 
 def q_filters(model_cfg: Mapping, params, tokens: np.ndarray, samples: int = 4096) -> np.ndarray:

@@ -324,6 +324,23 @@ def _window_sums(rows_of: list) -> list[dict]:
     return windows
 
 
+def loss_change(result: Mapping, base: Mapping) -> tuple[float, float]:
+    """The mean over windows of each window's change in mean loss from `base` to
+    `result` (both evaluated with windows=True on the same batches) and the
+    half-width of its normal 95% interval (nats)."""
+    if len(result["windows"]) != len(base["windows"]) or len(result["windows"]) < 2:
+        raise ValueError(
+            f"loss_change needs two results over the same windows (at least 2); got "
+            f"{len(result['windows'])} and {len(base['windows'])}: evaluate both with "
+            "windows=True on the same batches"
+        )
+    change = [
+        w["nll"] / w["weight"] - b["nll"] / b["weight"]
+        for w, b in zip(result["windows"], base["windows"], strict=True)
+    ]
+    return float(np.mean(change)), float(1.96 * np.std(change, ddof=1) / np.sqrt(len(change)))
+
+
 def _results(model, cache_cfg, batches, scored, tokens, seq_len, rows_of=None) -> dict:
     """The result dict from per-chunk sums (replicated scalars: every host holds
     the totals), when compared the per-token KL of every window, and with

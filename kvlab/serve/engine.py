@@ -32,7 +32,9 @@ With an evicting cache (cache.evict, model.sliding_window;
 kvlab/cache/evict/) a slot holds pages for its budget only, and a second
 program (`start_rows`) clears the kept tokens of slots a request starts in
 and copies cached pages a request is about to overwrite (docs/caches.md,
-"Evicting caches"). Every step attends over max_len positions per slot, so a
+"Evicting caches"). A hybrid model's sliding layers (model.layer_types) keep
+their rings per slot, outside the pool, which holds the full layers alone
+(prefix reuse is refused for such a model). Every step attends over max_len positions per slot, so a
 max_len near the longest request makes steps cheaper than the default (all
 the pool holds).
 
@@ -62,7 +64,7 @@ from flax import struct
 from jax.sharding import Mesh, PartitionSpec
 
 from kvlab import sharding
-from kvlab.cache import PagedCache, PrefixCache, evict, init_cache
+from kvlab.cache import PagedCache, PrefixCache, evict, init_cache, topology
 from kvlab.cache.paged import pool_size
 from kvlab.config import check_count, frozen, validate_cache_config
 from kvlab.model import Transformer
@@ -241,18 +243,21 @@ class Engine:
             end_token = check_token_id("end_token", end_token, self.model.config.vocab_size)
         self.end_token = end_token
         self.decode_steps = check_count("decode_steps", decode_steps)
-        # An evicting cache (cache.evict, model.sliding_window) stores at most this per row.
-        plan = evict.policies(model_cfg, cache_cfg, self.max_len)
-        if plan is not None and plan[0].compresses:
+        # An evicting cache (cache.evict, model.sliding_window) stores at most this per row
+        # in its pages (a hybrid model's sliding layers keep their rings per row instead).
+        sections = topology.sections(model_cfg, cache_cfg)
+        plan = evict.policies(model_cfg, cache_cfg, self.max_len) or (None,) * len(sections)
+        if any(p is not None and p.compresses for p in plan):
             raise ValueError(
                 "cache.evict.when='after_prefill' compresses a context once, which the "
                 "engine's chunked, preempted prefills do not mark: serve with "
                 "cache.evict.when='every_step', or compress through kvlab.generate / "
                 "kvlab.prefill(compress=True)"
             )
-        self.evicting = plan is not None
-        self.row_slots = self.max_len if plan is None else max(p.rows for p in plan)
-        self.evicts_after = self.max_len if plan is None else min(p.rows for p in plan)
+        paged = [p for p, (_, c) in zip(plan, sections, strict=True) if c["kind"] == "paged"]
+        self.evicting = paged[0] is not None  # one kind's layers: all evict or none
+        self.row_slots = max(p.rows for p in paged) if self.evicting else self.max_len
+        self.evicts_after = min(p.rows for p in paged) if self.evicting else self.max_len
         self.num_pages = pool_size(cache_cfg, self.max_slots, self.row_slots)
         self.stats = EngineStats()
         self._reset()

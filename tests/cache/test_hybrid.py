@@ -126,6 +126,33 @@ def test_quantization_applies_to_the_full_layers_unless_asked(sliding_layers):
     assert sizes["as_full"] < sizes["plain"]
 
 
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {},
+        dict(k_bits=4, v_bits=4, k_axis="token"),
+        dict(evict=dict(method="snapkv", budget=5, recent=2)),
+    ],
+    ids=["16-bit", "4-bit", "snapkv"],
+)
+def test_pages_hold_the_full_layers_and_give_the_dense_logits(fields):
+    """A paged cache keeps the full layers in page pools (block tables reversed) and
+    the sliding layers' rings per row: the dense cache's logits, its bytes counted."""
+    dense = hybrid(**fields)
+    tokens = random_tokens(dense, (2, 11))
+    want, _ = chunked(dense, tokens, [4, 7])
+    paged = hybrid(kind="paged", page_size=4, **fields)
+    _, params, apply = build(paged)
+    cache = kvlab.init_cache(paged.model, paged.cache, 2, MAX_LEN)
+    assert kvlab.cache_bytes(paged.model, paged.cache, 2, MAX_LEN) == kvlab.tree_bytes(cache)
+    cache = cache.replace(block_tables=cache.block_tables[::-1, ::-1])
+    got, cache = run_in_chunks(apply, params, cache, tokens, [4, 7])
+    np.testing.assert_allclose(got, want, atol=5e-6, rtol=0)
+    kinds = [type(layer).__name__ for layer in cache.layers]
+    assert kinds[0] == kinds[2] == "EvictingLayer" and kinds[1] == kinds[3] != "EvictingLayer"
+    assert "Paged" in kinds[1]
+
+
 def test_eviction_applies_to_the_full_layers():
     """snapkv with a budget of 5: the full layers keep 5 scored slots, the sliding
     ones stay rings of the window, and the first (sliding) layer stores what it
@@ -197,9 +224,9 @@ def test_bad_layer_types_are_refused(case):
 
 
 def test_caches_a_hybrid_model_cannot_hold_are_refused():
-    cfg = hybrid()
-    with pytest.raises(ValueError, match=r"cache.kind='paged' cannot hold model.layer_types"):
-        kvlab.config.validate_cache_config(dict(cfg.cache, kind="paged"), cfg.model)
+    cfg = hybrid(kind="paged")
+    with pytest.raises(ValueError, match=r"cache.prefix_caching=True cannot serve model.layer"):
+        kvlab.config.validate_cache_config(dict(cfg.cache, prefix_caching=True), cfg.model)
     alike = tiny_config()
     with pytest.raises(ValueError, match=r"cache.sliding_layers='as_full' applies to a model"):
         kvlab.config.validate_cache_config(dict(alike.cache, sliding_layers="as_full"), alike.model)

@@ -72,6 +72,27 @@ def test_layers_sharing_a_cache_layer_give_every_request_what_it_gets_alone():
     assert engine.pages.stats.hit_tokens > 0
 
 
+@pytest.mark.parametrize("storage", [{}, dict(k_bits=4, v_bits=4, k_axis="token")])
+def test_a_hybrid_model_gives_every_request_what_it_gets_alone(storage):
+    """Sliding layers (window 5) between full ones (model.layer_types): the pool
+    holds the full layers' pages (16-bit or 4-bit codes), each slot a ring per
+    sliding layer; under preemption every request gets its solo output."""
+    types = ("sliding", "full", "sliding")
+    cfg = engine_config(False, num_pages=7, num_kv_heads=2, num_layers=3, sliding_window=5)
+    cfg.model.layer_types = types
+    cfg.cache.update(storage)
+    _, params, _ = build(kvlab.validate_config(cfg))
+    engine = kvlab.Engine(cfg.model, cfg.cache, params, max_slots=3, max_len=48, prefill_chunk=8)
+    assert not engine.evicting and engine.scheduler.pages_per_slot == 6
+    prompts = requests(seed=3)
+    assert engine.generate(prompts, max_new_tokens=NEW) == [solo(cfg, p) for p in prompts]
+    assert engine.stats.preemptions > 0 and engine.pages.num_free == 7
+    with pytest.raises(
+        ValueError, match=r"cache.prefix_caching=True cannot serve model.layer_types"
+    ):
+        kvlab.Engine(cfg.model, dict(cfg.cache, prefix_caching=True), params, max_slots=3)
+
+
 @pytest.mark.parametrize(
     "method, storage",
     [

