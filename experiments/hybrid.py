@@ -10,7 +10,9 @@ reads --windows windows of --length held-out tokens (the standard library's
 'test' files) in prefill chunks of 64 through a bfloat16 cache, once with
 every layer full, then with each pattern of sliding layers ('a:b': a sliding
 layers then b full ones, repeated from the first layer, Gemma 3's 5:1; 'all':
-every layer slides, Mistral's) at each window (--sliding). A pattern may also
+every layer slides, Mistral's) at each window (--sliding), its sliding layers
+keeping the first --sinks positions in view or not (model.sliding_sinks:
+StreamingLLM's attention sinks, which a window alone drops). A pattern may also
 store its full layers in 4-bit codes (--quantized: int with a zero point per
 token group of --group_size, bfloat16 scales; the sliding rings stay bfloat16): eviction
 of positions and quantization of the rest composed. Reports perplexity, the
@@ -39,8 +41,9 @@ _WINDOWS = flags.DEFINE_integer("windows", 8, "Held-out windows.")
 _LENGTH = flags.DEFINE_integer("length", 1024, "Tokens per window.")
 _SLIDING = flags.DEFINE_list("sliding", ["128", "256"], "Windows of the sliding layers.")
 _PATTERNS = flags.DEFINE_list("patterns", ["5:1", "2:1", "1:1", "all"], "Layer patterns.")
+_SINKS = flags.DEFINE_list("sinks", ["0", "4"], "First positions a sliding layer keeps.")
 _QUANTIZED = flags.DEFINE_list(
-    "quantized", ["5:1@256"], "pattern@window rows whose full layers store 4-bit codes."
+    "quantized", ["5:1@256@4"], "pattern@window@sinks rows whose full layers store 4-bit codes."
 )
 _LONG = flags.DEFINE_integer("long", 8192, "The long context bytes per token are given at.")
 _GROUP = flags.DEFINE_integer("group_size", 32, "4-bit rows: numbers sharing a scale.")
@@ -54,22 +57,22 @@ def layer_types(pattern: str, num_layers: int) -> tuple[str, ...]:
     return tuple("sliding" if i % (sliding + full) < sliding else "full" for i in range(num_layers))
 
 
-def hybrid_model(model, pattern: str, window: int):
-    """The model section with `pattern`'s sliding layers over `window` positions."""
+def hybrid_model(model, pattern: str, window: int, sinks: int):
+    """The model section with `pattern`'s sliding layers over `window` positions and
+    their first `sinks`."""
     changed = model.copy_and_resolve_references()
-    changed.update(sliding_window=window, layer_types=layer_types(pattern, model.num_layers))
+    types = layer_types(pattern, model.num_layers)
+    changed.update(sliding_window=window, sliding_sinks=sinks, layer_types=types)
     kvlab.config.validate_model_config(changed)
     return changed
 
 
 def plot(rows: list[dict], base: dict, path: str) -> None:
     """Loss change (95% interval) against bytes per token at the evaluated length."""
-    import matplotlib
+    from matplotlib.figure import Figure  # no pyplot: nothing global to set up or close
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    figure, ax = plt.subplots(figsize=(6.5, 4))
+    figure = Figure(figsize=(6.5, 4), layout="tight")
+    ax = figure.subplots()
     for r in rows:
         color = "tab:orange" if r["quantized"] else "tab:blue"
         ax.errorbar(
@@ -80,10 +83,8 @@ def plot(rows: list[dict], base: dict, path: str) -> None:
     ax.set_xlabel(f"cache bytes per token at {base['length']} tokens")
     ax.set_ylabel("mean loss change vs every layer full (nats)")
     ax.legend(fontsize=8)
-    figure.tight_layout()
     buffer = io.BytesIO()
     figure.savefig(buffer, format="png", dpi=120)
-    plt.close(figure)
     write_atomic(path, buffer.getvalue())
 
 
@@ -110,21 +111,31 @@ def main(argv):
         return kvlab.cache_bytes(model, cache, 1, tokens) // tokens
 
     base = evaluate(cfg.model, cache, params, batches, chunk=64, windows=True)
-    runs = [(p, int(w), False) for p in _PATTERNS.value for w in _SLIDING.value]
-    runs += [(spec.split("@")[0], int(spec.split("@")[1]), True) for spec in _QUANTIZED.value]
+    runs = [
+        (p, int(w), int(n), False)
+        for p in _PATTERNS.value
+        for w in _SLIDING.value
+        for n in _SINKS.value
+    ]
+    for spec in _QUANTIZED.value:
+        pattern, window, sinks = spec.split("@")
+        runs.append((pattern, int(window), int(sinks), True))
     rows = []
     os.makedirs(_WORKDIR.value, exist_ok=True)
-    for pattern, window, four_bit in runs:
-        model = hybrid_model(cfg.model, pattern, window)
+    for pattern, window, sinks, four_bit in runs:
+        model = hybrid_model(cfg.model, pattern, window, sinks)
         stored = quantized if four_bit else cache
         result = evaluate(model, stored, params, batches, chunk=64, windows=True)
         change, half = loss_change(result, base)
         windows = kvlab.config.layer_windows(model)
         rows.append(
             dict(
-                label=f"{pattern} W{window}" + (" 4-bit" if four_bit else ""),
+                label=f"{pattern} W{window}"
+                + (f" S{sinks}" if sinks else "")
+                + (" 4-bit" if four_bit else ""),
                 pattern=pattern,
                 window=window,
+                sinks=sinks,
                 quantized=four_bit,
                 full_layers=windows.count(0),
                 bytes_per_token=bytes_per_token(model, stored, length),
@@ -158,14 +169,14 @@ def main(argv):
         f"{reference['bytes_per_token']:,} bytes per token at {length} and "
         f"{reference['long_bytes_per_token']:,} at {long}; {seconds:.0f} s",
         "",
-        f"| pattern | window | full layers | full layers' storage | bytes/token at {length} | "
-        f"at {long} (share) | ppl | loss change (95%) |",
-        "|---|---:|---:|---|---:|---:|---:|---:|",
+        f"| pattern | window | sinks | full layers | full layers' storage | bytes/token at "
+        f"{length} | at {long} (share) | ppl | loss change (95%) |",
+        "|---|---:|---:|---:|---|---:|---:|---:|---:|",
     ]
     for r in rows:
         share = r["long_bytes_per_token"] / reference["long_bytes_per_token"]
         lines.append(
-            f"| {r['pattern']} | {r['window']} | {r['full_layers']} | "
+            f"| {r['pattern']} | {r['window']} | {r['sinks']} | {r['full_layers']} | "
             f"{'4-bit' if r['quantized'] else 'bfloat16'} | {r['bytes_per_token']:,} | "
             f"{r['long_bytes_per_token']:,} ({share:.1%}) | {r['ppl']:.3f} | "
             f"{r['loss_change']:+.4f} ± {r['loss_change_95']:.4f} |"

@@ -45,7 +45,7 @@ from kvlab.attention.gqa import GroupedQueryAttention
 from kvlab.attention.mla import MultiHeadLatentAttention
 from kvlab.cache import topology
 from kvlab.cache.dense import BAD_COUNT, BAD_TOKEN, OVERFLOW, Cache
-from kvlab.cache.evict import EvictingLayer, PagedEvictingLayer
+from kvlab.cache.evict import EvictingLayer, PagedEvictingLayer, model_ring
 from kvlab.cache.placement import Placement, place_without_cache, stored_end
 from kvlab.cache.quant import QuantizedTensor
 from kvlab.config import cached_tensors, frozen, layer_windows, validate_model_config
@@ -167,14 +167,12 @@ def check_cache(config, cache: Cache) -> None:
     windows = topology.cache_windows(config)
     for i, (layer, window) in enumerate(zip(cache.layers, windows, strict=True)):
         policy = getattr(layer, "policy", None)
-        if window and not (
-            policy is not None
-            and policy.method == "window"
-            and policy.span == min(window, policy.max_len)
-        ):
+        ring = None if policy is None else (policy.method, policy.sinks, policy.span)
+        if window and ring != model_ring(config, policy.max_len if policy else 0):
             raise ValueError(
                 f"cache layer {i} is not a ring of the model's window: the model's layer "
-                f"slides over model.sliding_window={window} positions: {fix}"
+                f"slides over model.sliding_window={window} positions (and keeps "
+                f"model.sliding_sinks={config.sliding_sinks}): {fix}"
             )
     # Evicting layers may keep different budgets (pyramidkv): their slot axis may differ.
     slotted = lambda x, first: x.shape[:2] + x.shape[3:] if isinstance(first, EVICTING) else x.shape  # noqa: E731
@@ -282,7 +280,10 @@ class Transformer(nn.Module):
         probes = context if probing else None
         if cache is None:
             # Each window's band (a hybrid model's sliding and full layers differ).
-            placement = {w: place_without_cache(batch, length, w) for w in set(layer_windows(cfg))}
+            placement = {
+                w: place_without_cache(batch, length, w, cfg.sliding_sinks if w else 0)
+                for w in set(layer_windows(cfg))
+            }
             layers = (None,) * topology.num_cache_layers(cfg)
             invalid = jnp.any((tokens < 0) | (tokens >= cfg.vocab_size), axis=1)
             tokens = jnp.where(invalid[:, None], 0, tokens)

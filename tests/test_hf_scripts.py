@@ -264,14 +264,14 @@ def test_the_hybrid_experiment_trades_bytes_for_loss(llama_with_tokenizer, tmp_p
     place of every position), the loss change against every layer full."""
     out = tmp_path / "hybrid"
     args = ["--windows=2", "--length=32", "--sliding=8", "--patterns=1:1,all", "--long=64"]
-    args += ["--quantized=1:1@8", "--group_size=8", f"--workdir={out}"]
+    args += ["--sinks=0", "--quantized=1:1@8@2", "--group_size=8", f"--workdir={out}"]
     run_script("experiments/hybrid.py", f"--model=hf:{llama_with_tokenizer}", *args)
     report = json.loads((out / "results.json").read_text())
     rows = {r["label"]: r for r in report["rows"]}
-    assert set(rows) == {"1:1 W8", "all W8", "1:1 W8 4-bit"}
+    assert set(rows) == {"1:1 W8", "all W8", "1:1 W8 S2 4-bit"}
     full = report["reference"]["long_bytes_per_token"]
     assert rows["all W8"]["long_bytes_per_token"] < rows["1:1 W8"]["long_bytes_per_token"] < full
-    assert rows["1:1 W8 4-bit"]["bytes_per_token"] < rows["1:1 W8"]["bytes_per_token"]
+    assert rows["1:1 W8 S2 4-bit"]["bytes_per_token"] < rows["1:1 W8"]["bytes_per_token"]
     assert rows["1:1 W8"]["full_layers"] >= 1 and rows["all W8"]["full_layers"] == 0
     assert all(np.isfinite(r["loss_change"]) and r["ppl"] > 1 for r in rows.values())
     assert (out / "table.md").read_text().count("\n| ") == 4

@@ -236,11 +236,18 @@ def cache_label(model_cfg: Mapping, cache_cfg: Mapping) -> str:
         full = _kept_label({**model_cfg, "sliding_window": 0}, cache_cfg["evict"])
         plain = cache_cfg["sliding_layers"] == "plain"
         kept = (
-            f"{full} in {windows.count(0)} full layers; the last {model_cfg['sliding_window']} "
-            f"tokens in {len(windows) - windows.count(0)} sliding layers"
+            f"{full} in {windows.count(0)} full layers; {_window_words(model_cfg)} in "
+            f"{len(windows) - windows.count(0)} sliding layers"
             + (f" (in {cache_cfg['dtype']})" if plain else "")
         )
     return f"{stored}, {layout}, {kept}"
+
+
+def _window_words(model_cfg: Mapping) -> str:
+    """What a sliding layer keeps, in words: its window and sinks."""
+    sinks = model_cfg["sliding_sinks"]
+    kept = f"the last {model_cfg['sliding_window']} tokens"
+    return kept + (f" and the first {sinks}" if sinks else "")
 
 
 def _kept_label(model_cfg: Mapping, evict_cfg: Mapping) -> str:
@@ -248,7 +255,7 @@ def _kept_label(model_cfg: Mapping, evict_cfg: Mapping) -> str:
     method = evict_cfg["method"]
     if method == "none":
         window = model_cfg["sliding_window"]
-        return f"the last {window} tokens (sliding window)" if window else "every token kept"
+        return f"{_window_words(model_cfg)} (sliding window)" if window else "every token kept"
     if evict_cfg["budget"]:
         kept = f"{evict_cfg['budget']} tokens per KV head"
     else:

@@ -77,13 +77,15 @@ def stored_end(
     return jnp.where(context > 0, jnp.clip(context, lengths, end), end)
 
 
-def place_without_cache(batch: int, length: int, window: int = 0) -> Placement:
+def place_without_cache(batch: int, length: int, window: int = 0, sinks: int = 0) -> Placement:
     """The plain causal forward: positions 0..T-1, nothing cached; with a
-    `window` (model.sliding_window), a query at p sees only positions > p - window."""
+    `window` (model.sliding_window), a query at p sees only positions > p - window,
+    and the first `sinks` (model.sliding_sinks)."""
     steps = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length))
     mask = causal_mask(steps, jnp.full((batch,), length), length)
     if window:
-        mask = mask & (steps[:, None, :] > steps[:, :, None] - window)
+        keys = steps[:, None, :]
+        mask = mask & ((keys > steps[:, :, None] - window) | (keys < sinks))
     return Placement(steps, mask)
 
 

@@ -292,7 +292,10 @@ def layer_sections(model: Mapping, cache: Mapping) -> dict[int, tuple[Mapping, M
     # A ring of the window per row: no pages (a paged cache's full layers hold those).
     ring = dict(evict=dict(method="none"), kind="dense", prefix_caching=False, num_pages=0)
     return {
-        0: (_replaced(model, sliding_window=0, layer_types=()), _replaced(cache, **alike)),
+        0: (
+            _replaced(model, sliding_window=0, sliding_sinks=0, layer_types=()),
+            _replaced(cache, **alike),
+        ),
         window: (_replaced(model, layer_types=()), _replaced(cache, **alike, **ring, **plain)),
     }
 

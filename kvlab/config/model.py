@@ -34,6 +34,14 @@ def validate_model_config(model: Mapping) -> None:
     ):
         check_int("model", model, name)
     check_int("model", model, "sliding_window", minimum=0)
+    check_int("model", model, "sliding_sinks", minimum=0)
+    if model["sliding_sinks"] and not model["sliding_window"]:
+        fail(
+            "model.sliding_sinks",
+            model["sliding_sinks"],
+            "keeps positions beside a window, but model.sliding_window=0 gives no window",
+            "set model.sliding_window, or model.sliding_sinks=0",
+        )
     for name in ("rope_theta", "norm_eps"):
         check_number("model", model, name)
     check_choice("model", model, "dtype", tuple(DTYPES))

@@ -105,6 +105,10 @@ def base_config(variant: str = "tiny") -> ml_collections.ConfigDict:
             sliding_window=0,  # 0 = full causal attention; W = each query sees the last W
             #                    positions, itself included (Mistral, Gemma); its cache is a
             #                    ring of W slots (kvlab/cache/evict/)
+            sliding_sinks=0,  # with sliding_window: the first N positions stay visible to
+            #                   every query of a sliding layer beside its window
+            #                   (StreamingLLM's attention sinks as the layer's mask); its
+            #                   ring keeps N + W slots
             layer_types=(),  # () = every layer alike (sliding when sliding_window > 0);
             #                  else one of 'full' | 'sliding' per layer: hybrid attention
             #                  (Gemma 2/3, GPT-OSS, Qwen2/3 layer_types), the sliding ones

@@ -22,13 +22,15 @@ MAX_LEN = 24
 TYPES = ("sliding", "full", "sliding", "full")
 
 
-def hybrid(types=TYPES, attention="gqa", **cache_fields):
-    """The tiny model with `types` layers (window 3) and cache fields changed."""
+def hybrid(types=TYPES, attention="gqa", sinks=0, **cache_fields):
+    """The tiny model with `types` layers (window 3, `sinks` first positions kept)
+    and cache fields changed."""
+    model = dict(num_layers=len(types), sliding_window=WINDOW, sliding_sinks=sinks)
     if attention == "mla":
         cfg = kvlab.load_config("configs/mla.py:tiny")
-        cfg.model.update(num_layers=len(types), sliding_window=WINDOW, layer_types=types)
+        cfg.model.update(layer_types=types, **model)
     else:
-        cfg = tiny_config(num_layers=len(types), sliding_window=WINDOW, layer_types=types)
+        cfg = tiny_config(layer_types=types, **model)
     evict = cache_fields.pop("evict", {})
     cfg.cache.update(cache_fields)
     cfg.cache.evict.update(evict)
@@ -67,12 +69,14 @@ def _cover(sizes, total):
     ),
     chunks=chunkings(11),
     attention=st.sampled_from(["gqa", "mla"]),
+    sinks=st.sampled_from([0, 2]),
 )
-def test_the_cache_in_any_chunks_equals_the_plain_forward(types, chunks, attention):
-    """Each sliding layer bands its attention and each full one does not, with or
-    without a cache: the plain forward and the cache fed in any chunks agree, and
-    the sliding layers store rings of the window (the full ones every position)."""
-    cfg = hybrid(tuple(types), attention)
+def test_the_cache_in_any_chunks_equals_the_plain_forward(types, chunks, attention, sinks):
+    """Each sliding layer bands its attention (keeping its first `sinks` positions
+    in view) and each full one does not, with or without a cache: the plain forward
+    and the cache fed in any chunks agree, and the sliding layers store rings of
+    the window and sinks (the full ones every position)."""
+    cfg = hybrid(tuple(types), attention, sinks)
     tokens = random_tokens(cfg, (2, 11))
     _, params, apply = build(cfg)
     plain, _ = apply({"params": params}, tokens)
@@ -81,7 +85,7 @@ def test_the_cache_in_any_chunks_equals_the_plain_forward(types, chunks, attenti
     for kind, layer in zip(types, cache.layers, strict=True):
         assert layer.capacity == MAX_LEN
         slots = jax.tree.leaves(layer)[0].shape[2]
-        assert slots == (WINDOW if kind == "sliding" else MAX_LEN)
+        assert slots == (WINDOW + sinks if kind == "sliding" else MAX_LEN)
 
 
 def test_only_the_sliding_layers_band_their_attention():
@@ -100,6 +104,28 @@ def test_only_the_sliding_layers_band_their_attention():
     for other in others.values():
         np.testing.assert_allclose(out[:, :WINDOW], other[:, :WINDOW], atol=5e-6, rtol=0)
         assert np.abs(np.asarray(out) - np.asarray(other))[:, WINDOW:].max(-1).min() > 1e-3
+
+
+def test_sliding_sinks_are_streamingllm_as_the_layers_mask():
+    """A model whose every layer slides over 3 positions and keeps its first 2 in
+    view computes, without a cache and through its ring in any chunks, what the
+    full model computes through cache.evict.method='sinks' (2 sinks, budget 5):
+    StreamingLLM's cache, as the layers' own mask. Without the sinks the logits
+    past the window differ."""
+    cfg = hybrid(("sliding", "sliding"), sinks=2)
+    tokens = random_tokens(cfg, (2, 11))
+    _, params, apply = build(cfg)
+    plain, _ = apply({"params": params}, tokens)
+    ring, cache = chunked(cfg, tokens, [4, 1, 6])
+    np.testing.assert_allclose(ring, plain, atol=5e-6, rtol=0)
+    full = tiny_config(num_layers=2)
+    full.cache.evict.update(method="sinks", sinks=2, budget=WINDOW + 2)
+    streaming, _ = chunked(kvlab.validate_config(full), tokens, [4, 1, 6])
+    np.testing.assert_allclose(streaming, plain, atol=5e-6, rtol=0)
+    alone, _ = build(hybrid(("sliding", "sliding")))[2]({"params": params}, tokens)
+    assert np.abs(np.asarray(alone) - np.asarray(plain))[:, WINDOW + 1 :].max(-1).min() > 1e-3
+    label = kvlab.cache.accounting.cache_label(cfg.model, cfg.cache)
+    assert "the last 3 tokens and the first 2 (sliding window)" in label
 
 
 @pytest.mark.parametrize("sliding_layers", ["plain", "as_full"])
@@ -191,6 +217,10 @@ def test_a_cache_for_another_layer_pattern_is_refused():
         cache = kvlab.init_cache(other.model, other.cache, 1, MAX_LEN)
         with pytest.raises(ValueError, match=r"cache layer 0 is not a ring of the model's window"):
             model.apply({"params": params}, tokens, cache=cache)
+    sinks = hybrid(sinks=2)  # the same layers, keeping two sinks: the ring must hold them
+    cache = kvlab.init_cache(cfg.model, cfg.cache, 1, MAX_LEN)
+    with pytest.raises(ValueError, match=r"keeps model.sliding_sinks=2"):
+        kvlab.Transformer(sinks.model).apply({"params": params}, tokens, cache=cache)
 
 
 REFUSALS = {
@@ -206,6 +236,10 @@ REFUSALS = {
     "a window no layer reads": (
         dict(layer_types=("full", "full")),
         r"model.sliding_window=3 is read by no layer",
+    ),
+    "sinks without a window": (
+        dict(layer_types=(), sliding_window=0, sliding_sinks=2),
+        r"model.sliding_sinks=2 keeps positions beside a window, but model.sliding_window=0",
     ),
     "a shared cache layer of two kinds": (
         dict(layer_types=("sliding", "full"), topology="cla:2"),
@@ -233,3 +267,6 @@ def test_caches_a_hybrid_model_cannot_hold_are_refused():
     params = kvlab.init_params(cfg.model, jax.random.key(0))
     with pytest.raises(ValueError, match=r"cannot be exported as llama or mistral"):
         kvlab.save_hf(cfg, params, "/nonexistent/never-written")
+    sinks = hybrid(sinks=2)
+    with pytest.raises(ValueError, match=r"model.sliding_sinks=2 cannot be exported"):
+        kvlab.save_hf(sinks, params, "/nonexistent/never-written")

@@ -160,12 +160,31 @@ def scorer_options(scorer: Scorer, evict: Mapping) -> tuple:
     return tuple(sorted((name, frozen(value)) for name, value in merged.items()))
 
 
+def ring_method(model_cfg: Mapping, evict: Mapping) -> tuple[str, int]:
+    """(the method, its sinks) a layer of `model_cfg` evicts by: a sliding model's
+    ring of its window ('window', or 'sinks' with model.sliding_sinks), else
+    cache.evict's method (with cache.evict.sinks for 'sinks')."""
+    if model_cfg["sliding_window"]:
+        sinks = model_cfg["sliding_sinks"]
+        return ("sinks" if sinks else "window"), sinks
+    return evict["method"], evict["sinks"] if evict["method"] == "sinks" else 0
+
+
+def model_ring(model_cfg: Mapping, max_len: int) -> tuple[str, int, int]:
+    """(method, sinks, span) of the ring a sliding layer of `model_cfg` caches in a
+    cache of `max_len` (its Policy's)."""
+    method, sinks = ring_method(model_cfg, {})
+    budget = min(model_cfg["sliding_window"] + sinks, max_len)
+    return method, sinks, budget - sinks
+
+
 def resolve_budget(model_cfg: Mapping, cache_cfg: Mapping, max_len: int) -> int:
     """Tokens kept per KV head and layer (before pyramidkv's per-layer schedule). A
-    model's sliding window wider than the cache is the cache's length: no position
-    below max_len falls out of it, so the band and the logits are the same."""
+    model's sliding window (and its sinks) wider than the cache is the cache's
+    length: no position below max_len falls out of it, so the band and the logits
+    are the same."""
     if model_cfg["sliding_window"]:
-        return min(model_cfg["sliding_window"], max_len)
+        return min(model_cfg["sliding_window"] + model_cfg["sliding_sinks"], max_len)
     evict = cache_cfg["evict"]
     return evict["budget"] or math.ceil(evict["ratio"] * budget_context(cache_cfg, max_len))
 
@@ -183,7 +202,7 @@ def layer_budgets(model_cfg: Mapping, cache_cfg: Mapping, max_len: int) -> tuple
     """Tokens kept per KV head in each layer; raises ValueError for budgets that
     cannot hold what the method always keeps."""
     evict = cache_cfg["evict"]
-    method = "window" if model_cfg["sliding_window"] else evict["method"]
+    method, sinks = ring_method(model_cfg, evict)
     budget = resolve_budget(model_cfg, cache_cfg, max_len)
     layers = topology.num_cache_layers(model_cfg)
     source = (
@@ -200,9 +219,9 @@ def layer_budgets(model_cfg: Mapping, cache_cfg: Mapping, max_len: int) -> tuple
             "it would allocate more slots than a cache that keeps every token; set "
             f"cache.evict.budget <= {max_len}, or cache.evict.method='none'"
         )
-    if method == "sinks" and evict["sinks"] >= budget:
+    if method == "sinks" and sinks >= budget and not model_cfg["sliding_window"]:
         raise ValueError(
-            f"cache.evict.sinks={evict['sinks']} leaves no recent window in a budget of "
+            f"cache.evict.sinks={sinks} leaves no recent window in a budget of "
             f"{budget} ({source}): set cache.evict.sinks below the budget or a larger budget"
         )
     scorer = scorer_of(method)
@@ -261,7 +280,7 @@ def policies(
 def _policies(model_cfg: Mapping, cache_cfg: Mapping, max_len: int) -> tuple[Policy, ...] | None:
     """`policies` for a model whose layers are alike."""
     evict = cache_cfg["evict"]
-    method = "window" if model_cfg["sliding_window"] else evict["method"]
+    method, sinks = ring_method(model_cfg, evict)
     if method == "none":
         return None
     scorer = scorer_of(method)
@@ -279,7 +298,6 @@ def _policies(model_cfg: Mapping, cache_cfg: Mapping, max_len: int) -> tuple[Pol
     layout = quantized_layout(model_cfg, cache_cfg, max_len)
     residual, g = (0, 1) if layout is None else (layout.residual, layout.granularity)
     settles = residual > 0 or g > 1
-    sinks = evict["sinks"] if method == "sinks" else 0
     compresses = evict["when"] == "after_prefill" and scorer is not None
     if scorer is not None and scorer.observes == "probes" and not compresses:
         raise ValueError(

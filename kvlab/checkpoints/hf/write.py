@@ -118,6 +118,11 @@ def _export_family(model) -> str:
             f"model.topology={model.topology!r} cannot be exported: transformers' families "
             "give every layer its own keys and values; keep the model as a kvlab workdir"
         )
+    if model.sliding_sinks:
+        raise ValueError(
+            f"model.sliding_sinks={model.sliding_sinks} cannot be exported: transformers' "
+            "sliding windows keep no first positions beside them; set model.sliding_sinks=0"
+        )
     if model.attention == "mla":
         if model.sliding_window:
             raise ValueError(
