@@ -18,7 +18,10 @@ token group of --group_size, bfloat16 scales; the sliding rings stay bfloat16): 
 of positions and quantization of the rest composed. Reports perplexity, the
 mean change of each window's loss with a 95% interval (the same windows), and
 bytes per token at the evaluated length and at --long tokens of context, where
-the sliding layers' rings weigh least. Writes results.json, table.md and
+the sliding layers' rings weigh least; for the rows --ruler names and every
+layer full, the RULER score (kvlab/data/ruler.py's synthetic tasks at --length
+tokens, greedy answers from the whole context's cache: kvlab.eval.benchmark),
+which needs what lies past a window. Writes results.json, table.md and
 hybrid.png (atomically) under --workdir.
 """
 
@@ -32,7 +35,9 @@ from absl import flags
 
 import kvlab
 from kvlab import cli
+from kvlab.data.ruler import RULER_TASKS, ruler_records
 from kvlab.eval import calibrate, evaluate, loss_change
+from kvlab.eval.benchmark import run_benchmark
 from kvlab.files import write_atomic
 
 _MODEL = flags.DEFINE_string("model", "smollm2", "smollm2, gguf:FILE or hf:DIR.")
@@ -47,6 +52,13 @@ _QUANTIZED = flags.DEFINE_list(
 )
 _LONG = flags.DEFINE_integer("long", 8192, "The long context bytes per token are given at.")
 _GROUP = flags.DEFINE_integer("group_size", 32, "4-bit rows: numbers sharing a scale.")
+_RULER = flags.DEFINE_list(
+    "ruler",
+    ["5:1 W256 S4", "all W256 S4", "5:1 W256 S4 4-bit"],
+    "Rows (by label) also scored on RULER's tasks at --length; every layer full always is.",
+)
+_RULER_SAMPLES = flags.DEFINE_integer("ruler_samples", 2, "RULER records per task.")
+_RULER_TASKS = flags.DEFINE_list("ruler_tasks", list(RULER_TASKS), "RULER tasks scored.")
 
 
 def layer_types(pattern: str, num_layers: int) -> tuple[str, ...]:
@@ -55,6 +67,12 @@ def layer_types(pattern: str, num_layers: int) -> tuple[str, ...]:
         return ()
     sliding, full = (int(n) for n in pattern.split(":"))
     return tuple("sliding" if i % (sliding + full) < sliding else "full" for i in range(num_layers))
+
+
+def label_of(pattern: str, window: int, sinks: int, four_bit: bool) -> str:
+    """A row's name: '5:1 W256 S4 4-bit'."""
+    label = f"{pattern} W{window}" + (f" S{sinks}" if sinks else "")
+    return label + (" 4-bit" if four_bit else "")
 
 
 def hybrid_model(model, pattern: str, window: int, sinks: int):
@@ -91,6 +109,18 @@ def plot(rows: list[dict], base: dict, path: str) -> None:
 def main(argv):
     del argv
     begin = time.perf_counter()
+    runs = [
+        (p, int(w), int(n), False)
+        for p in _PATTERNS.value
+        for w in _SLIDING.value
+        for n in _SINKS.value
+    ]
+    for spec in _QUANTIZED.value:
+        pattern, window, sinks = spec.split("@")
+        runs.append((pattern, int(window), int(sinks), True))
+    unknown = set(_RULER.value) - {label_of(*run) for run in runs}
+    if unknown:
+        raise ValueError(f"--ruler={sorted(unknown)} names no row: name rows as '5:1 W256 S4'")
     cfg, params, tokenizer = cli.load_model(_MODEL.value)
     length = _LENGTH.value
     tokens = calibrate.calibration_tokens(tokenizer.encode, _WINDOWS.value, length + 1, "test")
@@ -110,16 +140,16 @@ def main(argv):
     def bytes_per_token(model, cache, tokens: int) -> int:
         return kvlab.cache_bytes(model, cache, 1, tokens) // tokens
 
+    records = []
+    if _RULER.value:
+        records = ruler_records(tokenizer.encode, _RULER_TASKS.value, length, _RULER_SAMPLES.value)
+
+    def ruler(model, cache) -> float:
+        """The mean RULER score (0-100) of the records through `cache` on `model`."""
+        rows = run_benchmark(model, params, tokenizer, records, cache)
+        return 100 * float(np.mean([r["score"] for r in rows]))
+
     base = evaluate(cfg.model, cache, params, batches, chunk=64, windows=True)
-    runs = [
-        (p, int(w), int(n), False)
-        for p in _PATTERNS.value
-        for w in _SLIDING.value
-        for n in _SINKS.value
-    ]
-    for spec in _QUANTIZED.value:
-        pattern, window, sinks = spec.split("@")
-        runs.append((pattern, int(window), int(sinks), True))
     rows = []
     os.makedirs(_WORKDIR.value, exist_ok=True)
     for pattern, window, sinks, four_bit in runs:
@@ -128,11 +158,10 @@ def main(argv):
         result = evaluate(model, stored, params, batches, chunk=64, windows=True)
         change, half = loss_change(result, base)
         windows = kvlab.config.layer_windows(model)
+        label = label_of(pattern, window, sinks, four_bit)
         rows.append(
             dict(
-                label=f"{pattern} W{window}"
-                + (f" S{sinks}" if sinks else "")
-                + (" 4-bit" if four_bit else ""),
+                label=label,
                 pattern=pattern,
                 window=window,
                 sinks=sinks,
@@ -143,6 +172,7 @@ def main(argv):
                 ppl=result["ppl"],
                 loss_change=change,
                 loss_change_95=half,
+                ruler=ruler(model, stored) if label in _RULER.value else None,
             )
         )
         print(json.dumps(rows[-1]), flush=True)
@@ -152,6 +182,7 @@ def main(argv):
         length=length,
         bytes_per_token=bytes_per_token(cfg.model, cache, length),
         long_bytes_per_token=bytes_per_token(cfg.model, cache, _LONG.value),
+        ruler=ruler(cfg.model, cache) if records else None,
     )
     report = dict(
         model=_MODEL.value,
@@ -167,11 +198,13 @@ def main(argv):
         f"{_MODEL.value} ({cfg.model.num_layers} layers), {_WINDOWS.value} windows of {length} "
         f"tokens, bfloat16 cache; every layer full: ppl {base['ppl']:.3f}, "
         f"{reference['bytes_per_token']:,} bytes per token at {length} and "
-        f"{reference['long_bytes_per_token']:,} at {long}; {seconds:.0f} s",
+        f"{reference['long_bytes_per_token']:,} at {long}"
+        + (f", RULER {reference['ruler']:.1f} ({len(records)} records)" if records else "")
+        + f"; {seconds:.0f} s",
         "",
         f"| pattern | window | sinks | full layers | full layers' storage | bytes/token at "
-        f"{length} | at {long} (share) | ppl | loss change (95%) |",
-        "|---|---:|---:|---:|---|---:|---:|---:|---:|",
+        f"{length} | at {long} (share) | ppl | loss change (95%) | RULER |",
+        "|---|---:|---:|---:|---|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         share = r["long_bytes_per_token"] / reference["long_bytes_per_token"]
@@ -179,7 +212,9 @@ def main(argv):
             f"| {r['pattern']} | {r['window']} | {r['sinks']} | {r['full_layers']} | "
             f"{'4-bit' if r['quantized'] else 'bfloat16'} | {r['bytes_per_token']:,} | "
             f"{r['long_bytes_per_token']:,} ({share:.1%}) | {r['ppl']:.3f} | "
-            f"{r['loss_change']:+.4f} ± {r['loss_change_95']:.4f} |"
+            f"{r['loss_change']:+.4f} ± {r['loss_change_95']:.4f} | "
+            + ("" if r["ruler"] is None else f"{r['ruler']:.1f}")
+            + " |"
         )
     write_atomic(os.path.join(_WORKDIR.value, "table.md"), "\n".join(lines) + "\n")
     plot(rows, reference, os.path.join(_WORKDIR.value, "hybrid.png"))

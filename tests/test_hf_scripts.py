@@ -263,8 +263,9 @@ def test_the_hybrid_experiment_trades_bytes_for_loss(llama_with_tokenizer, tmp_p
     the bytes of each as its cache counts them (a sliding layer's ring of 8 in
     place of every position), the loss change against every layer full."""
     out = tmp_path / "hybrid"
-    args = ["--windows=2", "--length=32", "--sliding=8", "--patterns=1:1,all", "--long=64"]
+    args = ["--windows=2", "--length=96", "--sliding=8", "--patterns=1:1,all", "--long=192"]
     args += ["--sinks=0", "--quantized=1:1@8@2", "--group_size=8", f"--workdir={out}"]
+    args += ["--ruler=all W8", "--ruler_tasks=niah_single_1", "--ruler_samples=1"]
     run_script("experiments/hybrid.py", f"--model=hf:{llama_with_tokenizer}", *args)
     report = json.loads((out / "results.json").read_text())
     rows = {r["label"]: r for r in report["rows"]}
@@ -274,6 +275,9 @@ def test_the_hybrid_experiment_trades_bytes_for_loss(llama_with_tokenizer, tmp_p
     assert rows["1:1 W8 S2 4-bit"]["bytes_per_token"] < rows["1:1 W8"]["bytes_per_token"]
     assert rows["1:1 W8"]["full_layers"] >= 1 and rows["all W8"]["full_layers"] == 0
     assert all(np.isfinite(r["loss_change"]) and r["ppl"] > 1 for r in rows.values())
+    scored = {label: r["ruler"] for label, r in rows.items() if r["ruler"] is not None}
+    assert list(scored) == ["all W8"] and 0 <= scored["all W8"] <= 100
+    assert 0 <= report["reference"]["ruler"] <= 100
     assert (out / "table.md").read_text().count("\n| ") == 4
     assert (out / "hybrid.png").stat().st_size > 0
 
