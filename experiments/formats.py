@@ -16,8 +16,17 @@ codebooks (kvlab/cache/formats/codebook.py: Lloyd-Max levels per layer, fitted
 on 8 x 512 tokens of the standard library's 'train' files), each also after a
 Hadamard rotation of keys and values (cache.<prefix>_transform: TurboQuant's
 recipe is the rotation, then the optimal scalar quantizer of the rotated
-numbers). Writes results.json, table.md and formats.png (atomically) under
---workdir.
+numbers). --scales adds scales calibrated offline instead of one per group
+(cache.<prefix>_axis='calibrated', kvlab.eval.calibrate.scales on the same 8 x
+512 tokens: the largest magnitude per channel of each KV head as KVQuant's
+keys, per head as vLLM's fp8 scales, or per tensor), which store no scale at
+all; --bits 8 adds float8 e4m3 ('fp8'). Formats a width or a scale cannot
+take (fp8 below 8 bits, zero points over static scales) are left out, and so
+are nf and codebooks at 8 bits. Writes
+results.json, table.md and formats.png (atomically) under --workdir.
+
+    python experiments/formats.py --bits 8,4 --rotations none \
+        --scales group,head,channel,tensor --workdir experiments/results/scales_smollm2
 """
 
 import io
@@ -40,13 +49,26 @@ _LENGTH = flags.DEFINE_integer("length", 512, "Tokens per window.")
 _BITS = flags.DEFINE_list("bits", ["4", "2"], "Widths of keys and values.")
 _GROUP = flags.DEFINE_integer("group_size", 32, "Numbers sharing a scale (a divisor of head_dim).")
 _ROTATIONS = flags.DEFINE_list("rotations", ["none", "hadamard"], "cache.<prefix>_transform.")
+_SCALES = flags.DEFINE_list(
+    "scales", ["group"], "'group' (one per --group_size numbers of a token) or calibrated "
+    "ranges per 'channel', 'head' or 'tensor' (kvlab.eval.calibrate.PER)."
+)  # fmt: skip
 
 FORMATS = {  # name: (format, symmetric)
     "int (symmetric)": ("int", True),
     "int (zero point)": ("int", False),
+    "fp8": ("fp8", True),
     "nf": ("nf", True),
     "codebook": ("codebook", True),
 }
+
+
+def takes(fmt: str, symmetric: bool, bits: int, scales: str) -> bool:
+    """Whether a cache can store `fmt` at `bits` with `scales` (and 256 levels on a
+    grid or fitted are left out at 8 bits: int and fp8 are 8-bit formats)."""
+    if bits == 8 and fmt in ("nf", "codebook"):
+        return False
+    return bits in kvlab.registry.FORMATS.get(fmt).widths and (scales == "group" or symmetric)
 
 
 def held_out(encode, windows: int, length: int) -> list[dict]:
@@ -68,7 +90,7 @@ def plot(rows: list[dict], path: str) -> None:
     figure, axes = plt.subplots(1, len(widths), figsize=(5 * len(widths), 3.6), squeeze=False)
     for ax, bits in zip(axes[0], widths, strict=True):
         mine = [r for r in rows if r["bits"] == bits]
-        labels = [f"{r['format']}\n{r['rotation']}" for r in mine]
+        labels = [f"{r['format']}\n{r['rotation']}, {r['scales']}" for r in mine]
         ax.bar(
             range(len(mine)),
             [r["loss_change"] for r in mine],
@@ -77,7 +99,7 @@ def plot(rows: list[dict], path: str) -> None:
         )
         ax.set_xticks(range(len(mine)), labels, rotation=60, ha="right", fontsize=7)
         ax.set_yscale("symlog", linthresh=1e-3)
-        ax.set_title(f"K{bits}V{bits}, per token")
+        ax.set_title(f"K{bits}V{bits}")
         ax.set_ylabel("mean loss change vs bfloat16 (nats)")
     figure.tight_layout()
     buffer = io.BytesIO()
@@ -98,33 +120,49 @@ def main(argv):
     reference = evaluate_reference(cfg.model, base, params, batches, **on)
     rows = []
     os.makedirs(_WORKDIR.value, exist_ok=True)
-    for bits in (int(b) for b in _BITS.value):
-        for rotation in _ROTATIONS.value:
-            for name, (fmt, symmetric) in FORMATS.items():
-                cache = base.copy_and_resolve_references()
-                cache.update(k_bits=bits, v_bits=bits, k_format=fmt, v_format=fmt)
-                cache.update(symmetric=symmetric, k_transform=rotation, v_transform=rotation)
-                if fmt == "codebook":
-                    books = calibrate.codebooks(cfg.model, cache, params, calibration)
-                    path = os.path.join(_WORKDIR.value, f"codebooks_{bits}bit_{rotation}.npz")
-                    calibrate.save_codebooks(path, books)
-                    cache.codebooks = path
-                result = evaluate(cfg.model, cache, params, batches, **on, reference=reference)
-                change, half = loss_change(result, reference.result)
-                rows.append(
-                    dict(
-                        bits=bits,
-                        rotation=rotation,
-                        format=name,
-                        bytes_per_token=kvlab.cache_bytes(cfg.model, cache, 1, _LENGTH.value)
-                        // _LENGTH.value,
-                        ppl=result["ppl"],
-                        loss_change=change,
-                        loss_change_95=half,
-                        kl_mean=result["kl_mean"],
-                    )
-                )
-                print(json.dumps(rows[-1]), flush=True)
+    combinations = [
+        (int(bits), rotation, scales, name)
+        for bits in _BITS.value
+        for rotation in _ROTATIONS.value
+        for scales in _SCALES.value
+        for name, (fmt, symmetric) in FORMATS.items()
+        if takes(fmt, symmetric, int(bits), scales)
+    ]
+    for bits, rotation, scales, name in combinations:
+        fmt, symmetric = FORMATS[name]
+        cache = base.copy_and_resolve_references()
+        cache.update(k_bits=bits, v_bits=bits, k_format=fmt, v_format=fmt)
+        cache.update(symmetric=symmetric, k_transform=rotation, v_transform=rotation)
+        tag = f"{bits}bit_{rotation}" + ("" if scales == "group" else f"_{scales}")
+        if scales != "group":
+            cache.update(k_axis="calibrated", v_axis="calibrated")
+            path = os.path.join(_WORKDIR.value, f"scales_{rotation}_{scales}.npz")
+            if not os.path.exists(path):  # ranges do not depend on the format or width
+                ranges = calibrate.scales(cfg.model, cache, params, calibration, per=scales)
+                calibrate.save_scales(path, ranges)
+            cache.scales = path
+        if fmt == "codebook":
+            books = calibrate.codebooks(cfg.model, cache, params, calibration)
+            path = os.path.join(_WORKDIR.value, f"codebooks_{tag}.npz")
+            calibrate.save_codebooks(path, books)
+            cache.codebooks = path
+        result = evaluate(cfg.model, cache, params, batches, **on, reference=reference)
+        change, half = loss_change(result, reference.result)
+        rows.append(
+            dict(
+                bits=bits,
+                rotation=rotation,
+                scales=scales,
+                format=name,
+                bytes_per_token=kvlab.cache_bytes(cfg.model, cache, 1, _LENGTH.value)
+                // _LENGTH.value,
+                ppl=result["ppl"],
+                loss_change=change,
+                loss_change_95=half,
+                kl_mean=result["kl_mean"],
+            )
+        )
+        print(json.dumps(rows[-1]), flush=True)
     seconds = time.perf_counter() - begin
     report = dict(
         model=_MODEL.value,
@@ -142,12 +180,13 @@ def main(argv):
         f"reference ppl {reference.result['ppl']:.3f} at {report['reference_bytes_per_token']:,} "
         f"bytes per token; {seconds:.0f} s",
         "",
-        "| bits | rotation | format | bytes/token | ppl | loss change (95%) | KL |",
-        "|---|---|---|---:|---:|---:|---:|",
+        "| bits | rotation | scales | format | bytes/token | ppl | loss change (95%) | KL |",
+        "|---|---|---|---|---:|---:|---:|---:|",
     ]
     for r in rows:
         lines.append(
-            f"| {r['bits']} | {r['rotation']} | {r['format']} | {r['bytes_per_token']:,} | "
+            f"| {r['bits']} | {r['rotation']} | {r['scales']} | {r['format']} | "
+            f"{r['bytes_per_token']:,} | "
             f"{r['ppl']:.3f} | {r['loss_change']:+.4f} ± {r['loss_change_95']:.4f} | "
             f"{r['kl_mean']:.4f} |"
         )

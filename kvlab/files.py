@@ -18,11 +18,14 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import json
 import os
 import secrets
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
+
+import numpy as np
 
 
 class WriteError(OSError):
@@ -116,6 +119,26 @@ def _fsync_folder(folder: str) -> None:
             os.fsync(descriptor)
         finally:
             os.close(descriptor)
+
+
+def read_arrays(path: str) -> dict[str, np.ndarray] | str:
+    """The arrays (as float32) of the .npz file at `path`, read once per version of
+    the file (an artefact a run computed offline: codebooks, scales, filters), or
+    the reason it cannot be read as such, for the caller's message."""
+    try:
+        info = os.stat(path)
+    except OSError as error:
+        return error.strerror or str(error)
+    return _read_arrays(path, info.st_mtime_ns, info.st_size)
+
+
+@functools.lru_cache(maxsize=16)
+def _read_arrays(path: str, modified: int, size: int) -> dict[str, np.ndarray] | str:
+    try:
+        with np.load(path) as stored:
+            return {name: np.asarray(stored[name], np.float32) for name in stored.files}
+    except (OSError, ValueError, KeyError, AttributeError) as error:
+        return str(error)
 
 
 def read_json(path: str | os.PathLike) -> Any:

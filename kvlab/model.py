@@ -203,10 +203,11 @@ def check_cache(config, cache: Cache) -> None:
 
 
 def _untabled(x):
-    """A quantized tensor without its layer's levels (Storage.table: a codebook
-    fitted per layer), which are all that may differ between layers."""
+    """A quantized tensor without its layer's levels and ranges (Storage.table: a
+    codebook fitted per layer; Storage.ranges: calibrated scales), which are all
+    that may differ between layers."""
     if isinstance(x, QuantizedTensor):
-        return x.replace(spec=dataclasses.replace(x.spec, table=()))
+        return x.replace(spec=dataclasses.replace(x.spec, table=(), ranges=()))
     return x
 
 

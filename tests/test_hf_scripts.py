@@ -242,19 +242,28 @@ def test_eval_says_when_the_text_holds_fewer_windows_than_asked(tmp_path):
 
 def test_the_formats_experiment_compares_formats_at_their_bytes(llama_with_tokenizer, tmp_path):
     """experiments/formats.py on a small checkpoint: a row per format, the codebooks it
-    calibrated kept beside the results, equal bytes but for the zero point's."""
+    calibrated kept beside the results, equal bytes but for the zero point's; with
+    scales calibrated per head (no zero point there), the codes' bytes alone."""
     out = tmp_path / "formats"
     args = ["--windows=2", "--length=32", "--bits=2", "--rotations=none", "--group_size=8"]
-    args.append(f"--workdir={out}")
+    args += ["--scales=group,head", f"--workdir={out}"]
     run_script("experiments/formats.py", f"--model=hf:{llama_with_tokenizer}", *args)
     report = json.loads((out / "results.json").read_text())
-    rows = {r["format"]: r for r in report["rows"]}
-    assert set(rows) == {"int (symmetric)", "int (zero point)", "nf", "codebook"}
-    same = {rows[f]["bytes_per_token"] for f in ("int (symmetric)", "nf", "codebook")}
-    assert len(same) == 1 and rows["int (zero point)"]["bytes_per_token"] > same.pop()
+    rows = {(r["format"], r["scales"]): r for r in report["rows"]}
+    grouped = {"int (symmetric)", "nf", "codebook"}
+    assert set(rows) == {(f, "group") for f in grouped | {"int (zero point)"}} | {
+        (f, "head") for f in grouped
+    }
+    same = {rows[f, "group"]["bytes_per_token"] for f in grouped}
+    assert len(same) == 1 and rows["int (zero point)", "group"]["bytes_per_token"] > min(same)
+    codes = {rows[f, "head"]["bytes_per_token"] for f in grouped}
+    assert len(codes) == 1 and codes.pop() < same.pop()
     assert all(np.isfinite(r["kl_mean"]) and r["kl_mean"] >= 0 for r in rows.values())
     assert np.load(out / "codebooks_2bit_none.npz")["k"].shape[1] == 4
-    assert (out / "table.md").read_text().count("\n| 2 | none |") == 4
+    assert np.load(out / "codebooks_2bit_none_head.npz")["k"].shape[1] == 4
+    assert (np.load(out / "scales_none_head.npz")["k"] > 0).all()
+    table = (out / "table.md").read_text()
+    assert table.count("\n| 2 | none | group |") == 4 and table.count("\n| 2 | none | head |") == 3
     assert (out / "formats.png").stat().st_size > 0
 
 

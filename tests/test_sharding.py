@@ -33,6 +33,7 @@ from jax.sharding import PartitionSpec as P
 
 import kvlab
 import kvlab.eval
+import kvlab.eval.calibrate
 import kvlab.eval.probe
 import kvlab.kernels.native as native
 import kvlab.sweep
@@ -387,6 +388,23 @@ def test_on_mesh_a_hybrid_model_is_unchanged():
     placed = placed_params(cfg, params, mesh, rules)
     cache = through_the_cache(cfg, mesh, rules, kvlab.Transformer(cfg.model), params, placed)
     assert [type(layer).__name__ for layer in cache.layers] == ["EvictingLayer", "QuantizedLayer"]
+
+
+@on_eight
+def test_on_mesh_calibrated_scales_are_unchanged(tmp_path):
+    """fp8 codes over static ranges per KV head and channel (no scale array; the
+    ranges split with the heads they belong to as constants), in pages."""
+    cfg = model_config((2, 2, 2), num_layers=1)
+    ranges = np.random.default_rng(0).uniform(1.0, 4.0, (1, 2, cfg.model.head_dim))
+    path = str(tmp_path / "scales.npz")
+    kvlab.eval.calibrate.save_scales(path, {"k": ranges, "v": ranges * 2})
+    cfg.cache.update(kind="paged", page_size=8, k_bits=8, v_bits=8, k_format="fp8")
+    cfg.cache.update(v_format="fp8", k_axis="calibrated", v_axis="calibrated", scales=path)
+    mesh, rules = mesh_of(cfg)
+    params = kvlab.init_params(cfg.model, jax.random.key(0))
+    placed = placed_params(cfg, params, mesh, rules)
+    cache = through_the_cache(cfg, mesh, rules, kvlab.Transformer(cfg.model), params, placed)
+    assert all(t.scale is None for t in cache.layers[0].tensors)
 
 
 def through_the_cache(cfg, mesh, rules, model, params, placed):

@@ -10,7 +10,8 @@ The analytic count follows the formula every KV-cache paper uses (docs/reference
 latent attention stores (kv_rank + rope_dim) numbers per token and layer instead
 (DeepSeek-V2, arXiv:2405.04434). A quantized cache counts, per tensor, its
 packed payload (bits / 8 bytes a number), one scale (and zero point) per group
-and the full-precision ring of recent tokens, laid out as kvlab/cache/quant/
+(none for scales calibrated offline: they are the program's constants, like a
+codebook's levels) and the full-precision ring of recent tokens, laid out as kvlab/cache/quant/
 describes. A paged cache counts its page pools (num_pages x page_size token
 rows, shared by the rows) and each row's ring instead. An evicting cache
 counts its budget slots (kvlab/cache/evict/), and per slot an int32 position
@@ -173,6 +174,8 @@ def _tensor_bytes(spec, heads: int, width: int, rows: int, ring: int) -> int:
     if not spec.quantized:
         return total + heads * rows * width * element
     total += heads * rows * width * spec.bits // 8
+    if spec.calibrated:  # static scales, in the program, not the cache
+        return total
     groups = rows * width // spec.group_size  # one scale per group, either axis
     return total + heads * groups * dtype_of(spec.scale_dtype).itemsize * spec.codes.scale_numbers(
         spec
@@ -212,12 +215,18 @@ def cache_label(model_cfg: Mapping, cache_cfg: Mapping) -> str:
             transformed.setdefault(cache_cfg[f"{p}_transform"], []).append(p)
     details = [f"{name} on {' and '.join(ps)}" for name, ps in transformed.items()]
     if quantized:
+        axes = {p: cache_cfg[f"{p}_axis"] for p in quantized}
         details.append(
             ", ".join(
-                f"{p} {cache_cfg[f'{p}_format']} per {cache_cfg[f'{p}_axis']}" for p in quantized
+                f"{p} {cache_cfg[f'{p}_format']} "
+                + ("with calibrated scales" if axis == "calibrated" else f"per {axis}")
+                for p, axis in axes.items()
             )
         )
-        details.append(f"groups of {cache_cfg['group_size']}, {cache_cfg['scale_dtype']} scales")
+        if any(axis != "calibrated" for axis in axes.values()):
+            details.append(
+                f"groups of {cache_cfg['group_size']}, {cache_cfg['scale_dtype']} scales"
+            )
         if cache_cfg["symmetric"]:
             details.append("symmetric")
     in_dtype = [p for p in prefixes if p not in quantized]

@@ -4,6 +4,7 @@ transforms and eviction, alone and against the model section it caches for."""
 from __future__ import annotations
 
 import math
+import types
 from collections.abc import Mapping
 
 import ml_collections
@@ -54,8 +55,9 @@ def validate_cache_config(cache: Mapping, model: Mapping | None = None) -> None:
         fail("cache.prefix_caching", cache["prefix_caching"], "is not a bool", "set True or False")
     if not isinstance(cache["symmetric"], bool):
         fail("cache.symmetric", cache["symmetric"], "is not a bool", "set True or False")
-    if not isinstance(cache["codebooks"], str):
-        fail("cache.codebooks", cache["codebooks"], "is not a path", "set an .npz path, or ''")
+    for field in ("codebooks", "scales"):
+        if not isinstance(cache[field], str):
+            fail(f"cache.{field}", cache[field], "is not a path", "set an .npz path, or ''")
     for prefix in CACHED_PREFIXES:
         check_choice("cache", cache, f"{prefix}_transform", TRANSFORMS.names())
         check_choice("cache", cache, f"{prefix}_bits", BIT_WIDTHS)
@@ -70,6 +72,18 @@ def validate_cache_config(cache: Mapping, model: Mapping | None = None) -> None:
                 f"needs {' or '.join(map(str, widths))} bits but cache.{prefix}_bits={bits}",
                 f"set cache.{prefix}_bits to {' or '.join(map(str, widths))}, or "
                 f"cache.{prefix}_format='int'",
+            )
+        if (
+            bits < 16
+            and cache[f"{prefix}_axis"] == "calibrated"
+            and FORMATS.get(name).has_zero(types.SimpleNamespace(symmetric=cache["symmetric"]))
+        ):
+            fail(
+                f"cache.{prefix}_axis",
+                "calibrated",
+                f"stores no zero point, but cache.{prefix}_format={name!r} with "
+                "cache.symmetric=False has one per group",
+                "set cache.symmetric=True (codes around 0 over the calibrated scale)",
             )
         if (
             bits < 16
@@ -287,7 +301,8 @@ def layer_sections(model: Mapping, cache: Mapping) -> dict[int, tuple[Mapping, M
     window = model["sliding_window"]
     plain = {}
     if cache["sliding_layers"] == "plain":
-        plain = {f"{p}_bits": 16 for p in CACHED_PREFIXES} | dict(residual=0, codebooks="")
+        plain = {f"{p}_bits": 16 for p in CACHED_PREFIXES}
+        plain |= dict(residual=0, codebooks="", scales="")
     alike = dict(sliding_layers="plain")  # each section is a model of layers alike
     # A ring of the window per row: no pages (a paged cache's full layers hold those).
     ring = dict(evict=dict(method="none"), kind="dense", prefix_caching=False, num_pages=0)
@@ -345,7 +360,30 @@ def _validate_cache_for_model(cache: Mapping, model: Mapping) -> None:
             "cache.<prefix>_format='codebook'",
             "set the format of the tensors it holds levels for, or cache.codebooks=''",
         )
+    calibrated = [
+        p
+        for p in cached_prefixes(model)
+        if cache[f"{p}_bits"] < 16 and cache[f"{p}_axis"] == "calibrated"
+    ]
+    if cache["scales"] and not calibrated:
+        fail(
+            "cache.scales",
+            cache["scales"],
+            "is read by no tensor: none of this model's quantized tensors has "
+            "cache.<prefix>_axis='calibrated'",
+            "set the axis of the tensors it holds ranges for, or cache.scales=''",
+        )
     for part in _method_parts(cache["evict"]):
+        pools_heads = model["attention"] == "gqa" and model["num_kv_heads"] > 1
+        if calibrated and getattr(part, "pooled", False) and pools_heads:
+            fail(
+                "cache.evict.method",
+                cache["evict"]["method"],
+                "keeps one pool of every KV head's tokens per layer, which cannot be read "
+                f"with cache.{calibrated[0]}_axis='calibrated' (a static scale per KV head)",
+                "choose a method that keeps a budget per head (snapkv, h2o, ...) or "
+                "scales per group (cache.<prefix>_axis='token' or 'channel')",
+            )
         kinds = getattr(part, "attention_kinds", None)
         if kinds is not None and model["attention"] not in kinds:
             fail(

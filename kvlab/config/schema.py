@@ -27,7 +27,7 @@ UNSCORED_METHODS = ("none", "window", "sinks")
 COMPOSED_OPTIONS = types.MappingProxyType({"share": 0.5})
 EVICT_WHEN = ("every_step", "after_prefill")  # cache.evict.when
 BIT_WIDTHS = (16, 8, 4, 2)
-GROUP_AXES = ("token", "channel")
+GROUP_AXES = ("token", "channel", "calibrated")
 CACHED_PREFIXES = ("k", "v", "latent", "rope")  # cache.<prefix>_bits, _format, _axis
 DATA_SOURCES = ("stdlib", "text", "mqar")
 WANDB_MODES = ("offline", "online", "disabled")
@@ -208,8 +208,9 @@ def base_config(variant: str = "tiny") -> ml_collections.ConfigDict:
             v_format="int",
             latent_format="int",
             rope_format="int",
-            k_axis="channel",  # scale groups: 'token' (a token's channels) or 'channel'
-            v_axis="token",  # (a channel's tokens; KIVI's choice for keys)
+            k_axis="channel",  # scale groups: 'token' (a token's channels), 'channel' (a
+            v_axis="token",  # channel's tokens; KIVI's keys) or 'calibrated' (no groups:
+            #                  a static scale per KV head and channel, cache.scales)
             latent_axis="token",
             rope_axis="channel",
             group_size=16 if on_cpu else 32,  # numbers (token axis) or tokens (channel) per scale
@@ -219,6 +220,8 @@ def base_config(variant: str = "tiny") -> ml_collections.ConfigDict:
             scale_dtype="bfloat16",  # dtype of scales and zero points
             codebooks="",  # format 'codebook': the .npz of its levels per layer
             #                (kvlab.eval.calibrate.save_codebooks)
+            scales="",  # axis 'calibrated': the .npz of each layer's ranges per KV head
+            #             and channel (kvlab.eval.calibrate.save_scales)
             k_transform="none",  # an orthogonal map applied before a tensor is stored and
             v_transform="none",  # folded into its reads: 'none', 'hadamard', 'orthogonal', ...
             latent_transform="none",  # (kvlab/cache/transforms; kvlab.registry.TRANSFORMS)

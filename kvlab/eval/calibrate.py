@@ -7,6 +7,8 @@
     save_patterns("runs/x/duo.npz", patterns)        # cache.evict.options.patterns
     books = codebooks(cfg.model, cfg.cache, params, tokens)  # the 'codebook' format's levels
     save_codebooks("runs/x/codebooks.npz", books)    # cache.codebooks
+    ranges = scales(cfg.model, cfg.cache, params, tokens, per="head")  # axis 'calibrated'
+    save_scales("runs/x/scales.npz", ranges)         # cache.scales
 
 Q-Filters (arXiv:2503.02812, kvlab/cache/evict/qfilter.py): the model reads
 `tokens` (int32[B, T], calibration text in its tokens, e.g. the standard
@@ -36,7 +38,7 @@ from kvlab.attention.rope import apply_rope
 from kvlab.cache import topology
 from kvlab.cache.factory import init_cache
 from kvlab.cache.formats import normal_float
-from kvlab.cache.quant.storage import by_groups, storages
+from kvlab.cache.quant.storage import by_groups, calibrated_ranges, storages
 from kvlab.config import base_config, cached_tensors
 from kvlab.data.text import decode_bytes, load_corpus
 from kvlab.files import write_atomic
@@ -127,6 +129,30 @@ def _projections(model_cfg: Mapping, params, tokens: np.ndarray, what: str):
         yield query, key
 
 
+def _stored(model_cfg: Mapping, cache_cfg: Mapping, params, tokens: np.ndarray, what: str):
+    """The tensors of `cache_cfg` quantized below 16 bits with `what(spec)` true, as
+    (prefix, tensor, its index in the layer, its storage), and the model's cache of
+    `tokens` holding their numbers as stored (after the transforms, in float32,
+    every tensor whole: nothing quantized or evicted)."""
+    tensors = cached_tensors(model_cfg)
+    chosen = [
+        (tensor.prefix, tensor, index, spec)
+        for index, (tensor, spec) in enumerate(
+            zip(tensors, storages(model_cfg, cache_cfg), strict=True)
+        )
+        if spec.quantized and what(spec)
+    ]
+    whole = ml_collections.ConfigDict(dict(cache_cfg)).copy_and_resolve_references()
+    whole.update(kind="dense", dtype="float32", residual=0, codebooks="", scales="")
+    whole.update(prefix_caching=False, sliding_layers="plain")
+    whole.update({f"{tensor.prefix}_bits": 16 for tensor in tensors})
+    whole.evict = base_config().cache.evict
+    tokens = jnp.asarray(tokens, jnp.int32)
+    cache = init_cache(model_cfg, whole, tokens.shape[0], tokens.shape[1])
+    _, cache = Transformer(model_cfg).apply({"params": params}, tokens, cache=cache)
+    return chosen, cache
+
+
 def codebooks(
     model_cfg: Mapping, cache_cfg: Mapping, params, tokens: np.ndarray, samples: int = 1 << 16
 ) -> dict[str, np.ndarray]:
@@ -134,53 +160,105 @@ def codebooks(
     below 16 bits): float32[cache layers, 2^bits] levels, fitted by Lloyd-Max to
     the layer's numbers as the cache stores them (after its transform), each
     divided by the largest magnitude of its group (cache.<prefix>_axis,
-    group_size), over the model's read of `tokens` (at most `samples` numbers
-    per layer, drawn evenly). kvlab/cache/formats/codebook.py reads them."""
-    specs = storages(model_cfg, cache_cfg)
-    fitted = [
-        (tensor.prefix, index, spec)
-        for index, (tensor, spec) in enumerate(zip(cached_tensors(model_cfg), specs, strict=True))
-        if spec.quantized and spec.format == "codebook"
-    ]
+    group_size) or by its calibrated range (axis 'calibrated', read from
+    cache.scales, beyond it clipped to +-1; each number weighed by its range
+    squared, so the error is least in the numbers' own units, as KVQuant's
+    sensitivity-weighted fit weighs them), over the model's read of `tokens`
+    (at most `samples` numbers per layer, drawn evenly).
+    kvlab/cache/formats/codebook.py reads them."""
+    fitted, cache = _stored(
+        model_cfg, cache_cfg, params, tokens, lambda spec: spec.format == "codebook"
+    )
     if not fitted:
         raise ValueError(
             "no cached tensor is stored in the 'codebook' format: set cache.<prefix>_format="
             "'codebook' and cache.<prefix>_bits below 16 for the tensors to calibrate"
         )
-    # The numbers as stored (after the transforms), every tensor whole, nothing evicted.
-    whole = ml_collections.ConfigDict(dict(cache_cfg)).copy_and_resolve_references()
-    whole.update(kind="dense", dtype="float32", residual=0, codebooks="", prefix_caching=False)
-    whole.update({f"{tensor.prefix}_bits": 16 for tensor in cached_tensors(model_cfg)})
-    whole.evict = base_config().cache.evict
-    tokens = jnp.asarray(tokens, jnp.int32)
-    cache = init_cache(model_cfg, whole, tokens.shape[0], tokens.shape[1])
-    _, cache = Transformer(model_cfg).apply({"params": params}, tokens, cache=cache)
     out = {}
-    for prefix, index, spec in fitted:
+    for prefix, tensor, index, spec in fitted:
         rows = []
-        for layer in cache.layers:
+        for number, layer in enumerate(cache.layers):
             stored = np.asarray(layer.tensors[index], np.float32)  # [B, K, T, W]
-            if spec.axis == "channel":  # whole groups of tokens
-                stored = stored[:, :, : stored.shape[2] // spec.group_size * spec.group_size]
-            grouped, axis = by_groups(stored, spec)
-            top = np.abs(grouped).max(axis=axis, keepdims=True)
-            scaled = (grouped / np.where(top > 0, top, 1.0)).reshape(-1)
+            weights = None
+            if spec.axis == "calibrated":  # error in the numbers' units: x range^2
+                ranges = calibrated_ranges(cache_cfg["scales"], tensor, number, len(cache.layers))
+                ranges = np.asarray(ranges)[:, None, :]
+                scaled = np.clip(stored / ranges, -1, 1).reshape(-1)
+                weights = np.broadcast_to(ranges**2, stored.shape).reshape(-1)
+            else:
+                if spec.axis == "channel":  # whole groups of tokens
+                    stored = stored[:, :, : stored.shape[2] // spec.group_size * spec.group_size]
+                grouped, axis = by_groups(stored, spec)
+                top = np.abs(grouped).max(axis=axis, keepdims=True)
+                scaled = (grouped / np.where(top > 0, top, 1.0)).reshape(-1)
             pick = np.linspace(0, scaled.size - 1, min(samples, scaled.size)).astype(np.int64)
-            rows.append(lloyd_max(scaled[pick], spec.bits))
+            weighed = None if weights is None else weights[pick]
+            rows.append(lloyd_max(scaled[pick], spec.bits, weights=weighed))
         out[prefix] = np.stack(rows)
     return out
 
 
-def lloyd_max(values: np.ndarray, bits: int, iterations: int = 100) -> np.ndarray:
+PER = ("channel", "head", "tensor")  # what one calibrated range covers (`scales`' per)
+
+
+def scales(
+    model_cfg: Mapping,
+    cache_cfg: Mapping,
+    params,
+    tokens: np.ndarray,
+    per: str = "channel",
+    quantile: float = 1.0,
+) -> dict[str, np.ndarray]:
+    """Per cached tensor with cache.<prefix>_axis='calibrated' (below 16 bits):
+    float32[cache layers, KV heads, channels], the ranges its static scales map
+    to the format's top level (kvlab.cache.quant.Storage.static_scale): the
+    `quantile` of the magnitudes (1.0: the largest) the layer's numbers take as
+    the cache stores them (after its transform) over the model's read of
+    `tokens`, per channel of each KV head (KVQuant's per-channel scales), per
+    head (vLLM's per-head fp8 scales) or per tensor, repeated over what one
+    range covers. A range of 0 (a channel always 0) takes the layer's smallest
+    positive range. kvlab.cache.quant.calibrated_ranges reads them."""
+    if per not in PER:
+        raise ValueError(f"per={per!r} is not one of {PER}: choose what one range covers")
+    if not 0 < quantile <= 1:
+        raise ValueError(f"quantile={quantile!r} is not in (0, 1]: 1.0 takes the largest")
+    chosen, cache = _stored(
+        model_cfg, cache_cfg, params, tokens, lambda spec: spec.axis == "calibrated"
+    )
+    if not chosen:
+        raise ValueError(
+            "no cached tensor has calibrated scales: set cache.<prefix>_axis='calibrated' "
+            "and cache.<prefix>_bits below 16 for the tensors to calibrate"
+        )
+    reduce = {"channel": (0, 2), "head": (0, 2, 3), "tensor": (0, 1, 2, 3)}[per]
+    out = {}
+    for prefix, _, index, _ in chosen:
+        rows = []
+        for layer in cache.layers:
+            magnitude = np.abs(np.asarray(layer.tensors[index], np.float32))  # [B, K, T, W]
+            ranges = np.quantile(magnitude, quantile, axis=reduce, keepdims=True)
+            ranges = np.broadcast_to(ranges, (1, *magnitude.shape[1:2], 1, magnitude.shape[3]))
+            ranges = ranges[0, :, 0, :]  # [K, W]
+            positive = ranges[ranges > 0]
+            rows.append(np.where(ranges > 0, ranges, positive.min() if positive.size else 1.0))
+        out[prefix] = np.stack(rows).astype(np.float32)
+    return out
+
+
+def lloyd_max(
+    values: np.ndarray, bits: int, iterations: int = 100, weights: np.ndarray | None = None
+) -> np.ndarray:
     """float32[2^bits]: the levels of least squared error for `values` in [-1, 1]
     (Lloyd's algorithm from the normal-float grid: each number to its nearest
-    level, each level to the mean of its numbers, until they stay), ascending."""
+    level, each level to the mean of its numbers, until they stay), ascending;
+    with `weights`, of least weighted squared error (weighted means)."""
     levels = normal_float.grid(bits).astype(np.float64)
     values = np.asarray(values, np.float64)
+    weights = np.ones_like(values) if weights is None else np.asarray(weights, np.float64)
     for _ in range(iterations):
         bins = np.searchsorted((levels[1:] + levels[:-1]) / 2, values)
-        counts = np.bincount(bins, minlength=levels.size)
-        sums = np.bincount(bins, weights=values, minlength=levels.size)
+        counts = np.bincount(bins, weights=weights, minlength=levels.size)
+        sums = np.bincount(bins, weights=values * weights, minlength=levels.size)
         moved = np.where(counts > 0, sums / np.maximum(counts, 1), levels)
         if np.array_equal(moved, levels):
             break
@@ -196,6 +274,21 @@ def save_codebooks(path: str | os.PathLike, books: Mapping[str, np.ndarray]) -> 
         if levels.ndim != 2 or not np.isfinite(levels).all():
             raise ValueError(
                 f"codebook {name!r} of shape {levels.shape} is not finite [layers, 2^bits]"
+            )
+    buffer = io.BytesIO()
+    np.savez(buffer, **arrays)
+    write_atomic(path, buffer.getvalue())
+
+
+def save_scales(path: str | os.PathLike, ranges: Mapping[str, np.ndarray]) -> None:
+    """Writes `scales`' ranges where cache.scales reads them (an .npz with one array
+    [cache layers, KV heads, channels] per tensor prefix), atomically."""
+    arrays = {name: np.asarray(array, np.float32) for name, array in ranges.items()}
+    for name, array in arrays.items():
+        if array.ndim != 3 or not np.isfinite(array).all() or (array <= 0).any():
+            raise ValueError(
+                f"ranges {name!r} of shape {array.shape} are not positive finite "
+                "[layers, KV heads, channels]"
             )
     buffer = io.BytesIO()
     np.savez(buffer, **arrays)

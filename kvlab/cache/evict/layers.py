@@ -547,7 +547,8 @@ class EvictingLayer:
                 payload=put(tensor.payload, payload, rows),
                 ring=write_ring(tensor.ring, new, layout, placement),
             )
-            if tensor.spec.quantized:  # channel axis: one scale row per slot
+            if tensor.spec.quantized and not tensor.spec.calibrated:
+                # channel axis: one scale row per slot
                 scale_slots = rows if tensor.spec.axis == "token" else dest
                 stored = stored.replace(
                     scale=put(tensor.scale, scale, scale_slots),

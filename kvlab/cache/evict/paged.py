@@ -66,7 +66,7 @@ def _put_pages(pool, new: Array, slots: Array, pages: Array, size: int):
     payload, scale, zero = quantize_tokens(new, pool.spec)
     return pool.replace(
         payload=write_pages(pool.payload, payload, slots, pages, size),
-        scale=write_pages(pool.scale, scale, slots, pages, size),
+        scale=None if scale is None else write_pages(pool.scale, scale, slots, pages, size),
         zero=None if zero is None else write_pages(pool.zero, zero, slots, pages, size),
     )
 

@@ -60,7 +60,6 @@ each: tova, keydiff, lagkv, expected_attention, qfilter, duo_attention
 from __future__ import annotations
 
 import dataclasses
-import functools
 import os
 import types
 from collections.abc import Callable, Mapping
@@ -70,6 +69,7 @@ import numpy as np
 from jaxtyping import Array
 
 from kvlab.config.schema import COMPOSED_OPTIONS
+from kvlab.files import read_arrays
 from kvlab.registry import SCORERS, WRAPPERS
 
 
@@ -532,21 +532,14 @@ def read_artefact(path: str, key: str, shape: str, option: str, fix: str) -> np.
     field = f"cache.evict.options.{option}={path!r}"
     if not path or not os.path.isfile(path):
         raise ValueError(f"{field} names no file: {fix}")
-    array = _read_npz(path, key, os.path.getmtime(path))
-    if isinstance(array, str):
-        raise ValueError(f"{field} is no .npz file with an array {key!r} ({array}): {fix}")
+    arrays = read_arrays(path)
+    if isinstance(arrays, str) or key not in arrays:
+        reason = arrays if isinstance(arrays, str) else f"it holds {sorted(arrays)}"
+        raise ValueError(f"{field} is no .npz file with an array {key!r} ({reason}): {fix}")
+    array = arrays[key]
     if array.ndim != shape.count(",") + 1 or not np.isfinite(array).all():
         raise ValueError(f"{field} holds {array.shape}, not finite {shape}: {fix}")
     return array
-
-
-@functools.lru_cache(maxsize=8)
-def _read_npz(path: str, key: str, modified: float) -> np.ndarray | str:
-    try:
-        with np.load(path) as stored:
-            return np.asarray(stored[key], np.float32)
-    except (OSError, ValueError, KeyError) as error:
-        return str(error)
 
 
 def hash01(x: Array) -> Array:

@@ -150,7 +150,7 @@ def put_tokens(tensor, new: Array, slots: Array):
     payload, scale, zero = quantize_tokens(new, tensor.spec)
     return tensor.replace(
         payload=write_tokens(tensor.payload, payload, slots, axis=2),
-        scale=write_tokens(tensor.scale, scale, slots, axis=2),
+        scale=None if scale is None else write_tokens(tensor.scale, scale, slots, axis=2),
         zero=None if zero is None else write_tokens(tensor.zero, zero, slots, axis=2),
     )
 

@@ -58,14 +58,13 @@ def absmax_scale(x: Array, axis: int, top_level: float, scale_dtype: str) -> tup
     return scale, x / jnp.expand_dims(safe, axis)
 
 
-def nearest_levels(x: Array, axis: int, levels, scale_dtype: str) -> tuple[Array, Array, None]:
-    """Codes of a group scaled by its largest magnitude (`absmax_scale`) as the
-    nearest of `levels` (ascending, in [-1, 1]; a bisection on their midpoints),
-    its scale, no zero point: a format of fixed levels ('nf', 'codebook')."""
-    scale, scaled = absmax_scale(x, axis, 1.0, scale_dtype)
+def nearest_levels(scaled: Array, levels) -> Array:
+    """Codes of numbers already scaled to [-1, 1] as the nearest of `levels`
+    (ascending, in [-1, 1]; a bisection on their midpoints; a number beyond the
+    ends takes the end): a format of fixed levels ('nf', 'codebook')."""
     levels = np.asarray(levels, np.float32)
     between = jnp.asarray((levels[1:] + levels[:-1]) / 2)
-    return jnp.searchsorted(between, scaled).astype(jnp.uint8), scale, None
+    return jnp.searchsorted(between, scaled).astype(jnp.uint8)
 
 
 class Format:
@@ -76,9 +75,15 @@ class Format:
     has_zero(spec): whether a zero point is stored beside each scale.
     quantize(x, spec, axis): codes (uint8, x's shape, each below 2^bits), the
         scale and the zero point (or None), both x's shape without `axis`:
-        the group runs along `axis`. x is float32.
+        the group runs along `axis`. x is float32. By default the scale maps
+        the group's largest magnitude to `top` and `encode` gives the codes.
     levels(codes, spec): float32, codes' shape: the number each code stands for
         before its scale (dequantized = levels x scale + zero).
+    top(spec): the largest level's magnitude, what a scale maps the largest
+        magnitude to (a calibrated scale, cache.<prefix>_axis='calibrated', too).
+    encode(scaled, spec): the codes of numbers already divided by their scale,
+        a number beyond +-top taking the end level (a calibrated scale's numbers
+        may lie beyond the range it was fitted to).
     """
 
     name: str
@@ -97,8 +102,15 @@ class Format:
         ValueError naming the cache field that cannot give them."""
         return ()
 
-    def quantize(self, x: Array, spec, axis: int) -> tuple[Array, Array, Array | None]:
+    def top(self, spec) -> float:
+        return 1.0
+
+    def encode(self, scaled: Array, spec) -> Array:
         raise NotImplementedError
+
+    def quantize(self, x: Array, spec, axis: int) -> tuple[Array, Array, Array | None]:
+        scale, scaled = absmax_scale(x, axis, self.top(spec), spec.scale_dtype)
+        return self.encode(scaled, spec), scale, None
 
     def levels(self, codes: Array, spec) -> Array:
         raise NotImplementedError
@@ -114,10 +126,17 @@ class IntCodes(Format):
     def has_zero(self, spec) -> bool:
         return not spec.symmetric
 
+    def top(self, spec) -> float:
+        return float(2 ** (spec.bits - 1) - 1)
+
+    def encode(self, scaled: Array, spec) -> Array:
+        """Symmetric codes: round(scaled), within +-top, offset by 2^(bits-1)."""
+        top = self.top(spec)
+        return (jnp.clip(jnp.round(scaled), -top, top) + 2 ** (spec.bits - 1)).astype(jnp.uint8)
+
     def quantize(self, x: Array, spec, axis: int) -> tuple[Array, Array, Array | None]:
         if spec.symmetric:
-            scale, scaled = absmax_scale(x, axis, 2 ** (spec.bits - 1) - 1, spec.scale_dtype)
-            return (jnp.round(scaled) + 2 ** (spec.bits - 1)).astype(jnp.uint8), scale, None
+            return super().quantize(x, spec, axis)
         scale_dtype = dtype_of(spec.scale_dtype)
         low = round_outwards(jnp.min(x, axis=axis), scale_dtype, up=False)
         span = jnp.max(x, axis=axis) - low.astype(jnp.float32)
@@ -140,9 +159,13 @@ class Fp8Codes(Format):
     name = "fp8"
     widths = (8,)
 
-    def quantize(self, x: Array, spec, axis: int) -> tuple[Array, Array, Array | None]:
-        scale, scaled = absmax_scale(x, axis, FP8_MAX, spec.scale_dtype)
-        return jax.lax.bitcast_convert_type(scaled.astype(FP8), jnp.uint8), scale, None
+    def top(self, spec) -> float:
+        return FP8_MAX
+
+    def encode(self, scaled: Array, spec) -> Array:
+        """e4m3 of the number, saturating at +-448 (e4m3fn has no infinity)."""
+        saturated = jnp.clip(scaled, -FP8_MAX, FP8_MAX)
+        return jax.lax.bitcast_convert_type(saturated.astype(FP8), jnp.uint8)
 
     def levels(self, codes: Array, spec) -> Array:
         return jax.lax.bitcast_convert_type(codes, FP8).astype(jnp.float32)

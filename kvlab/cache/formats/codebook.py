@@ -23,33 +23,24 @@ those of 'nf' at the same width.
 
 from __future__ import annotations
 
-import functools
-import os
-
 import jax.numpy as jnp
 import numpy as np
 from jax import Array
 
 from kvlab.cache.formats import Format, nearest_levels
+from kvlab.files import read_arrays
 from kvlab.registry import FORMATS
-
-
-@functools.lru_cache(maxsize=8)
-def _read(path: str, stamp: tuple) -> dict:
-    with np.load(path) as data:
-        return {name: np.asarray(data[name], np.float32) for name in data.files}
 
 
 def read_codebooks(path: str) -> dict:
     """The arrays of a codebook file (read once per version of the file)."""
-    try:
-        info = os.stat(path)
-    except OSError as error:
+    books = read_arrays(path)
+    if isinstance(books, str):
         raise ValueError(
-            f"cache.codebooks={path!r} cannot be read ({error.strerror}): set it to the .npz "
+            f"cache.codebooks={path!r} cannot be read ({books}): set it to the .npz "
             "kvlab.eval.calibrate.save_codebooks wrote for this model"
-        ) from None
-    return _read(path, (info.st_mtime_ns, info.st_size))
+        )
+    return books
 
 
 class Codebook(Format):
@@ -86,8 +77,8 @@ class Codebook(Format):
             )
         return tuple(float(x) for x in row)
 
-    def quantize(self, x: Array, spec, axis: int) -> tuple[Array, Array, Array | None]:
-        return nearest_levels(x, axis, spec.table, spec.scale_dtype)
+    def encode(self, scaled: Array, spec) -> Array:
+        return nearest_levels(scaled, spec.table)
 
     def levels(self, codes: Array, spec) -> Array:
         return jnp.asarray(np.asarray(spec.table, np.float32))[codes]

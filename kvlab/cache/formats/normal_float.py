@@ -40,8 +40,8 @@ class NormalFloat(Format):
 
     name = "nf"
 
-    def quantize(self, x: Array, spec, axis: int) -> tuple[Array, Array, Array | None]:
-        return nearest_levels(x, axis, grid(spec.bits), spec.scale_dtype)
+    def encode(self, scaled: Array, spec) -> Array:
+        return nearest_levels(scaled, grid(spec.bits))
 
     def levels(self, codes: Array, spec) -> Array:
         return jnp.asarray(grid(spec.bits))[codes]

@@ -162,7 +162,7 @@ def write_flush(tensors: tuple, layout: Layout, flush: Flush, placement: Placeme
         tensors, flush.fresh, flush.payloads, flush.scales, flush.zeros, strict=True
     ):
         rows = put(tensor.payload, payload, flush.positions)
-        if tensor.spec.quantized:
+        if tensor.spec.quantized and not tensor.spec.calibrated:
             if tensor.spec.axis == "token":
                 scale_slots = flush.positions
             else:  # one scale row per group of g tokens

@@ -10,11 +10,13 @@ import dataclasses
 from collections.abc import Mapping
 
 import jax.numpy as jnp
+import numpy as np
 from jaxtyping import Array
 
 from kvlab.cache import topology
 from kvlab.cache.formats import Format
 from kvlab.config import cached_tensors
+from kvlab.files import read_arrays
 from kvlab.registry import FORMATS
 
 
@@ -24,16 +26,28 @@ class Storage:
 
     bits: int  # 16: cache dtype, unquantized
     format: str  # a kvlab.registry.FORMATS name: "int", "fp8", "nf", ...
-    axis: str  # "token" | "channel"
+    axis: str  # "token" | "channel" | "calibrated" (no groups: `ranges`)
     group_size: int
     symmetric: bool  # int only: no zero point
     scale_dtype: str
     dtype: str  # the cache dtype (16-bit payload and the ring)
     table: tuple = ()  # a format fitted per layer: this layer's levels (Format.table)
+    ranges: tuple = ()  # axis 'calibrated': this layer's ranges [KH][Wd] (cache.scales)
 
     @property
     def quantized(self) -> bool:
         return self.bits < 16
+
+    @property
+    def calibrated(self) -> bool:
+        """Scales fixed offline per KV head and channel: none stored per group."""
+        return self.quantized and self.axis == "calibrated"
+
+    def static_scale(self) -> Array:
+        """axis 'calibrated': float32 [KH, 1, Wd], each head's and channel's calibrated
+        range over the format's top level (a token's [KH, N, Wd] divides by it)."""
+        ranges = np.asarray(self.ranges, np.float32)
+        return jnp.asarray(ranges[:, None, :] / np.float32(self.codes.top(self)))
 
     @property
     def codes(self) -> Format:
@@ -42,14 +56,15 @@ class Storage:
 
     @property
     def has_zero(self) -> bool:
-        return self.quantized and self.codes.has_zero(self)
+        return self.quantized and not self.calibrated and self.codes.has_zero(self)
 
 
 def storages(model_cfg: Mapping, cache_cfg: Mapping, layer: int | None = None) -> tuple:
     """The storage of each tensor a layer caches, in `cached_tensors` order: of cache
     layer `layer` with the levels a format fitted per layer reads (`Format.table`,
-    ValueError where cache.codebooks cannot give them), or without (None: shapes
-    and bytes, which the levels do not change).
+    ValueError where cache.codebooks cannot give them) and its calibrated ranges
+    (`calibrated_ranges`), or without (None: shapes and bytes, which neither
+    changes).
 
     Grouped-query attention caches (k, v) under cache.k_* and cache.v_*;
     latent attention caches (c_kv, k_rope) under cache.latent_* and cache.rope_*.
@@ -58,9 +73,11 @@ def storages(model_cfg: Mapping, cache_cfg: Mapping, layer: int | None = None) -
     out = []
     for tensor in cached_tensors(model_cfg):
         bits, name = cache_cfg[f"{tensor.prefix}_bits"], cache_cfg[f"{tensor.prefix}_format"]
-        table = ()
+        table, ranges = (), ()
         if layer is not None and bits < 16:
             table = FORMATS.get(name).table(cache_cfg, tensor.prefix, bits, layer, layers)
+            if cache_cfg[f"{tensor.prefix}_axis"] == "calibrated":
+                ranges = calibrated_ranges(cache_cfg["scales"], tensor, layer, layers)
         out.append(
             Storage(
                 bits=bits,
@@ -71,9 +88,45 @@ def storages(model_cfg: Mapping, cache_cfg: Mapping, layer: int | None = None) -
                 scale_dtype=cache_cfg["scale_dtype"],
                 dtype=cache_cfg["dtype"],
                 table=table,
+                ranges=ranges,
             )
         )
     return tuple(out)
+
+
+def calibrated_ranges(path: str, tensor, layer: int, layers: int) -> tuple:
+    """Layer `layer`'s ranges [KH][Wd] of `tensor` (a kvlab.config CachedTensor) from
+    the .npz at cache.scales (kvlab.eval.calibrate.save_scales: float32[cache layers,
+    KH, Wd] per tensor prefix, each the largest magnitude its head and channel
+    took over calibration text); ValueError naming the field where it cannot give
+    them."""
+    prefix = tensor.prefix
+    field = f"cache.{prefix}_axis='calibrated'"
+    if not path:
+        raise ValueError(
+            f"{field} reads its scales from cache.scales, which is empty: set it to an "
+            ".npz of kvlab.eval.calibrate.save_scales"
+        )
+    arrays = read_arrays(path)
+    if isinstance(arrays, str):
+        raise ValueError(
+            f"cache.scales={path!r} cannot be read ({arrays}): set it to the .npz "
+            "kvlab.eval.calibrate.save_scales wrote for this model"
+        )
+    if prefix not in arrays:
+        raise ValueError(
+            f"cache.scales={path!r} holds no ranges for {prefix!r} (it holds "
+            f"{sorted(arrays)}): calibrate them with {field} set"
+        )
+    ranges = arrays[prefix]
+    shape = (layers, tensor.heads, tensor.width)
+    if ranges.shape != shape or not np.isfinite(ranges).all() or (ranges <= 0).any():
+        raise ValueError(
+            f"cache.scales={path!r}: {prefix!r} is {ranges.shape}, not positive finite "
+            f"[{layers} cache layers, {tensor.heads} heads, {tensor.width} channels]: "
+            "calibrate it for this model"
+        )
+    return tuple(tuple(float(x) for x in head) for head in ranges[layer])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -160,15 +213,23 @@ def by_groups(x: Array, spec: Storage) -> tuple[Array, int]:
     return x.reshape(b, kh, n // spec.group_size, spec.group_size, width), 3
 
 
-def quantize_tokens(x: Array, spec: Storage) -> tuple[Array, Array, Array | None]:
-    """Packed payload rows, scales and zeros for whole groups of tokens x [B, KH, N, Wd]."""
+def quantize_tokens(x: Array, spec: Storage) -> tuple[Array, Array | None, Array | None]:
+    """Packed payload rows, scales and zeros for whole groups of tokens x [B, KH, N, Wd]
+    (calibrated: codes of x over the static scale, no scale or zero stored)."""
+    if spec.calibrated:
+        codes = spec.codes.encode(x.astype(jnp.float32) / spec.static_scale(), spec)
+        return pack(codes, spec.bits), None, None
     grouped, axis = by_groups(x, spec)
     codes, scale, zero = quantize(grouped, spec, axis)
     return pack(codes.reshape(x.shape), spec.bits), scale, zero
 
 
-def dequantize_tokens(payload: Array, scale: Array, zero: Array | None, spec: Storage) -> Array:
+def dequantize_tokens(
+    payload: Array, scale: Array | None, zero: Array | None, spec: Storage
+) -> Array:
     """The inverse of `quantize_tokens` (up to the quantization error): float32 [B, KH, N, Wd]."""
     codes = unpack(payload, spec.bits)
+    if spec.calibrated:
+        return levels(codes, spec) * spec.static_scale()
     grouped, axis = by_groups(codes, spec)
     return dequantize(grouped, scale, zero, spec, axis).reshape(codes.shape)

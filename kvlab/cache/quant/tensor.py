@@ -80,13 +80,22 @@ class PayloadReader:
         return read_slice(self.tensor, take, start, size)
 
     def _levels(self):
+        """The codes' levels grouped as `by_groups` groups them, their scales and zeros."""
         t = self.tensor
         grouped, _ = by_groups(levels(unpack(t.payload, t.spec.bits), t.spec), t.spec)
         zero = None if t.zero is None else t.zero.astype(jnp.float32)
         return grouped, t.scale.astype(jnp.float32), zero
 
+    def _calibrated(self) -> Array:
+        """axis 'calibrated': the codes' levels [B, KH, P, Wd], before the static scale."""
+        t = self.tensor
+        return levels(unpack(t.payload, t.spec.bits), t.spec)
+
     def scores(self, q: Array) -> Array:
         q = q.astype(jnp.float32)
+        if self.tensor.spec.calibrated:  # the static scale folds into the query
+            scaled = q * self.tensor.spec.static_scale()
+            return jnp.einsum("BKMd,BKPd->BKMP", scaled, self._calibrated())
         b, kh, m, width = q.shape
         lv, scale, zero = self._levels()
         if self.tensor.spec.axis == "token" and lv.shape[3] == 1:
@@ -113,6 +122,9 @@ class PayloadReader:
 
     def weighted_sum(self, w: Array) -> Array:
         w = w.astype(jnp.float32)
+        if self.tensor.spec.calibrated:  # ... and into the output
+            out = jnp.einsum("BKMP,BKPd->BKMd", w, self._calibrated())
+            return out * self.tensor.spec.static_scale()
         b, kh, m, _ = w.shape
         lv, scale, zero = self._levels()
         if self.tensor.spec.axis == "token" and lv.shape[3] == 1:
@@ -143,8 +155,8 @@ def read_slice(tensor: QuantizedTensor, take, start, size: int):
     token axis of its payload, scale or zero array (a slice; page pools gather).
     A slice fits in cache, so it is dequantized whole (one elementwise pass,
     then plain products; below 8 bits one array per code position in a byte,
-    `_phases`) unless one scale per token lets the scale fold into the products
-    (PayloadReader's own math).
+    `_phases`) unless one scale per token, or a calibrated scale, lets the scale
+    fold into the products (PayloadReader's own math).
     """
     spec = tensor.spec
     if spec.axis == "channel":
@@ -153,11 +165,11 @@ def read_slice(tensor: QuantizedTensor, take, start, size: int):
         scale_start, scale_size = start, size
     sliced = tensor.replace(
         payload=take(tensor.payload, start, size),
-        scale=take(tensor.scale, scale_start, scale_size),
+        scale=None if tensor.scale is None else take(tensor.scale, scale_start, scale_size),
         zero=None if tensor.zero is None else take(tensor.zero, scale_start, scale_size),
         ring=None,
     )
-    if spec.axis == "token" and sliced.scale.shape[-1] == 1:
+    if spec.calibrated or (spec.axis == "token" and sliced.scale.shape[-1] == 1):
         return PayloadReader(sliced)
     if spec.bits < 8:
         return Phases(_phases(sliced))
@@ -238,6 +250,8 @@ def empty_tensor(
     if not spec.quantized:
         return QuantizedTensor(jnp.zeros((batch, heads, p, width), dtype), None, None, ring, spec)
     payload = jnp.zeros((batch, heads, p, width * spec.bits // 8), jnp.uint8)
+    if spec.calibrated:  # the scales are the layer's static ranges, not stored
+        return QuantizedTensor(payload, None, None, ring, spec)
     if spec.axis == "token":
         scale_shape = (batch, heads, p, width // spec.group_size)
     else:

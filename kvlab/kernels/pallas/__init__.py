@@ -38,8 +38,10 @@ ON_CPU = "cuda"
 
 def stored(x) -> Stored | None:
     """A block's keys or values as the kernels read them, or None."""
-    if isinstance(x, (PayloadReader, PagedPayloadReader)) and x.tensor.spec.format not in READS:
-        return None  # codes the kernels do not dequantize: the reference reads them
+    if isinstance(x, (PayloadReader, PagedPayloadReader)) and (
+        x.tensor.spec.format not in READS or x.tensor.spec.calibrated
+    ):  # codes (or static scales) the kernels do not dequantize: the reference reads them
+        return None
     if isinstance(x, PayloadReader):
         return Stored.of(x.tensor)
     if isinstance(x, PagedPayloadReader):
