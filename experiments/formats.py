@@ -20,7 +20,9 @@ numbers). --scales adds scales calibrated offline instead of one per group
 (cache.<prefix>_axis='calibrated', kvlab.eval.calibrate.scales on the same 8 x
 512 tokens: the largest magnitude per channel of each KV head as KVQuant's
 keys, per head as vLLM's fp8 scales, or per tensor), which store no scale at
-all; --bits 8 adds float8 e4m3 ('fp8'). Formats a width or a scale cannot
+all; --outliers keeps that many numbers per token and head beside the codes
+(cache.<prefix>_outliers: KVQuant's dense-and-sparse split); --bits 8 adds
+float8 e4m3 ('fp8'). Formats a width or a scale cannot
 take (fp8 below 8 bits, zero points over static scales) are left out, and so
 are nf and codebooks at 8 bits. Writes
 results.json, table.md and formats.png (atomically) under --workdir.
@@ -49,6 +51,7 @@ _LENGTH = flags.DEFINE_integer("length", 512, "Tokens per window.")
 _BITS = flags.DEFINE_list("bits", ["4", "2"], "Widths of keys and values.")
 _GROUP = flags.DEFINE_integer("group_size", 32, "Numbers sharing a scale (a divisor of head_dim).")
 _ROTATIONS = flags.DEFINE_list("rotations", ["none", "hadamard"], "cache.<prefix>_transform.")
+_OUTLIERS = flags.DEFINE_list("outliers", ["0"], "Numbers per token and head kept apart.")
 _SCALES = flags.DEFINE_list(
     "scales", ["group"], "'group' (one per --group_size numbers of a token) or calibrated "
     "ranges per 'channel', 'head' or 'tensor' (kvlab.eval.calibrate.PER)."
@@ -90,7 +93,11 @@ def plot(rows: list[dict], path: str) -> None:
     figure, axes = plt.subplots(1, len(widths), figsize=(5 * len(widths), 3.6), squeeze=False)
     for ax, bits in zip(axes[0], widths, strict=True):
         mine = [r for r in rows if r["bits"] == bits]
-        labels = [f"{r['format']}\n{r['rotation']}, {r['scales']}" for r in mine]
+        labels = [
+            f"{r['format']}\n{r['rotation']}, {r['scales']}"
+            + (f", {r['outliers']} out" if r["outliers"] else "")
+            for r in mine
+        ]
         ax.bar(
             range(len(mine)),
             [r["loss_change"] for r in mine],
@@ -121,19 +128,22 @@ def main(argv):
     rows = []
     os.makedirs(_WORKDIR.value, exist_ok=True)
     combinations = [
-        (int(bits), rotation, scales, name)
+        (int(bits), rotation, scales, int(outliers), name)
         for bits in _BITS.value
         for rotation in _ROTATIONS.value
         for scales in _SCALES.value
+        for outliers in _OUTLIERS.value
         for name, (fmt, symmetric) in FORMATS.items()
         if takes(fmt, symmetric, int(bits), scales)
     ]
-    for bits, rotation, scales, name in combinations:
+    for bits, rotation, scales, outliers, name in combinations:
         fmt, symmetric = FORMATS[name]
         cache = base.copy_and_resolve_references()
         cache.update(k_bits=bits, v_bits=bits, k_format=fmt, v_format=fmt)
         cache.update(symmetric=symmetric, k_transform=rotation, v_transform=rotation)
+        cache.update(k_outliers=outliers, v_outliers=outliers)
         tag = f"{bits}bit_{rotation}" + ("" if scales == "group" else f"_{scales}")
+        tag += f"_{outliers}outliers" if outliers else ""
         if scales != "group":
             cache.update(k_axis="calibrated", v_axis="calibrated")
             path = os.path.join(_WORKDIR.value, f"scales_{rotation}_{scales}.npz")
@@ -153,6 +163,7 @@ def main(argv):
                 bits=bits,
                 rotation=rotation,
                 scales=scales,
+                outliers=outliers,
                 format=name,
                 bytes_per_token=kvlab.cache_bytes(cfg.model, cache, 1, _LENGTH.value)
                 // _LENGTH.value,
@@ -180,12 +191,13 @@ def main(argv):
         f"reference ppl {reference.result['ppl']:.3f} at {report['reference_bytes_per_token']:,} "
         f"bytes per token; {seconds:.0f} s",
         "",
-        "| bits | rotation | scales | format | bytes/token | ppl | loss change (95%) | KL |",
-        "|---|---|---|---|---:|---:|---:|---:|",
+        "| bits | rotation | scales | outliers | format | bytes/token | ppl | loss change (95%) "
+        "| KL |",
+        "|---|---|---|---:|---|---:|---:|---:|---:|",
     ]
     for r in rows:
         lines.append(
-            f"| {r['bits']} | {r['rotation']} | {r['scales']} | {r['format']} | "
+            f"| {r['bits']} | {r['rotation']} | {r['scales']} | {r['outliers']} | {r['format']} | "
             f"{r['bytes_per_token']:,} | "
             f"{r['ppl']:.3f} | {r['loss_change']:+.4f} ± {r['loss_change_95']:.4f} | "
             f"{r['kl_mean']:.4f} |"

@@ -243,13 +243,17 @@ def test_eval_says_when_the_text_holds_fewer_windows_than_asked(tmp_path):
 def test_the_formats_experiment_compares_formats_at_their_bytes(llama_with_tokenizer, tmp_path):
     """experiments/formats.py on a small checkpoint: a row per format, the codebooks it
     calibrated kept beside the results, equal bytes but for the zero point's; with
-    scales calibrated per head (no zero point there), the codes' bytes alone."""
+    scales calibrated per head (no zero point there), the codes' bytes alone; an
+    outlier a token costs the same bytes in every format."""
     out = tmp_path / "formats"
     args = ["--windows=2", "--length=32", "--bits=2", "--rotations=none", "--group_size=8"]
-    args += ["--scales=group,head", f"--workdir={out}"]
+    args += ["--scales=group,head", "--outliers=0,1", f"--workdir={out}"]
     run_script("experiments/formats.py", f"--model=hf:{llama_with_tokenizer}", *args)
     report = json.loads((out / "results.json").read_text())
-    rows = {(r["format"], r["scales"]): r for r in report["rows"]}
+    apart = {(r["format"], r["scales"]): r for r in report["rows"] if r["outliers"] == 1}
+    rows = {(r["format"], r["scales"]): r for r in report["rows"] if r["outliers"] == 0}
+    assert set(apart) == set(rows)
+    assert len({apart[f]["bytes_per_token"] - rows[f]["bytes_per_token"] for f in rows}) == 1
     grouped = {"int (symmetric)", "nf", "codebook"}
     assert set(rows) == {(f, "group") for f in grouped | {"int (zero point)"}} | {
         (f, "head") for f in grouped
@@ -263,7 +267,9 @@ def test_the_formats_experiment_compares_formats_at_their_bytes(llama_with_token
     assert np.load(out / "codebooks_2bit_none_head.npz")["k"].shape[1] == 4
     assert (np.load(out / "scales_none_head.npz")["k"] > 0).all()
     table = (out / "table.md").read_text()
-    assert table.count("\n| 2 | none | group |") == 4 and table.count("\n| 2 | none | head |") == 3
+    assert table.count("\n| 2 | none | group | 0 |") == 4
+    assert table.count("\n| 2 | none | head | 0 |") == 3
+    assert table.count("\n| 2 | none | head | 1 |") == 3
     assert (out / "formats.png").stat().st_size > 0
 
 

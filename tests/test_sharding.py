@@ -391,15 +391,17 @@ def test_on_mesh_a_hybrid_model_is_unchanged():
 
 
 @on_eight
-def test_on_mesh_calibrated_scales_are_unchanged(tmp_path):
+def test_on_mesh_calibrated_scales_and_outliers_are_unchanged(tmp_path):
     """fp8 codes over static ranges per KV head and channel (no scale array; the
-    ranges split with the heads they belong to as constants), in pages."""
+    ranges split with the heads they belong to as constants) and an outlier a
+    token beside the keys' codes, in pages."""
     cfg = model_config((2, 2, 2), num_layers=1)
     ranges = np.random.default_rng(0).uniform(1.0, 4.0, (1, 2, cfg.model.head_dim))
     path = str(tmp_path / "scales.npz")
     kvlab.eval.calibrate.save_scales(path, {"k": ranges, "v": ranges * 2})
     cfg.cache.update(kind="paged", page_size=8, k_bits=8, v_bits=8, k_format="fp8")
     cfg.cache.update(v_format="fp8", k_axis="calibrated", v_axis="calibrated", scales=path)
+    cfg.cache.update(k_outliers=1)
     mesh, rules = mesh_of(cfg)
     params = kvlab.init_params(cfg.model, jax.random.key(0))
     placed = placed_params(cfg, params, mesh, rules)

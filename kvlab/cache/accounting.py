@@ -173,7 +173,7 @@ def _tensor_bytes(spec, heads: int, width: int, rows: int, ring: int) -> int:
     total = heads * ring * width * element
     if not spec.quantized:
         return total + heads * rows * width * element
-    total += heads * rows * width * spec.bits // 8
+    total += heads * rows * spec.row_bytes(width)
     if spec.calibrated:  # static scales, in the program, not the cache
         return total
     groups = rows * width // spec.group_size  # one scale per group, either axis
@@ -220,6 +220,7 @@ def cache_label(model_cfg: Mapping, cache_cfg: Mapping) -> str:
             ", ".join(
                 f"{p} {cache_cfg[f'{p}_format']} "
                 + ("with calibrated scales" if axis == "calibrated" else f"per {axis}")
+                + _outliers_words(cache_cfg[f"{p}_outliers"])
                 for p, axis in axes.items()
             )
         )
@@ -250,6 +251,10 @@ def cache_label(model_cfg: Mapping, cache_cfg: Mapping) -> str:
             + (f" (in {cache_cfg['dtype']})" if plain else "")
         )
     return f"{stored}, {layout}, {kept}"
+
+
+def _outliers_words(count: int) -> str:
+    return f" and {count} outlier{'s' if count > 1 else ''} a token" if count else ""
 
 
 def _window_words(model_cfg: Mapping) -> str:

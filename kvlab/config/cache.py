@@ -25,8 +25,10 @@ from kvlab.config.schema import (
     DTYPES,
     EVICT_WHEN,
     GROUP_AXES,
+    QUANTIZING,
     SLIDING_LAYERS,
     UNSCORED_METHODS,
+    UNSET,
     base_config,
     cached_prefixes,
     cached_tensors,
@@ -59,6 +61,7 @@ def validate_cache_config(cache: Mapping, model: Mapping | None = None) -> None:
         if not isinstance(cache[field], str):
             fail(f"cache.{field}", cache[field], "is not a path", "set an .npz path, or ''")
     for prefix in CACHED_PREFIXES:
+        check_int("cache", cache, f"{prefix}_outliers", minimum=0)
         check_choice("cache", cache, f"{prefix}_transform", TRANSFORMS.names())
         check_choice("cache", cache, f"{prefix}_bits", BIT_WIDTHS)
         check_choice("cache", cache, f"{prefix}_format", FORMATS.names())
@@ -301,7 +304,7 @@ def layer_sections(model: Mapping, cache: Mapping) -> dict[int, tuple[Mapping, M
     window = model["sliding_window"]
     plain = {}
     if cache["sliding_layers"] == "plain":
-        plain = {f"{p}_bits": 16 for p in CACHED_PREFIXES}
+        plain = {f"{p}_{field}": unset for p in CACHED_PREFIXES for field, unset in QUANTIZING}
         plain |= dict(residual=0, codebooks="", scales="")
     alike = dict(sliding_layers="plain")  # each section is a model of layers alike
     # A ring of the window per row: no pages (a paged cache's full layers hold those).
@@ -404,7 +407,7 @@ def _validate_cache_for_model(cache: Mapping, model: Mapping) -> None:
         )
     used = cached_prefixes(model)
     for prefix in CACHED_PREFIXES:
-        for field, unset in (("bits", 16), ("transform", "none")):
+        for field, unset in UNSET:
             if prefix not in used and cache[f"{prefix}_{field}"] != unset:
                 fail(
                     f"cache.{prefix}_{field}",
@@ -417,7 +420,19 @@ def _validate_cache_for_model(cache: Mapping, model: Mapping) -> None:
         prefix, width, width_name = tensor.prefix, tensor.width, tensor.width_field
         transform = TRANSFORMS.get(cache[f"{prefix}_transform"])
         transform.check(width, f"cache.{prefix}_transform")
-        bits = cache[f"{prefix}_bits"]
+        bits, outliers = cache[f"{prefix}_bits"], cache[f"{prefix}_outliers"]
+        if outliers and (bits == 16 or outliers >= min(width, 256)):
+            fail(
+                f"cache.{prefix}_outliers",
+                outliers,
+                f"keeps numbers beside the codes of a quantized tensor, but cache.{prefix}_bits="
+                f"{bits}"
+                if bits == 16
+                else f"leaves no number of {width_name}={width} to codes (or its channel ids "
+                "need more than a byte)",
+                f"set cache.{prefix}_outliers=0, or below {min(width, 256)} with "
+                f"cache.{prefix}_bits below 16",
+            )
         if bits == 16:
             continue
         group = cache["group_size"]

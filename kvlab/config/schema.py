@@ -29,6 +29,10 @@ EVICT_WHEN = ("every_step", "after_prefill")  # cache.evict.when
 BIT_WIDTHS = (16, 8, 4, 2)
 GROUP_AXES = ("token", "channel", "calibrated")
 CACHED_PREFIXES = ("k", "v", "latent", "rope")  # cache.<prefix>_bits, _format, _axis
+# A cached tensor's storage fields that quantize it, and their values when it is not;
+# with the transform, those of a tensor stored as it is.
+QUANTIZING = (("bits", 16), ("outliers", 0))
+UNSET = (*QUANTIZING, ("transform", "none"))
 DATA_SOURCES = ("stdlib", "text", "mqar")
 WANDB_MODES = ("offline", "online", "disabled")
 EVAL_SPLITS = ("validation", "test")
@@ -226,6 +230,10 @@ def base_config(variant: str = "tiny") -> ml_collections.ConfigDict:
             v_transform="none",  # folded into its reads: 'none', 'hadamard', 'orthogonal', ...
             latent_transform="none",  # (kvlab/cache/transforms; kvlab.registry.TRANSFORMS)
             rope_transform="none",
+            k_outliers=0,  # numbers per token and KV head a quantized tensor keeps in
+            v_outliers=0,  # cache.dtype with their channel beside its codes, the largest
+            latent_outliers=0,  # against their range (KVQuant's dense-and-sparse split)
+            rope_outliers=0,
             # model.layer_types mixing 'sliding' and 'full' layers: what a sliding layer's
             # ring of model.sliding_window slots stores. 'plain': cache.dtype, whatever the
             # bits above (they and cache.evict apply to the full layers); 'as_full': the
@@ -362,7 +370,7 @@ class CachedTensor(NamedTuple):
     """One tensor a layer caches per token: `heads` x `width` numbers."""
 
     name: str  # k, v (grouped-query attention); c_kv, k_rope (latent attention)
-    prefix: str  # its storage fields: cache.<prefix>_bits, _format, _axis
+    prefix: str  # its storage fields: cache.<prefix>_bits, _format, _axis, ...
     heads: int
     width: int
     width_field: str  # the model field that sets the width (for error messages)

@@ -25,6 +25,7 @@ kvlab/cache/evict/duo_attention.py) are kvpress's on-the-fly estimate
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import os
 from collections.abc import Callable, Mapping, Sequence
@@ -38,7 +39,7 @@ from kvlab.attention.rope import apply_rope
 from kvlab.cache import topology
 from kvlab.cache.factory import init_cache
 from kvlab.cache.formats import normal_float
-from kvlab.cache.quant.storage import by_groups, calibrated_ranges, storages
+from kvlab.cache.quant.storage import by_groups, calibrated_ranges, split_outliers, storages
 from kvlab.config import base_config, cached_tensors
 from kvlab.data.text import decode_bytes, load_corpus
 from kvlab.files import write_atomic
@@ -146,6 +147,7 @@ def _stored(model_cfg: Mapping, cache_cfg: Mapping, params, tokens: np.ndarray, 
     whole.update(kind="dense", dtype="float32", residual=0, codebooks="", scales="")
     whole.update(prefix_caching=False, sliding_layers="plain")
     whole.update({f"{tensor.prefix}_bits": 16 for tensor in tensors})
+    whole.update({f"{tensor.prefix}_outliers": 0 for tensor in tensors})
     whole.evict = base_config().cache.evict
     tokens = jnp.asarray(tokens, jnp.int32)
     cache = init_cache(model_cfg, whole, tokens.shape[0], tokens.shape[1])
@@ -163,7 +165,8 @@ def codebooks(
     group_size) or by its calibrated range (axis 'calibrated', read from
     cache.scales, beyond it clipped to +-1; each number weighed by its range
     squared, so the error is least in the numbers' own units, as KVQuant's
-    sensitivity-weighted fit weighs them), over the model's read of `tokens`
+    sensitivity-weighted fit weighs them; the numbers a tensor keeps apart as
+    outliers, cache.<prefix>_outliers, left out), over the model's read of `tokens`
     (at most `samples` numbers per layer, drawn evenly).
     kvlab/cache/formats/codebook.py reads them."""
     fitted, cache = _stored(
@@ -179,18 +182,29 @@ def codebooks(
         rows = []
         for number, layer in enumerate(cache.layers):
             stored = np.asarray(layer.tensors[index], np.float32)  # [B, K, T, W]
+            if spec.axis == "channel":  # whole groups of tokens
+                stored = stored[:, :, : stored.shape[2] // spec.group_size * spec.group_size]
+            if spec.axis == "calibrated":
+                ranges = calibrated_ranges(cache_cfg["scales"], tensor, number, len(cache.layers))
+                layer_spec = dataclasses.replace(spec, ranges=ranges)
+            else:
+                layer_spec = spec
+            coded = np.ones(stored.shape, bool)
+            if spec.outliers:  # the numbers kept apart are not coded
+                rest, channels, _ = split_outliers(jnp.asarray(stored), layer_spec)
+                stored = np.asarray(rest)
+                apart = np.asarray(channels)[..., None] == np.arange(stored.shape[-1])
+                coded = ~apart.any(-2)
             weights = None
             if spec.axis == "calibrated":  # error in the numbers' units: x range^2
-                ranges = calibrated_ranges(cache_cfg["scales"], tensor, number, len(cache.layers))
-                ranges = np.asarray(ranges)[:, None, :]
+                ranges = np.asarray(layer_spec.ranges)[:, None, :]
                 scaled = np.clip(stored / ranges, -1, 1).reshape(-1)
-                weights = np.broadcast_to(ranges**2, stored.shape).reshape(-1)
+                weights = np.broadcast_to(ranges**2, stored.shape).reshape(-1)[coded.reshape(-1)]
             else:
-                if spec.axis == "channel":  # whole groups of tokens
-                    stored = stored[:, :, : stored.shape[2] // spec.group_size * spec.group_size]
                 grouped, axis = by_groups(stored, spec)
                 top = np.abs(grouped).max(axis=axis, keepdims=True)
                 scaled = (grouped / np.where(top > 0, top, 1.0)).reshape(-1)
+            scaled = scaled[coded.reshape(-1)]
             pick = np.linspace(0, scaled.size - 1, min(samples, scaled.size)).astype(np.int64)
             weighed = None if weights is None else weights[pick]
             rows.append(lloyd_max(scaled[pick], spec.bits, weights=weighed))

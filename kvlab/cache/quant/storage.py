@@ -9,13 +9,14 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array
 
 from kvlab.cache import topology
 from kvlab.cache.formats import Format
-from kvlab.config import cached_tensors
+from kvlab.config import cached_tensors, dtype_of
 from kvlab.files import read_arrays
 from kvlab.registry import FORMATS
 
@@ -33,10 +34,16 @@ class Storage:
     dtype: str  # the cache dtype (16-bit payload and the ring)
     table: tuple = ()  # a format fitted per layer: this layer's levels (Format.table)
     ranges: tuple = ()  # axis 'calibrated': this layer's ranges [KH][Wd] (cache.scales)
+    outliers: int = 0  # numbers per token and head kept in `dtype` beside the codes
 
     @property
     def quantized(self) -> bool:
         return self.bits < 16
+
+    def row_bytes(self, width: int) -> int:
+        """Payload bytes per token and head: the packed codes of `width` numbers, then
+        per outlier its channel (one byte) and its number (`dtype`'s bytes)."""
+        return width * self.bits // 8 + self.outliers * (1 + dtype_of(self.dtype).itemsize)
 
     @property
     def calibrated(self) -> bool:
@@ -89,6 +96,7 @@ def storages(model_cfg: Mapping, cache_cfg: Mapping, layer: int | None = None) -
                 dtype=cache_cfg["dtype"],
                 table=table,
                 ranges=ranges,
+                outliers=cache_cfg[f"{tensor.prefix}_outliers"] if bits < 16 else 0,
             )
         )
     return tuple(out)
@@ -215,21 +223,55 @@ def by_groups(x: Array, spec: Storage) -> tuple[Array, int]:
 
 def quantize_tokens(x: Array, spec: Storage) -> tuple[Array, Array | None, Array | None]:
     """Packed payload rows, scales and zeros for whole groups of tokens x [B, KH, N, Wd]
-    (calibrated: codes of x over the static scale, no scale or zero stored)."""
+    (calibrated: codes of x over the static scale, no scale or zero stored; with
+    outliers, each row's outliers after its codes, `split_outliers`)."""
+    x = x.astype(jnp.float32)
+    extra = ()
+    if spec.outliers:
+        x, channels, numbers = split_outliers(x, spec)
+        extra = (
+            channels,
+            jax.lax.bitcast_convert_type(numbers, jnp.uint8).reshape(*x.shape[:3], -1),
+        )
     if spec.calibrated:
-        codes = spec.codes.encode(x.astype(jnp.float32) / spec.static_scale(), spec)
-        return pack(codes, spec.bits), None, None
-    grouped, axis = by_groups(x, spec)
-    codes, scale, zero = quantize(grouped, spec, axis)
-    return pack(codes.reshape(x.shape), spec.bits), scale, zero
+        codes, scale, zero = spec.codes.encode(x / spec.static_scale(), spec), None, None
+    else:
+        grouped, axis = by_groups(x, spec)
+        codes, scale, zero = quantize(grouped, spec, axis)
+    return jnp.concatenate([pack(codes.reshape(x.shape), spec.bits), *extra], -1), scale, zero
 
 
 def dequantize_tokens(
     payload: Array, scale: Array | None, zero: Array | None, spec: Storage
 ) -> Array:
     """The inverse of `quantize_tokens` (up to the quantization error): float32 [B, KH, N, Wd]."""
-    codes = unpack(payload, spec.bits)
+    width = (payload.shape[-1] - spec.row_bytes(0)) * 8 // spec.bits
+    codes = unpack(payload[..., : width * spec.bits // 8], spec.bits)
     if spec.calibrated:
-        return levels(codes, spec) * spec.static_scale()
-    grouped, axis = by_groups(codes, spec)
-    return dequantize(grouped, scale, zero, spec, axis).reshape(codes.shape)
+        dense = levels(codes, spec) * spec.static_scale()
+    else:
+        grouped, axis = by_groups(codes, spec)
+        dense = dequantize(grouped, scale, zero, spec, axis).reshape(codes.shape)
+    if not spec.outliers:
+        return dense
+    tail = payload[..., width * spec.bits // 8 :]
+    channels, numbers = tail[..., : spec.outliers], tail[..., spec.outliers :]
+    dtype = dtype_of(spec.dtype)
+    numbers = numbers.reshape(*numbers.shape[:-1], spec.outliers, dtype.itemsize)
+    numbers = jax.lax.bitcast_convert_type(numbers, dtype).astype(jnp.float32)
+    if dtype.itemsize == 1:
+        numbers = numbers[..., 0]
+    at = channels[..., None] == jnp.arange(width, dtype=jnp.uint8)  # [..., k, Wd]
+    return jnp.where(at.any(-2), jnp.sum(jnp.where(at, numbers[..., None], 0.0), -2), dense)
+
+
+def split_outliers(x: Array, spec: Storage) -> tuple[Array, Array, Array]:
+    """Each token's and head's `spec.outliers` numbers largest against their range
+    (calibrated: the layer's range of their channel; else their magnitude), and x
+    with them set to 0 for the codes: (x, their channels uint8 [B, KH, N, k],
+    the numbers in spec.dtype [B, KH, N, k]), KVQuant's dense-and-sparse split."""
+    basis = jnp.abs(x) / spec.static_scale() if spec.calibrated else jnp.abs(x)
+    _, channels = jax.lax.top_k(basis, spec.outliers)
+    numbers = jnp.take_along_axis(x, channels, axis=-1).astype(dtype_of(spec.dtype))
+    taken = (channels[..., None] == jnp.arange(x.shape[-1])).any(-2)
+    return jnp.where(taken, 0.0, x), channels.astype(jnp.uint8), numbers

@@ -37,7 +37,9 @@ class QuantizedTensor:
     def width(self) -> int:
         """W: numbers per token and head (the payload's last axis, unpacked)."""
         packed = self.payload.shape[-1]
-        return packed if not self.spec.quantized else packed * 8 // self.spec.bits
+        if not self.spec.quantized:
+            return packed
+        return (packed - self.spec.row_bytes(0)) * 8 // self.spec.bits
 
     def reader(self):
         """What the attention function reads the settled tokens through."""
@@ -93,6 +95,8 @@ class PayloadReader:
 
     def scores(self, q: Array) -> Array:
         q = q.astype(jnp.float32)
+        if self.tensor.spec.outliers:  # the codes with the outliers in their channels
+            return jnp.einsum("BKMd,BKPd->BKMP", q, self.dequantize())
         if self.tensor.spec.calibrated:  # the static scale folds into the query
             scaled = q * self.tensor.spec.static_scale()
             return jnp.einsum("BKMd,BKPd->BKMP", scaled, self._calibrated())
@@ -122,6 +126,8 @@ class PayloadReader:
 
     def weighted_sum(self, w: Array) -> Array:
         w = w.astype(jnp.float32)
+        if self.tensor.spec.outliers:
+            return jnp.einsum("BKMP,BKPd->BKMd", w, self.dequantize())
         if self.tensor.spec.calibrated:  # ... and into the output
             out = jnp.einsum("BKMP,BKPd->BKMd", w, self._calibrated())
             return out * self.tensor.spec.static_scale()
@@ -169,6 +175,8 @@ def read_slice(tensor: QuantizedTensor, take, start, size: int):
         zero=None if tensor.zero is None else take(tensor.zero, scale_start, scale_size),
         ring=None,
     )
+    if spec.outliers:
+        return sliced.dequantize()
     if spec.calibrated or (spec.axis == "token" and sliced.scale.shape[-1] == 1):
         return PayloadReader(sliced)
     if spec.bits < 8:
@@ -249,7 +257,7 @@ def empty_tensor(
     ring = jnp.zeros((batch, heads, w, width), dtype) if w else None
     if not spec.quantized:
         return QuantizedTensor(jnp.zeros((batch, heads, p, width), dtype), None, None, ring, spec)
-    payload = jnp.zeros((batch, heads, p, width * spec.bits // 8), jnp.uint8)
+    payload = jnp.zeros((batch, heads, p, spec.row_bytes(width)), jnp.uint8)
     if spec.calibrated:  # the scales are the layer's static ranges, not stored
         return QuantizedTensor(payload, None, None, ring, spec)
     if spec.axis == "token":
