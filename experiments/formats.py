@@ -21,7 +21,9 @@ numbers). --scales adds scales calibrated offline instead of one per group
 512 tokens: the largest magnitude per channel of each KV head as KVQuant's
 keys, per head as vLLM's fp8 scales, or per tensor), which store no scale at
 all; --outliers keeps that many numbers per token and head beside the codes
-(cache.<prefix>_outliers: KVQuant's dense-and-sparse split); --bits 8 adds
+(cache.<prefix>_outliers: KVQuant's dense-and-sparse split);
+--keys_before_rope codes keys before RoPE (cache.k_before_rope, KVQuant's
+pre-RoPE keys; --key_axis channel for its per-channel keys); --bits 8 adds
 float8 e4m3 ('fp8'). Formats a width or a scale cannot
 take (fp8 below 8 bits, zero points over static scales) are left out, and so
 are nf and codebooks at 8 bits. Writes
@@ -52,6 +54,10 @@ _BITS = flags.DEFINE_list("bits", ["4", "2"], "Widths of keys and values.")
 _GROUP = flags.DEFINE_integer("group_size", 32, "Numbers sharing a scale (a divisor of head_dim).")
 _ROTATIONS = flags.DEFINE_list("rotations", ["none", "hadamard"], "cache.<prefix>_transform.")
 _OUTLIERS = flags.DEFINE_list("outliers", ["0"], "Numbers per token and head kept apart.")
+_BEFORE_ROPE = flags.DEFINE_bool("keys_before_rope", False, "cache.k_before_rope.")
+_KEY_AXIS = flags.DEFINE_enum(
+    "key_axis", "token", ["token", "channel"], "Keys' scale groups where --scales is 'group'."
+)
 _SCALES = flags.DEFINE_list(
     "scales", ["group"], "'group' (one per --group_size numbers of a token) or calibrated "
     "ranges per 'channel', 'head' or 'tensor' (kvlab.eval.calibrate.PER)."
@@ -122,7 +128,8 @@ def main(argv):
     batches = held_out(tokenizer.encode, _WINDOWS.value, _LENGTH.value)
     calibration = calibrate.calibration_tokens(tokenizer.encode, 8, 512)
     base = cfg.cache.copy_and_resolve_references()
-    base.update(dtype="bfloat16", group_size=_GROUP.value, scale_dtype="bfloat16", k_axis="token")
+    base.update(dtype="bfloat16", group_size=_GROUP.value, scale_dtype="bfloat16")
+    base.update(k_axis=_KEY_AXIS.value)
     on = dict(chunk=64, windows=True)
     reference = evaluate_reference(cfg.model, base, params, batches, **on)
     rows = []
@@ -141,7 +148,7 @@ def main(argv):
         cache = base.copy_and_resolve_references()
         cache.update(k_bits=bits, v_bits=bits, k_format=fmt, v_format=fmt)
         cache.update(symmetric=symmetric, k_transform=rotation, v_transform=rotation)
-        cache.update(k_outliers=outliers, v_outliers=outliers)
+        cache.update(k_outliers=outliers, v_outliers=outliers, k_before_rope=_BEFORE_ROPE.value)
         tag = f"{bits}bit_{rotation}" + ("" if scales == "group" else f"_{scales}")
         tag += f"_{outliers}outliers" if outliers else ""
         if scales != "group":
@@ -183,13 +190,16 @@ def main(argv):
         reference_bytes_per_token=kvlab.cache_bytes(cfg.model, base, 1, _LENGTH.value)
         // _LENGTH.value,
         seconds=round(seconds, 1),
+        key_groups=_KEY_AXIS.value,
+        keys_before_rope=_BEFORE_ROPE.value,
         rows=rows,
     )
     write_atomic(os.path.join(_WORKDIR.value, "results.json"), json.dumps(report, indent=2))
     lines = [
         f"{_MODEL.value}, {_WINDOWS.value} windows of {_LENGTH.value} tokens, bfloat16 "
         f"reference ppl {reference.result['ppl']:.3f} at {report['reference_bytes_per_token']:,} "
-        f"bytes per token; {seconds:.0f} s",
+        f"bytes per token; {seconds:.0f} s; scale groups of keys per {_KEY_AXIS.value}"
+        + ("; keys coded before RoPE" if _BEFORE_ROPE.value else ""),
         "",
         "| bits | rotation | scales | outliers | format | bytes/token | ppl | loss change (95%) "
         "| KL |",

@@ -244,12 +244,13 @@ def test_the_formats_experiment_compares_formats_at_their_bytes(llama_with_token
     """experiments/formats.py on a small checkpoint: a row per format, the codebooks it
     calibrated kept beside the results, equal bytes but for the zero point's; with
     scales calibrated per head (no zero point there), the codes' bytes alone; an
-    outlier a token costs the same bytes in every format."""
+    outlier a token costs the same bytes in every format; keys coded before RoPE."""
     out = tmp_path / "formats"
     args = ["--windows=2", "--length=32", "--bits=2", "--rotations=none", "--group_size=8"]
-    args += ["--scales=group,head", "--outliers=0,1", f"--workdir={out}"]
+    args += ["--scales=group,head", "--outliers=0,1", "--keys_before_rope", f"--workdir={out}"]
     run_script("experiments/formats.py", f"--model=hf:{llama_with_tokenizer}", *args)
     report = json.loads((out / "results.json").read_text())
+    assert report["keys_before_rope"] and report["key_groups"] == "token"
     apart = {(r["format"], r["scales"]): r for r in report["rows"] if r["outliers"] == 1}
     rows = {(r["format"], r["scales"]): r for r in report["rows"] if r["outliers"] == 0}
     assert set(apart) == set(rows)

@@ -3,7 +3,7 @@
 from kvlab.attention.core import attend
 from kvlab.attention.gqa import GroupedQueryAttention
 from kvlab.attention.mla import MultiHeadLatentAttention, absorbed_attention, expanded_attention
-from kvlab.attention.rope import apply_rope
+from kvlab.rope import apply_rope
 
 __all__ = [
     "GroupedQueryAttention",

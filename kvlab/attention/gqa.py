@@ -10,7 +10,7 @@ G = N / K. The cache stores K heads, never N.
 Options that Hugging Face families use: `model.qkv_bias` gives the query, key
 and value projections biases (Qwen2, Qwen2.5); `model.qk_norm` normalises
 each head's query and key (RMSNorm over H, modules `query_norm`, `key_norm`)
-before RoPE (Qwen3); `model.rope_scaling` stretches RoPE (kvlab/attention/rope.py).
+before RoPE (Qwen3); `model.rope_scaling` stretches RoPE (kvlab/rope.py).
 
 With a cache layer (dense or quantized, kvlab/cache), the queries attend over
 what the layer holds and over the new keys and values as the layer will hold
@@ -31,11 +31,11 @@ import jax.numpy as jnp
 from ml_collections import FrozenConfigDict
 
 from kvlab.attention.core import Queries, attend, through_layer
-from kvlab.attention.rope import apply_rope
 from kvlab.cache.placement import Placement
 from kvlab.cache.transforms import IDENTITY
 from kvlab.config import dtype_of
 from kvlab.layers import RMSNorm, projection
+from kvlab.rope import apply_rope
 
 # The projections' logical axes (kvlab/sharding.py maps them to mesh axes)
 QUERY_AXES = ("embed", "heads", "head_dim")  # [D, N, H]

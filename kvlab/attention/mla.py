@@ -16,7 +16,7 @@ and their latent is linear in x (mla.latent_norm=False): R + Kr x Hr numbers.
 Queries are full rank (x W_Q) or, with mla.q_rank > 0, low rank with their own
 norm (RMSNorm(x W_DQ) W_UQ); each head's query is [nope | rope]. The two latent
 norms use mla.norm_eps (DeepSeek-V2 fixes them at 1e-6). Under a scaled RoPE
-(model.rope_scaling, kvlab/attention/rope.py) the softmax scale is multiplied by
+(model.rope_scaling, kvlab/rope.py) the softmax scale is multiplied by
 `softmax_mscale` twice (yarn's mscale), as DeepSeek-V2 does.
 
     MultiHeadLatentAttention(config)(x [B, T, D], placement, layer | None)
@@ -51,12 +51,12 @@ from ml_collections import FrozenConfigDict
 
 from kvlab.attention.core import attend, through_layer
 from kvlab.attention.gqa import KEY_AXES, OUT_AXES, QUERY_AXES
-from kvlab.attention.rope import rope_frequencies, rotate, softmax_mscale
 from kvlab.cache.placement import Placement
 from kvlab.cache.protocols import Reader
 from kvlab.cache.transforms import IDENTITY
 from kvlab.config import dtype_of
 from kvlab.layers import RMSNorm, logical, projection
+from kvlab.rope import rope_frequencies, rotate, softmax_mscale
 
 
 def _dense(x) -> jax.Array:

@@ -221,6 +221,7 @@ def cache_label(model_cfg: Mapping, cache_cfg: Mapping) -> str:
                 f"{p} {cache_cfg[f'{p}_format']} "
                 + ("with calibrated scales" if axis == "calibrated" else f"per {axis}")
                 + _outliers_words(cache_cfg[f"{p}_outliers"])
+                + (" before RoPE" if p == "k" and cache_cfg["k_before_rope"] else "")
                 for p, axis in axes.items()
             )
         )

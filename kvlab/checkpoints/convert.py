@@ -55,10 +55,10 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
-from kvlab.attention.rope import softmax_mscale
 from kvlab.config import check_count
 from kvlab.data import make_dataset, validate_config
 from kvlab.model import Transformer, unfuse_projections
+from kvlab.rope import softmax_mscale
 
 SELECTIONS = ("norm", "uniform", "high", "low")
 FACTORS = ("weights", "activations")

@@ -57,6 +57,8 @@ def validate_cache_config(cache: Mapping, model: Mapping | None = None) -> None:
         fail("cache.prefix_caching", cache["prefix_caching"], "is not a bool", "set True or False")
     if not isinstance(cache["symmetric"], bool):
         fail("cache.symmetric", cache["symmetric"], "is not a bool", "set True or False")
+    if not isinstance(cache["k_before_rope"], bool):
+        fail("cache.k_before_rope", cache["k_before_rope"], "is not a bool", "set True or False")
     for field in ("codebooks", "scales"):
         if not isinstance(cache[field], str):
             fail(f"cache.{field}", cache[field], "is not a path", "set an .npz path, or ''")
@@ -305,7 +307,7 @@ def layer_sections(model: Mapping, cache: Mapping) -> dict[int, tuple[Mapping, M
     plain = {}
     if cache["sliding_layers"] == "plain":
         plain = {f"{p}_{field}": unset for p in CACHED_PREFIXES for field, unset in QUANTIZING}
-        plain |= dict(residual=0, codebooks="", scales="")
+        plain |= dict(residual=0, codebooks="", scales="", k_before_rope=False)
     alike = dict(sliding_layers="plain")  # each section is a model of layers alike
     # A ring of the window per row: no pages (a paged cache's full layers hold those).
     ring = dict(evict=dict(method="none"), kind="dense", prefix_caching=False, num_pages=0)
@@ -316,6 +318,41 @@ def layer_sections(model: Mapping, cache: Mapping) -> dict[int, tuple[Mapping, M
         ),
         window: (_replaced(model, layer_types=()), _replaced(cache, **alike, **ring, **plain)),
     }
+
+
+def _validate_before_rope(cache: Mapping, model: Mapping) -> None:
+    """cache.k_before_rope: quantized grouped-query keys, read at the positions their
+    rows stand for (a cache that keeps every token, in rows or pages), unrotated."""
+    if not cache["k_before_rope"]:
+        return
+    refusals = [
+        (model["attention"] != "gqa", f"model.attention={model['attention']!r}", "caches no k"),
+        (cache["k_bits"] == 16, "cache.k_bits=16", "stores keys as they are"),
+        (
+            cache["evict"]["method"] != "none",
+            f"cache.evict.method={cache['evict']['method']!r}",
+            "keeps tokens in slots that are not their positions",
+        ),
+        (
+            model["sliding_window"] > 0,
+            f"model.sliding_window={model['sliding_window']}",
+            "keeps its window in a ring whose slots are not positions",
+        ),
+        (
+            cache["k_transform"] != "none",
+            f"cache.k_transform={cache['k_transform']!r}",
+            "rotates keys after RoPE, into the queries",
+        ),
+    ]
+    for refused, field, why in refusals:
+        if refused:
+            fail(
+                "cache.k_before_rope",
+                True,
+                f"cannot combine with {field}, which {why}",
+                "set cache.k_before_rope=False, or quantize keys (k_bits below 16) of a "
+                "grouped-query model in a cache without eviction, window or key transform",
+            )
 
 
 def _replaced(section: Mapping, **fields) -> ml_collections.FrozenConfigDict:
@@ -396,6 +433,7 @@ def _validate_cache_for_model(cache: Mapping, model: Mapping) -> None:
                 f"scores {' or '.join(map(repr, kinds))} attention)",
                 "choose another cache.evict.method",
             )
+    _validate_before_rope(cache, model)
     window = model["sliding_window"]
     if window and cache["evict"]["method"] != "none":
         fail(

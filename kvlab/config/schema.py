@@ -129,7 +129,7 @@ def base_config(variant: str = "tiny") -> ml_collections.ConfigDict:
         )
     )
     # RoPE for contexts longer than the model was trained on, as Hugging Face
-    # transformers computes it (kvlab/attention/rope.py). 'none' is plain RoPE;
+    # transformers computes it (kvlab/rope.py). 'none' is plain RoPE;
     # 'linear' divides every frequency by factor; 'llama3' (Llama 3.1) and 'yarn'
     # (DeepSeek-V2, Qwen2.5) interpolate low frequencies, keep high ones and
     # blend between, relative to original_max_len.
@@ -234,6 +234,10 @@ def base_config(variant: str = "tiny") -> ml_collections.ConfigDict:
             v_outliers=0,  # cache.dtype with their channel beside its codes, the largest
             latent_outliers=0,  # against their range (KVQuant's dense-and-sparse split)
             rope_outliers=0,
+            # grouped-query keys coded before RoPE and turned at their positions when read
+            # (KVQuant's pre-RoPE keys: a channel's scale then follows one channel); the
+            # keys must be quantized, in a cache that keeps every token
+            k_before_rope=False,
             # model.layer_types mixing 'sliding' and 'full' layers: what a sliding layer's
             # ring of model.sliding_window slots stores. 'plain': cache.dtype, whatever the
             # bits above (they and cache.evict apply to the full layers); 'as_full': the

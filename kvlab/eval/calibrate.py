@@ -35,15 +35,21 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
-from kvlab.attention.rope import apply_rope
 from kvlab.cache import topology
 from kvlab.cache.factory import init_cache
 from kvlab.cache.formats import normal_float
-from kvlab.cache.quant.storage import by_groups, calibrated_ranges, split_outliers, storages
+from kvlab.cache.quant.storage import (
+    by_groups,
+    calibrated_ranges,
+    split_outliers,
+    storages,
+    turn,
+)
 from kvlab.config import base_config, cached_tensors
 from kvlab.data.text import decode_bytes, load_corpus
 from kvlab.files import write_atomic
 from kvlab.model import Transformer
+from kvlab.rope import apply_rope
 
 
 def calibration_tokens(
@@ -145,6 +151,7 @@ def _stored(model_cfg: Mapping, cache_cfg: Mapping, params, tokens: np.ndarray, 
     ]
     whole = ml_collections.ConfigDict(dict(cache_cfg)).copy_and_resolve_references()
     whole.update(kind="dense", dtype="float32", residual=0, codebooks="", scales="")
+    whole.update(k_before_rope=False)
     whole.update(prefix_caching=False, sliding_layers="plain")
     whole.update({f"{tensor.prefix}_bits": 16 for tensor in tensors})
     whole.update({f"{tensor.prefix}_outliers": 0 for tensor in tensors})
@@ -153,6 +160,17 @@ def _stored(model_cfg: Mapping, cache_cfg: Mapping, params, tokens: np.ndarray, 
     cache = init_cache(model_cfg, whole, tokens.shape[0], tokens.shape[1])
     _, cache = Transformer(model_cfg).apply({"params": params}, tokens, cache=cache)
     return chosen, cache
+
+
+def _numbers(layer, index: int, spec) -> np.ndarray:
+    """float32 [B, K, T, W]: a cache layer's tensor `index` of `_stored` as `spec`
+    codes it (keys before RoPE turned back from their positions, the rows)."""
+    stored = jnp.asarray(layer.tensors[index], jnp.float32)
+    if spec.rope:
+        b, _, t, _ = stored.shape
+        positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+        stored = turn(stored, spec, positions, back=True)
+    return np.asarray(stored)
 
 
 def codebooks(
@@ -181,7 +199,7 @@ def codebooks(
     for prefix, tensor, index, spec in fitted:
         rows = []
         for number, layer in enumerate(cache.layers):
-            stored = np.asarray(layer.tensors[index], np.float32)  # [B, K, T, W]
+            stored = _numbers(layer, index, spec)  # [B, K, T, W]
             if spec.axis == "channel":  # whole groups of tokens
                 stored = stored[:, :, : stored.shape[2] // spec.group_size * spec.group_size]
             if spec.axis == "calibrated":
@@ -246,10 +264,10 @@ def scales(
         )
     reduce = {"channel": (0, 2), "head": (0, 2, 3), "tensor": (0, 1, 2, 3)}[per]
     out = {}
-    for prefix, _, index, _ in chosen:
+    for prefix, _, index, spec in chosen:
         rows = []
         for layer in cache.layers:
-            magnitude = np.abs(np.asarray(layer.tensors[index], np.float32))  # [B, K, T, W]
+            magnitude = np.abs(_numbers(layer, index, spec))  # [B, K, T, W]
             ranges = np.quantile(magnitude, quantile, axis=reduce, keepdims=True)
             ranges = np.broadcast_to(ranges, (1, *magnitude.shape[1:2], 1, magnitude.shape[3]))
             ranges = ranges[0, :, 0, :]  # [K, W]

@@ -11,10 +11,10 @@ from hypothesis import strategies as st
 import kvlab
 from kvlab.attention.core import attend
 from kvlab.attention.gqa import GroupedQueryAttention
-from kvlab.attention.rope import apply_rope
 from kvlab.cache.placement import Placement, place_without_cache
 from kvlab.config import frozen
 from kvlab.layers import projection
+from kvlab.rope import apply_rope
 from tests.helpers import TOLERANCE, build, plain_rope, random_tokens, run_in_chunks, tiny_config
 
 BATCH, LENGTH = 2, 12

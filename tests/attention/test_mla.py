@@ -10,10 +10,10 @@ from hypothesis import strategies as st
 
 import kvlab
 from kvlab.attention.mla import MultiHeadLatentAttention, absorbed_attention, expanded_attention
-from kvlab.attention.rope import apply_rope
 from kvlab.cache.placement import Placement, causal_mask, place_without_cache
 from kvlab.config import frozen
 from kvlab.layers import projection
+from kvlab.rope import apply_rope
 from tests.helpers import TOLERANCE, build, mla_config, plain_rope, random_tokens, run_in_chunks
 
 

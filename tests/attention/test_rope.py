@@ -8,7 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import kvlab
-from kvlab.attention.rope import apply_rope, rope_frequencies, softmax_mscale, yarn_mscale
+from kvlab.rope import apply_rope, rope_frequencies, softmax_mscale, yarn_mscale
 from tests.helpers import plain_rope
 
 

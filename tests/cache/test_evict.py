@@ -16,10 +16,10 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 import kvlab
-from kvlab.attention.rope import apply_rope
 from kvlab.config import evict_methods
 from kvlab.eval.calibrate import save_filters, save_patterns
 from kvlab.registry import SCORERS
+from kvlab.rope import apply_rope
 from tests.helpers import VARIANTS, build, random_tokens, run_in_chunks
 
 METHODS = evict_methods()[1:]
@@ -368,7 +368,7 @@ def layer0_keys(cfg, params, tokens):
         {"params": params}, tokens, capture_intermediates=True, mutable=["intermediates"]
     )[1]["intermediates"]["block_0"]["attention"]
     positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
-    key = kvlab.attention.rope.apply_rope(
+    key = kvlab.rope.apply_rope(
         captured["key"]["__call__"][0], positions, cfg.model.rope_theta, cfg.model.rope_scaling
     )
     return np.asarray(key, np.float64)

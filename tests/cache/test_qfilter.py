@@ -36,7 +36,7 @@ def test_each_filter_is_the_signed_principal_direction_of_its_heads_queries():
     groups = model.num_heads // model.num_kv_heads
     for layer in range(model.num_layers):
         q = captured[f"block_{layer}"]["attention"]["query"]["__call__"][0]
-        q = kvlab.attention.rope.apply_rope(q, positions, model.rope_theta, model.rope_scaling)
+        q = kvlab.rope.apply_rope(q, positions, model.rope_theta, model.rope_scaling)
         q = np.asarray(q, np.float64).reshape(96, model.num_heads, model.head_dim)
         heads = []
         for n in range(model.num_heads):

@@ -38,7 +38,7 @@ def test_decoding_evicts_what_each_step_attends_to_least():
         {"params": params}, tokens, capture_intermediates=True, mutable=["intermediates"]
     )[1]["intermediates"]["block_0"]["attention"]
     positions = jnp.arange(14)[None]
-    rope = lambda x: kvlab.attention.rope.apply_rope(  # noqa: E731
+    rope = lambda x: kvlab.rope.apply_rope(  # noqa: E731
         x, positions, model.rope_theta, model.rope_scaling
     )
     q = np.asarray(rope(captured["query"]["__call__"][0]), np.float64)[0]  # [T, N, H]

@@ -26,9 +26,12 @@ full precision, and tokens move to quantized storage in whole groups
 payload rows and W = min(residual + g - 1, S) ring slots.
 
     QuantizedTensor (one cached tensor, KH heads of width Wd)
-      payload  uint8[B, KH, P, Wd * bits / 8]  codes, 8 / bits per byte, low bits first
+      payload  uint8[B, KH, P, Wd * bits / 8]  codes, 8 / bits per byte, low bits first,
+               then the token's outliers (cache.<prefix>_outliers: a channel byte and
+               the number in cache.dtype each; `Storage.row_bytes`)
                (at 16 bits: cache.dtype[B, KH, P, Wd], no scale or zero)
-      scale    [B, KH, P, Wd / group_size] (token axis) or [B, KH, P / g, Wd] (channel)
+      scale    [B, KH, P, Wd / group_size] (token axis) or [B, KH, P / g, Wd] (channel),
+               or None (axis "calibrated": static ranges per head and channel)
       zero     as scale, or None (a format without one: symmetric int, fp8, nf)
       ring     cache.dtype[B, KH, W, Wd], or None when W = 0
 
@@ -37,7 +40,11 @@ the query was made, so a query at position p sees token i quantized exactly
 when i < settled(p + 1), as token-by-token decode would, whatever the chunk
 size. Attention reads payloads without building a dequantized copy where the
 math allows: per-token scales multiply the query-key products and fold into the
-probabilities for V; per-channel scales multiply the query group by group.
+probabilities for V; per-channel scales multiply the query group by group;
+static ones multiply the query and the output. A tensor with outliers, or keys
+coded before RoPE (cache.k_before_rope: turned back from their position before
+they are coded, turned again at the position their row holds when read), is
+read dequantized.
 """
 
 from kvlab.cache.quant.layer import (

@@ -67,8 +67,8 @@ class QuantizedLayer:
                     kept = jnp.take_along_axis(tensor.ring, slot[:, None, :, None], axis=2)
                     taken = jnp.where(from_fresh[:, None, :, None], taken, kept)
                 if tensor.spec.quantized:
-                    payload, scale, zero = quantize_tokens(taken, tensor.spec)
-                    value = dequantize_tokens(payload, scale, zero, tensor.spec)
+                    payload, scale, zero = quantize_tokens(taken, tensor.spec, positions)
+                    value = dequantize_tokens(payload, scale, zero, tensor.spec, positions)
                 else:
                     payload, scale, zero, value = taken, None, None, taken
                 payloads.append(payload)

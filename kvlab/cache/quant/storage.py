@@ -19,6 +19,7 @@ from kvlab.cache.formats import Format
 from kvlab.config import cached_tensors, dtype_of
 from kvlab.files import read_arrays
 from kvlab.registry import FORMATS
+from kvlab.rope import rope_frequencies, rotate
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,10 +36,17 @@ class Storage:
     table: tuple = ()  # a format fitted per layer: this layer's levels (Format.table)
     ranges: tuple = ()  # axis 'calibrated': this layer's ranges [KH][Wd] (cache.scales)
     outliers: int = 0  # numbers per token and head kept in `dtype` beside the codes
+    rope: tuple = ()  # keys coded before RoPE: (inverse frequencies, cos/sin factor)
 
     @property
     def quantized(self) -> bool:
         return self.bits < 16
+
+    @property
+    def read_dequantized(self) -> bool:
+        """Whether attention reads the tensor dequantized (outliers put back, keys
+        turned by RoPE at their positions), not folding its scales into products."""
+        return bool(self.outliers or self.rope)
 
     def row_bytes(self, width: int) -> int:
         """Payload bytes per token and head: the packed codes of `width` numbers, then
@@ -97,9 +105,21 @@ def storages(model_cfg: Mapping, cache_cfg: Mapping, layer: int | None = None) -
                 table=table,
                 ranges=ranges,
                 outliers=cache_cfg[f"{tensor.prefix}_outliers"] if bits < 16 else 0,
+                rope=_rope(model_cfg, tensor.width)
+                if bits < 16 and tensor.prefix == "k" and cache_cfg["k_before_rope"]
+                else (),
             )
         )
     return tuple(out)
+
+
+def _rope(model_cfg: Mapping, width: int) -> tuple:
+    """`Storage.rope` of keys `width` wide: the model's RoPE as static numbers."""
+    with jax.ensure_compile_time_eval():  # numbers, also while a program is traced
+        inverse, factor = rope_frequencies(
+            width, model_cfg["rope_theta"], model_cfg["rope_scaling"]
+        )
+        return tuple(float(x) for x in np.asarray(inverse)), float(factor)
 
 
 def calibrated_ranges(path: str, tensor, layer: int, layers: int) -> tuple:
@@ -221,11 +241,16 @@ def by_groups(x: Array, spec: Storage) -> tuple[Array, int]:
     return x.reshape(b, kh, n // spec.group_size, spec.group_size, width), 3
 
 
-def quantize_tokens(x: Array, spec: Storage) -> tuple[Array, Array | None, Array | None]:
+def quantize_tokens(
+    x: Array, spec: Storage, positions: Array | None = None
+) -> tuple[Array, Array | None, Array | None]:
     """Packed payload rows, scales and zeros for whole groups of tokens x [B, KH, N, Wd]
     (calibrated: codes of x over the static scale, no scale or zero stored; with
-    outliers, each row's outliers after its codes, `split_outliers`)."""
+    outliers, each row's outliers after its codes, `split_outliers`; keys coded
+    before RoPE: x turned back from its `positions` [B, N] first)."""
     x = x.astype(jnp.float32)
+    if spec.rope:
+        x = turn(x, spec, _at(positions, spec), back=True)
     extra = ()
     if spec.outliers:
         x, channels, numbers = split_outliers(x, spec)
@@ -242,9 +267,36 @@ def quantize_tokens(x: Array, spec: Storage) -> tuple[Array, Array | None, Array
 
 
 def dequantize_tokens(
-    payload: Array, scale: Array | None, zero: Array | None, spec: Storage
+    payload: Array,
+    scale: Array | None,
+    zero: Array | None,
+    spec: Storage,
+    positions: Array | None = None,
 ) -> Array:
     """The inverse of `quantize_tokens` (up to the quantization error): float32 [B, KH, N, Wd]."""
+    dense = _dequantized(payload, scale, zero, spec)
+    return turn(dense, spec, _at(positions, spec)) if spec.rope else dense
+
+
+def turn(x: Array, spec: Storage, positions: Array, back: bool = False) -> Array:
+    """x [B, KH, N, Wd] turned by `spec.rope` at `positions` [B, N] (back: undone)."""
+    inverse, factor = spec.rope
+    angles = -positions if back else positions
+    turned = rotate(x.swapaxes(1, 2), angles, np.asarray(inverse, np.float32),
+                    1 / factor if back else factor)  # fmt: skip
+    return turned.swapaxes(1, 2)
+
+
+def _at(positions: Array | None, spec: Storage) -> Array:
+    if positions is None:
+        raise ValueError(
+            "keys stored before RoPE (cache.k_before_rope) are coded and read at their "
+            "positions, and none were given"
+        )
+    return positions
+
+
+def _dequantized(payload: Array, scale: Array | None, zero: Array | None, spec: Storage) -> Array:
     width = (payload.shape[-1] - spec.row_bytes(0)) * 8 // spec.bits
     codes = unpack(payload[..., : width * spec.bits // 8], spec.bits)
     if spec.calibrated:

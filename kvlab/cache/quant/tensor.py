@@ -45,11 +45,13 @@ class QuantizedTensor:
         """What the attention function reads the settled tokens through."""
         return self.payload if not self.spec.quantized else PayloadReader(self)
 
-    def dequantize(self) -> Array:
-        """The settled tokens as float32 [B, KH, P, Wd]."""
+    def dequantize(self, first=0) -> Array:
+        """The settled tokens as float32 [B, KH, P, Wd]; row i holds position first + i."""
         if not self.spec.quantized:
             return self.payload.astype(jnp.float32)
-        return dequantize_tokens(self.payload, self.scale, self.zero, self.spec)
+        b, _, p, _ = self.payload.shape
+        positions = jnp.broadcast_to(first + jnp.arange(p, dtype=jnp.int32), (b, p))
+        return dequantize_tokens(self.payload, self.scale, self.zero, self.spec, positions)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,7 +97,7 @@ class PayloadReader:
 
     def scores(self, q: Array) -> Array:
         q = q.astype(jnp.float32)
-        if self.tensor.spec.outliers:  # the codes with the outliers in their channels
+        if self.tensor.spec.read_dequantized:  # outliers in place, keys after RoPE
             return jnp.einsum("BKMd,BKPd->BKMP", q, self.dequantize())
         if self.tensor.spec.calibrated:  # the static scale folds into the query
             scaled = q * self.tensor.spec.static_scale()
@@ -126,7 +128,7 @@ class PayloadReader:
 
     def weighted_sum(self, w: Array) -> Array:
         w = w.astype(jnp.float32)
-        if self.tensor.spec.outliers:
+        if self.tensor.spec.read_dequantized:
             return jnp.einsum("BKMP,BKPd->BKMd", w, self.dequantize())
         if self.tensor.spec.calibrated:  # ... and into the output
             out = jnp.einsum("BKMP,BKPd->BKMd", w, self._calibrated())
@@ -175,8 +177,8 @@ def read_slice(tensor: QuantizedTensor, take, start, size: int):
         zero=None if tensor.zero is None else take(tensor.zero, scale_start, scale_size),
         ring=None,
     )
-    if spec.outliers:
-        return sliced.dequantize()
+    if spec.read_dequantized:
+        return sliced.dequantize(first=start)
     if spec.calibrated or (spec.axis == "token" and sliced.scale.shape[-1] == 1):
         return PayloadReader(sliced)
     if spec.bits < 8:

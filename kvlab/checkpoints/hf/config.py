@@ -38,11 +38,11 @@ from typing import Any
 import jax.numpy as jnp
 import ml_collections
 
-from kvlab.attention.rope import yarn_mscale
 from kvlab.config import BYTE_VOCAB_SIZE, DTYPES, base_config, validate_model_config
 from kvlab.data import validate_config
 from kvlab.data.tokenizer import TOKENIZER_FILE
 from kvlab.files import read_json
+from kvlab.rope import yarn_mscale
 
 GROUPED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 LATENT_FAMILIES = ("deepseek_v2", "deepseek_v3")
@@ -239,7 +239,7 @@ def _yarn_fields(hf: HFConfig, key: str, parameters: Mapping, context: int) -> d
 
 
 def _yarn_attention_factor(scaling: Mapping) -> float:
-    """yarn's cos/sin factor, as kvlab.attention.rope computes it."""
+    """yarn's cos/sin factor, as kvlab.rope computes it."""
     factor, mscale, mscale_all_dim = scaling["factor"], scaling["mscale"], scaling["mscale_all_dim"]
     if mscale and mscale_all_dim:
         return yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim)

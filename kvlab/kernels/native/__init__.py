@@ -206,8 +206,10 @@ def _read(x, limit, rows: int, long: bool):
     """What the kernels read `x` (a block's keys or values) through, `x` itself
     where XLA's product stays, or None where the block cannot be theirs."""
     if isinstance(x, (PayloadReader, PagedPayloadReader)) and (
-        x.tensor.spec.format not in READS or x.tensor.spec.calibrated or x.tensor.spec.outliers
-    ):  # codes (static scales, outliers) the kernels do not dequantize: the reference reads them
+        x.tensor.spec.format not in READS
+        or x.tensor.spec.calibrated
+        or x.tensor.spec.read_dequantized
+    ):  # other formats, static scales, outliers, keys before RoPE: the reference reads them
         return None
     if isinstance(x, PayloadReader):
         payload = codes(x.tensor)

@@ -39,8 +39,10 @@ ON_CPU = "cuda"
 def stored(x) -> Stored | None:
     """A block's keys or values as the kernels read them, or None."""
     if isinstance(x, (PayloadReader, PagedPayloadReader)) and (
-        x.tensor.spec.format not in READS or x.tensor.spec.calibrated or x.tensor.spec.outliers
-    ):  # codes (static scales, outliers) the kernels do not dequantize: the reference reads them
+        x.tensor.spec.format not in READS
+        or x.tensor.spec.calibrated
+        or x.tensor.spec.read_dequantized
+    ):  # other formats, static scales, outliers, keys before RoPE: the reference reads them
         return None
     if isinstance(x, PayloadReader):
         return Stored.of(x.tensor)
