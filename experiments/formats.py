@@ -22,6 +22,8 @@ numbers). --scales adds scales calibrated offline instead of one per group
 keys, per head as vLLM's fp8 scales, or per tensor), which store no scale at
 all; --outliers keeps that many numbers per token and head beside the codes
 (cache.<prefix>_outliers: KVQuant's dense-and-sparse split);
+--key_sketch adds a sign sketch of that many bits of what each key's codes leave
+out (cache.k_sketch: TurboQuant's 1-bit residual at head_dim bits);
 --keys_before_rope codes keys before RoPE (cache.k_before_rope, KVQuant's
 pre-RoPE keys; --key_axis channel for its per-channel keys); --bits 8 adds
 float8 e4m3 ('fp8'). Formats a width or a scale cannot
@@ -55,6 +57,7 @@ _GROUP = flags.DEFINE_integer("group_size", 32, "Numbers sharing a scale (a divi
 _ROTATIONS = flags.DEFINE_list("rotations", ["none", "hadamard"], "cache.<prefix>_transform.")
 _OUTLIERS = flags.DEFINE_list("outliers", ["0"], "Numbers per token and head kept apart.")
 _BEFORE_ROPE = flags.DEFINE_bool("keys_before_rope", False, "cache.k_before_rope.")
+_SKETCH = flags.DEFINE_list("key_sketch", ["0"], "cache.k_sketch: bits per key, 0 = none.")
 _KEY_AXIS = flags.DEFINE_enum(
     "key_axis", "token", ["token", "channel"], "Keys' scale groups where --scales is 'group'."
 )
@@ -102,6 +105,7 @@ def plot(rows: list[dict], path: str) -> None:
         labels = [
             f"{r['format']}\n{r['rotation']}, {r['scales']}"
             + (f", {r['outliers']} out" if r["outliers"] else "")
+            + (f", {r['key_sketch']}b sketch" if r["key_sketch"] else "")
             for r in mine
         ]
         ax.bar(
@@ -135,22 +139,25 @@ def main(argv):
     rows = []
     os.makedirs(_WORKDIR.value, exist_ok=True)
     combinations = [
-        (int(bits), rotation, scales, int(outliers), name)
+        (int(bits), rotation, scales, int(outliers), int(sketch), name)
         for bits in _BITS.value
         for rotation in _ROTATIONS.value
         for scales in _SCALES.value
         for outliers in _OUTLIERS.value
+        for sketch in _SKETCH.value
         for name, (fmt, symmetric) in FORMATS.items()
         if takes(fmt, symmetric, int(bits), scales)
     ]
-    for bits, rotation, scales, outliers, name in combinations:
+    for bits, rotation, scales, outliers, sketch, name in combinations:
         fmt, symmetric = FORMATS[name]
         cache = base.copy_and_resolve_references()
         cache.update(k_bits=bits, v_bits=bits, k_format=fmt, v_format=fmt)
         cache.update(symmetric=symmetric, k_transform=rotation, v_transform=rotation)
         cache.update(k_outliers=outliers, v_outliers=outliers, k_before_rope=_BEFORE_ROPE.value)
+        cache.update(k_sketch=sketch)
         tag = f"{bits}bit_{rotation}" + ("" if scales == "group" else f"_{scales}")
         tag += f"_{outliers}outliers" if outliers else ""
+        tag += f"_{sketch}sketch" if sketch else ""
         if scales != "group":
             cache.update(k_axis="calibrated", v_axis="calibrated")
             path = os.path.join(_WORKDIR.value, f"scales_{rotation}_{scales}.npz")
@@ -171,6 +178,7 @@ def main(argv):
                 rotation=rotation,
                 scales=scales,
                 outliers=outliers,
+                key_sketch=sketch,
                 format=name,
                 bytes_per_token=kvlab.cache_bytes(cfg.model, cache, 1, _LENGTH.value)
                 // _LENGTH.value,
@@ -201,13 +209,14 @@ def main(argv):
         f"bytes per token; {seconds:.0f} s; scale groups of keys per {_KEY_AXIS.value}"
         + ("; keys coded before RoPE" if _BEFORE_ROPE.value else ""),
         "",
-        "| bits | rotation | scales | outliers | format | bytes/token | ppl | loss change (95%) "
-        "| KL |",
-        "|---|---|---|---:|---|---:|---:|---:|---:|",
+        "| bits | rotation | scales | outliers | key sketch | format | bytes/token | ppl "
+        "| loss change (95%) | KL |",
+        "|---|---|---|---:|---:|---|---:|---:|---:|---:|",
     ]
     for r in rows:
         lines.append(
-            f"| {r['bits']} | {r['rotation']} | {r['scales']} | {r['outliers']} | {r['format']} | "
+            f"| {r['bits']} | {r['rotation']} | {r['scales']} | {r['outliers']} | "
+            f"{r['key_sketch']} | {r['format']} | "
             f"{r['bytes_per_token']:,} | "
             f"{r['ppl']:.3f} | {r['loss_change']:+.4f} ± {r['loss_change_95']:.4f} | "
             f"{r['kl_mean']:.4f} |"

@@ -57,6 +57,10 @@ def validate_cache_config(cache: Mapping, model: Mapping | None = None) -> None:
         fail("cache.prefix_caching", cache["prefix_caching"], "is not a bool", "set True or False")
     if not isinstance(cache["symmetric"], bool):
         fail("cache.symmetric", cache["symmetric"], "is not a bool", "set True or False")
+    check_int("cache", cache, "k_sketch", minimum=0)
+    if cache["k_sketch"] % 8:
+        fail("cache.k_sketch", cache["k_sketch"], "is not a whole number of bytes",
+             "set a multiple of 8 (e.g. model.head_dim), or 0")  # fmt: skip
     if not isinstance(cache["k_before_rope"], bool):
         fail("cache.k_before_rope", cache["k_before_rope"], "is not a bool", "set True or False")
     for field in ("codebooks", "scales"):
@@ -307,7 +311,7 @@ def layer_sections(model: Mapping, cache: Mapping) -> dict[int, tuple[Mapping, M
     plain = {}
     if cache["sliding_layers"] == "plain":
         plain = {f"{p}_{field}": unset for p in CACHED_PREFIXES for field, unset in QUANTIZING}
-        plain |= dict(residual=0, codebooks="", scales="", k_before_rope=False)
+        plain |= dict(residual=0, codebooks="", scales="", k_before_rope=False, k_sketch=0)
     alike = dict(sliding_layers="plain")  # each section is a model of layers alike
     # A ring of the window per row: no pages (a paged cache's full layers hold those).
     ring = dict(evict=dict(method="none"), kind="dense", prefix_caching=False, num_pages=0)
@@ -434,6 +438,22 @@ def _validate_cache_for_model(cache: Mapping, model: Mapping) -> None:
                 "choose another cache.evict.method",
             )
     _validate_before_rope(cache, model)
+    if cache["k_sketch"] and (model["attention"] != "gqa" or cache["k_bits"] == 16):
+        fail(
+            "cache.k_sketch",
+            cache["k_sketch"],
+            f"sketches what quantized keys leave out, but model.attention="
+            f"{model['attention']!r} with cache.k_bits={cache['k_bits']} has none",
+            "set cache.k_sketch=0, or quantize a grouped-query model's keys",
+        )
+    if cache["k_sketch"] and cache["k_before_rope"]:
+        fail(
+            "cache.k_sketch",
+            cache["k_sketch"],
+            "cannot combine with cache.k_before_rope=True (the sketch estimates products "
+            "with keys as stored, and those keys are turned by RoPE when read)",
+            "set one of them off",
+        )
     window = model["sliding_window"]
     if window and cache["evict"]["method"] != "none":
         fail(

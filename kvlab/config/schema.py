@@ -238,6 +238,10 @@ def base_config(variant: str = "tiny") -> ml_collections.ConfigDict:
             # (KVQuant's pre-RoPE keys: a channel's scale then follows one channel); the
             # keys must be quantized, in a cache that keeps every token
             k_before_rope=False,
+            # grouped-query keys: bits of a sign sketch of what their codes leave out, per
+            # token and KV head (with its norm), so scores are unbiased (TurboQuant's 1-bit
+            # residual, QJL); a multiple of 8, 0 = none
+            k_sketch=0,
             # model.layer_types mixing 'sliding' and 'full' layers: what a sliding layer's
             # ring of model.sliding_window slots stores. 'plain': cache.dtype, whatever the
             # bits above (they and cache.evict apply to the full layers); 'as_full': the

@@ -151,7 +151,7 @@ def _stored(model_cfg: Mapping, cache_cfg: Mapping, params, tokens: np.ndarray, 
     ]
     whole = ml_collections.ConfigDict(dict(cache_cfg)).copy_and_resolve_references()
     whole.update(kind="dense", dtype="float32", residual=0, codebooks="", scales="")
-    whole.update(k_before_rope=False)
+    whole.update(k_before_rope=False, k_sketch=0)
     whole.update(prefix_caching=False, sliding_layers="plain")
     whole.update({f"{tensor.prefix}_bits": 16 for tensor in tensors})
     whole.update({f"{tensor.prefix}_outliers": 0 for tensor in tensors})

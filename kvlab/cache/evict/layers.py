@@ -76,6 +76,7 @@ from kvlab.cache.evict.scorers import Candidates, Channels
 from kvlab.cache.evict.stored import (
     PrunedKeys,
     as_pending,
+    as_read,
     as_stored,
     put_tokens,
     reader_of,
@@ -84,7 +85,7 @@ from kvlab.cache.evict.stored import (
     tensor_width,
 )
 from kvlab.cache.placement import Placement, stored_end, write_tokens
-from kvlab.cache.quant import QuantizedLayer, dequantize_tokens, write_ring
+from kvlab.cache.quant import PayloadReader, QuantizedLayer, dequantize_tokens, write_ring
 
 KEPT = 3.0e38  # priority of a token that must stay (recent); scores stay far below
 FLOOR = 1.0e38  # adakv: a head's best `floor` tokens
@@ -151,7 +152,7 @@ class EvictingLayer:
             return self._read_settling(fresh, placement)
         pending = tuple(as_pending(x, t) for x, t in zip(fresh, self.tensors, strict=True))
         fresh = tuple(
-            as_stored(x, t, placement.lengths) for x, t in zip(pending, self.tensors, strict=True)
+            as_read(x, t, placement.lengths) for x, t in zip(pending, self.tensors, strict=True)
         )
         stored = tuple(reader_of(t) for t in self.tensors)
         q_positions = placement.positions[:, :, None]  # [B, T, 1]
@@ -200,8 +201,18 @@ class EvictingLayer:
         return held[:, :, None, None, :] & (owner[:, :, None, None, :] == group[:, None])
 
     def _pool_tensors(self, xs: tuple) -> tuple:
-        """Per-head arrays [B, K, X, .] as one pooled head [B, 1, K x X, .]."""
-        return tuple(None if x is None else rearrange(x, "B K X W -> B 1 (K X) W") for x in xs)
+        """Per-head arrays [B, K, X, .] as one pooled head [B, 1, K x X, .] (a payload's
+        reader: its arrays pooled)."""
+
+        def pool(x):
+            if isinstance(x, PayloadReader):
+                t = x.tensor
+                return PayloadReader(
+                    t.replace(payload=pool(t.payload), scale=pool(t.scale), zero=pool(t.zero))
+                )
+            return None if x is None else rearrange(x, "B K X W -> B 1 (K X) W")
+
+        return tuple(pool(x) for x in xs)
 
     def _pooled(self, values: tuple, mask: Array):
         """A per-head block (values [B, K, X, W], mask [B, T, X]) as one pooled head

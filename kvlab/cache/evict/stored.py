@@ -15,7 +15,7 @@ from flax import struct
 from jaxtyping import Array
 
 from kvlab.cache.placement import write_tokens
-from kvlab.cache.quant import QuantizedTensor, dequantize_tokens, quantize_tokens
+from kvlab.cache.quant import PayloadReader, QuantizedTensor, dequantize_tokens, quantize_tokens
 from kvlab.config import dtype_of
 
 
@@ -128,6 +128,16 @@ def as_stored(x: Array, tensor, lengths: Array | None = None) -> Array:
     if not isinstance(tensor, QuantizedTensor) or not tensor.spec.quantized:
         return x
     return dequantize_tokens(*quantize_tokens(x, tensor.spec), tensor.spec)
+
+
+def as_read(x: Array, tensor, lengths: Array):
+    """New tokens as attention reads them stored: `as_stored`, but keys with a
+    residual sketch through their codes and sketch (a PayloadReader), as their
+    payload rows are read once written."""
+    if isinstance(tensor, QuantizedTensor) and tensor.spec.sketch:
+        payload, scale, zero = quantize_tokens(x, tensor.spec)
+        return PayloadReader(QuantizedTensor(payload, scale, zero, None, tensor.spec))
+    return as_stored(x, tensor, lengths)
 
 
 def stored_values(tensor) -> Array:

@@ -12,7 +12,7 @@ from jaxtyping import Array
 
 from kvlab.cache.placement import Placement, write_tokens
 from kvlab.cache.quant.storage import Layout, Storage, dequantize_tokens, quantize_tokens
-from kvlab.cache.quant.tensor import QuantizedTensor, init_tensor
+from kvlab.cache.quant.tensor import PayloadReader, QuantizedTensor, init_tensor
 from kvlab.config import dtype_of
 
 
@@ -131,6 +131,15 @@ class QuantizedLayer:
         fresh_mask = placement.fresh_mask & (fresh_positions >= seen_settled)
         blocks.append((fresh, fresh_mask & rule(fresh_positions)))
         flushed = flush.positions[:, None, :]  # [B, 1, F*g]; -1 where nothing settles
+        settled_values = tuple(  # keys with a sketch are read as the payload reads them
+            PayloadReader(QuantizedTensor(payload, scale, zero, None, t.spec))
+            if t.spec.sketch
+            else value
+            for t, value, payload, scale, zero in zip(
+                self.tensors, settled_values, flush.payloads, flush.scales, flush.zeros,
+                strict=True,
+            )
+        )  # fmt: skip
         blocks.append((settled_values, (flushed >= 0) & (flushed < seen_settled) & rule(flushed)))
         return blocks, flush
 

@@ -7,6 +7,8 @@ describes the layout)."""
 from __future__ import annotations
 
 import dataclasses
+import functools
+import math
 from collections.abc import Mapping
 
 import jax
@@ -37,6 +39,8 @@ class Storage:
     ranges: tuple = ()  # axis 'calibrated': this layer's ranges [KH][Wd] (cache.scales)
     outliers: int = 0  # numbers per token and head kept in `dtype` beside the codes
     rope: tuple = ()  # keys coded before RoPE: (inverse frequencies, cos/sin factor)
+    sketch: int = 0  # keys: bits of the residual's sign sketch per token and head
+    sketch_seed: int = 0  # of the sketch's Gaussian projection (`sketch_matrix`)
 
     @property
     def quantized(self) -> bool:
@@ -46,12 +50,24 @@ class Storage:
     def read_dequantized(self) -> bool:
         """Whether attention reads the tensor dequantized (outliers put back, keys
         turned by RoPE at their positions), not folding its scales into products."""
-        return bool(self.outliers or self.rope)
+        return bool(self.outliers or self.rope or self.sketch)
 
     def row_bytes(self, width: int) -> int:
         """Payload bytes per token and head: the packed codes of `width` numbers, then
-        per outlier its channel (one byte) and its number (`dtype`'s bytes)."""
+        per outlier its channel (one byte) and its number (`dtype`'s bytes), then the
+        residual's sketch (`sketch` sign bits and its norm in `scale_dtype`)."""
+        total = self.coded_bytes(width)
+        if self.sketch:
+            total += self.sketch // 8 + dtype_of(self.scale_dtype).itemsize
+        return total
+
+    def coded_bytes(self, width: int) -> int:
+        """The bytes of a payload row before the sketch: codes and outliers."""
         return width * self.bits // 8 + self.outliers * (1 + dtype_of(self.dtype).itemsize)
+
+    def width_of(self, row: int) -> int:
+        """Numbers per token and head of a payload row of `row` bytes."""
+        return (row - self.row_bytes(0)) * 8 // self.bits
 
     @property
     def calibrated(self) -> bool:
@@ -108,6 +124,7 @@ def storages(model_cfg: Mapping, cache_cfg: Mapping, layer: int | None = None) -
                 rope=_rope(model_cfg, tensor.width)
                 if bits < 16 and tensor.prefix == "k" and cache_cfg["k_before_rope"]
                 else (),
+                sketch=cache_cfg["k_sketch"] if bits < 16 and tensor.prefix == "k" else 0,
             )
         )
     return tuple(out)
@@ -252,6 +269,7 @@ def quantize_tokens(
     if spec.rope:
         x = turn(x, spec, _at(positions, spec), back=True)
     extra = ()
+    whole = x
     if spec.outliers:
         x, channels, numbers = split_outliers(x, spec)
         extra = (
@@ -263,7 +281,15 @@ def quantize_tokens(
     else:
         grouped, axis = by_groups(x, spec)
         codes, scale, zero = quantize(grouped, spec, axis)
-    return jnp.concatenate([pack(codes.reshape(x.shape), spec.bits), *extra], -1), scale, zero
+    payload = jnp.concatenate([pack(codes.reshape(x.shape), spec.bits), *extra], -1)
+    if spec.sketch:  # the residual left by the codes and outliers, sketched
+        residual = whole - _dequantized(payload, scale, zero, spec, x.shape[-1])
+        projected = residual @ sketch_matrix(spec.sketch, x.shape[-1], spec.sketch_seed).T
+        norm = jnp.linalg.norm(residual, axis=-1, keepdims=True).astype(dtype_of(spec.scale_dtype))
+        norm = jax.lax.bitcast_convert_type(norm, jnp.uint8).reshape(*x.shape[:3], -1)
+        signs = pack((projected >= 0).astype(jnp.uint8), 1)
+        payload = jnp.concatenate([payload, signs, norm], -1)
+    return payload, scale, zero
 
 
 def dequantize_tokens(
@@ -274,8 +300,33 @@ def dequantize_tokens(
     positions: Array | None = None,
 ) -> Array:
     """The inverse of `quantize_tokens` (up to the quantization error): float32 [B, KH, N, Wd]."""
-    dense = _dequantized(payload, scale, zero, spec)
+    dense = _dequantized(payload, scale, zero, spec, spec.width_of(payload.shape[-1]))
     return turn(dense, spec, _at(positions, spec)) if spec.rope else dense
+
+
+@functools.lru_cache(maxsize=16)
+def _gaussian(rows: int, width: int, seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).standard_normal((rows, width)).astype(np.float32)
+
+
+def sketch_matrix(rows: int, width: int, seed: int) -> Array:
+    """float32 [rows, width]: the residual sketch's projection, i.i.d. standard normal
+    numbers drawn from `seed` (the program's constants)."""
+    return jnp.asarray(_gaussian(rows, width, seed))
+
+
+def sketch_scores(payload: Array, spec: Storage, q: Array) -> Array:
+    """What the residual sketch adds to the scores of queries q [B, KH, M, Wd] over the
+    payload rows [B, KH, P, .]: QJL's unbiased estimate of <q, residual>,
+    sqrt(pi / 2) / m x |residual| x <S q, sign(S residual)> (TurboQuant's residual)."""
+    width = spec.width_of(payload.shape[-1])
+    start = spec.coded_bytes(width)
+    signs = unpack(payload[..., start : start + spec.sketch // 8], 1).astype(jnp.float32)
+    norm = payload[..., start + spec.sketch // 8 :]
+    norm = jax.lax.bitcast_convert_type(norm, dtype_of(spec.scale_dtype)).astype(jnp.float32)
+    projected = q @ sketch_matrix(spec.sketch, width, spec.sketch_seed).T  # [B, KH, M, m]
+    agreement = jnp.einsum("BKMm,BKPm->BKMP", projected, 2 * signs - 1)
+    return agreement * (math.sqrt(math.pi / 2) / spec.sketch) * norm[:, :, None, :]
 
 
 def turn(x: Array, spec: Storage, positions: Array, back: bool = False) -> Array:
@@ -296,8 +347,10 @@ def _at(positions: Array | None, spec: Storage) -> Array:
     return positions
 
 
-def _dequantized(payload: Array, scale: Array | None, zero: Array | None, spec: Storage) -> Array:
-    width = (payload.shape[-1] - spec.row_bytes(0)) * 8 // spec.bits
+def _dequantized(
+    payload: Array, scale: Array | None, zero: Array | None, spec: Storage, width: int
+) -> Array:
+    """The codes and outliers of payload rows (of `width` numbers) as float32 numbers."""
     codes = unpack(payload[..., : width * spec.bits // 8], spec.bits)
     if spec.calibrated:
         dense = levels(codes, spec) * spec.static_scale()
@@ -306,7 +359,7 @@ def _dequantized(payload: Array, scale: Array | None, zero: Array | None, spec: 
         dense = dequantize(grouped, scale, zero, spec, axis).reshape(codes.shape)
     if not spec.outliers:
         return dense
-    tail = payload[..., width * spec.bits // 8 :]
+    tail = payload[..., width * spec.bits // 8 : spec.coded_bytes(width)]
     channels, numbers = tail[..., : spec.outliers], tail[..., spec.outliers :]
     dtype = dtype_of(spec.dtype)
     numbers = numbers.reshape(*numbers.shape[:-1], spec.outliers, dtype.itemsize)

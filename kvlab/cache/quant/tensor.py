@@ -18,6 +18,7 @@ from kvlab.cache.quant.storage import (
     by_groups,
     dequantize_tokens,
     levels,
+    sketch_scores,
     unpack,
 )
 from kvlab.config import dtype_of
@@ -37,9 +38,7 @@ class QuantizedTensor:
     def width(self) -> int:
         """W: numbers per token and head (the payload's last axis, unpacked)."""
         packed = self.payload.shape[-1]
-        if not self.spec.quantized:
-            return packed
-        return (packed - self.spec.row_bytes(0)) * 8 // self.spec.bits
+        return packed if not self.spec.quantized else self.spec.width_of(packed)
 
     def reader(self):
         """What the attention function reads the settled tokens through."""
@@ -98,7 +97,10 @@ class PayloadReader:
     def scores(self, q: Array) -> Array:
         q = q.astype(jnp.float32)
         if self.tensor.spec.read_dequantized:  # outliers in place, keys after RoPE
-            return jnp.einsum("BKMd,BKPd->BKMP", q, self.dequantize())
+            scores = jnp.einsum("BKMd,BKPd->BKMP", q, self.dequantize())
+            if self.tensor.spec.sketch:
+                scores = scores + sketch_scores(self.tensor.payload, self.tensor.spec, q)
+            return scores
         if self.tensor.spec.calibrated:  # the static scale folds into the query
             scaled = q * self.tensor.spec.static_scale()
             return jnp.einsum("BKMd,BKPd->BKMP", scaled, self._calibrated())
@@ -177,6 +179,8 @@ def read_slice(tensor: QuantizedTensor, take, start, size: int):
         zero=None if tensor.zero is None else take(tensor.zero, scale_start, scale_size),
         ring=None,
     )
+    if spec.sketch:  # scores read the sketch beside the codes
+        return PayloadReader(sliced)
     if spec.read_dequantized:
         return sliced.dequantize(first=start)
     if spec.calibrated or (spec.axis == "token" and sliced.scale.shape[-1] == 1):
