@@ -267,7 +267,7 @@ def quantize_tokens(
     before RoPE: x turned back from its `positions` [B, N] first)."""
     x = x.astype(jnp.float32)
     if spec.rope:
-        x = turn(x, spec, _at(positions, spec), back=True)
+        x = turn(x, spec, _at(positions), back=True)
     extra = ()
     whole = x
     if spec.outliers:
@@ -301,7 +301,7 @@ def dequantize_tokens(
 ) -> Array:
     """The inverse of `quantize_tokens` (up to the quantization error): float32 [B, KH, N, Wd]."""
     dense = _dequantized(payload, scale, zero, spec, spec.width_of(payload.shape[-1]))
-    return turn(dense, spec, _at(positions, spec)) if spec.rope else dense
+    return turn(dense, spec, _at(positions)) if spec.rope else dense
 
 
 @functools.lru_cache(maxsize=16)
@@ -338,7 +338,7 @@ def turn(x: Array, spec: Storage, positions: Array, back: bool = False) -> Array
     return turned.swapaxes(1, 2)
 
 
-def _at(positions: Array | None, spec: Storage) -> Array:
+def _at(positions: Array | None) -> Array:
     if positions is None:
         raise ValueError(
             "keys stored before RoPE (cache.k_before_rope) are coded and read at their "
