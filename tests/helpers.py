@@ -70,6 +70,25 @@ def _build(model_cfg, seed):
     return model, params, jax.jit(model.apply)
 
 
+def last_logits(cfg, cache_cfg, tokens, prompt: int, count: int = 4, capacity: int = 32):
+    """The logits at the last `count` positions of `tokens` [B, T] fed through a cache
+    of cfg.model and `cache_cfg` (capacity tokens a row): a prefill of the first
+    `prompt`, then a token a step. Checks the cache's error flags and that the bytes
+    it counts are the tree's."""
+    _, params, apply = build(cfg)
+    cache = kvlab.init_cache(cfg.model, cache_cfg, tokens.shape[0], capacity)
+    steps = [(0, prompt)] + [(t, t + 1) for t in range(prompt, tokens.shape[1])]
+    out = []
+    for start, end in steps:
+        logits, cache = apply({"params": params}, tokens[:, start:end], cache=cache)
+        out.extend(np.moveaxis(np.asarray(logits), 1, 0))
+    cache.check()
+    assert kvlab.cache_bytes(cfg.model, cache_cfg, tokens.shape[0], capacity) == kvlab.tree_bytes(
+        cache
+    )
+    return np.stack(out[-count:])
+
+
 def run_in_chunks(apply, params, cache, tokens, chunk_sizes):
     """Feeds tokens through the cache chunk by chunk; returns all logits and the cache."""
     logits, start = [], 0

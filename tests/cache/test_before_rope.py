@@ -12,7 +12,7 @@ import kvlab
 from kvlab.cache.quant import dequantize_tokens, quantize_tokens, storages
 from kvlab.eval import calibrate
 from kvlab.rope import apply_rope
-from tests.helpers import VARIANTS, build, random_tokens
+from tests.helpers import VARIANTS, build, last_logits, random_tokens
 from tests.test_export import assert_exports, inference
 
 KEYS = dict(k_bits=4, v_bits=4, k_axis="channel", v_axis="token", group_size=8, residual=8)
@@ -98,15 +98,7 @@ def test_it_is_the_dense_cache_in_pages_under_the_kernels_and_in_chunks(storage)
     tokens = random_tokens(cfg, (2, 27), seed=4)
 
     def run(cfg, cache_cfg, prompt=24):
-        _, params, apply = build(cfg)
-        cache = kvlab.init_cache(cfg.model, cache_cfg, 2, 32)
-        out = []
-        for start, end in [(0, prompt)] + [(t, t + 1) for t in range(prompt, 27)]:
-            logits, cache = apply({"params": params}, tokens[:, start:end], cache=cache)
-            out.append(logits[:, -1])
-        cache.check()
-        assert kvlab.cache_bytes(cfg.model, cache_cfg, 2, 32) == kvlab.tree_bytes(cache)
-        return np.stack(out[-4:])
+        return last_logits(cfg, cache_cfg, tokens, prompt)
 
     want = run(cfg, cache_cfg)
     other_cfg = cfg.copy_and_resolve_references()

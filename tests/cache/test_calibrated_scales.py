@@ -15,7 +15,7 @@ from kvlab.cache.formats import FP8_MAX, normal_float
 from kvlab.cache.quant import Storage, dequantize_tokens, quantize_tokens
 from kvlab.cache.quant.tensor import PayloadReader, QuantizedTensor
 from kvlab.eval import calibrate
-from tests.helpers import VARIANTS, build, random_tokens
+from tests.helpers import VARIANTS, build, last_logits, random_tokens
 from tests.test_export import assert_exports, inference
 
 FP8 = dict(k_bits=8, v_bits=8, k_format="fp8", v_format="fp8")
@@ -156,15 +156,7 @@ def test_it_is_the_dense_cache_in_pages_under_eviction_the_kernels_and_chunks(tm
     tokens = random_tokens(cfg, (2, 15), seed=4)
 
     def run(cfg, cache_cfg, prompt=12):
-        _, params, apply = build(cfg)
-        cache = kvlab.init_cache(cfg.model, cache_cfg, 2, 32)
-        steps = [(0, prompt)] + [(t, t + 1) for t in range(prompt, 15)]
-        out = []
-        for start, end in steps:
-            logits, cache = apply({"params": params}, tokens[:, start:end], cache=cache)
-            out.append(logits[:, -1])
-        assert kvlab.cache_bytes(cfg.model, cache_cfg, 2, 32) == kvlab.tree_bytes(cache)
-        return np.stack(out[-4:])
+        return last_logits(cfg, cache_cfg, tokens, prompt)
 
     want = run(cfg, cache_cfg)
     other_cfg = cfg.copy_and_resolve_references()

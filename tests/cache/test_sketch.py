@@ -11,7 +11,7 @@ import pytest
 import kvlab
 from kvlab.cache.quant import Storage, dequantize_tokens, quantize_tokens
 from kvlab.cache.quant.storage import sketch_scores
-from tests.helpers import VARIANTS, build, random_tokens
+from tests.helpers import VARIANTS, last_logits, random_tokens
 from tests.test_export import assert_exports, inference
 
 SKETCHED = dict(k_bits=2, v_bits=4, k_axis="token", v_axis="token", group_size=8, k_sketch=16)
@@ -64,15 +64,7 @@ def test_it_is_the_dense_cache_in_pages_under_eviction_the_kernels_and_chunks(st
     tokens = random_tokens(cfg, (2, 15), seed=4)
 
     def run(cfg, cache_cfg, prompt=12):
-        _, params, apply = build(cfg)
-        cache = kvlab.init_cache(cfg.model, cache_cfg, 2, 32)
-        out = []
-        for start, end in [(0, prompt)] + [(t, t + 1) for t in range(prompt, 15)]:
-            logits, cache = apply({"params": params}, tokens[:, start:end], cache=cache)
-            out.append(logits[:, -1])
-        cache.check()
-        assert kvlab.cache_bytes(cfg.model, cache_cfg, 2, 32) == kvlab.tree_bytes(cache)
-        return np.stack(out[-4:])
+        return last_logits(cfg, cache_cfg, tokens, prompt)
 
     want = run(cfg, cache_cfg)
     other_cfg = cfg.copy_and_resolve_references()

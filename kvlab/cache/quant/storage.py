@@ -52,6 +52,12 @@ class Storage:
         turned by RoPE at their positions), not folding its scales into products."""
         return bool(self.outliers or self.rope or self.sketch)
 
+    @property
+    def grouped_codes(self) -> bool:
+        """Codes alone in the payload with a scale per group: what a kernel that
+        dequantizes the format reads (no static scales, outliers, sketch, RoPE)."""
+        return not (self.calibrated or self.read_dequantized)
+
     def row_bytes(self, width: int) -> int:
         """Payload bytes per token and head: the packed codes of `width` numbers, then
         per outlier its channel (one byte) and its number (`dtype`'s bytes), then the

@@ -205,12 +205,9 @@ class NativeChannels(ReadWhole):
 def _read(x, limit, rows: int, long: bool):
     """What the kernels read `x` (a block's keys or values) through, `x` itself
     where XLA's product stays, or None where the block cannot be theirs."""
-    if isinstance(x, (PayloadReader, PagedPayloadReader)) and (
-        x.tensor.spec.format not in READS
-        or x.tensor.spec.calibrated
-        or x.tensor.spec.read_dequantized
-    ):  # other formats, static scales, outliers, keys before RoPE: the reference reads them
-        return None
+    spec = x.tensor.spec if isinstance(x, (PayloadReader, PagedPayloadReader)) else None
+    if spec is not None and (spec.format not in READS or not spec.grouped_codes):
+        return None  # codes the kernels do not dequantize: the reference reads them
     if isinstance(x, PayloadReader):
         payload = codes(x.tensor)
     elif isinstance(x, PagedPayloadReader):

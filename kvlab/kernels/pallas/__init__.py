@@ -38,12 +38,9 @@ ON_CPU = "cuda"
 
 def stored(x) -> Stored | None:
     """A block's keys or values as the kernels read them, or None."""
-    if isinstance(x, (PayloadReader, PagedPayloadReader)) and (
-        x.tensor.spec.format not in READS
-        or x.tensor.spec.calibrated
-        or x.tensor.spec.read_dequantized
-    ):  # other formats, static scales, outliers, keys before RoPE: the reference reads them
-        return None
+    spec = x.tensor.spec if isinstance(x, (PayloadReader, PagedPayloadReader)) else None
+    if spec is not None and (spec.format not in READS or not spec.grouped_codes):
+        return None  # codes the kernels do not dequantize: the reference reads them
     if isinstance(x, PayloadReader):
         return Stored.of(x.tensor)
     if isinstance(x, PagedPayloadReader):
