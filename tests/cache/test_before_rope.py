@@ -13,7 +13,7 @@ from kvlab.cache.quant import dequantize_tokens, quantize_tokens, storages
 from kvlab.eval import calibrate
 from kvlab.rope import apply_rope
 from tests.helpers import VARIANTS, build, last_logits, random_tokens
-from tests.test_export import assert_exports, inference
+from tests.test_export import assert_exports, assert_round_trips, inference
 
 KEYS = dict(k_bits=4, v_bits=4, k_axis="channel", v_axis="token", group_size=8, residual=8)
 
@@ -174,3 +174,10 @@ def test_a_cache_of_keys_before_rope_exports_for_tpu_and_cuda():
     cfg.model.attention_impl = "pallas"
     program, arguments = inference(cfg, loops=False)
     assert_exports(program, arguments, kernel=False)
+
+
+def test_an_exported_step_over_keys_before_rope_round_trips():
+    """RoPE's numbers in the keys' Storage survive jax.export's serialization."""
+    cfg = VARIANTS["gqa"]()
+    cfg.cache.update(KEYS, k_before_rope=True)
+    assert_round_trips(cfg)

@@ -11,8 +11,9 @@ import pytest
 import kvlab
 from kvlab.cache.quant import Storage, dequantize_tokens, quantize_tokens
 from kvlab.cache.quant.storage import sketch_scores
+from kvlab.eval import calibrate
 from tests.helpers import VARIANTS, last_logits, random_tokens
-from tests.test_export import assert_exports, inference
+from tests.test_export import assert_exports, assert_round_trips, inference
 
 SKETCHED = dict(k_bits=2, v_bits=4, k_axis="token", v_axis="token", group_size=8, k_sketch=16)
 
@@ -110,3 +111,14 @@ def test_a_sketched_cache_exports_for_tpu_and_cuda():
     cfg.model.attention_impl = "pallas"
     program, arguments = inference(cfg, loops=False)
     assert_exports(program, arguments, kernel=False)
+
+
+def test_an_exported_step_over_sketched_outlying_calibrated_keys_round_trips(tmp_path):
+    """Static ranges, outliers and the sketch's bits (Storage fields) survive
+    jax.export's serialization: the step read back computes the same cache."""
+    cfg = VARIANTS["gqa"]()
+    ranges = np.random.default_rng(0).uniform(1, 3, (cfg.model.num_layers, 2, 16))
+    path = str(tmp_path / "scales.npz")
+    calibrate.save_scales(path, {"k": ranges})
+    cfg.cache.update(SKETCHED, k_axis="calibrated", symmetric=True, scales=path, k_outliers=1)
+    assert_round_trips(cfg)
