@@ -16,9 +16,11 @@ StreamingLLM's attention sinks, which a window alone drops). A pattern may also
 store its full layers in 4-bit codes (--quantized: int with a zero point per
 token group of --group_size, bfloat16 scales; the sliding rings stay bfloat16): eviction
 of positions and quantization of the rest composed. Reports perplexity, the
-mean change of each window's loss with a 95% interval (the same windows), and
-bytes per token at the evaluated length and at --long tokens of context, where
-the sliding layers' rings weigh least; for the rows --ruler names and every
+mean change of each window's loss with a 95% interval (the same windows), the
+mean KL of its next-token distributions to every layer full's (a model of the
+same parameters: kvlab.eval.evaluate's reference), and bytes per token at the
+evaluated length and at --long tokens of context, where the sliding layers'
+rings weigh least; for the rows --ruler names and every
 layer full, the RULER score (kvlab/data/ruler.py's synthetic tasks at --length
 tokens, greedy answers from the whole context's cache: kvlab.eval.benchmark),
 which needs what lies past a window. Writes results.json, table.md and
@@ -36,7 +38,7 @@ from absl import flags
 import kvlab
 from kvlab import cli
 from kvlab.data.ruler import RULER_TASKS, ruler_records
-from kvlab.eval import calibrate, evaluate, loss_change
+from kvlab.eval import calibrate, evaluate, evaluate_reference, loss_change
 from kvlab.eval.benchmark import run_benchmark
 from kvlab.files import write_atomic
 
@@ -149,13 +151,16 @@ def main(argv):
         rows = run_benchmark(model, params, tokenizer, records, cache)
         return 100 * float(np.mean([r["score"] for r in rows]))
 
-    base = evaluate(cfg.model, cache, params, batches, chunk=64, windows=True)
+    reference = evaluate_reference(cfg.model, cache, params, batches, chunk=64, windows=True)
+    base = reference.result
     rows = []
     os.makedirs(_WORKDIR.value, exist_ok=True)
     for pattern, window, sinks, four_bit in runs:
         model = hybrid_model(cfg.model, pattern, window, sinks)
         stored = quantized if four_bit else cache
-        result = evaluate(model, stored, params, batches, chunk=64, windows=True)
+        result = evaluate(
+            model, stored, params, batches, chunk=64, windows=True, reference=reference
+        )
         change, half = loss_change(result, base)
         windows = kvlab.config.layer_windows(model)
         label = label_of(pattern, window, sinks, four_bit)
@@ -172,12 +177,13 @@ def main(argv):
                 ppl=result["ppl"],
                 loss_change=change,
                 loss_change_95=half,
+                kl_mean=result["kl_mean"],
                 ruler=ruler(model, stored) if label in _RULER.value else None,
             )
         )
         print(json.dumps(rows[-1]), flush=True)
     seconds = time.perf_counter() - begin
-    reference = dict(
+    full = dict(
         ppl=base["ppl"],
         length=length,
         bytes_per_token=bytes_per_token(cfg.model, cache, length),
@@ -188,7 +194,7 @@ def main(argv):
         model=_MODEL.value,
         windows=_WINDOWS.value,
         long=_LONG.value,
-        reference=reference,
+        reference=full,
         seconds=round(seconds, 1),
         rows=rows,
     )
@@ -197,27 +203,27 @@ def main(argv):
     lines = [
         f"{_MODEL.value} ({cfg.model.num_layers} layers), {_WINDOWS.value} windows of {length} "
         f"tokens, bfloat16 cache; every layer full: ppl {base['ppl']:.3f}, "
-        f"{reference['bytes_per_token']:,} bytes per token at {length} and "
-        f"{reference['long_bytes_per_token']:,} at {long}"
-        + (f", RULER {reference['ruler']:.1f} ({len(records)} records)" if records else "")
+        f"{full['bytes_per_token']:,} bytes per token at {length} and "
+        f"{full['long_bytes_per_token']:,} at {long}"
+        + (f", RULER {full['ruler']:.1f} ({len(records)} records)" if records else "")
         + f"; {seconds:.0f} s",
         "",
         f"| pattern | window | sinks | full layers | full layers' storage | bytes/token at "
-        f"{length} | at {long} (share) | ppl | loss change (95%) | RULER |",
-        "|---|---:|---:|---:|---|---:|---:|---:|---:|---:|",
+        f"{length} | at {long} (share) | ppl | loss change (95%) | KL | RULER |",
+        "|---|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
-        share = r["long_bytes_per_token"] / reference["long_bytes_per_token"]
+        share = r["long_bytes_per_token"] / full["long_bytes_per_token"]
         lines.append(
             f"| {r['pattern']} | {r['window']} | {r['sinks']} | {r['full_layers']} | "
             f"{'4-bit' if r['quantized'] else 'bfloat16'} | {r['bytes_per_token']:,} | "
             f"{r['long_bytes_per_token']:,} ({share:.1%}) | {r['ppl']:.3f} | "
-            f"{r['loss_change']:+.4f} ± {r['loss_change_95']:.4f} | "
+            f"{r['loss_change']:+.4f} ± {r['loss_change_95']:.4f} | {r['kl_mean']:.4f} | "
             + ("" if r["ruler"] is None else f"{r['ruler']:.1f}")
             + " |"
         )
     write_atomic(os.path.join(_WORKDIR.value, "table.md"), "\n".join(lines) + "\n")
-    plot(rows, reference, os.path.join(_WORKDIR.value, "hybrid.png"))
+    plot(rows, full, os.path.join(_WORKDIR.value, "hybrid.png"))
     print("\n".join(lines))
 
 

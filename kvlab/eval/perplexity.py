@@ -49,7 +49,10 @@ scores its own logits against them. Where the logits of all windows would
 exceed KEEP_REFERENCE_BYTES (large vocabularies, long windows) it keeps none,
 and each evaluation runs the reference cache in lockstep with its own (twice
 the forward passes, no memory). A reference remembers the model, batches,
-chunk and mesh it ran with and refuses another.
+chunk and mesh it ran with and refuses other batches, chunk or mesh, and a
+model whose parameters differ in names or shapes: another model with the same
+parameters (a model made hybrid by model.layer_types, another rope scaling or
+attention_impl) is scored against the reference's, which the lockstep runs.
 """
 
 from __future__ import annotations
@@ -68,7 +71,7 @@ from jax.sharding import Mesh
 from kvlab import sharding
 from kvlab.cache import cache_bytes, init_cache, tree_bytes
 from kvlab.config import CACHED_PREFIXES, check_count, frozen, validate_cache_config
-from kvlab.model import Transformer
+from kvlab.model import Transformer, init_params
 from kvlab.sampling import place_params
 from kvlab.train import score, summarize, target_bytes
 
@@ -208,12 +211,14 @@ def _validated_reference(cache_cfg: Mapping, model_cfg: Mapping) -> None:
 def _check_reference(reference: Reference, model: Transformer, batches, chunk, mesh, rules):
     """Raises ValueError when `reference` ran another model, batches, chunk or mesh."""
     fix = "build it with evaluate_reference on the same model, params, batches, chunk and mesh"
-    if reference.model_cfg != model.config:
+    if reference.model_cfg != model.config and _parameters(reference.model_cfg) != _parameters(
+        model.config
+    ):
         theirs, ours = reference.model_cfg.to_dict(), model.config.to_dict()
         field = next(k for k in sorted(set(theirs) | set(ours)) if theirs.get(k) != ours.get(k))
         raise ValueError(
-            f"reference= ran another model: model.{field}={theirs.get(field)!r} there, "
-            f"{ours.get(field)!r} here; {fix}"
+            f"reference= ran a model with other parameters: model.{field}="
+            f"{theirs.get(field)!r} there, {ours.get(field)!r} here; {fix}"
         )
     ran = {"chunk": (reference.chunk, chunk), "mesh": (reference.mesh, mesh)}
     ran["mesh rules"] = (reference.rules, rules)
@@ -222,6 +227,13 @@ def _check_reference(reference: Reference, model: Transformer, batches, chunk, m
         if theirs != ours:
             shown = "" if name.startswith("batches") else f": {theirs!r} there, {ours!r} here"
             raise ValueError(f"reference= ran with other {name}{shown}; {fix}")
+
+
+@functools.lru_cache(maxsize=16)
+def _parameters(model_cfg: ml_collections.FrozenConfigDict):
+    """The names, shapes and dtypes of a model's parameters (nothing computed)."""
+    shapes = jax.eval_shape(lambda: init_params(model_cfg, jax.random.key(0)))
+    return jax.tree.structure(shapes), tuple((x.shape, x.dtype) for x in jax.tree.leaves(shapes))
 
 
 def _placed(model: Transformer, params, mesh: Mesh | None, rules: tuple | None):
@@ -257,13 +269,17 @@ def _run(
     per_row: also sum each row of each chunk (_row_sums)."""
     scored, tokens, kept, rows_of = [], [], [], []
     lockstep = reference is not None and reference.logits is None
+    if lockstep:  # the reference's model (its parameters are these)
+        ref_model = (
+            model if reference.model_cfg == model.config else Transformer(reference.model_cfg)
+        )
     seq_len = None
     for window, batch in enumerate(batches):
         size, seq_len = batch["inputs"].shape
         cache = init_cache(model.config, cache_cfg, size, seq_len, mesh=mesh, rules=rules)
         if lockstep:
             ref_cache = init_cache(
-                model.config, reference.cache_cfg, size, seq_len, mesh=mesh, rules=rules
+                ref_model.config, reference.cache_cfg, size, seq_len, mesh=mesh, rules=rules
             )
         if mesh is not None:  # this host's rows of the batch, as training reads them
             placed = sharding.batch_sharding(mesh, rules, size)
@@ -290,7 +306,7 @@ def _run(
             if reference is None:
                 against = logits
             elif lockstep:
-                against, ref_cache = chunk_logits(model, params, ref_cache, inputs)
+                against, ref_cache = chunk_logits(ref_model, params, ref_cache, inputs)
             else:
                 against = reference.logits[window][index]
             sums, kl = compare_logits(logits, against, targets, weights)

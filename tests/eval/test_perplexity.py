@@ -232,12 +232,38 @@ def test_a_reference_of_another_model_chunk_or_batches_is_refused(references, ba
         evaluate(
             mla.model, mla.cache, mla_params, batches, chunk=8, reference=every_tensor_at(cfg, 8)
         )
-    with pytest.raises(ValueError, match=r"reference= ran another model: model\.\w+="):
+    with pytest.raises(ValueError, match=r"reference= ran a model with other parameters: model\."):
         evaluate(mla.model, mla.cache, mla_params, batches, chunk=8, reference=reference)
     with pytest.raises(ValueError, match="reference= ran with other chunk: 8 there, 4 here"):
         evaluate(cfg.model, cfg.cache, params, batches, chunk=4, reference=reference)
     with pytest.raises(ValueError, match=r"other batches \(tokens or weights\)"):
         evaluate(cfg.model, cfg.cache, params, batches[:1], chunk=8, reference=reference)
+
+
+def test_a_model_with_the_same_parameters_scores_against_the_references(
+    references, batches, monkeypatch
+):
+    """The model made hybrid (model.layer_types: its first layer sliding) shares the
+    reference's parameters: scored against the full model's logits, a window
+    that sees every position agrees with them (KL 0 up to float rounding) and a
+    window of 2 does not; with the reference in lockstep (its own model run
+    beside), the same numbers."""
+    cfg, params, reference = references["gqa"]
+
+    def hybrid(window):
+        model = cfg.model.copy_and_resolve_references()
+        model.update(sliding_window=window, layer_types=("sliding", "full"))
+        return model
+
+    wide = evaluate(hybrid(64), cfg.cache, params, batches, chunk=8, reference=reference)
+    narrow = evaluate(hybrid(2), cfg.cache, params, batches, chunk=8, reference=reference)
+    assert wide["kl_mean"] < 1e-6 and wide["top1_agreement"] == 1.0
+    assert narrow["kl_mean"] > 1e-3
+    monkeypatch.setattr(kvlab.eval.perplexity, "KEEP_REFERENCE_BYTES", 0)
+    beside = evaluate_reference(cfg.model, full_cache(cfg.cache), params, batches, chunk=8)
+    assert beside.logits is None
+    lockstep = evaluate(hybrid(2), cfg.cache, params, batches, chunk=8, reference=beside)
+    assert lockstep == pytest.approx(narrow, rel=1e-6)
 
 
 def test_a_result_that_is_not_finite_is_refused_naming_what_ran(batches):
