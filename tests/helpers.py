@@ -89,6 +89,33 @@ def last_logits(cfg, cache_cfg, tokens, prompt: int, count: int = 4, capacity: i
     return np.stack(out[-count:])
 
 
+# Other layouts of the same cache, each of which must give its logits (`same_logits`).
+LAYOUTS = {
+    "paged": {"kind": "paged", "page_size": 8},
+    # a budget that holds every token of 15
+    "evicting": {"evict": {"method": "snapkv", "budget": 24, "recent": 2}},
+    "native": {"attention_impl": "native"},  # its kernels decline what they cannot read
+    "chunked": {"prompt": 1},  # a token a step
+}
+
+
+def same_logits(cfg, cache_cfg, tokens, layout: dict, prompt: int = 12):
+    """`last_logits` of `cache_cfg` and of it changed by `layout` (cache fields, or
+    `attention_impl`, `evict`, `prompt`: a LAYOUTS entry), asserted equal within
+    2e-5; returns the first."""
+    other_cfg = cfg.copy_and_resolve_references()
+    other_cache = cache_cfg.copy_and_resolve_references()
+    fields = dict(layout)
+    other_cfg.model.attention_impl = fields.pop("attention_impl", cfg.model.attention_impl)
+    other_cache.evict.update(fields.pop("evict", {}))
+    other_prompt = fields.pop("prompt", prompt)
+    other_cache.update(fields)
+    want = last_logits(cfg, cache_cfg, tokens, prompt)
+    got = last_logits(other_cfg, other_cache, tokens, other_prompt)
+    np.testing.assert_allclose(got, want, atol=2e-5, rtol=0)
+    return want
+
+
 def run_in_chunks(apply, params, cache, tokens, chunk_sizes):
     """Feeds tokens through the cache chunk by chunk; returns all logits and the cache."""
     logits, start = [], 0

@@ -12,7 +12,7 @@ import kvlab
 from kvlab.cache.quant import dequantize_tokens, quantize_tokens, storages
 from kvlab.eval import calibrate
 from kvlab.rope import apply_rope
-from tests.helpers import VARIANTS, build, last_logits, random_tokens
+from tests.helpers import LAYOUTS, VARIANTS, build, last_logits, random_tokens, same_logits
 from tests.test_export import assert_exports, assert_round_trips, inference
 
 KEYS = dict(k_bits=4, v_bits=4, k_axis="channel", v_axis="token", group_size=8, residual=8)
@@ -78,40 +78,21 @@ def test_a_channel_outlier_loses_less_coded_before_rope():
     assert errors["before"] < errors["after"] / 4, errors
 
 
-STORAGES = {
-    "paged": {"kind": "paged", "page_size": 8},
-    "native": {"attention_impl": "native"},
-    "chunked": {},
-}
-
-
-@pytest.mark.parametrize("storage", STORAGES)
-def test_it_is_the_dense_cache_in_pages_under_the_kernels_and_in_chunks(storage):
+@pytest.mark.parametrize("layout", ["paged", "native", "chunked"])
+def test_it_is_the_dense_cache_in_pages_under_the_kernels_and_in_chunks(layout):
     """A prefill and three decode steps with keys coded before RoPE, per channel in
     groups of 8 with 8 in full precision: in pages, the dense cache's logits;
     under the native kernels (which decline such keys), the reference's; a token
     at a time, the one prefill's. Other logits than keys coded after RoPE, the
-    same bytes."""
+    same bytes. (An evicting cache is refused.)"""
     cfg = VARIANTS["gqa"]()
     cache_cfg = cfg.cache.copy_and_resolve_references()
     cache_cfg.update(KEYS, k_before_rope=True)
     tokens = random_tokens(cfg, (2, 27), seed=4)
-
-    def run(cfg, cache_cfg, prompt=24):
-        return last_logits(cfg, cache_cfg, tokens, prompt)
-
-    want = run(cfg, cache_cfg)
-    other_cfg = cfg.copy_and_resolve_references()
-    other_cache = cache_cfg.copy_and_resolve_references()
-    prompt = 1 if storage == "chunked" else 24
-    if storage == "native":
-        other_cfg.model.attention_impl = "native"
-    else:
-        other_cache.update(STORAGES[storage])
-    np.testing.assert_allclose(run(other_cfg, other_cache, prompt), want, atol=2e-5, rtol=0)
+    want = same_logits(cfg, cache_cfg, tokens, LAYOUTS[layout], prompt=24)
     after = cache_cfg.copy_and_resolve_references()
     after.k_before_rope = False
-    assert np.abs(run(cfg, after) - want).max() > 1e-4
+    assert np.abs(last_logits(cfg, after, tokens, 24) - want).max() > 1e-4
     assert kvlab.cache_bytes(cfg.model, after, 2, 32) == kvlab.cache_bytes(
         cfg.model, cache_cfg, 2, 32
     )

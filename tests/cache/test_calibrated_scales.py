@@ -15,7 +15,7 @@ from kvlab.cache.formats import FP8_MAX, normal_float
 from kvlab.cache.quant import Storage, dequantize_tokens, quantize_tokens
 from kvlab.cache.quant.tensor import PayloadReader, QuantizedTensor
 from kvlab.eval import calibrate
-from tests.helpers import VARIANTS, build, last_logits, random_tokens
+from tests.helpers import LAYOUTS, VARIANTS, build, random_tokens, same_logits
 from tests.test_export import assert_exports, inference
 
 FP8 = dict(k_bits=8, v_bits=8, k_format="fp8", v_format="fp8")
@@ -135,17 +135,8 @@ def test_the_ranges_are_the_largest_magnitudes_the_cache_stores(tmp_path):
     assert set(calibrate.scales(cfg.model, only_keys, params, tokens)) == {"k"}
 
 
-@pytest.mark.parametrize(
-    "storage",
-    [
-        {"kind": "paged", "page_size": 8},
-        {"evict": {"method": "snapkv", "budget": 24, "recent": 2}},
-        {"attention_impl": "native"},
-        {"chunks": True},
-    ],
-    ids=["paged", "evicting", "native", "chunked"],
-)
-def test_it_is_the_dense_cache_in_pages_under_eviction_the_kernels_and_chunks(tmp_path, storage):
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_it_is_the_dense_cache_in_pages_under_eviction_the_kernels_and_chunks(tmp_path, layout):
     """A prefill and three decode steps through a calibrated fp8 cache: in pages, the
     dense cache's logits; evicting with a budget that holds every token, the
     dense cache's; under the native kernels (which decline static scales), the
@@ -153,24 +144,7 @@ def test_it_is_the_dense_cache_in_pages_under_eviction_the_kernels_and_chunks(tm
     are its own). The bytes counted are the tree's: codes alone, no scale."""
     cfg = VARIANTS["gqa"]()
     cache_cfg, _ = calibrated(cfg, tmp_path)
-    tokens = random_tokens(cfg, (2, 15), seed=4)
-
-    def run(cfg, cache_cfg, prompt=12):
-        return last_logits(cfg, cache_cfg, tokens, prompt)
-
-    want = run(cfg, cache_cfg)
-    other_cfg = cfg.copy_and_resolve_references()
-    other_cache = cache_cfg.copy_and_resolve_references()
-    prompt = 12
-    if "attention_impl" in storage:
-        other_cfg.model.attention_impl = storage["attention_impl"]
-    elif "evict" in storage:
-        other_cache.evict.update(storage["evict"])
-    elif "chunks" in storage:
-        prompt = 1
-    else:
-        other_cache.update(storage)
-    np.testing.assert_allclose(run(other_cfg, other_cache, prompt), want, atol=2e-5, rtol=0)
+    same_logits(cfg, cache_cfg, random_tokens(cfg, (2, 15), seed=4), LAYOUTS[layout])
 
 
 def test_it_stores_the_codes_alone_and_the_scales_per_group_cost_bytes(tmp_path):

@@ -12,7 +12,7 @@ import kvlab
 from kvlab.cache.quant import Storage, dequantize_tokens, quantize_tokens
 from kvlab.cache.quant.storage import split_outliers
 from kvlab.eval import calibrate
-from tests.helpers import VARIANTS, build, last_logits, random_tokens
+from tests.helpers import LAYOUTS, VARIANTS, build, random_tokens, same_logits
 from tests.test_export import assert_exports, inference
 
 
@@ -95,17 +95,9 @@ def test_keys_with_outlier_channels_lose_less_with_them_split_off():
     assert errors[2] < errors[0] / 4, errors
 
 
-STORAGES = {
-    "paged": {"kind": "paged", "page_size": 8},
-    "evicting": {"evict": {"method": "snapkv", "budget": 24, "recent": 2}},
-    "native": {"attention_impl": "native"},
-    "chunked": {},
-}
-
-
 @pytest.mark.parametrize("keys", ["token", "channel"])
-@pytest.mark.parametrize("storage", STORAGES)
-def test_it_is_the_dense_cache_in_pages_under_eviction_the_kernels_and_chunks(storage, keys):
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_it_is_the_dense_cache_in_pages_under_eviction_the_kernels_and_chunks(layout, keys):
     """A prefill and three decode steps, keys per token or per channel (KIVI's,
     16 in full precision), values per token, two outliers a token each: in pages,
     the dense cache's logits; evicting with a budget holding every token, too;
@@ -115,22 +107,7 @@ def test_it_is_the_dense_cache_in_pages_under_eviction_the_kernels_and_chunks(st
     cache_cfg = cfg.cache.copy_and_resolve_references()
     cache_cfg.update(k_bits=4, v_bits=4, k_axis=keys, v_axis="token", group_size=8)
     cache_cfg.update(k_outliers=2, v_outliers=2, residual=8 if keys == "channel" else 0)
-    tokens = random_tokens(cfg, (2, 15), seed=4)
-
-    def run(cfg, cache_cfg, prompt=12):
-        return last_logits(cfg, cache_cfg, tokens, prompt)
-
-    want = run(cfg, cache_cfg)
-    other_cfg = cfg.copy_and_resolve_references()
-    other_cache = cache_cfg.copy_and_resolve_references()
-    prompt = 1 if storage == "chunked" else 12
-    if storage == "native":
-        other_cfg.model.attention_impl = "native"
-    elif storage == "evicting":
-        other_cache.evict.update(STORAGES[storage]["evict"])
-    else:
-        other_cache.update(STORAGES[storage])
-    np.testing.assert_allclose(run(other_cfg, other_cache, prompt), want, atol=2e-5, rtol=0)
+    same_logits(cfg, cache_cfg, random_tokens(cfg, (2, 15), seed=4), LAYOUTS[layout])
 
 
 def test_the_bytes_are_the_codes_and_each_outlier_with_its_channel():

@@ -12,7 +12,7 @@ import kvlab
 from kvlab.cache.quant import Storage, dequantize_tokens, quantize_tokens
 from kvlab.cache.quant.storage import sketch_scores
 from kvlab.eval import calibrate
-from tests.helpers import VARIANTS, last_logits, random_tokens
+from tests.helpers import LAYOUTS, VARIANTS, last_logits, random_tokens, same_logits
 from tests.test_export import assert_exports, assert_round_trips, inference
 
 SKETCHED = dict(k_bits=2, v_bits=4, k_axis="token", v_axis="token", group_size=8, k_sketch=16)
@@ -43,45 +43,28 @@ def test_scores_with_the_sketch_are_unbiased_and_without_it_are_not():
     assert (np.abs(coded - exact) > 10 * error).any()
 
 
-STORAGES = {
-    "paged": {"kind": "paged", "page_size": 8},
-    "evicting": {"evict": {"method": "snapkv", "budget": 24, "recent": 2}},
+LAYOUTS_AND_POOL = {
+    **LAYOUTS,
     "pooled": {"evict": {"method": "adakv", "budget": 24, "recent": 2}},
-    "native": {"attention_impl": "native"},
-    "chunked": {},
 }
 
 
-@pytest.mark.parametrize("storage", STORAGES)
-def test_it_is_the_dense_cache_in_pages_under_eviction_the_kernels_and_chunks(storage):
+@pytest.mark.parametrize("layout", LAYOUTS_AND_POOL)
+def test_it_is_the_dense_cache_in_pages_under_eviction_the_kernels_and_chunks(layout):
     """A prefill and three decode steps over 2-bit keys with a 16-bit sketch: in pages,
     the dense cache's logits; evicting with a budget holding every token (per head,
-    or AdaKV's pool of every head), too; under
-    the native kernels (which decline it), the reference's; a token at a time, the
-    one prefill's; other logits than the codes alone, and 2 + 4 bytes more a key."""
+    or AdaKV's pool of every head), too; under the native kernels (which decline
+    it), the reference's; a token at a time, the one prefill's; other logits than
+    the codes alone, and 2 + 2 bytes more a key."""
     cfg = VARIANTS["gqa"]()
     cache_cfg = cfg.cache.copy_and_resolve_references()
     cache_cfg.update(SKETCHED)
     tokens = random_tokens(cfg, (2, 15), seed=4)
-
-    def run(cfg, cache_cfg, prompt=12):
-        return last_logits(cfg, cache_cfg, tokens, prompt)
-
-    want = run(cfg, cache_cfg)
-    other_cfg = cfg.copy_and_resolve_references()
-    other_cache = cache_cfg.copy_and_resolve_references()
-    prompt = 1 if storage == "chunked" else 12
-    if storage == "native":
-        other_cfg.model.attention_impl = "native"
-    elif storage in ("evicting", "pooled"):
-        other_cache.evict.update(STORAGES[storage]["evict"])
-    else:
-        other_cache.update(STORAGES[storage])
-    np.testing.assert_allclose(run(other_cfg, other_cache, prompt), want, atol=2e-5, rtol=0)
-    if storage == "chunked":
+    want = same_logits(cfg, cache_cfg, tokens, LAYOUTS_AND_POOL[layout])
+    if layout == "chunked":
         plain = cache_cfg.copy_and_resolve_references()
         plain.k_sketch = 0
-        assert np.abs(run(cfg, plain) - want).max() > 1e-4
+        assert np.abs(last_logits(cfg, plain, tokens, 12) - want).max() > 1e-4
         keys = cfg.model.num_layers * 2 * cfg.model.num_kv_heads * 32
         sketch = kvlab.cache_bytes(cfg.model, cache_cfg, 2, 32)
         assert sketch == kvlab.cache_bytes(cfg.model, plain, 2, 32) + keys * (2 + 2)
