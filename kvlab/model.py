@@ -203,11 +203,11 @@ def check_cache(config, cache: Cache) -> None:
 
 
 def _untabled(x):
-    """A quantized tensor without its layer's levels and ranges (Storage.table: a
-    codebook fitted per layer; Storage.ranges: calibrated scales), which are all
-    that may differ between layers."""
+    """A quantized tensor without its layer's levels, ranges and basis (Storage.table:
+    a codebook fitted per layer; Storage.ranges: calibrated scales; Storage.basis),
+    which are all that may differ between layers."""
     if isinstance(x, QuantizedTensor):
-        return x.replace(spec=dataclasses.replace(x.spec, table=(), ranges=()))
+        return x.replace(spec=dataclasses.replace(x.spec, table=(), ranges=(), basis=()))
     return x
 
 

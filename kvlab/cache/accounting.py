@@ -176,7 +176,7 @@ def _tensor_bytes(spec, heads: int, width: int, rows: int, ring: int) -> int:
     total += heads * rows * spec.row_bytes(width)
     if spec.calibrated:  # static scales, in the program, not the cache
         return total
-    groups = rows * width // spec.group_size  # one scale per group, either axis
+    groups = rows * spec.coded_width(width) // spec.group_size  # one scale per group, either axis
     return total + heads * groups * dtype_of(spec.scale_dtype).itemsize * spec.codes.scale_numbers(
         spec
     )

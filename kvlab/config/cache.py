@@ -63,11 +63,12 @@ def validate_cache_config(cache: Mapping, model: Mapping | None = None) -> None:
              "set a multiple of 8 (e.g. model.head_dim), or 0")  # fmt: skip
     if not isinstance(cache["k_before_rope"], bool):
         fail("cache.k_before_rope", cache["k_before_rope"], "is not a bool", "set True or False")
-    for field in ("codebooks", "scales"):
+    for field in ("codebooks", "scales", "bases"):
         if not isinstance(cache[field], str):
             fail(f"cache.{field}", cache[field], "is not a path", "set an .npz path, or ''")
     for prefix in CACHED_PREFIXES:
         check_int("cache", cache, f"{prefix}_outliers", minimum=0)
+        check_int("cache", cache, f"{prefix}_rank", minimum=0)
         check_choice("cache", cache, f"{prefix}_transform", TRANSFORMS.names())
         check_choice("cache", cache, f"{prefix}_bits", BIT_WIDTHS)
         check_choice("cache", cache, f"{prefix}_format", FORMATS.names())
@@ -311,7 +312,9 @@ def layer_sections(model: Mapping, cache: Mapping) -> dict[int, tuple[Mapping, M
     plain = {}
     if cache["sliding_layers"] == "plain":
         plain = {f"{p}_{field}": unset for p in CACHED_PREFIXES for field, unset in QUANTIZING}
-        plain |= dict(residual=0, codebooks="", scales="", k_before_rope=False, k_sketch=0)
+        plain |= dict(
+            residual=0, codebooks="", scales="", bases="", k_before_rope=False, k_sketch=0
+        )
     alike = dict(sliding_layers="plain")  # each section is a model of layers alike
     # A ring of the window per row: no pages (a paged cache's full layers hold those).
     ring = dict(evict=dict(method="none"), kind="dense", prefix_caching=False, num_pages=0)
@@ -446,6 +449,22 @@ def _validate_cache_for_model(cache: Mapping, model: Mapping) -> None:
             f"{model['attention']!r} with cache.k_bits={cache['k_bits']} has none",
             "set cache.k_sketch=0, or quantize a grouped-query model's keys",
         )
+    ranked = [p for p in cached_prefixes(model) if cache[f"{p}_rank"]]
+    if cache["bases"] and not ranked:
+        fail(
+            "cache.bases",
+            cache["bases"],
+            "is read by no tensor: none of this model's tensors has cache.<prefix>_rank set",
+            "set the rank of the tensors it holds bases for, or cache.bases=''",
+        )
+    if cache["k_sketch"] and "k" in ranked:
+        fail(
+            "cache.k_sketch",
+            cache["k_sketch"],
+            f"cannot combine with cache.k_rank={cache['k_rank']} (the sketch estimates "
+            "products with the keys' channels, and those keys are coded in a basis)",
+            "set one of them to 0",
+        )
     if cache["k_sketch"] and cache["k_before_rope"]:
         fail(
             "cache.k_sketch",
@@ -479,6 +498,19 @@ def _validate_cache_for_model(cache: Mapping, model: Mapping) -> None:
         transform = TRANSFORMS.get(cache[f"{prefix}_transform"])
         transform.check(width, f"cache.{prefix}_transform")
         bits, outliers = cache[f"{prefix}_bits"], cache[f"{prefix}_outliers"]
+        rank = cache[f"{prefix}_rank"]
+        if rank and (bits == 16 or rank > width):
+            fail(
+                f"cache.{prefix}_rank",
+                rank,
+                f"codes a quantized tensor in fewer directions, but cache.{prefix}_bits=16"
+                if bits == 16
+                else f"exceeds {width_name}={width}, the directions a head's vector has",
+                f"set cache.{prefix}_bits below 16 (8-bit codes lose least), or a rank in "
+                f"1..{width}, or 0",
+            )
+        if rank:  # what follows counts the coded numbers: the rank's coordinates
+            width, width_name = rank, f"cache.{prefix}_rank"
         if outliers and (bits == 16 or outliers >= min(width, 256)):
             fail(
                 f"cache.{prefix}_outliers",

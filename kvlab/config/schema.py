@@ -31,7 +31,7 @@ GROUP_AXES = ("token", "channel", "calibrated")
 CACHED_PREFIXES = ("k", "v", "latent", "rope")  # cache.<prefix>_bits, _format, _axis
 # A cached tensor's storage fields that quantize it, and their values when it is not;
 # with the transform, those of a tensor stored as it is.
-QUANTIZING = (("bits", 16), ("outliers", 0))
+QUANTIZING = (("bits", 16), ("outliers", 0), ("rank", 0))
 UNSET = (*QUANTIZING, ("transform", "none"))
 DATA_SOURCES = ("stdlib", "text", "mqar")
 WANDB_MODES = ("offline", "online", "disabled")
@@ -234,6 +234,12 @@ def base_config(variant: str = "tiny") -> ml_collections.ConfigDict:
             v_outliers=0,  # cache.dtype with their channel beside its codes, the largest
             latent_outliers=0,  # against their range (KVQuant's dense-and-sparse split)
             rope_outliers=0,
+            k_rank=0,  # a quantized tensor coded in a basis of this many directions per KV
+            v_rank=0,  # head (cache.bases: fitted offline) instead of its channels, and
+            latent_rank=0,  # read back through it (Palu's low-rank cache); 0 = its width
+            rope_rank=0,
+            bases="",  # cache.<prefix>_rank: the .npz of each layer's bases per KV head
+            #            (kvlab.eval.calibrate.save_bases)
             # grouped-query keys coded before RoPE and turned at their positions when read
             # (KVQuant's pre-RoPE keys: a channel's scale then follows one channel); the
             # keys must be quantized, in a cache that keeps every token

@@ -9,6 +9,9 @@
     save_codebooks("runs/x/codebooks.npz", books)    # cache.codebooks
     ranges = scales(cfg.model, cfg.cache, params, tokens, per="head")  # axis 'calibrated'
     save_scales("runs/x/scales.npz", ranges)         # cache.scales
+    found = bases(cfg.model, cfg.cache, params, tokens)  # cache.<prefix>_rank's bases
+    save_bases("runs/x/bases.npz", found)            # cache.bases (fit before scales
+                                                     # and codebooks: they fit its coordinates)
 
 Q-Filters (arXiv:2503.02812, kvlab/cache/evict/qfilter.py): the model reads
 `tokens` (int32[B, T], calibration text in its tokens, e.g. the standard
@@ -41,6 +44,7 @@ from kvlab.cache.formats import normal_float
 from kvlab.cache.quant.storage import (
     by_groups,
     calibrated_ranges,
+    layer_basis,
     split_outliers,
     storages,
     turn,
@@ -150,11 +154,12 @@ def _stored(model_cfg: Mapping, cache_cfg: Mapping, params, tokens: np.ndarray, 
         if spec.quantized and what(spec)
     ]
     whole = ml_collections.ConfigDict(dict(cache_cfg)).copy_and_resolve_references()
-    whole.update(kind="dense", dtype="float32", residual=0, codebooks="", scales="")
+    whole.update(kind="dense", dtype="float32", residual=0, codebooks="", scales="", bases="")
     whole.update(k_before_rope=False, k_sketch=0)
     whole.update(prefix_caching=False, sliding_layers="plain")
     whole.update({f"{tensor.prefix}_bits": 16 for tensor in tensors})
     whole.update({f"{tensor.prefix}_outliers": 0 for tensor in tensors})
+    whole.update({f"{tensor.prefix}_rank": 0 for tensor in tensors})
     whole.evict = base_config().cache.evict
     tokens = jnp.asarray(tokens, jnp.int32)
     cache = init_cache(model_cfg, whole, tokens.shape[0], tokens.shape[1])
@@ -162,15 +167,23 @@ def _stored(model_cfg: Mapping, cache_cfg: Mapping, params, tokens: np.ndarray, 
     return chosen, cache
 
 
-def _numbers(layer, index: int, spec) -> np.ndarray:
+def _numbers(layer, index: int, spec, basis: tuple = ()) -> np.ndarray:
     """float32 [B, K, T, W]: a cache layer's tensor `index` of `_stored` as `spec`
-    codes it (keys before RoPE turned back from their positions, the rows)."""
+    codes it (keys before RoPE turned back from their positions, the rows; with
+    the layer's `basis` [K][W][rank], its coordinates in it: W = rank)."""
     stored = jnp.asarray(layer.tensors[index], jnp.float32)
     if spec.rope:
         b, _, t, _ = stored.shape
         positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
         stored = turn(stored, spec, positions, back=True)
+    if basis:
+        stored = jnp.einsum("BKTw,Kwr->BKTr", stored, jnp.asarray(basis, jnp.float32))
     return np.asarray(stored)
+
+
+def _basis(cache_cfg: Mapping, tensor, spec, layer: int, layers: int) -> tuple:
+    """Layer `layer`'s basis of a tensor coded in one (cache.bases), else ()."""
+    return layer_basis(cache_cfg["bases"], tensor, spec.rank, layer, layers) if spec.rank else ()
 
 
 def codebooks(
@@ -199,11 +212,14 @@ def codebooks(
     for prefix, tensor, index, spec in fitted:
         rows = []
         for number, layer in enumerate(cache.layers):
-            stored = _numbers(layer, index, spec)  # [B, K, T, W]
+            basis = _basis(cache_cfg, tensor, spec, number, len(cache.layers))
+            stored = _numbers(layer, index, spec, basis)  # [B, K, T, W]
             if spec.axis == "channel":  # whole groups of tokens
                 stored = stored[:, :, : stored.shape[2] // spec.group_size * spec.group_size]
             if spec.axis == "calibrated":
-                ranges = calibrated_ranges(cache_cfg["scales"], tensor, number, len(cache.layers))
+                ranges = calibrated_ranges(
+                    cache_cfg["scales"], tensor, number, len(cache.layers), stored.shape[-1]
+                )
                 layer_spec = dataclasses.replace(spec, ranges=ranges)
             else:
                 layer_spec = spec
@@ -264,16 +280,51 @@ def scales(
         )
     reduce = {"channel": (0, 2), "head": (0, 2, 3), "tensor": (0, 1, 2, 3)}[per]
     out = {}
-    for prefix, _, index, spec in chosen:
+    for prefix, tensor, index, spec in chosen:
         rows = []
-        for layer in cache.layers:
-            magnitude = np.abs(_numbers(layer, index, spec))  # [B, K, T, W]
+        for number, layer in enumerate(cache.layers):
+            basis = _basis(cache_cfg, tensor, spec, number, len(cache.layers))
+            magnitude = np.abs(_numbers(layer, index, spec, basis))  # [B, K, T, W]
             ranges = np.quantile(magnitude, quantile, axis=reduce, keepdims=True)
             ranges = np.broadcast_to(ranges, (1, *magnitude.shape[1:2], 1, magnitude.shape[3]))
             ranges = ranges[0, :, 0, :]  # [K, W]
             positive = ranges[ranges > 0]
             rows.append(np.where(ranges > 0, ranges, positive.min() if positive.size else 1.0))
         out[prefix] = np.stack(rows).astype(np.float32)
+    return out
+
+
+def bases(model_cfg: Mapping, cache_cfg: Mapping, params, tokens: np.ndarray) -> dict:
+    """Per cached tensor with cache.<prefix>_rank = r (below 16 bits): float32[cache
+    layers, KV heads, W, r], each head's r directions that keep the most of its
+    numbers as the cache codes them (after its transform; keys before RoPE
+    unrotated) over the model's read of `tokens`: the leading eigenvectors of their
+    second moment E[x x^T] (principal directions, not centred: the cache maps
+    back by the basis alone), so x B B^T is the rank-r map of least mean squared
+    error. That is Palu's low-rank cache (arXiv:2407.21118) for a KV head with its
+    projection fitted on activations (SVD-LLM's whitening): Palu stores x W_k B,
+    the same numbers, by folding B into the key projection. Signs are fixed
+    (each column's largest entry positive). kvlab.cache.quant.layer_basis reads them."""
+    chosen, cache = _stored(model_cfg, cache_cfg, params, tokens, lambda spec: spec.rank > 0)
+    if not chosen:
+        raise ValueError(
+            "no cached tensor is coded in a basis: set cache.<prefix>_rank and "
+            "cache.<prefix>_bits below 16 for the tensors to fit"
+        )
+    out = {}
+    for prefix, _, index, spec in chosen:
+        rows = []
+        for layer in cache.layers:
+            numbers = _numbers(layer, index, spec).astype(np.float64)  # [B, K, T, W]
+            heads = []
+            for head in range(numbers.shape[1]):
+                x = numbers[:, head].reshape(-1, numbers.shape[-1])
+                _, vectors = np.linalg.eigh(x.T @ x / len(x))  # ascending eigenvalues
+                basis = vectors[:, ::-1][:, : spec.rank]
+                peak = np.take_along_axis(basis, np.abs(basis).argmax(0)[None], 0)
+                heads.append(basis * np.where(peak < 0, -1.0, 1.0))
+            rows.append(heads)
+        out[prefix] = np.asarray(rows, np.float32)
     return out
 
 
@@ -321,6 +372,21 @@ def save_scales(path: str | os.PathLike, ranges: Mapping[str, np.ndarray]) -> No
             raise ValueError(
                 f"ranges {name!r} of shape {array.shape} are not positive finite "
                 "[layers, KV heads, channels]"
+            )
+    buffer = io.BytesIO()
+    np.savez(buffer, **arrays)
+    write_atomic(path, buffer.getvalue())
+
+
+def save_bases(path: str | os.PathLike, found: Mapping[str, np.ndarray]) -> None:
+    """Writes `bases`' bases where cache.bases reads them (an .npz with one array
+    [cache layers, KV heads, W, rank] per tensor prefix), atomically."""
+    arrays = {name: np.asarray(array, np.float32) for name, array in found.items()}
+    for name, array in arrays.items():
+        if array.ndim != 4 or not np.isfinite(array).all():
+            raise ValueError(
+                f"bases {name!r} of shape {array.shape} are not finite [layers, KV heads, "
+                "W, rank]"
             )
     buffer = io.BytesIO()
     np.savez(buffer, **arrays)

@@ -41,6 +41,8 @@ class Storage:
     rope: tuple = ()  # keys coded before RoPE: (inverse frequencies, cos/sin factor)
     sketch: int = 0  # keys: bits of the residual's sign sketch per token and head
     sketch_seed: int = 0  # of the sketch's Gaussian projection (`sketch_matrix`)
+    rank: int = 0  # numbers coded per token and head in a basis (0: the channels)
+    basis: tuple = ()  # rank > 0: this layer's orthonormal bases [KH][Wd][rank] (cache.bases)
 
     @property
     def quantized(self) -> bool:
@@ -49,8 +51,9 @@ class Storage:
     @property
     def read_dequantized(self) -> bool:
         """Whether attention reads the tensor dequantized (outliers put back, keys
-        turned by RoPE at their positions), not folding its scales into products."""
-        return bool(self.outliers or self.rope or self.sketch)
+        turned by RoPE at their positions, a basis's coordinates mapped back), not
+        folding its scales into products."""
+        return bool(self.outliers or self.rope or self.sketch or self.rank)
 
     @property
     def grouped_codes(self) -> bool:
@@ -58,8 +61,13 @@ class Storage:
         dequantizes the format reads (no static scales, outliers, sketch, RoPE)."""
         return not (self.calibrated or self.read_dequantized)
 
+    def coded_width(self, width: int) -> int:
+        """Numbers coded per token and head of a tensor `width` wide: its rank or width."""
+        return self.rank or width
+
     def row_bytes(self, width: int) -> int:
-        """Payload bytes per token and head: the packed codes of `width` numbers, then
+        """Payload bytes per token and head of a tensor `width` wide: the packed codes
+        of its `coded_width` numbers, then
         per outlier its channel (one byte) and its number (`dtype`'s bytes), then the
         residual's sketch (`sketch` sign bits and its norm in `scale_dtype`)."""
         total = self.coded_bytes(width)
@@ -69,11 +77,24 @@ class Storage:
 
     def coded_bytes(self, width: int) -> int:
         """The bytes of a payload row before the sketch: codes and outliers."""
-        return width * self.bits // 8 + self.outliers * (1 + dtype_of(self.dtype).itemsize)
+        coded = self.coded_width(width) * self.bits // 8
+        return coded + self.outliers * (1 + dtype_of(self.dtype).itemsize)
+
+    def codes_of(self, row: int) -> int:
+        """Numbers coded per token and head in a payload row of `row` bytes."""
+        extra = self.outliers * (1 + dtype_of(self.dtype).itemsize)
+        if self.sketch:
+            extra += self.sketch // 8 + dtype_of(self.scale_dtype).itemsize
+        return (row - extra) * 8 // self.bits
 
     def width_of(self, row: int) -> int:
-        """Numbers per token and head of a payload row of `row` bytes."""
-        return (row - self.row_bytes(0)) * 8 // self.bits
+        """Numbers per token and head a payload row of `row` bytes is read back as
+        (a basis's width when the row holds coordinates in it)."""
+        return len(self.basis[0]) if self.rank else self.codes_of(row)
+
+    def bases(self) -> Array:
+        """float32 [KH, Wd, rank]: each KV head's basis (rank > 0)."""
+        return jnp.asarray(np.asarray(self.basis, np.float32))
 
     @property
     def calibrated(self) -> bool:
@@ -82,7 +103,8 @@ class Storage:
 
     def static_scale(self) -> Array:
         """axis 'calibrated': float32 [KH, 1, Wd], each head's and channel's calibrated
-        range over the format's top level (a token's [KH, N, Wd] divides by it)."""
+        range over the format's top level (a token's [KH, N, Wd] divides by it; with
+        a rank, Wd is the rank: a range per coordinate)."""
         ranges = np.asarray(self.ranges, np.float32)
         return jnp.asarray(ranges[:, None, :] / np.float32(self.codes.top(self)))
 
@@ -110,11 +132,16 @@ def storages(model_cfg: Mapping, cache_cfg: Mapping, layer: int | None = None) -
     out = []
     for tensor in cached_tensors(model_cfg):
         bits, name = cache_cfg[f"{tensor.prefix}_bits"], cache_cfg[f"{tensor.prefix}_format"]
-        table, ranges = (), ()
+        table, ranges, basis = (), (), ()
+        rank = cache_cfg[f"{tensor.prefix}_rank"] if bits < 16 else 0
         if layer is not None and bits < 16:
             table = FORMATS.get(name).table(cache_cfg, tensor.prefix, bits, layer, layers)
             if cache_cfg[f"{tensor.prefix}_axis"] == "calibrated":
-                ranges = calibrated_ranges(cache_cfg["scales"], tensor, layer, layers)
+                ranges = calibrated_ranges(
+                    cache_cfg["scales"], tensor, layer, layers, rank or tensor.width
+                )
+            if rank:
+                basis = layer_basis(cache_cfg["bases"], tensor, rank, layer, layers)
         out.append(
             Storage(
                 bits=bits,
@@ -131,6 +158,8 @@ def storages(model_cfg: Mapping, cache_cfg: Mapping, layer: int | None = None) -
                 if bits < 16 and tensor.prefix == "k" and cache_cfg["k_before_rope"]
                 else (),
                 sketch=cache_cfg["k_sketch"] if bits < 16 and tensor.prefix == "k" else 0,
+                rank=rank,
+                basis=basis,
             )
         )
     return tuple(out)
@@ -145,39 +174,70 @@ def _rope(model_cfg: Mapping, width: int) -> tuple:
         return tuple(float(x) for x in np.asarray(inverse)), float(factor)
 
 
-def calibrated_ranges(path: str, tensor, layer: int, layers: int) -> tuple:
-    """Layer `layer`'s ranges [KH][Wd] of `tensor` (a kvlab.config CachedTensor) from
-    the .npz at cache.scales (kvlab.eval.calibrate.save_scales: float32[cache layers,
-    KH, Wd] per tensor prefix, each the largest magnitude its head and channel
-    took over calibration text); ValueError naming the field where it cannot give
+def calibrated_ranges(path: str, tensor, layer: int, layers: int, width: int) -> tuple:
+    """Layer `layer`'s ranges [KH][width] of `tensor` (a kvlab.config CachedTensor)
+    from the .npz at cache.scales (kvlab.eval.calibrate.save_scales: float32[cache
+    layers, KH, width] per tensor prefix, each the largest magnitude its head and
+    channel, or coordinate of its basis, took over calibration text); ValueError
+    naming the field where it cannot give them."""
+    ranges = _layer_array(
+        path, "scales", "ranges", f"{tensor.prefix}_axis='calibrated'", tensor.prefix,
+        f"positive finite [{layers} cache layers, {tensor.heads} heads, {width} channels]",
+        (layers, tensor.heads, width), positive=True,
+    )  # fmt: skip
+    return tuple(tuple(float(x) for x in head) for head in ranges[layer])
+
+
+def layer_basis(path: str, tensor, rank: int, layer: int, layers: int) -> tuple:
+    """Layer `layer`'s bases [KH][Wd][rank] of `tensor` from the .npz at cache.bases
+    (kvlab.eval.calibrate.save_bases: float32[cache layers, KH, Wd, rank] per tensor
+    prefix, orthonormal columns); ValueError naming the field where it cannot give
     them."""
-    prefix = tensor.prefix
-    field = f"cache.{prefix}_axis='calibrated'"
+    basis = _layer_array(
+        path, "bases", "bases", f"{tensor.prefix}_rank={rank}", tensor.prefix,
+        f"finite [{layers} cache layers, {tensor.heads} heads, {tensor.width} channels, "
+        f"{rank} directions]",
+        (layers, tensor.heads, tensor.width, rank),
+    )  # fmt: skip
+    gram = np.einsum("lkwr,lkws->lkrs", basis.astype(np.float64), basis)
+    if np.abs(gram - np.eye(rank)).max() > 1e-3:
+        raise ValueError(
+            f"cache.bases={path!r}: {tensor.prefix!r}'s columns are not orthonormal (a head's "
+            "coordinates would not read back): fit them with kvlab.eval.calibrate.bases"
+        )
+    return tuple(tuple(tuple(float(x) for x in row) for row in head) for head in basis[layer])
+
+
+def _layer_array(
+    path: str, field: str, what: str, user: str, prefix: str, described: str, shape: tuple,
+    positive: bool = False,
+) -> np.ndarray:  # fmt: skip
+    """The array `prefix` of `shape` (`described`) in the .npz at cache.`field`,
+    which cache.`user` reads and kvlab.eval.calibrate.save_`field` writes."""
+    writer = f"kvlab.eval.calibrate.save_{field}"
     if not path:
         raise ValueError(
-            f"{field} reads its scales from cache.scales, which is empty: set it to an "
-            ".npz of kvlab.eval.calibrate.save_scales"
+            f"cache.{user} reads its {what} from cache.{field}, which is empty: set it to "
+            f"an .npz of {writer}"
         )
     arrays = read_arrays(path)
     if isinstance(arrays, str):
         raise ValueError(
-            f"cache.scales={path!r} cannot be read ({arrays}): set it to the .npz "
-            "kvlab.eval.calibrate.save_scales wrote for this model"
+            f"cache.{field}={path!r} cannot be read ({arrays}): set it to the .npz "
+            f"{writer} wrote for this model"
         )
     if prefix not in arrays:
         raise ValueError(
-            f"cache.scales={path!r} holds no ranges for {prefix!r} (it holds "
-            f"{sorted(arrays)}): calibrate them with {field} set"
+            f"cache.{field}={path!r} holds no {what} for {prefix!r} (it holds "
+            f"{sorted(arrays)}): calibrate them with cache.{user} set"
         )
-    ranges = arrays[prefix]
-    shape = (layers, tensor.heads, tensor.width)
-    if ranges.shape != shape or not np.isfinite(ranges).all() or (ranges <= 0).any():
+    array = arrays[prefix]
+    if array.shape != shape or not np.isfinite(array).all() or (positive and (array <= 0).any()):
         raise ValueError(
-            f"cache.scales={path!r}: {prefix!r} is {ranges.shape}, not positive finite "
-            f"[{layers} cache layers, {tensor.heads} heads, {tensor.width} channels]: "
+            f"cache.{field}={path!r}: {prefix!r} is {array.shape}, not {described}: "
             "calibrate it for this model"
         )
-    return tuple(tuple(float(x) for x in head) for head in ranges[layer])
+    return array
 
 
 @dataclasses.dataclass(frozen=True)
@@ -274,6 +334,8 @@ def quantize_tokens(
     x = x.astype(jnp.float32)
     if spec.rope:
         x = turn(x, spec, _at(positions), back=True)
+    if spec.rank:  # coordinates in each head's basis: [B, KH, N, rank]
+        x = jnp.einsum("BKNw,Kwr->BKNr", x, spec.bases())
     extra = ()
     whole = x
     if spec.outliers:
@@ -305,8 +367,11 @@ def dequantize_tokens(
     spec: Storage,
     positions: Array | None = None,
 ) -> Array:
-    """The inverse of `quantize_tokens` (up to the quantization error): float32 [B, KH, N, Wd]."""
-    dense = _dequantized(payload, scale, zero, spec, spec.width_of(payload.shape[-1]))
+    """The inverse of `quantize_tokens` (up to the quantization error, and with a rank,
+    the directions its basis leaves out): float32 [B, KH, N, Wd]."""
+    dense = _dequantized(payload, scale, zero, spec, spec.codes_of(payload.shape[-1]))
+    if spec.rank:
+        dense = jnp.einsum("BKNr,Kwr->BKNw", dense, spec.bases())
     return turn(dense, spec, _at(positions)) if spec.rope else dense
 
 
@@ -325,7 +390,7 @@ def sketch_scores(payload: Array, spec: Storage, q: Array) -> Array:
     """What the residual sketch adds to the scores of queries q [B, KH, M, Wd] over the
     payload rows [B, KH, P, .]: QJL's unbiased estimate of <q, residual>,
     sqrt(pi / 2) / m x |residual| x <S q, sign(S residual)> (TurboQuant's residual)."""
-    width = spec.width_of(payload.shape[-1])
+    width = spec.codes_of(payload.shape[-1])
     start = spec.coded_bytes(width)
     signs = unpack(payload[..., start : start + spec.sketch // 8], 1).astype(jnp.float32)
     norm = payload[..., start + spec.sketch // 8 :]
@@ -356,7 +421,7 @@ def _at(positions: Array | None) -> Array:
 def _dequantized(
     payload: Array, scale: Array | None, zero: Array | None, spec: Storage, width: int
 ) -> Array:
-    """The codes and outliers of payload rows (of `width` numbers) as float32 numbers."""
+    """The codes and outliers of payload rows (of `width` coded numbers) as float32 numbers."""
     codes = unpack(payload[..., : width * spec.bits // 8], spec.bits)
     if spec.calibrated:
         dense = levels(codes, spec) * spec.static_scale()

@@ -36,7 +36,8 @@ class QuantizedTensor:
 
     @property
     def width(self) -> int:
-        """W: numbers per token and head (the payload's last axis, unpacked)."""
+        """W: numbers per token and head (the payload's last axis, unpacked; read back
+        through a basis, its width)."""
         packed = self.payload.shape[-1]
         return packed if not self.spec.quantized else self.spec.width_of(packed)
 
@@ -266,10 +267,11 @@ def empty_tensor(
     payload = jnp.zeros((batch, heads, p, spec.row_bytes(width)), jnp.uint8)
     if spec.calibrated:  # the scales are the layer's static ranges, not stored
         return QuantizedTensor(payload, None, None, ring, spec)
+    coded = spec.coded_width(width)
     if spec.axis == "token":
-        scale_shape = (batch, heads, p, width // spec.group_size)
+        scale_shape = (batch, heads, p, coded // spec.group_size)
     else:
-        scale_shape = (batch, heads, p // spec.group_size, width)
+        scale_shape = (batch, heads, p // spec.group_size, coded)
     scale = jnp.zeros(scale_shape, dtype_of(spec.scale_dtype))
     zero = jnp.zeros(scale_shape, dtype_of(spec.scale_dtype)) if spec.has_zero else None
     return QuantizedTensor(payload, scale, zero, ring, spec)
