@@ -385,8 +385,7 @@ def save_bases(path: str | os.PathLike, found: Mapping[str, np.ndarray]) -> None
     for name, array in arrays.items():
         if array.ndim != 4 or not np.isfinite(array).all():
             raise ValueError(
-                f"bases {name!r} of shape {array.shape} are not finite [layers, KV heads, "
-                "W, rank]"
+                f"bases {name!r} of shape {array.shape} are not finite [layers, KV heads, W, rank]"
             )
     buffer = io.BytesIO()
     np.savez(buffer, **arrays)
