@@ -12,8 +12,8 @@ and bytes per token at --length (as kvlab.cache_bytes counts them, with each
 recipe's full-precision residual); for the recipes --ruler names and the
 bfloat16 cache, the RULER score (kvlab/data/ruler.py's synthetic tasks at
 --length tokens, greedy answers from each context's cache: kvlab.eval.benchmark).
-Each recipe is a set of cache fields (`RECIPES`); what one calibrates (scales
-per channel or head, codebooks) is fitted on 8 x 512 tokens of the 'train'
+Each recipe is a set of cache fields (`RECIPES`); what one calibrates (bases,
+scales per channel or head, codebooks) is fitted on 8 x 512 tokens of the 'train'
 files and kept beside the results. Writes results.json, table.md and
 storage.png (atomically) under --workdir.
 """
@@ -41,6 +41,9 @@ KVQUANT = dict(
     k_format="codebook", v_format="codebook", k_axis="calibrated", v_axis="token",
     k_before_rope=True, k_outliers=1, v_outliers=1,
 )  # fmt: skip
+# Palu: keys before RoPE and values, each KV head's coded in its principal directions
+# (fitted on the calibration tokens: kvlab.eval.calibrate.bases), codes per token.
+PALU = dict(k_before_rope=True, k_axis="token", v_axis="token", bases=True)
 
 # name: (cache fields, what it is); every recipe groups scales over 32 numbers or tokens
 RECIPES = {
@@ -62,6 +65,14 @@ RECIPES = {
     "KVQuant-4": (dict(KVQUANT, k_bits=4, v_bits=4, scales="channel"),
                   "KVQuant at 4 bits: pre-RoPE per-channel keys, fitted levels, outliers"),
     "KVQuant-2": (dict(KVQUANT, k_bits=2, v_bits=2, scales="channel"), "the same at 2 bits"),
+    "Palu k32 v48 8-bit": (dict(PALU, k_bits=8, v_bits=8, k_rank=32, v_rank=48),
+                           "Palu: 32 of a head's 64 key directions, 48 value ones; 8-bit codes"),
+    "Palu k16 v32 8-bit": (dict(PALU, k_bits=8, v_bits=8, k_rank=16, v_rank=32),
+                           "Palu: 16 key directions, 32 value ones; 8-bit codes"),
+    "Palu k32 v48 4-bit": (dict(PALU, k_bits=4, v_bits=4, k_rank=32, v_rank=48),
+                           "Palu with its codes at 4 bits"),
+    "Palu k32 8-bit": (dict(PALU, k_bits=8, v_bits=8, k_rank=32, v_rank=0),
+                       "keys alone in 32 directions, values 8-bit"),
     "KIVI-4 + snapkv 50%": (dict(KIVI, k_bits=4, v_bits=4, evict=dict(method="snapkv",
                                                                       ratio=0.5)),
                             "KIVI-4 keeping half the tokens (SnapKV, every step)"),
@@ -74,7 +85,8 @@ _LENGTH = flags.DEFINE_integer("length", 512, "Tokens per window.")
 _GROUP = flags.DEFINE_integer("group_size", 32, "Numbers (or tokens) sharing a scale.")
 _RECIPES = flags.DEFINE_list("recipes", list(RECIPES), "Recipes evaluated (RECIPES' names).")
 _RULER = flags.DEFINE_list(
-    "ruler", ["KIVI-2", "rotated codebook 2", "rotated codebook 2 + sketch", "KVQuant-2"],
+    "ruler", ["KIVI-2", "rotated codebook 2", "rotated codebook 2 + sketch", "KVQuant-2",
+              "Palu k32 8-bit", "Palu k32 v48 8-bit"],
     "Recipes also scored on RULER's tasks at --length; the bfloat16 cache always is.",
 )  # fmt: skip
 _RULER_SAMPLES = flags.DEFINE_integer("ruler_samples", 2, "RULER records per task.")
@@ -88,10 +100,15 @@ def recipe_cache(base, name: str, calibration, cfg, params, workdir: str):
     fields = dict(fields)
     per = fields.pop("scales", None)
     evict = fields.pop("evict", None)
+    fit_bases = fields.pop("bases", False)
     cache.update(fields)
     if evict:
         cache.evict.update(evict)
     tag = name.replace(" ", "_").replace("%", "").replace("+", "and")
+    if fit_bases:  # first: scales and codebooks fit the coordinates in the bases
+        path = os.path.join(workdir, f"bases_{tag}.npz")
+        calibrate.save_bases(path, calibrate.bases(cfg.model, cache, params, calibration))
+        cache.bases = path
     if per:
         path = os.path.join(workdir, f"scales_{tag}.npz")
         calibrate.save_scales(path, calibrate.scales(cfg.model, cache, params, calibration, per))

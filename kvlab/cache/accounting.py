@@ -222,6 +222,7 @@ def cache_label(model_cfg: Mapping, cache_cfg: Mapping) -> str:
                 + ("with calibrated scales" if axis == "calibrated" else f"per {axis}")
                 + _outliers_words(cache_cfg[f"{p}_outliers"])
                 + (" before RoPE" if p == "k" and cache_cfg["k_before_rope"] else "")
+                + (f" in {cache_cfg[f'{p}_rank']} directions" if cache_cfg[f"{p}_rank"] else "")
                 + (
                     f" and a {cache_cfg['k_sketch']}-bit residual sketch"
                     if p == "k" and cache_cfg["k_sketch"]
