@@ -73,6 +73,11 @@ RECIPES = {
                            "Palu with its codes at 4 bits"),
     "Palu k32 8-bit": (dict(PALU, k_bits=8, v_bits=8, k_rank=32, v_rank=0),
                        "keys alone in 32 directions, values 8-bit"),
+    "MiniCache from 15": (dict(topology="minicache:15"),
+                          "MiniCache: layers 15-28 merged in pairs (SLERP t=0.6), 5% of the "
+                          "tokens kept whole"),
+    "MiniCache from 23": (dict(topology="minicache:23"),
+                          "the same from layer 23 (three pairs)"),
     "KIVI-4 + snapkv 50%": (dict(KIVI, k_bits=4, v_bits=4, evict=dict(method="snapkv",
                                                                       ratio=0.5)),
                             "KIVI-4 keeping half the tokens (SnapKV, every step)"),
@@ -94,10 +99,13 @@ _RULER_TASKS = flags.DEFINE_list("ruler_tasks", list(RULER_TASKS), "RULER tasks 
 
 
 def recipe_cache(base, name: str, calibration, cfg, params, workdir: str):
-    """`base` with recipe `name`'s fields and its calibrated files (written once)."""
+    """(the model section, `base` with recipe `name`'s fields) and its calibrated
+    files (written once); a recipe's `topology` is the model's."""
     fields, _ = RECIPES[name]
     cache = base.copy_and_resolve_references()
     fields = dict(fields)
+    model = cfg.model.copy_and_resolve_references()
+    model.topology = fields.pop("topology", model.topology)
     per = fields.pop("scales", None)
     evict = fields.pop("evict", None)
     fit_bases = fields.pop("bases", False)
@@ -117,7 +125,7 @@ def recipe_cache(base, name: str, calibration, cfg, params, workdir: str):
         path = os.path.join(workdir, f"codebooks_{tag}.npz")
         calibrate.save_codebooks(path, calibrate.codebooks(cfg.model, cache, params, calibration))
         cache.codebooks = path
-    return cache
+    return model, cache
 
 
 def plot(rows: list[dict], base: dict, path: str) -> None:
@@ -159,39 +167,40 @@ def main(argv):
     if _RULER.value:
         records = ruler_records(tokenizer.encode, _RULER_TASKS.value, length, _RULER_SAMPLES.value)
 
-    def ruler(cache) -> float:
+    def ruler(model, cache) -> float:
         """The mean RULER score (0-100) of the records through `cache`."""
-        scored = run_benchmark(cfg.model, params, tokenizer, records, cache)
+        scored = run_benchmark(model, params, tokenizer, records, cache)
         return 100 * float(np.mean([r["score"] for r in scored]))
 
-    def bytes_per_token(cache) -> int:
-        return kvlab.cache_bytes(cfg.model, cache, 1, length) // length
+    def bytes_per_token(model, cache) -> int:
+        return kvlab.cache_bytes(model, cache, 1, length) // length
 
     os.makedirs(_WORKDIR.value, exist_ok=True)
     rows = []
     for name in _RECIPES.value:
-        cache = recipe_cache(base, name, calibration, cfg, params, _WORKDIR.value)
-        result = evaluate(cfg.model, cache, params, batches, **on, reference=reference)
+        model, cache = recipe_cache(base, name, calibration, cfg, params, _WORKDIR.value)
+        result = evaluate(model, cache, params, batches, **on, reference=reference)
         change, half = loss_change(result, reference.result)
         rows.append(
             dict(
                 recipe=name,
                 what=RECIPES[name][1],
-                label=kvlab.cache.accounting.cache_label(cfg.model, cache),
-                bytes_per_token=bytes_per_token(cache),
+                label=kvlab.cache.accounting.cache_label(model, cache)
+                + ("" if model.topology == "layerwise" else f"; {model.topology}"),
+                bytes_per_token=bytes_per_token(model, cache),
                 ppl=result["ppl"],
                 loss_change=change,
                 loss_change_95=half,
                 kl_mean=result["kl_mean"],
-                ruler=ruler(cache) if name in _RULER.value and records else None,
+                ruler=ruler(model, cache) if name in _RULER.value and records else None,
             )
         )
         print(json.dumps(rows[-1]), flush=True)
     full = dict(
         ppl=reference.result["ppl"],
         length=length,
-        bytes_per_token=bytes_per_token(base),
-        ruler=ruler(base) if records else None,
+        bytes_per_token=bytes_per_token(cfg.model, base),
+        ruler=ruler(cfg.model, base) if records else None,
     )
     seconds = time.perf_counter() - begin
     report = dict(

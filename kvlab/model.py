@@ -164,6 +164,13 @@ def check_cache(config, cache: Cache) -> None:
             f"the cache has {len(cache.layers)} layers but model.num_layers="
             f"{config.num_layers}{shared}: {fix}"
         )
+    joint = topology.joint_layers(config)
+    for i, layer in enumerate(cache.layers):
+        if (i in joint) != bool(getattr(layer, "joint", False)):
+            raise ValueError(
+                f"cache layer {i} is {'not ' if i in joint else ''}one the model's topology "
+                f"(model.topology={config.topology!r}) builds to store a run of layers: {fix}"
+            )
     windows = topology.cache_windows(config)
     for i, (layer, window) in enumerate(zip(cache.layers, windows, strict=True)):
         policy = getattr(layer, "policy", None)
@@ -190,8 +197,11 @@ def check_cache(config, cache: Cache) -> None:
                 f"cache layer {i} stores (heads, width) {layer.tensor_shapes()} but the "
                 f"cached tensors are {[(t.heads, t.width) for t in expected]}: {fix}"
             )
-        # Layers of one kind (a hybrid model's sliding and full layers differ) are alike.
-        j = windows.index(windows[i])
+        # Layers of one kind (a hybrid model's sliding and full layers, a topology's
+        # joint ones and the others differ) are alike.
+        j = next(
+            k for k in range(i + 1) if windows[k] == windows[i] and (k in joint) == (i in joint)
+        )
         first = cache.layers[j]
         same = structure(layer) == structure(first) and [
             (slotted(x, first), x.dtype) for x in jax.tree.leaves(first)
@@ -310,16 +320,20 @@ class Transformer(nn.Module):
         embed = Embedding(cfg, name="embed")
         x = embed(tokens)  # [B, T, D]
         # Each run of model layers that share a cache layer (kvlab/cache/topology):
-        # the first reads it, each attends, the last writes it.
+        # the first reads it, each attends, the last writes it (a joint run's layers
+        # each read it as theirs, and the last writes every layer's tokens).
         owner, windows = topology.cache_layers(cfg), layer_windows(cfg)
         new_layers, state = [], None
         for i, c in enumerate(owner):
-            produces = i == 0 or owner[i - 1] != c
+            first = i == 0 or owner[i - 1] != c
+            produces = topology.produces(cfg, i)
             commits = i == len(owner) - 1 or owner[i + 1] != c
             block = Block(cfg, i, produces, commits, name=f"block_{i}")
             # With a cache, a sliding layer's ring bands its reads itself (kvlab/cache/evict/).
             placed = placement[windows[i]] if cache is None else placement
-            x, state = block(x, placed, layers[c] if produces else state)
+            # Without a cache, a joint run's layers each attend over their own tokens.
+            given = layers[c] if first or (produces and cache is None) else state
+            x, state = block(x, placed, given)
             if commits:
                 new_layers.append(state)
         if logits_at is not None:

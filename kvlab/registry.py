@@ -144,6 +144,7 @@ TOPOLOGIES = Registry(
     shipped={
         "layerwise": "kvlab.cache.topology",
         "cla": "kvlab.cache.topology.cla",
+        "minicache": "kvlab.cache.topology.minicache",
     },
     group="kvlab.topologies",
 )

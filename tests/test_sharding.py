@@ -409,6 +409,31 @@ def test_on_mesh_calibrated_scales_and_outliers_are_unchanged(tmp_path):
     assert all(t.scale is None for t in cache.layers[0].tensors)
 
 
+@on_eight
+def test_on_mesh_merged_layers_and_codes_in_a_basis_are_unchanged(tmp_path):
+    """MiniCache's merged pair (directions, magnitudes, kept tokens and their
+    positions split by rows and heads) beside a layer of its own; then keys
+    and values coded in 8 of their directions (the bases split with their heads
+    as constants)."""
+    cfg = model_config((2, 2, 2), num_layers=3, topology="minicache:1,keep=0.25")
+    mesh, rules = mesh_of(cfg)
+    params = kvlab.init_params(cfg.model, jax.random.key(0))
+    placed = placed_params(cfg, params, mesh, rules)
+    cache = through_the_cache(cfg, mesh, rules, kvlab.Transformer(cfg.model), params, placed)
+    assert [type(layer).__name__ for layer in cache.layers] == ["DenseLayer", "MergedLayer"]
+    cfg = model_config((2, 2, 2), num_layers=1)
+    width = cfg.model.head_dim
+    basis = np.linalg.qr(np.random.default_rng(0).normal(size=(1, 2, width, width)))[0][..., :8]
+    path = str(tmp_path / "bases.npz")
+    kvlab.eval.calibrate.save_bases(path, {"k": basis, "v": basis})
+    cfg.cache.update(k_bits=8, v_bits=8, k_rank=8, v_rank=8, group_size=8, bases=path)
+    cfg.cache.update(k_axis="token")
+    mesh, rules = mesh_of(cfg)
+    params = kvlab.init_params(cfg.model, jax.random.key(0))
+    placed = placed_params(cfg, params, mesh, rules)
+    through_the_cache(cfg, mesh, rules, kvlab.Transformer(cfg.model), params, placed)
+
+
 def through_the_cache(cfg, mesh, rules, model, params, placed):
     """A prefill and three decode steps on the mesh give one device's logits, with
     the cache laid out by the rules before and after; returns the cache."""
@@ -446,7 +471,8 @@ def assert_cache_layout(cache, heads=("tensor",)):
         name = jax.tree_util.keystr(path)
         per_row = any(part in name for part in (".ring", ".positions", ".scores"))
         pooled = isinstance(cache, kvlab.cache.PagedCache) and not per_row
-        if "lengths" in name or "errors" in name or "block_tables" in name:
+        per_row_only = ("lengths", "errors", "block_tables", "kept_positions", "kept_distance")
+        if any(part in name for part in per_row_only):
             want = P(ROWS)
         else:
             want = P(*heads) if pooled else by_rows

@@ -187,6 +187,26 @@ def read_layer(layer, fresh: tuple, placement) -> Read:
     return Read(layer, placement, regions, pending, layer.observe(placement))
 
 
+@dataclasses.dataclass(frozen=True)
+class Joint:
+    """A joint cache layer (kvlab/cache/topology) between the layers of its run: the
+    tokens each layer before computed, which the run's last layer writes."""
+
+    layer: object
+    pending: tuple
+
+
+def _through_joint(state, fresh: tuple, placement, attention, commits: bool):
+    """`through_layer` over a cache layer its run's layers read each as their own."""
+    layer, earlier = (state.layer, state.pending) if isinstance(state, Joint) else (state, ())
+    regions, pending = layer.read(fresh, placement, len(earlier))
+    out = attention(regions, None, True)
+    pending = (*earlier, pending)
+    if not commits:
+        return out, Joint(layer, pending)
+    return out, layer.write(ordered_after(pending, out), placement)
+
+
 def through_layer(
     state, fresh: tuple | None, placement, attention, commits: bool = True, queries=None
 ):
@@ -205,6 +225,8 @@ def through_layer(
     they meet the layer's first cached tensor; called only for such layers);
     `queries` None if the attention kind offers none.
     """
+    if isinstance(state, Joint) or getattr(state, "joint", False):
+        return _through_joint(state, fresh, placement, attention, commits)
     read = state if isinstance(state, Read) else read_layer(state, fresh, placement)
     if read.observe is None:
         out = attention(read.regions, None, read.cached)

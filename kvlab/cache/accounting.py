@@ -87,12 +87,22 @@ def cache_bytes(
     rows_held = batch_size // split("cache_batch", batch_size)  # rows on one device
     # Each kind of layer (a hybrid model's sliding and full ones) as its own sections.
     windows = topology.cache_windows(model_cfg)
+    joint = topology.joint_layers(model_cfg)  # built by the topology: counted by it
     layers = sum(
         _layers_bytes(
-            m, c, [i for i, x in enumerate(windows) if x == w], batch_size, seq_len, split
-        )
+            m,
+            c,
+            [i for i, x in enumerate(windows) if x == w and i not in joint],
+            batch_size,
+            seq_len,
+            split,
+        )  # fmt: skip
         for w, (m, c) in layer_sections(model_cfg, cache_cfg).items()
     )
+    if joint:
+        shape, arg = topology.parse(model_cfg["topology"])
+        each = shape.layer_bytes(arg, model_cfg, cache_cfg, rows_held, seq_len, split)
+        layers += len(joint) * each
     return layers + ROW_BYTES * rows_held
 
 

@@ -104,7 +104,12 @@ def init_cache(
     plan = evict.policies(model_cfg, cache_cfg, max_len) or (None,) * len(sections)
     specs = [quant.storages(m, c, layer) for layer, (m, c) in enumerate(sections)]
     layers, in_pages = [], []
+    joint = topology.joint_layers(model_cfg)
+    shape, arg = topology.parse(model_cfg["topology"])
     for i, (layer_model, layer_cache) in enumerate(sections):
+        if i in joint:  # a run's tokens stored together, as its topology builds them
+            layers.append(shape.build(arg, model_cfg, cache_cfg, batch_size, max_len))
+            continue
         if layer_cache["kind"] == "paged":
             in_pages.append(i)
             layers.append(None)
@@ -266,6 +271,8 @@ POOL_AXES = PartitionSpec("cache_heads", "cache_pages", None, None)
 
 
 def _layer_axes(layer):
+    if hasattr(layer, "axes"):  # a topology's own layer (kvlab/cache/topology) says
+        return layer.axes()
     if isinstance(layer, (evict.EvictingLayer, evict.PagedEvictingLayer)):
         per_slot = PartitionSpec("cache_batch", "cache_heads", None)
         paged_layer = isinstance(layer, evict.PagedEvictingLayer)

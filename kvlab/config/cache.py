@@ -35,7 +35,7 @@ from kvlab.config.schema import (
     is_hybrid,
     layer_windows,
 )
-from kvlab.registry import FORMATS, SCORERS, TRANSFORMS, WRAPPERS
+from kvlab.registry import FORMATS, SCORERS, TOPOLOGIES, TRANSFORMS, WRAPPERS
 
 
 def validate_cache_config(cache: Mapping, model: Mapping | None = None) -> None:
@@ -441,6 +441,8 @@ def _validate_cache_for_model(cache: Mapping, model: Mapping) -> None:
                 "choose another cache.evict.method",
             )
     _validate_before_rope(cache, model)
+    name, _, arg = model["topology"].partition(":")
+    TOPOLOGIES.get(name).check_cache(arg, model, cache)
     if cache["k_sketch"] and (model["attention"] != "gqa" or cache["k_bits"] == 16):
         fail(
             "cache.k_sketch",

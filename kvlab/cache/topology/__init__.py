@@ -14,6 +14,14 @@ check of a cache all read this one mapping, so a topology is one class:
 "layerwise" here (a cache layer per model layer), "cla" in cla.py (Cross-Layer
 Attention, arXiv:2405.12981). `model.topology` names one, with its argument
 after a colon ("cla:2"); kvlab.registry.TOPOLOGIES finds it.
+
+A topology may instead have every layer of a run compute its own keys and
+values (`every_layer_produces`) and store the run's tokens jointly in a cache
+layer of its own kind (`joint_layers`, `build`, `layer_bytes`): each layer of
+the run reads it as its member (`read(fresh, placement, member)`) and the
+run's last layer writes every member's tokens at once (`write(pendings,
+placement)`; kvlab.attention.core.through_layer). "minicache" in minicache.py
+(MiniCache, arXiv:2405.14366) merges adjacent layers so.
 """
 
 from __future__ import annotations
@@ -42,6 +50,27 @@ class Topology:
         """The cache layer of each of the model's `num_layers` layers."""
         return tuple(range(num_layers))
 
+    # A run whose layers each compute keys and values, stored jointly (module docstring).
+    every_layer_produces = False
+
+    def joint_layers(self, arg: str, num_layers: int) -> tuple[int, ...]:
+        """The cache layers this topology builds itself (`build`): none here."""
+        return ()
+
+    def check_cache(self, arg: str, model_cfg: Mapping, cache_cfg: Mapping) -> None:
+        """ValueError naming the field a cache section cannot have under this topology."""
+
+    def build(self, arg: str, model_cfg: Mapping, cache_cfg: Mapping, batch: int, max_len: int):
+        """An empty joint cache layer (one of `joint_layers`)."""
+        raise NotImplementedError(f"topology {self.name!r} builds no cache layer of its own")
+
+    def layer_bytes(
+        self, arg: str, model_cfg: Mapping, cache_cfg: Mapping, rows: int, max_len: int, split
+    ) -> int:
+        """Bytes of one joint cache layer holding `rows` rows (`split(logical axis,
+        size)`: the pieces a mesh cuts it in, kvlab.cache.accounting)."""
+        raise NotImplementedError(f"topology {self.name!r} builds no cache layer of its own")
+
 
 LAYERWISE = TOPOLOGIES.register(Topology())
 
@@ -63,9 +92,17 @@ def num_cache_layers(model_cfg: Mapping) -> int:
 
 
 def produces(model_cfg: Mapping, index: int) -> bool:
-    """Whether model layer `index` computes keys and values (the first of its run)."""
+    """Whether model layer `index` computes keys and values (the first of its run,
+    or every layer where the topology stores a run's tokens jointly)."""
     layers = cache_layers(model_cfg)
-    return index == 0 or layers[index - 1] != layers[index]
+    first = index == 0 or layers[index - 1] != layers[index]
+    return first or parse(model_cfg["topology"])[0].every_layer_produces
+
+
+def joint_layers(model_cfg: Mapping) -> tuple[int, ...]:
+    """The cache layers the model's topology builds itself (module docstring)."""
+    topology, arg = parse(model_cfg["topology"])
+    return topology.joint_layers(arg, model_cfg["num_layers"])
 
 
 def cache_windows(model_cfg: Mapping) -> tuple[int, ...]:
