@@ -213,7 +213,9 @@ def through_layer(
     """Reads a cache layer, attends, writes: (attention output, new layer).
 
     `state` is a cache layer (None: no cache) or a `Read` another layer's
-    attention made (cross-layer topologies; `fresh` is then unused). Without
+    attention made (cross-layer topologies; `fresh` is then unused); a joint
+    cache layer (a topology's own, `joint`) or the `Joint` of its run so far is
+    read as the next member's and written by the run's last layer. Without
     `commits` the read comes back instead of the written layer, for later
     layers to attend over. `attention(regions, observe, cached)` attends over
     the regions (pairs of tensors and mask) and returns the output, or
