@@ -25,6 +25,7 @@ from kvlab.cache.dense import Cache, DenseLayer
 from kvlab.cache.evict import EvictingLayer, PagedEvictingLayer, PrunedKeys
 from kvlab.cache.paged import PagedCache, PagedLayer, PagedQuantizedLayer
 from kvlab.cache.quant import Flush, QuantizedLayer, QuantizedTensor
+from kvlab.cache.topology.minicache import MergedLayer
 
 PYTREES = (
     Cache,
@@ -38,6 +39,7 @@ PYTREES = (
     EvictingLayer,
     PagedEvictingLayer,
     PrunedKeys,
+    MergedLayer,  # a topology's own layer (kvlab/cache/topology)
 )
 
 

@@ -15,7 +15,7 @@ from kvlab.cache.dense import place_after
 from kvlab.cache.topology import cache_layers, joint_layers
 from kvlab.cache.topology.minicache import MiniCache
 from tests.helpers import VARIANTS, build, last_logits, random_tokens
-from tests.test_export import assert_exports, inference
+from tests.test_export import assert_exports, assert_round_trips, inference
 
 
 def merged(topology: str, num_layers: int = 4):
@@ -191,7 +191,8 @@ def test_a_cache_it_cannot_merge_is_refused_naming_the_field():
         build(five)[2]({"params": build(five)[1]}, random_tokens(cfg, (1, 4)), cache=shared)
 
 
-def test_a_merged_cache_exports_for_tpu_and_cuda():
+def test_a_merged_cache_exports_for_tpu_and_cuda_and_round_trips():
     cfg = merged("minicache:2")
     program, arguments = inference(cfg, loops=False)
     assert_exports(program, arguments, kernel=False)
+    assert_round_trips(merged("minicache:2,keep=0.1"))
