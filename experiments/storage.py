@@ -12,8 +12,11 @@ and bytes per token at --length (as kvlab.cache_bytes counts them, with each
 recipe's full-precision residual); for the recipes --ruler names and the
 bfloat16 cache, the RULER score (kvlab/data/ruler.py's synthetic tasks at
 --length tokens, greedy answers from each context's cache: kvlab.eval.benchmark).
-Each recipe is a set of cache fields (`RECIPES`); what one calibrates (bases,
-scales per channel or head, codebooks) is fitted on 8 x 512 tokens of the 'train'
+Each recipe is a set of cache fields (`RECIPES`) or a topology (MiniCache,
+xKV: layers whose caches are stored together, which read a step's own tokens
+uncoded, so they read the windows a token a step, as decoding does, where
+every other recipe's logits do not depend on the chunk); what one calibrates
+(bases, scales per channel or head, codebooks) is fitted on 8 x 512 tokens of the 'train'
 files and kept beside the results. Writes results.json, table.md and
 storage.png (atomically) under --workdir.
 """
@@ -78,6 +81,11 @@ RECIPES = {
                           "tokens kept whole"),
     "MiniCache from 23": (dict(topology="minicache:23"),
                           "the same from layer 23 (three pairs)"),
+    "xKV pairs k64 v96": (dict(topology="xkv:2", k_rank=64, v_rank=96, bases=True),
+                          "xKV: each pair of layers' keys (before RoPE) and values coded in "
+                          "one basis of 64 / 96 of their 128 directions, 16-bit codes"),
+    "xKV pairs k32 v64": (dict(topology="xkv:2", k_rank=32, v_rank=64, bases=True),
+                          "the same in 32 / 64 directions"),
     "KIVI-4 + snapkv 50%": (dict(KIVI, k_bits=4, v_bits=4, evict=dict(method="snapkv",
                                                                       ratio=0.5)),
                             "KIVI-4 keeping half the tokens (SnapKV, every step)"),
@@ -88,6 +96,9 @@ _WORKDIR = flags.DEFINE_string("workdir", "runs/storage", "Where results go.")
 _WINDOWS = flags.DEFINE_integer("windows", 16, "Held-out windows.")
 _LENGTH = flags.DEFINE_integer("length", 512, "Tokens per window.")
 _GROUP = flags.DEFINE_integer("group_size", 32, "Numbers (or tokens) sharing a scale.")
+_CHUNK = flags.DEFINE_integer(
+    "chunk", 64, "Prefill chunk (a topology's recipes read a token at a time, see above)."
+)
 _RECIPES = flags.DEFINE_list("recipes", list(RECIPES), "Recipes evaluated (RECIPES' names).")
 _RULER = flags.DEFINE_list(
     "ruler", ["KIVI-2", "rotated codebook 2", "rotated codebook 2 + sketch", "KVQuant-2",
@@ -115,15 +126,15 @@ def recipe_cache(base, name: str, calibration, cfg, params, workdir: str):
     tag = name.replace(" ", "_").replace("%", "").replace("+", "and")
     if fit_bases:  # first: scales and codebooks fit the coordinates in the bases
         path = os.path.join(workdir, f"bases_{tag}.npz")
-        calibrate.save_bases(path, calibrate.bases(cfg.model, cache, params, calibration))
+        calibrate.save_bases(path, calibrate.bases(model, cache, params, calibration))
         cache.bases = path
     if per:
         path = os.path.join(workdir, f"scales_{tag}.npz")
-        calibrate.save_scales(path, calibrate.scales(cfg.model, cache, params, calibration, per))
+        calibrate.save_scales(path, calibrate.scales(model, cache, params, calibration, per))
         cache.scales = path
     if "codebook" in (cache.k_format, cache.v_format):
         path = os.path.join(workdir, f"codebooks_{tag}.npz")
-        calibrate.save_codebooks(path, calibrate.codebooks(cfg.model, cache, params, calibration))
+        calibrate.save_codebooks(path, calibrate.codebooks(model, cache, params, calibration))
         cache.codebooks = path
     return model, cache
 
@@ -161,8 +172,9 @@ def main(argv):
     calibration = calibrate.calibration_tokens(tokenizer.encode, 8, 512)
     base = cfg.cache.copy_and_resolve_references()
     base.update(dtype="bfloat16", group_size=_GROUP.value, scale_dtype="bfloat16")
-    on = dict(chunk=64, windows=True)
-    reference = evaluate_reference(cfg.model, base, params, batches, **on)
+    on = dict(chunk=_CHUNK.value, windows=True)
+    references = {on["chunk"]: evaluate_reference(cfg.model, base, params, batches, **on)}
+    reference = references[on["chunk"]]
     records = []
     if _RULER.value:
         records = ruler_records(tokenizer.encode, _RULER_TASKS.value, length, _RULER_SAMPLES.value)
@@ -179,8 +191,13 @@ def main(argv):
     rows = []
     for name in _RECIPES.value:
         model, cache = recipe_cache(base, name, calibration, cfg, params, _WORKDIR.value)
-        result = evaluate(model, cache, params, batches, **on, reference=reference)
-        change, half = loss_change(result, reference.result)
+        # A run stored jointly reads a step's own tokens uncoded: a token a step, as decoding.
+        chunked = dict(on, chunk=1) if model.topology != "layerwise" else on
+        if chunked["chunk"] not in references:  # the bfloat16 cache read alike
+            references[1] = evaluate_reference(cfg.model, base, params, batches, **chunked)
+        against = references[chunked["chunk"]]
+        result = evaluate(model, cache, params, batches, **chunked, reference=against)
+        change, half = loss_change(result, against.result)
         rows.append(
             dict(
                 recipe=name,

@@ -186,6 +186,8 @@ def check_cache(config, cache: Cache) -> None:
 
     def structure(layer):  # an evicting layer's policy names its layer: compare the arrays
         layer = jax.tree.map(_untabled, layer, is_leaf=lambda x: isinstance(x, QuantizedTensor))
+        if hasattr(layer, "alike"):  # a topology's own layer, without what differs by run
+            layer = layer.alike()
         if isinstance(layer, EVICTING):
             arrays = layer.pools if isinstance(layer, PagedEvictingLayer) else layer.tensors
             return type(layer), jax.tree.structure((arrays, layer.positions, layer.scores))

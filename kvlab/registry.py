@@ -145,6 +145,7 @@ TOPOLOGIES = Registry(
         "layerwise": "kvlab.cache.topology",
         "cla": "kvlab.cache.topology.cla",
         "minicache": "kvlab.cache.topology.minicache",
+        "xkv": "kvlab.cache.topology.xkv",
     },
     group="kvlab.topologies",
 )

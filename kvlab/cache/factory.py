@@ -108,7 +108,7 @@ def init_cache(
     shape, arg = topology.parse(model_cfg["topology"])
     for i, (layer_model, layer_cache) in enumerate(sections):
         if i in joint:  # a run's tokens stored together, as its topology builds them
-            layers.append(shape.build(arg, model_cfg, cache_cfg, batch_size, max_len))
+            layers.append(shape.build(arg, model_cfg, cache_cfg, batch_size, max_len, i))
             continue
         if layer_cache["kind"] == "paged":
             in_pages.append(i)

@@ -26,6 +26,7 @@ from kvlab.cache.evict import EvictingLayer, PagedEvictingLayer, PrunedKeys
 from kvlab.cache.paged import PagedCache, PagedLayer, PagedQuantizedLayer
 from kvlab.cache.quant import Flush, QuantizedLayer, QuantizedTensor
 from kvlab.cache.topology.minicache import MergedLayer
+from kvlab.cache.topology.xkv import SharedBasisLayer
 
 PYTREES = (
     Cache,
@@ -39,7 +40,8 @@ PYTREES = (
     EvictingLayer,
     PagedEvictingLayer,
     PrunedKeys,
-    MergedLayer,  # a topology's own layer (kvlab/cache/topology)
+    MergedLayer,  # topologies' own layers (kvlab/cache/topology)
+    SharedBasisLayer,
 )
 
 

@@ -442,7 +442,8 @@ def _validate_cache_for_model(cache: Mapping, model: Mapping) -> None:
             )
     _validate_before_rope(cache, model)
     name, _, arg = model["topology"].partition(":")
-    TOPOLOGIES.get(name).check_cache(arg, model, cache)
+    topology = TOPOLOGIES.get(name)
+    topology.check_cache(arg, model, cache)
     if cache["k_sketch"] and (model["attention"] != "gqa" or cache["k_bits"] == 16):
         fail(
             "cache.k_sketch",
@@ -495,12 +496,13 @@ def _validate_cache_for_model(cache: Mapping, model: Mapping) -> None:
                     f"set cache.{used[0]}_{field} / cache.{used[1]}_{field} instead and leave "
                     f"cache.{prefix}_{field}={unset!r}",
                 )
+    runs_coded = topology.codes_in_bases  # its check_cache checks the ranks
     for tensor in cached_tensors(model):
         prefix, width, width_name = tensor.prefix, tensor.width, tensor.width_field
         transform = TRANSFORMS.get(cache[f"{prefix}_transform"])
         transform.check(width, f"cache.{prefix}_transform")
         bits, outliers = cache[f"{prefix}_bits"], cache[f"{prefix}_outliers"]
-        rank = cache[f"{prefix}_rank"]
+        rank = 0 if runs_coded else cache[f"{prefix}_rank"]
         if rank and (bits == 16 or rank > width):
             fail(
                 f"cache.{prefix}_rank",

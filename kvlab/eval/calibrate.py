@@ -45,6 +45,7 @@ from kvlab.cache.quant.storage import (
     by_groups,
     calibrated_ranges,
     layer_basis,
+    rope_numbers,
     split_outliers,
     storages,
     turn,
@@ -175,7 +176,7 @@ def _numbers(layer, index: int, spec, basis: tuple = ()) -> np.ndarray:
     if spec.rope:
         b, _, t, _ = stored.shape
         positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-        stored = turn(stored, spec, positions, back=True)
+        stored = turn(stored, spec.rope, positions, back=True)
     if basis:
         stored = jnp.einsum("BKTw,Kwr->BKTr", stored, jnp.asarray(basis, jnp.float32))
     return np.asarray(stored)
@@ -305,6 +306,8 @@ def bases(model_cfg: Mapping, cache_cfg: Mapping, params, tokens: np.ndarray) ->
     projection fitted on activations (SVD-LLM's whitening): Palu stores x W_k B,
     the same numbers, by folding B into the key projection. Signs are fixed
     (each column's largest entry positive). kvlab.cache.quant.layer_basis reads them."""
+    if topology.parse(model_cfg["topology"])[0].codes_in_bases:
+        return _run_bases(model_cfg, cache_cfg, params, tokens)
     chosen, cache = _stored(model_cfg, cache_cfg, params, tokens, lambda spec: spec.rank > 0)
     if not chosen:
         raise ValueError(
@@ -313,17 +316,50 @@ def bases(model_cfg: Mapping, cache_cfg: Mapping, params, tokens: np.ndarray) ->
         )
     out = {}
     for prefix, _, index, spec in chosen:
+        rows = [_principal(_numbers(layer, index, spec), spec.rank) for layer in cache.layers]
+        out[prefix] = np.asarray(rows, np.float32)
+    return out
+
+
+def _principal(numbers: np.ndarray, rank: int) -> np.ndarray:
+    """float64[K, W, rank]: per head of `numbers` [B, K, T, W], the leading `rank`
+    eigenvectors of their second moment, each column's largest entry positive."""
+    numbers = np.asarray(numbers, np.float64)
+    heads = []
+    for head in range(numbers.shape[1]):
+        x = numbers[:, head].reshape(-1, numbers.shape[-1])
+        _, vectors = np.linalg.eigh(x.T @ x / len(x))  # ascending eigenvalues
+        basis = vectors[:, ::-1][:, :rank]
+        peak = np.take_along_axis(basis, np.abs(basis).argmax(0)[None], 0)
+        heads.append(basis * np.where(peak < 0, -1.0, 1.0))
+    return np.stack(heads)
+
+
+def _run_bases(model_cfg: Mapping, cache_cfg: Mapping, params, tokens: np.ndarray) -> dict:
+    """`bases` of a topology that codes runs of layers together (model.topology
+    'xkv:G', kvlab/cache/topology/xkv.py): per run, float32[runs, K, G W, rank],
+    the principal directions of the run's keys (before RoPE) and values side
+    by side, read from the layerwise model's float32 cache of `tokens`."""
+    shape, arg = topology.parse(model_cfg["topology"])
+    layerwise = ml_collections.ConfigDict(dict(model_cfg)).copy_and_resolve_references()
+    layerwise.topology = "layerwise"
+    plain = ml_collections.ConfigDict(dict(cache_cfg)).copy_and_resolve_references()
+    plain.update(dtype="float32", bases="", k_rank=0, v_rank=0)
+    tokens = jnp.asarray(tokens, jnp.int32)
+    cache = init_cache(layerwise, plain, tokens.shape[0], tokens.shape[1])
+    _, cache = Transformer(layerwise).apply({"params": params}, tokens, cache=cache)
+    owner = topology.cache_layers(model_cfg)
+    rope = rope_numbers(model_cfg, model_cfg["head_dim"])
+    positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
+    out = {}
+    for index, prefix in enumerate(("k", "v")):
         rows = []
-        for layer in cache.layers:
-            numbers = _numbers(layer, index, spec).astype(np.float64)  # [B, K, T, W]
-            heads = []
-            for head in range(numbers.shape[1]):
-                x = numbers[:, head].reshape(-1, numbers.shape[-1])
-                _, vectors = np.linalg.eigh(x.T @ x / len(x))  # ascending eigenvalues
-                basis = vectors[:, ::-1][:, : spec.rank]
-                peak = np.take_along_axis(basis, np.abs(basis).argmax(0)[None], 0)
-                heads.append(basis * np.where(peak < 0, -1.0, 1.0))
-            rows.append(heads)
+        for run in shape.joint_layers(arg, model_cfg["num_layers"]):
+            members = [cache.layers[i].tensors[index] for i, c in enumerate(owner) if c == run]
+            if prefix == "k":
+                members = [turn(jnp.asarray(x), rope, positions, back=True) for x in members]
+            side = np.concatenate([np.asarray(x, np.float64) for x in members], axis=-1)
+            rows.append(_principal(side, cache_cfg[f"{prefix}_rank"]))
         out[prefix] = np.asarray(rows, np.float32)
     return out
 

@@ -154,7 +154,7 @@ def storages(model_cfg: Mapping, cache_cfg: Mapping, layer: int | None = None) -
                 table=table,
                 ranges=ranges,
                 outliers=cache_cfg[f"{tensor.prefix}_outliers"] if bits < 16 else 0,
-                rope=_rope(model_cfg, tensor.width)
+                rope=rope_numbers(model_cfg, tensor.width)
                 if bits < 16 and tensor.prefix == "k" and cache_cfg["k_before_rope"]
                 else (),
                 sketch=cache_cfg["k_sketch"] if bits < 16 and tensor.prefix == "k" else 0,
@@ -165,7 +165,7 @@ def storages(model_cfg: Mapping, cache_cfg: Mapping, layer: int | None = None) -
     return tuple(out)
 
 
-def _rope(model_cfg: Mapping, width: int) -> tuple:
+def rope_numbers(model_cfg: Mapping, width: int) -> tuple:
     """`Storage.rope` of keys `width` wide: the model's RoPE as static numbers."""
     with jax.ensure_compile_time_eval():  # numbers, also while a program is traced
         inverse, factor = rope_frequencies(
@@ -333,7 +333,7 @@ def quantize_tokens(
     before RoPE: x turned back from its `positions` [B, N] first)."""
     x = x.astype(jnp.float32)
     if spec.rope:
-        x = turn(x, spec, _at(positions), back=True)
+        x = turn(x, spec.rope, _at(positions), back=True)
     if spec.rank:  # coordinates in each head's basis: [B, KH, N, rank]
         x = jnp.einsum("BKNw,Kwr->BKNr", x, spec.bases())
     extra = ()
@@ -372,7 +372,7 @@ def dequantize_tokens(
     dense = _dequantized(payload, scale, zero, spec, spec.codes_of(payload.shape[-1]))
     if spec.rank:
         dense = jnp.einsum("BKNr,Kwr->BKNw", dense, spec.bases())
-    return turn(dense, spec, _at(positions)) if spec.rope else dense
+    return turn(dense, spec.rope, _at(positions)) if spec.rope else dense
 
 
 @functools.lru_cache(maxsize=16)
@@ -400,9 +400,10 @@ def sketch_scores(payload: Array, spec: Storage, q: Array) -> Array:
     return agreement * (math.sqrt(math.pi / 2) / spec.sketch) * norm[:, :, None, :]
 
 
-def turn(x: Array, spec: Storage, positions: Array, back: bool = False) -> Array:
-    """x [B, KH, N, Wd] turned by `spec.rope` at `positions` [B, N] (back: undone)."""
-    inverse, factor = spec.rope
+def turn(x: Array, rope: tuple, positions: Array, back: bool = False) -> Array:
+    """x [B, KH, N, Wd] turned by RoPE at `positions` [B, N] (back: undone); `rope`
+    is `Storage.rope`, the model's RoPE as static numbers (`rope_numbers`)."""
+    inverse, factor = rope
     angles = -positions if back else positions
     turned = rotate(x.swapaxes(1, 2), angles, np.asarray(inverse, np.float32),
                     1 / factor if back else factor)  # fmt: skip

@@ -52,6 +52,9 @@ class Topology:
 
     # A run whose layers each compute keys and values, stored jointly (module docstring).
     every_layer_produces = False
+    # Whether cache.<prefix>_rank and cache.bases are its runs' (16-bit codes), not
+    # the per-layer bases of quantized tensors.
+    codes_in_bases = False
 
     def joint_layers(self, arg: str, num_layers: int) -> tuple[int, ...]:
         """The cache layers this topology builds itself (`build`): none here."""
@@ -60,8 +63,10 @@ class Topology:
     def check_cache(self, arg: str, model_cfg: Mapping, cache_cfg: Mapping) -> None:
         """ValueError naming the field a cache section cannot have under this topology."""
 
-    def build(self, arg: str, model_cfg: Mapping, cache_cfg: Mapping, batch: int, max_len: int):
-        """An empty joint cache layer (one of `joint_layers`)."""
+    def build(
+        self, arg: str, model_cfg: Mapping, cache_cfg: Mapping, batch: int, max_len: int, index: int
+    ):
+        """An empty joint cache layer: cache layer `index`, one of `joint_layers`."""
         raise NotImplementedError(f"topology {self.name!r} builds no cache layer of its own")
 
     def layer_bytes(

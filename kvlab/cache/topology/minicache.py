@@ -127,7 +127,7 @@ class MiniCache(Topology):
             if bad:
                 raise ValueError(f"{field}={value!r} under {topology}: MiniCache {why}: set {fix}")
 
-    def build(self, arg, model_cfg, cache_cfg, batch: int, max_len: int) -> MergedLayer:
+    def build(self, arg, model_cfg, cache_cfg, batch: int, max_len: int, index=0) -> MergedLayer:
         _, t, keep = parse(arg, model_cfg["num_layers"])
         heads, width = model_cfg["num_kv_heads"], model_cfg["head_dim"]
         dtype = dtype_of(cache_cfg["dtype"])

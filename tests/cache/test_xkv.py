@@ -1,0 +1,135 @@
+"""A basis shared by a run of adjacent layers (model.topology='xkv:G[,from=D]',
+kvlab/cache/topology/xkv.py): the run's keys (before RoPE) and values side by side,
+coded in cache.k_rank / cache.v_rank directions fitted offline."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import kvlab
+from kvlab.cache.topology import cache_layers, joint_layers
+from kvlab.eval import calibrate
+from tests.helpers import VARIANTS, build, last_logits, random_tokens
+from tests.test_export import assert_exports, assert_round_trips, inference
+
+
+def coded(tmp_path, topology="xkv:2", rank=32, num_layers=4, params=None):
+    """The tiny model with `topology`, ranks `rank` and its bases fitted on random
+    tokens (saved under tmp_path)."""
+    cfg = VARIANTS["gqa"]()
+    cfg.model.num_layers, cfg.model.topology = num_layers, topology
+    cfg.cache.update(k_rank=rank, v_rank=rank)
+    if params is None:
+        params = build(cfg)[1]
+    found = calibrate.bases(cfg.model, cfg.cache, params, random_tokens(cfg, (4, 96), 0))
+    path = str(tmp_path / f"xkv_{topology}_{rank}.npz".replace(":", "_"))
+    calibrate.save_bases(path, found)
+    cfg.cache.bases = path
+    return cfg, found
+
+
+def test_runs_of_g_layers_from_d_share_a_cache_layer():
+    cfg = VARIANTS["gqa"]()
+    cfg.model.num_layers = 5
+    for topology, owners, joint in (
+        ("xkv:2", (0, 0, 1, 1, 2), (0, 1)),  # the last layer alone keeps its own
+        ("xkv:2,from=1", (0, 1, 1, 2, 2), (1, 2)),
+        ("xkv:3,from=2", (0, 1, 2, 2, 2), (2,)),
+    ):
+        cfg.model.topology = topology
+        assert cache_layers(cfg.model) == owners and joint_layers(cfg.model) == joint
+
+
+def test_at_full_rank_it_is_the_layerwise_cache(tmp_path):
+    """With G x W directions (every direction of the run) each layer reads back what it
+    wrote: a prefill and three decode steps give the layerwise cache's logits;
+    the bases are orthonormal [runs, K, G W, rank]. Bytes counted are the tree's."""
+    cfg, found = coded(tmp_path, rank=32)
+    assert found["k"].shape == (2, 2, 32, 32)
+    for run in found["k"]:
+        for head in run:
+            np.testing.assert_allclose(head.T @ head, np.eye(32), atol=1e-5)
+    tokens = random_tokens(cfg, (2, 15), seed=4)
+    plain = VARIANTS["gqa"]()
+    plain.model.num_layers = 4
+    want = last_logits(plain, plain.cache, tokens, 12)
+    np.testing.assert_allclose(last_logits(cfg, cfg.cache, tokens, 12), want, atol=2e-5)
+
+
+def low_rank_params(cfg, rank: int):
+    """Params whose key and value projections have rank `rank` per KV head."""
+    params = jax.tree.map(lambda x: x, build(cfg)[1])
+    rng = np.random.default_rng(3)
+    for i in range(cfg.model.num_layers):
+        attention = params[f"block_{i}"]["attention"]
+        for name in ("key", "value"):
+            d, k, w = attention[name]["kernel"].shape
+            kernel = np.einsum(
+                "dkr,krw->dkw", rng.normal(size=(d, k, rank)) / np.sqrt(d),
+                rng.normal(size=(k, rank, w)) / np.sqrt(rank),
+            )  # fmt: skip
+            attention[name]["kernel"] = jnp.asarray(kernel, jnp.float32)
+    return params
+
+
+def test_a_run_whose_keys_span_r_directions_is_exact_in_r(tmp_path):
+    """Each layer's keys (before RoPE) and values in 4 directions a head: a run of two
+    spans 8, so 8 fitted directions give the layerwise logits within float
+    rounding (keys coded before RoPE: after it they span every direction) and 6
+    do not."""
+    cfg = VARIANTS["gqa"]()
+    cfg.model.num_layers = 2
+    params = low_rank_params(cfg, 4)
+    tokens = random_tokens(cfg, (2, 15), seed=4)
+
+    def logits(model_cfg, cache_cfg):  # a prefill of 8, then a token a step
+        cache = kvlab.init_cache(model_cfg.model, cache_cfg, 2, 32)
+        out = []
+        for start, end in [(0, 8)] + [(t, t + 1) for t in range(8, 15)]:
+            step, cache = build(model_cfg)[2]({"params": params}, tokens[:, start:end], cache=cache)
+            out.append(np.asarray(step))
+        cache.check()
+        return np.concatenate(out, axis=1)
+
+    want = logits(cfg, cfg.cache)
+    errors = {}
+    for rank in (8, 6):
+        run, _ = coded(tmp_path, rank=rank, num_layers=2, params=params)
+        errors[rank] = np.abs(logits(run, run.cache) - want).max()
+    assert errors[8] < 1e-4 and errors[6] > 100 * errors[8], errors
+
+
+def test_a_cache_it_cannot_code_is_refused_naming_the_field(tmp_path):
+    cfg, found = coded(tmp_path, rank=16)
+
+    def refused(match, evict=None, **cache):
+        cache_cfg = cfg.cache.copy_and_resolve_references()
+        cache_cfg.update(cache)
+        cache_cfg.evict.update(evict or {})
+        with pytest.raises(ValueError, match=match):
+            kvlab.init_cache(cfg.model, cache_cfg, 1, 32)
+
+    refused(r"cache.k_bits=8 under model.topology='xkv:2'", k_bits=8)
+    refused(r"cache.kind='paged'", kind="paged")
+    refused(r"cache.evict.method='snapkv'", evict={"method": "snapkv", "ratio": 0.5})
+    refused(r"cache.v_rank=33 .*set 1..32", v_rank=33)
+    refused(r"cache.k_rank=0 .*set 1..32", k_rank=0)
+    refused(r"cache.bases='' .*calibrate.save_bases", bases="")
+    wrong = str(tmp_path / "wrong.npz")
+    calibrate.save_bases(wrong, {"k": found["k"][:1], "v": found["v"]})
+    refused(r"'k' is \(1, 2, 32, 16\), not finite \[2, 2, 32, 16\]", bases=wrong)
+    skewed = str(tmp_path / "skewed.npz")
+    calibrate.save_bases(skewed, {"k": found["k"] * 3, "v": found["v"]})
+    refused(r"not orthonormal", bases=skewed)
+    for topology, match in (("xkv:1", "codes no run"), ("xkv:2,from=3", "codes no run"),
+                            ("xkv:2,at=1", r"is not G\[,from=D\]")):  # fmt: skip
+        with pytest.raises(ValueError, match=match):
+            kvlab.config.validate_model_config({**cfg.model.to_dict(), "topology": topology})
+
+
+def test_a_coded_cache_exports_for_tpu_and_cuda_and_round_trips(tmp_path):
+    cfg, _ = coded(tmp_path, rank=16)
+    program, arguments = inference(cfg, loops=False)
+    assert_exports(program, arguments, kernel=False)
+    assert_round_trips(cfg)
