@@ -412,26 +412,33 @@ def test_on_mesh_calibrated_scales_and_outliers_are_unchanged(tmp_path):
 @on_eight
 def test_on_mesh_merged_layers_and_codes_in_a_basis_are_unchanged(tmp_path):
     """MiniCache's merged pair (directions, magnitudes, kept tokens and their
-    positions split by rows and heads) beside a layer of its own; then keys
-    and values coded in 8 of their directions (the bases split with their heads
-    as constants)."""
+    positions split by rows and heads) beside a layer of its own; keys and
+    values coded in 8 of their directions (the bases split with their heads as
+    constants); and xKV's pair coded in 24 of its 2 x 16 directions."""
+    rng = np.random.default_rng(0)
+
+    def run(cfg, bases=None):
+        if bases is not None:
+            path = str(tmp_path / f"bases_{cfg.model.topology}.npz".replace(":", "_"))
+            kvlab.eval.calibrate.save_bases(path, {"k": bases, "v": bases})
+            cfg.cache.bases = path
+        mesh, rules = mesh_of(cfg)
+        params = kvlab.init_params(cfg.model, jax.random.key(0))
+        placed = placed_params(cfg, params, mesh, rules)
+        cache = through_the_cache(cfg, mesh, rules, kvlab.Transformer(cfg.model), params, placed)
+        return [type(layer).__name__ for layer in cache.layers]
+
     cfg = model_config((2, 2, 2), num_layers=3, topology="minicache:1,keep=0.25")
-    mesh, rules = mesh_of(cfg)
-    params = kvlab.init_params(cfg.model, jax.random.key(0))
-    placed = placed_params(cfg, params, mesh, rules)
-    cache = through_the_cache(cfg, mesh, rules, kvlab.Transformer(cfg.model), params, placed)
-    assert [type(layer).__name__ for layer in cache.layers] == ["DenseLayer", "MergedLayer"]
+    assert run(cfg) == ["DenseLayer", "MergedLayer"]
     cfg = model_config((2, 2, 2), num_layers=1)
+    cfg.cache.update(k_bits=8, v_bits=8, k_rank=8, v_rank=8, group_size=8, k_axis="token")
     width = cfg.model.head_dim
-    basis = np.linalg.qr(np.random.default_rng(0).normal(size=(1, 2, width, width)))[0][..., :8]
-    path = str(tmp_path / "bases.npz")
-    kvlab.eval.calibrate.save_bases(path, {"k": basis, "v": basis})
-    cfg.cache.update(k_bits=8, v_bits=8, k_rank=8, v_rank=8, group_size=8, bases=path)
-    cfg.cache.update(k_axis="token")
-    mesh, rules = mesh_of(cfg)
-    params = kvlab.init_params(cfg.model, jax.random.key(0))
-    placed = placed_params(cfg, params, mesh, rules)
-    through_the_cache(cfg, mesh, rules, kvlab.Transformer(cfg.model), params, placed)
+    run(cfg, np.linalg.qr(rng.normal(size=(1, 2, width, width)))[0][..., :8])
+    cfg = model_config((2, 2, 2), num_layers=2, topology="xkv:2")
+    cfg.cache.update(k_rank=24, v_rank=24)
+    assert run(cfg, np.linalg.qr(rng.normal(size=(1, 2, 2 * width, 2 * width)))[0][..., :24]) == [
+        "SharedBasisLayer"
+    ]
 
 
 def through_the_cache(cfg, mesh, rules, model, params, placed):
