@@ -388,62 +388,44 @@ def lloyd_max(
 def save_codebooks(path: str | os.PathLike, books: Mapping[str, np.ndarray]) -> None:
     """Writes `codebooks`' levels where cache.codebooks reads them (an .npz with one
     array [cache layers, 2^bits] per tensor prefix), atomically."""
-    arrays = {name: np.asarray(levels, np.float32) for name, levels in books.items()}
-    for name, levels in arrays.items():
-        if levels.ndim != 2 or not np.isfinite(levels).all():
-            raise ValueError(
-                f"codebook {name!r} of shape {levels.shape} is not finite [layers, 2^bits]"
-            )
-    buffer = io.BytesIO()
-    np.savez(buffer, **arrays)
-    write_atomic(path, buffer.getvalue())
+    _save_arrays(path, books, "codebook", "[layers, 2^bits]")
 
 
 def save_scales(path: str | os.PathLike, ranges: Mapping[str, np.ndarray]) -> None:
     """Writes `scales`' ranges where cache.scales reads them (an .npz with one array
     [cache layers, KV heads, channels] per tensor prefix), atomically."""
-    arrays = {name: np.asarray(array, np.float32) for name, array in ranges.items()}
-    for name, array in arrays.items():
-        if array.ndim != 3 or not np.isfinite(array).all() or (array <= 0).any():
-            raise ValueError(
-                f"ranges {name!r} of shape {array.shape} are not positive finite "
-                "[layers, KV heads, channels]"
-            )
-    buffer = io.BytesIO()
-    np.savez(buffer, **arrays)
-    write_atomic(path, buffer.getvalue())
+    _save_arrays(path, ranges, "ranges", "[layers, KV heads, channels]", positive=True)
 
 
 def save_bases(path: str | os.PathLike, found: Mapping[str, np.ndarray]) -> None:
     """Writes `bases`' bases where cache.bases reads them (an .npz with one array
-    [cache layers, KV heads, W, rank] per tensor prefix), atomically."""
-    arrays = {name: np.asarray(array, np.float32) for name, array in found.items()}
-    for name, array in arrays.items():
-        if array.ndim != 4 or not np.isfinite(array).all():
-            raise ValueError(
-                f"bases {name!r} of shape {array.shape} are not finite [layers, KV heads, W, rank]"
-            )
-    buffer = io.BytesIO()
-    np.savez(buffer, **arrays)
-    write_atomic(path, buffer.getvalue())
+    [cache layers or runs, KV heads, W, rank] per tensor prefix), atomically."""
+    _save_arrays(path, found, "bases", "[layers, KV heads, W, rank]")
 
 
 def save_filters(path: str | os.PathLike, filters: np.ndarray) -> None:
     """Writes `filters` [layers, K, H] where cache.evict.options.filters reads them
     (an .npz with the array 'filters'), atomically."""
-    _save(path, "filters", filters, "Q-Filters", "[layers, K, H]")
+    _save_arrays(path, {"filters": filters}, "Q-Filters", "[layers, K, H]")
 
 
 def save_patterns(path: str | os.PathLike, patterns: np.ndarray) -> None:
     """Writes DuoAttention's `patterns` [layers, K] where cache.evict.options.patterns
     reads them (an .npz with the array 'patterns'), atomically."""
-    _save(path, "patterns", patterns, "DuoAttention's patterns", "[layers, K]")
+    _save_arrays(path, {"patterns": patterns}, "DuoAttention's patterns", "[layers, K]")
 
 
-def _save(path: str | os.PathLike, key: str, array: np.ndarray, what: str, shape: str) -> None:
-    array = np.asarray(array, np.float32)
-    if array.ndim != shape.count(",") + 1 or not np.isfinite(array).all():
-        raise ValueError(f"{what} of shape {array.shape} are not finite {shape}")
+def _save_arrays(
+    path: str | os.PathLike, arrays: Mapping, what: str, shape: str, positive: bool = False
+) -> None:
+    """The float32 `arrays` as one .npz at `path`, atomically; ValueError unless each
+    is finite (and positive) with as many axes as `shape` names."""
+    arrays = {name: np.asarray(array, np.float32) for name, array in arrays.items()}
+    for name, array in arrays.items():
+        wrong = array.ndim != shape.count(",") + 1 or not np.isfinite(array).all()
+        if wrong or (positive and (array <= 0).any()):
+            sign = "positive " if positive else ""
+            raise ValueError(f"{what} {name!r} of shape {array.shape} are not {sign}finite {shape}")
     buffer = io.BytesIO()
-    np.savez(buffer, **{key: array})
+    np.savez(buffer, **arrays)
     write_atomic(path, buffer.getvalue())

@@ -104,6 +104,36 @@ def produces(model_cfg: Mapping, index: int) -> bool:
     return first or parse(model_cfg["topology"])[0].every_layer_produces
 
 
+def check_joint_cache(method: str, model_cfg: Mapping, cache_cfg: Mapping, more=()) -> None:
+    """ValueError naming the first field a cache of joint layers that keep every token
+    of a grouped-query model in 16-bit, untransformed rows of their own cannot
+    have (`method` names the topology's method); `more`: further (field, value,
+    bad, why, fix) checks."""
+    evict = cache_cfg["evict"]["method"]
+    problems = [
+        ("model.attention", model_cfg["attention"], model_cfg["attention"] != "gqa",
+         "stores grouped-query keys and values", "'gqa'"),
+        ("cache.kind", cache_cfg["kind"], cache_cfg["kind"] != "dense",
+         "keeps rows of its own, not pages", "'dense'"),
+        ("cache.evict.method", evict, evict != "none", "keeps every token", "'none'"),
+        ("model.sliding_window", model_cfg["sliding_window"], bool(model_cfg["sliding_window"]),
+         "keeps every token, not a window's ring", "0"),
+        *[
+            (f"cache.{p}_{field}", cache_cfg[f"{p}_{field}"], cache_cfg[f"{p}_{field}"] != unset,
+             "stores 16-bit numbers, untransformed", repr(unset))
+            for p in ("k", "v")
+            for field, unset in (("bits", 16), ("transform", "none"))
+        ],
+        *more,
+    ]  # fmt: skip
+    for field, value, bad, why, fix in problems:
+        if bad:
+            raise ValueError(
+                f"{field}={value!r} under model.topology={model_cfg['topology']!r}: {method} "
+                f"{why}: set {fix}"
+            )
+
+
 def joint_layers(model_cfg: Mapping) -> tuple[int, ...]:
     """The cache layers the model's topology builds itself (module docstring)."""
     topology, arg = parse(model_cfg["topology"])

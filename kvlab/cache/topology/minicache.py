@@ -40,7 +40,7 @@ from jax.sharding import PartitionSpec
 from jaxtyping import Array
 
 from kvlab.cache.placement import Placement, write_tokens
-from kvlab.cache.topology import Topology
+from kvlab.cache.topology import Topology, check_joint_cache
 from kvlab.config import dtype_of
 from kvlab.registry import TOPOLOGIES
 
@@ -107,25 +107,7 @@ class MiniCache(Topology):
         return tuple(c for c in sorted(set(owner)) if owner.count(c) == 2)
 
     def check_cache(self, arg: str, model_cfg: Mapping, cache_cfg: Mapping) -> None:
-        topology = f"model.topology={model_cfg['topology']!r}"
-        problems = [
-            ("model.attention", model_cfg["attention"], model_cfg["attention"] != "gqa",
-             "merges grouped-query keys and values", "'gqa'"),
-            ("cache.kind", cache_cfg["kind"], cache_cfg["kind"] != "dense",
-             "keeps merged rows, not pages", "'dense'"),
-            ("cache.evict.method", cache_cfg["evict"]["method"],
-             cache_cfg["evict"]["method"] != "none", "keeps every token, merged", "'none'"),
-            ("model.sliding_window", model_cfg["sliding_window"], bool(model_cfg["sliding_window"]),
-             "keeps every token, not a window's ring", "0"),
-        ] + [
-            (f"cache.{p}_{field}", cache_cfg[f"{p}_{field}"], cache_cfg[f"{p}_{field}"] != unset,
-             "stores 16-bit directions and magnitudes, untransformed", repr(unset))
-            for p in ("k", "v")
-            for field, unset in (("bits", 16), ("transform", "none"))
-        ]  # fmt: skip
-        for field, value, bad, why, fix in problems:
-            if bad:
-                raise ValueError(f"{field}={value!r} under {topology}: MiniCache {why}: set {fix}")
+        check_joint_cache("MiniCache", model_cfg, cache_cfg)
 
     def build(self, arg, model_cfg, cache_cfg, batch: int, max_len: int, index=0) -> MergedLayer:
         _, t, keep = parse(arg, model_cfg["num_layers"])

@@ -35,7 +35,7 @@ from jax.sharding import PartitionSpec
 
 from kvlab.cache.placement import Placement, write_tokens
 from kvlab.cache.quant.storage import rope_numbers, turn
-from kvlab.cache.topology import Topology
+from kvlab.cache.topology import Topology, check_joint_cache
 from kvlab.config import dtype_of
 from kvlab.files import read_arrays
 from kvlab.registry import TOPOLOGIES
@@ -90,34 +90,18 @@ class SharedBasis(Topology):
         return tuple(range(first, first + (num_layers - first) // share))
 
     def check_cache(self, arg: str, model_cfg: Mapping, cache_cfg: Mapping) -> None:
-        topology = f"model.topology={model_cfg['topology']!r}"
         share, _ = parse(arg)
         width = share * model_cfg["head_dim"]
-        problems = [
-            ("model.attention", model_cfg["attention"], model_cfg["attention"] != "gqa",
-             "codes grouped-query keys and values", "'gqa'"),
-            ("cache.kind", cache_cfg["kind"], cache_cfg["kind"] != "dense",
-             "keeps coded rows, not pages", "'dense'"),
-            ("cache.evict.method", cache_cfg["evict"]["method"],
-             cache_cfg["evict"]["method"] != "none", "keeps every token", "'none'"),
-            ("model.sliding_window", model_cfg["sliding_window"], bool(model_cfg["sliding_window"]),
-             "keeps every token, not a window's ring", "0"),
+        more = [
             ("cache.bases", cache_cfg["bases"], not cache_cfg["bases"],
              "reads each run's bases from it", "the .npz of kvlab.eval.calibrate.save_bases"),
-        ] + [
-            (f"cache.{p}_{field}", cache_cfg[f"{p}_{field}"], cache_cfg[f"{p}_{field}"] != unset,
-             "stores 16-bit codes in its bases", repr(unset))
-            for p in ("k", "v")
-            for field, unset in (("bits", 16), ("transform", "none"), ("outliers", 0))
         ] + [
             (f"cache.{p}_rank", cache_cfg[f"{p}_rank"], not 1 <= cache_cfg[f"{p}_rank"] <= width,
              f"codes a run's {share} x model.head_dim = {width} numbers in that many directions",
              f"1..{width}")
             for p in ("k", "v")
         ]  # fmt: skip
-        for field, value, bad, why, fix in problems:
-            if bad:
-                raise ValueError(f"{field}={value!r} under {topology}: xKV {why}: set {fix}")
+        check_joint_cache("xKV", model_cfg, cache_cfg, more)
 
     def build(self, arg, model_cfg, cache_cfg, batch: int, max_len: int, index: int = 0):
         share, first = parse(arg)
