@@ -96,7 +96,7 @@ def cache_bytes(
             batch_size,
             seq_len,
             split,
-        )  # fmt: skip
+        )
         for w, (m, c) in layer_sections(model_cfg, cache_cfg).items()
     )
     if joint:

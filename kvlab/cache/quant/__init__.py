@@ -29,7 +29,9 @@ payload rows and W = min(residual + g - 1, S) ring slots.
       payload  uint8[B, KH, P, Wd * bits / 8]  codes, 8 / bits per byte, low bits first,
                then the token's outliers (cache.<prefix>_outliers: a channel byte and
                the number in cache.dtype each; `Storage.row_bytes`)
-               (at 16 bits: cache.dtype[B, KH, P, Wd], no scale or zero)
+               (at 16 bits: cache.dtype[B, KH, P, Wd], no scale or zero; with
+               cache.<prefix>_rank = r, the r coordinates of the token in its head's
+               basis are coded in place of its Wd numbers, and scales count r)
       scale    [B, KH, P, Wd / group_size] (token axis) or [B, KH, P / g, Wd] (channel),
                or None (axis "calibrated": static ranges per head and channel)
       zero     as scale, or None (a format without one: symmetric int, fp8, nf)
@@ -43,8 +45,8 @@ math allows: per-token scales multiply the query-key products and fold into the
 probabilities for V; per-channel scales multiply the query group by group;
 static ones multiply the query and the output. A tensor with outliers, or keys
 coded before RoPE (cache.k_before_rope: turned back from their position before
-they are coded, turned again at the position their row holds when read), is
-read dequantized.
+they are coded, turned again at the position their row holds when read), or
+coded in a basis (mapped back through it), is read dequantized.
 """
 
 from kvlab.cache.quant.layer import (
