@@ -185,9 +185,12 @@ class MergedLayer:
         masked out), its kept tokens, and the step's own, as given."""
         dtype = self.directions[0].dtype
         fresh = tuple(x.astype(dtype) for x in fresh)
-        slots = jnp.arange(self.capacity)
-        written = slots < placement.lengths[:, None]  # [B, S]
-        kept_slot = (slots[None, :, None] == self.kept_positions[:, None, :]).any(-1)
+        batch, capacity = self.kept_positions.shape[0], self.capacity
+        written = jnp.arange(capacity) < placement.lengths[:, None]  # [B, S]
+        # [B, S]: the kept tokens' slots (a scatter of R, not a comparison of S x R)
+        at = jnp.where(self.kept_positions < 0, capacity, self.kept_positions)
+        rows = jnp.arange(batch)[:, None]
+        kept_slot = jnp.zeros((batch, capacity), bool).at[rows, at].set(True, mode="drop")
         pairs = zip(self.directions, self.norms, strict=True)
         merged = tuple(d * n[..., member : member + 1] for d, n in pairs)
         blocks = [(merged, (written & ~kept_slot)[:, None, :])]
