@@ -18,7 +18,9 @@ uncoded, so they read the windows a token a step, as decoding does, where
 every other recipe's logits do not depend on the chunk); what one calibrates
 (bases, scales per channel or head, codebooks) is fitted on 8 x 512 tokens of the 'train'
 files and kept beside the results. Writes results.json, table.md and
-storage.png (atomically) under --workdir.
+storage.png (atomically) under --workdir; results.json also after each recipe,
+so a run stopped between recipes goes on from there when run again with the
+same flags (its time counted in).
 """
 
 import io
@@ -68,14 +70,12 @@ RECIPES = {
     "KVQuant-4": (dict(KVQUANT, k_bits=4, v_bits=4, scales="channel"),
                   "KVQuant at 4 bits: pre-RoPE per-channel keys, fitted levels, outliers"),
     "KVQuant-2": (dict(KVQUANT, k_bits=2, v_bits=2, scales="channel"), "the same at 2 bits"),
-    "Palu k32 v48 8-bit": (dict(PALU, k_bits=8, v_bits=8, k_rank=32, v_rank=48),
-                           "Palu: 32 of a head's 64 key directions, 48 value ones; 8-bit codes"),
-    "Palu k16 v32 8-bit": (dict(PALU, k_bits=8, v_bits=8, k_rank=16, v_rank=32),
-                           "Palu: 16 key directions, 32 value ones; 8-bit codes"),
-    "Palu k32 v48 4-bit": (dict(PALU, k_bits=4, v_bits=4, k_rank=32, v_rank=48),
-                           "Palu with its codes at 4 bits"),
     "Palu k32 8-bit": (dict(PALU, k_bits=8, v_bits=8, k_rank=32, v_rank=0),
-                       "keys alone in 32 directions, values 8-bit"),
+                       "Palu's keys alone: 32 of a head's 64 directions, values 8-bit"),
+    "Palu k32 v32 8-bit": (dict(PALU, k_bits=8, v_bits=8, k_rank=32, v_rank=32),
+                           "Palu: 32 of a head's 64 key and value directions, 8-bit codes"),
+    "Palu k32 v32 4-bit": (dict(PALU, k_bits=4, v_bits=4, k_rank=32, v_rank=32),
+                           "Palu with its codes at 4 bits"),
     "MiniCache from 15": (dict(topology="minicache:15"),
                           "MiniCache: layers 15-28 merged in pairs (SLERP t=0.6), 5% of the "
                           "tokens kept whole"),
@@ -102,27 +102,42 @@ _CHUNK = flags.DEFINE_integer(
 _RECIPES = flags.DEFINE_list("recipes", list(RECIPES), "Recipes evaluated (RECIPES' names).")
 _RULER = flags.DEFINE_list(
     "ruler", ["KIVI-2", "rotated codebook 2", "rotated codebook 2 + sketch", "KVQuant-2",
-              "Palu k32 8-bit", "Palu k32 v48 8-bit"],
+              "Palu k32 8-bit", "Palu k32 v32 8-bit"],
     "Recipes also scored on RULER's tasks at --length; the bfloat16 cache always is.",
 )  # fmt: skip
 _RULER_SAMPLES = flags.DEFINE_integer("ruler_samples", 2, "RULER records per task.")
 _RULER_TASKS = flags.DEFINE_list("ruler_tasks", list(RULER_TASKS), "RULER tasks scored.")
 
 
-def recipe_cache(base, name: str, calibration, cfg, params, workdir: str):
-    """(the model section, `base` with recipe `name`'s fields) and its calibrated
-    files (written once); a recipe's `topology` is the model's."""
-    fields, _ = RECIPES[name]
+def recipe_fields(base, name: str, model):
+    """(the model section, `base` with recipe `name`'s fields, the scales it
+    calibrates, whether it fits bases): a recipe's `topology` is the model's."""
+    fields = dict(RECIPES[name][0])
     cache = base.copy_and_resolve_references()
-    fields = dict(fields)
-    model = cfg.model.copy_and_resolve_references()
+    model = model.copy_and_resolve_references()
     model.topology = fields.pop("topology", model.topology)
     per = fields.pop("scales", None)
-    evict = fields.pop("evict", None)
+    cache.evict.update(fields.pop("evict", {}))
     fit_bases = fields.pop("bases", False)
     cache.update(fields)
-    if evict:
-        cache.evict.update(evict)
+    return model, cache, per, fit_bases
+
+
+def check_recipes(base, names, model) -> None:
+    """ValueError naming the recipe and field of one its model cannot run, before
+    anything is computed (what it calibrates stands in as a path)."""
+    for name in names:
+        recipe_model, cache, per, fit_bases = recipe_fields(base, name, model)
+        cache.update(bases="(fitted)" if fit_bases else "", scales="(fitted)" if per else "")
+        try:
+            kvlab.config.validate_cache_config(cache, recipe_model)
+        except ValueError as error:
+            raise ValueError(f"recipe {name!r}: {error}") from None
+
+
+def recipe_cache(base, name: str, calibration, cfg, params, workdir: str):
+    """`recipe_fields` with its calibrated files (written once)."""
+    model, cache, per, fit_bases = recipe_fields(base, name, cfg.model)
     tag = name.replace(" ", "_").replace("%", "").replace("+", "and")
     if fit_bases:  # first: scales and codebooks fit the coordinates in the bases
         path = os.path.join(workdir, f"bases_{tag}.npz")
@@ -137,6 +152,19 @@ def recipe_cache(base, name: str, calibration, cfg, params, workdir: str):
         calibrate.save_codebooks(path, calibrate.codebooks(model, cache, params, calibration))
         cache.codebooks = path
     return model, cache
+
+
+def finished_rows(path: str, settings: dict) -> tuple[dict, float]:
+    """({recipe: row}, seconds spent) of an unfinished run's results at `path` with the
+    same settings (a run killed or failed between recipes goes on from there); none
+    for another run's or a finished one."""
+    if not os.path.exists(path):
+        return {}, 0.0
+    with open(path) as f:
+        earlier = json.load(f)
+    if earlier.get("complete", True) or earlier.get("settings") != settings:
+        return {}, 0.0
+    return {r["recipe"]: r for r in earlier["rows"]}, float(earlier["seconds"])
 
 
 def plot(rows: list[dict], base: dict, path: str) -> None:
@@ -165,13 +193,14 @@ def main(argv):
     if unknown:
         raise ValueError(f"--recipes/--ruler name no recipe: {sorted(unknown)}; see RECIPES")
     cfg, params, tokenizer = cli.load_model(_MODEL.value)
+    base = cfg.cache.copy_and_resolve_references()
+    base.update(dtype="bfloat16", group_size=_GROUP.value, scale_dtype="bfloat16")
+    check_recipes(base, _RECIPES.value, cfg.model)
     length = _LENGTH.value
     tokens = calibrate.calibration_tokens(tokenizer.encode, _WINDOWS.value, length + 1, "test")
     weights = np.ones((_WINDOWS.value, length), np.float32)
     batches = [{"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "weights": weights}]
     calibration = calibrate.calibration_tokens(tokenizer.encode, 8, 512)
-    base = cfg.cache.copy_and_resolve_references()
-    base.update(dtype="bfloat16", group_size=_GROUP.value, scale_dtype="bfloat16")
     on = dict(chunk=_CHUNK.value, windows=True)
     references = {on["chunk"]: evaluate_reference(cfg.model, base, params, batches, **on)}
     reference = references[on["chunk"]]
@@ -188,8 +217,18 @@ def main(argv):
         return kvlab.cache_bytes(model, cache, 1, length) // length
 
     os.makedirs(_WORKDIR.value, exist_ok=True)
+    results = os.path.join(_WORKDIR.value, "results.json")
+    settings = dict(
+        model=_MODEL.value, windows=_WINDOWS.value, length=length, group_size=_GROUP.value,
+        chunk=_CHUNK.value, ruler=_RULER.value, ruler_samples=_RULER_SAMPLES.value,
+        ruler_tasks=_RULER_TASKS.value,
+    )  # fmt: skip
+    done, before = finished_rows(results, settings)
     rows = []
     for name in _RECIPES.value:
+        if name in done:  # a run stopped before the end wrote it: kept
+            rows.append(done[name])
+            continue
         model, cache = recipe_cache(base, name, calibration, cfg, params, _WORKDIR.value)
         # A run stored jointly reads a step's own tokens uncoded: a token a step, as decoding.
         chunked = dict(on, chunk=1) if model.topology != "layerwise" else on
@@ -213,18 +252,20 @@ def main(argv):
             )
         )
         print(json.dumps(rows[-1]), flush=True)
+        spent = before + time.perf_counter() - begin
+        partial = dict(settings=settings, seconds=round(spent, 1), complete=False, rows=rows)
+        write_atomic(results, json.dumps(partial, indent=2))
     full = dict(
         ppl=reference.result["ppl"],
         length=length,
         bytes_per_token=bytes_per_token(cfg.model, base),
         ruler=ruler(cfg.model, base) if records else None,
     )
-    seconds = time.perf_counter() - begin
+    seconds = before + time.perf_counter() - begin
     report = dict(
-        model=_MODEL.value, windows=_WINDOWS.value, reference=full, seconds=round(seconds, 1),
-        rows=rows,
-    )  # fmt: skip
-    write_atomic(os.path.join(_WORKDIR.value, "results.json"), json.dumps(report, indent=2))
+        settings=settings, reference=full, seconds=round(seconds, 1), complete=True, rows=rows
+    )
+    write_atomic(results, json.dumps(report, indent=2))
     lines = [
         f"{_MODEL.value}, {_WINDOWS.value} windows of {length} tokens; bfloat16 cache: ppl "
         f"{full['ppl']:.3f}, {full['bytes_per_token']:,} bytes per token"
