@@ -5,7 +5,10 @@
         --config.cache.evict.ratio=0.25
 
 The argument is a cache.evict.method ('snapkv', 'chunkkv:knorm', ...), then
-optionally the variant after a comma (tiny, small, base; tiny by default). The
+optionally the variant after a comma (tiny, small, base; tiny by default), then
+optionally 'decoding' after another comma: kvpress's DecodingPress over the
+method instead (configs/kvpress.py:knorm,small,decoding: the prompt stored whole,
+every 512 decode steps each head back to 2,048 tokens; tiny: 16 and 64). The
 prompt is compressed once after its prefill to the share cache.evict.ratio of
 it (0.5 here: kvpress's compression_ratio 0.5), as kvpress's pipeline does
 (cache.evict.when='after_prefill'); what follows (a question, the answer)
@@ -21,13 +24,32 @@ cache.evict.options.patterns (both from kvlab.eval.calibrate).
 from kvlab.config import base_config
 from kvlab.eval.benchmark import kvpress_evict
 
+# DecodingPress's compression_interval and target_size (kvpress's defaults; tiny's
+# fit the tiny model's context), and room for any prompt stored whole.
+DECODING = {"tiny": (16, 64), "small": (512, 2048), "base": (512, 2048)}
+WHOLE_PROMPT = 1 << 20
+
 
 def get_config(arg: str = "snapkv"):
-    method, _, variant = arg.partition(",")
-    cfg = base_config(variant or "tiny")
-    cfg.cache.evict.update(method=method, ratio=0.5, budget=0, when="after_prefill")
-    # The generated tokens' room (scripts/generate.py's 48 by default); a longer answer
-    # evicts within the budget as every step does.
-    cfg.cache.evict.headroom = 48 if (variant or "tiny") == "tiny" else 512
+    method, _, rest = arg.partition(",")
+    variant, _, protocol = rest.partition(",")
+    variant = variant or "tiny"
+    if protocol not in ("", "decoding"):
+        raise ValueError(
+            f"configs/kvpress.py:{arg} names the protocol {protocol!r}: use "
+            f"'{method},{variant}' (compressed after its prefill) or "
+            f"'{method},{variant},decoding' (DecodingPress)"
+        )
+    cfg = base_config(variant)
+    if protocol == "decoding":
+        interval, target = DECODING[variant]
+        cfg.cache.evict.update(
+            method=method, budget=target, when="decoding", interval=interval, headroom=WHOLE_PROMPT
+        )
+    else:
+        cfg.cache.evict.update(method=method, ratio=0.5, budget=0, when="after_prefill")
+        # The generated tokens' room (scripts/generate.py's 48 by default); a longer answer
+        # evicts within the budget as every step does.
+        cfg.cache.evict.headroom = 48 if variant == "tiny" else 512
     cfg.cache.evict.update(kvpress_evict(method))
     return cfg

@@ -345,6 +345,10 @@ CACHES = {
     "paged_evicting": dict(kind="paged", page_size=4, evict=dict(method="h2o", budget=6, recent=2)),
     # keys stored pruned of half their channels (ThinK), the channel ids per row and head
     "pruned_keys": dict(evict=dict(method="think:snapkv", budget=6, recent=2)),
+    # a prompt stored whole, compressed to 4 every 2 decode steps; the count per row
+    "decoding": dict(
+        evict=dict(method="snapkv", budget=4, recent=2, when="decoding", interval=2, headroom=6)
+    ),
 }
 LAID_OUT = {
     "quantized": dict(k_bits=4, v_bits=8, residual=16),
@@ -478,7 +482,14 @@ def assert_cache_layout(cache, heads=("tensor",)):
         name = jax.tree_util.keystr(path)
         per_row = any(part in name for part in (".ring", ".positions", ".scores"))
         pooled = isinstance(cache, kvlab.cache.PagedCache) and not per_row
-        per_row_only = ("lengths", "errors", "block_tables", "kept_positions", "kept_distance")
+        per_row_only = (
+            "lengths",
+            "errors",
+            "block_tables",
+            "kept_positions",
+            "kept_distance",
+            ".since",
+        )
         if any(part in name for part in per_row_only):
             want = P(ROWS)
         else:

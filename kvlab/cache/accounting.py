@@ -53,6 +53,7 @@ TABLE_ENTRY_BYTES = 4  # paged: one int32 page id per row and page
 SLOT_BYTES = 4  # evicting caches (scored methods): the int32 position of each slot's token
 SCORE_BYTES = 4  # a scorer that keeps: the float32 each slot carries (h2o's attention)
 CHANNEL_BYTES = 4  # pruned keys (ThinK): the int32 id of each kept channel per row and KV head
+COUNT_BYTES = 4  # cache.evict.when='decoding': the int32 decode steps per row since it compressed
 
 
 def cache_bytes(
@@ -172,6 +173,8 @@ def _evicting_bytes(plan, tensors, cache_cfg: Mapping, batch_size: int, rows_hel
             heads //= split("cache_heads", heads)
             per_slot = SLOT_BYTES + (SCORE_BYTES if keeps else 0)
             per_layer += rows_held * heads * policy.slots * per_slot
+        if policy.decodes:
+            per_layer += rows_held * COUNT_BYTES
     return per_layer + tables
 
 
@@ -314,6 +317,10 @@ def _kept_label(model_cfg: Mapping, evict_cfg: Mapping) -> str:
         details.append(f"interval {evict_cfg['interval']}")
     if evict_cfg["when"] == "after_prefill":
         kept = kept.replace("of the tokens", "of the context") + " after its prefill"
+        details.append(f"headroom {evict_cfg['headroom']}")
+    if evict_cfg["when"] == "decoding":
+        kept += f" every {evict_cfg['interval']} decode steps"
+        details = [d for d in details if not d.startswith("interval ")]
         details.append(f"headroom {evict_cfg['headroom']}")
     return f"{method} keeping {kept} ({', '.join(details)})"
 

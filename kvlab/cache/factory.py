@@ -275,6 +275,7 @@ def _layer_axes(layer):
         return layer.axes()
     if isinstance(layer, (evict.EvictingLayer, evict.PagedEvictingLayer)):
         per_slot = PartitionSpec("cache_batch", "cache_heads", None)
+        per_row = PartitionSpec("cache_batch")
         paged_layer = isinstance(layer, evict.PagedEvictingLayer)
         stored, axes = ("pools", POOL_AXES) if paged_layer else ("tensors", ROW_AXES)
         return layer.replace(
@@ -282,6 +283,7 @@ def _layer_axes(layer):
             positions=None if layer.positions is None else per_slot,
             scores=None if layer.scores is None else per_slot,
             **({} if getattr(layer, "ring_scores", None) is None else {"ring_scores": per_slot}),
+            **({} if getattr(layer, "since", None) is None else {"since": per_row}),
         )
     if isinstance(layer, (DenseLayer, quant.QuantizedLayer)):
         return jax.tree.map(lambda _: ROW_AXES, layer)

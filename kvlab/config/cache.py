@@ -148,7 +148,7 @@ def _validate_evict(cache: Mapping) -> None:
         )
     check_choice(section, evict, "when", EVICT_WHEN)
     check_int(section, evict, "headroom", minimum=0)
-    if evict["when"] == "after_prefill" and evict["method"] in UNSCORED_METHODS:
+    if evict["when"] != "every_step" and evict["method"] in UNSCORED_METHODS:
         fail(
             f"{section}.when",
             evict["when"],
@@ -156,12 +156,21 @@ def _validate_evict(cache: Mapping) -> None:
             "keeps its band at every step)",
             "set cache.evict.when='every_step' or a scorer as cache.evict.method",
         )
-    if evict["headroom"] and evict["when"] != "after_prefill":
+    if evict["headroom"] and evict["when"] == "every_step":
         fail(
             f"{section}.headroom",
             evict["headroom"],
-            "is room after a compression, which only cache.evict.when='after_prefill' makes",
-            "set cache.evict.headroom=0 or cache.evict.when='after_prefill'",
+            "is room after a compression beside the budget (for a question and its answer, "
+            "or a prompt stored whole), which cache.evict.when='every_step' never leaves",
+            "set cache.evict.headroom=0 or cache.evict.when='after_prefill' or 'decoding'",
+        )
+    if evict["when"] == "decoding" and not evict["budget"]:
+        fail(
+            f"{section}.budget",
+            evict["budget"],
+            "is 0, but cache.evict.when='decoding' compresses a row back to a number of "
+            "tokens (kvpress's DecodingPress target_size), not a share of its length",
+            "set cache.evict.budget to the tokens each KV head keeps after a compression",
         )
     if evict["kernel"] % 2 == 0:
         fail(f"{section}.kernel", evict["kernel"], "is even", "set an odd width (1 = no pooling)")

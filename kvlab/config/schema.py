@@ -25,7 +25,7 @@ UNSCORED_METHODS = ("none", "window", "sinks")
 # A composed cache.evict.method 'a+b' (kvpress's ComposedPress, scorers one after the
 # other): its own options beside its scorers' (kvlab/cache/evict/scorers.py, Composed).
 COMPOSED_OPTIONS = types.MappingProxyType({"share": 0.5})
-EVICT_WHEN = ("every_step", "after_prefill")  # cache.evict.when
+EVICT_WHEN = ("every_step", "after_prefill", "decoding")  # cache.evict.when
 BIT_WIDTHS = (16, 8, 4, 2)
 GROUP_AXES = ("token", "channel", "calibrated")
 CACHED_PREFIXES = ("k", "v", "latent", "rope")  # cache.<prefix>_bits, _format, _axis
@@ -271,15 +271,20 @@ def base_config(variant: str = "tiny") -> ml_collections.ConfigDict:
             pyramid_beta=20.0,  # pyramidkv: the last layer keeps 1/beta of the mean budget
             adakv_floor=0.2,  # adakv: each head keeps at least this share of budget
             # scored methods: a head that overflows evicts interval - 1 tokens more than
-            # the step needs, so the next interval - 1 steps append unscored (kvpress's
-            # DecodingPress compression_interval); 1 = every step keeps the best budget
+            # the step needs, so the next interval - 1 steps append unscored; 1 = every
+            # step keeps the best budget. when='decoding': the decode steps between
+            # compressions (kvpress's DecodingPress compression_interval)
             interval=1,
-            # when scored methods evict: 'every_step' (every step's write keeps the budget)
-            # or 'after_prefill' (kvpress's protocol: the step given compress=True, e.g.
+            # when scored methods evict: 'every_step' (every step's write keeps the budget),
+            # 'after_prefill' (kvpress's protocol: the step given compress=True, e.g.
             # the prompt's prefill, keeps the best budget of the context, floor(ratio x its
-            # length) with budget 0; the next `headroom` tokens then append unscored)
+            # length) with budget 0; the next `headroom` tokens then append unscored) or
+            # 'decoding' (kvpress's DecodingPress: the prefill is stored whole, and every
+            # `interval` decode steps a row compresses back to the budget, its target_size)
             when="every_step",
-            headroom=0,  # after_prefill: tokens a row adds after it (question, answer)
+            # after_prefill: tokens a row adds after it (question, answer); decoding: tokens
+            # a prompt may exceed the budget by and still be stored whole
+            headroom=0,
             seed=0,  # random: which tokens
             # the method's own options (each scorer's and wrapper's `defaults`, e.g.
             # {'pooling': 'mean'} for snapkv, {'lag_size': 64} for lagkv); omitted ones

@@ -254,6 +254,14 @@ class Engine:
                 "cache.evict.when='every_step', or compress through kvlab.generate / "
                 "kvlab.prefill(compress=True)"
             )
+        if any(p is not None and p.decodes for p in plan):
+            raise ValueError(
+                "cache.evict.when='decoding' compresses a row every cache.evict.interval "
+                "steps after its first, and the engine's steps of a request (prefill chunks "
+                "sized by what shares the step, replays after a preemption) are not the "
+                "request's own: serve with cache.evict.when='every_step' and "
+                "cache.evict.interval, or decode through kvlab.generate"
+            )
         paged = [p for p, (_, c) in zip(plan, sections, strict=True) if c["kind"] == "paged"]
         self.evicting = paged[0] is not None  # one kind's layers: all evict or none
         self.row_slots = max(p.rows for p in paged) if self.evicting else self.max_len

@@ -138,3 +138,24 @@ def test_the_kvpress_configs_compress_a_prompt_once_with_kvpress_defaults(method
     np.testing.assert_array_equal(*outputs)
     half, kept = (kvlab.cache_bytes(cfg.model, c, 2, 206) for c in (cfg.cache, whole))
     assert half < kept
+
+
+def test_the_kvpress_decoding_config_stores_the_prompt_whole_and_compresses_while_decoding():
+    """configs/kvpress.py:knorm,tiny,decoding: DecodingPress's fields over the preset;
+    a 100-token prompt stays whole, and after 16 decode steps each head holds 64."""
+    cfg = kvlab.load_config(f"{ROOT}/configs/kvpress.py:knorm,tiny,decoding")
+    evict = cfg.cache.evict
+    assert (evict.when, evict.budget, evict.interval, evict.recent) == ("decoding", 64, 16, 0)
+    _, params, apply = build(cfg)
+    tokens = random_tokens(cfg, (1, 117), seed=2)
+    cache = kvlab.init_cache(cfg.model, cfg.cache, 1, 128)
+    assert cache.layers[0].policy.slots == 128  # any prompt fits whole
+    _, cache = apply({"params": params}, tokens[:, :100], cache=cache)
+    held = lambda: {int(x) for layer in cache.layers for x in layer.stored(cache.lengths).ravel()}  # noqa: E731
+    assert held() == {100}
+    for t in range(100, 116):
+        assert held() == {t}
+        _, cache = apply({"params": params}, tokens[:, t : t + 1], cache=cache)
+    assert held() == {64}
+    with pytest.raises(ValueError, match="names the protocol 'later'"):
+        kvlab.load_config(f"{ROOT}/configs/kvpress.py:knorm,tiny,later")

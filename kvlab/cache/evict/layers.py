@@ -65,11 +65,14 @@ from jaxtyping import Array, Float, Int
 from kvlab.cache.evict.policy import (
     Policy,
     banded,
+    due,
     empty_ring_scores,
+    empty_since,
     empty_slots,
     observed_queries,
     overflows,
     ring_positions,
+    steps_since,
     stored_tokens,
 )
 from kvlab.cache.evict.scorers import Candidates, Channels
@@ -108,6 +111,8 @@ class EvictingLayer:
     policy       static Policy
     ring_scores  float32[B, K, W] settling h2o: the attention each ring slot's token
                  has accumulated while unsettled; None otherwise
+    since        int32[B] cache.evict.when='decoding': decode steps since each row
+                 last compressed (Policy.decodes); None otherwise
     """
 
     tensors: tuple
@@ -115,6 +120,7 @@ class EvictingLayer:
     scores: Array | None
     policy: Policy = struct.field(pytree_node=False)
     ring_scores: Array | None = None
+    since: Array | None = None
 
     @property
     def capacity(self) -> int:
@@ -141,7 +147,7 @@ class EvictingLayer:
         """bool[]: whether this step's write scores its candidates (some head of
         some row then has more than its slots), so attention computes the mass
         only then; None where every step needs it (a scorer that keeps a state)."""
-        return overflows(self.positions, self.policy, placement)
+        return overflows(self.positions, self.policy, placement, self.since)
 
     # -- read
 
@@ -235,7 +241,18 @@ class EvictingLayer:
         slots, positions, scores = self.destinations(pending, placement, mass, queries)
         tensors = self.with_channels(pending, placement, slots, queries)
         tensors = tuple(put_tokens(t, x, slots) for t, x in zip(tensors, pending, strict=True))
-        return EvictingLayer(tensors, positions, scores, self.policy)
+        return EvictingLayer(tensors, positions, scores, self.policy, since=self.counted(placement))
+
+    def counted(self, placement: Placement) -> Array | None:
+        """A decoding layer's `since` after this step (policy.steps_since); None
+        for other policies."""
+        if not self.policy.decodes:
+            return None
+        return steps_since(self.since, self._due(placement), placement)
+
+    def _due(self, placement: Placement) -> Array:
+        """bool[B]: the rows a decoding layer compresses in this step (policy.due)."""
+        return due(self.since, self.positions, self.policy, placement)
 
     def with_channels(self, pending: tuple, placement: Placement, slots: Array, queries):
         """The stored tensors, pruned keys (policy.key_channels) with the channels
@@ -275,17 +292,20 @@ class EvictingLayer:
         end = self._end(placement)[:, None, None]
         limit = None
         if p.compresses and placement.compress is not None:
-            limit = self._limit(placement, end)
+            limit = self._limit(placement.compress, placement, end)
+        elif p.decodes:
+            limit = self._limit(self._due(placement), placement, end)
         score = lambda: self._score(pending, placement, candidates, valid, mass, queries, limit)  # noqa: E731
         return self._decide(tags, candidates, score, end, limit=limit)
 
-    def _limit(self, placement: Placement, end: Array) -> Array:
-        """int32[B, 1, 1]: candidates a head keeps at most this step: after_prefill's
-        target in the rows given compress (of their whole context's length where
-        given, Placement.context; a pool: its K heads' targets), -1 in the others
-        (the slots, less the interval's spare when they overflow)."""
+    def _limit(self, compress: Array, placement: Placement, end: Array) -> Array:
+        """int32[B, 1, 1]: candidates a head keeps at most this step: the target in
+        the rows that `compress` (after_prefill: those given compress, of their whole
+        context's length where given, Placement.context; decoding: those `due`; a
+        pool: its K heads' targets), -1 in the others (the slots, less the
+        interval's spare when they overflow)."""
         p = self.policy
-        rows = (placement.compress & (placement.num_tokens > 0))[:, None, None]
+        rows = (compress & (placement.num_tokens > 0))[:, None, None]
         if placement.context is not None:
             end = placement.context[:, None, None]
         target = p.target(end) * (p.kv_heads if p.pooled else 1)
@@ -682,7 +702,11 @@ def init_layer(policy: Policy, tensors: tuple, batch: int) -> EvictingLayer:
     """An empty layer around `tensors` (each with policy.slots rows, zeroed; settling:
     QuantizedTensors of slots x g rows and a ring of policy.layout.ring_len)."""
     return EvictingLayer(
-        tensors, *empty_slots(policy, batch), policy, empty_ring_scores(policy, batch)
+        tensors,
+        *empty_slots(policy, batch),
+        policy,
+        empty_ring_scores(policy, batch),
+        empty_since(policy, batch),
     )
 
 
@@ -703,4 +727,6 @@ def reset_rows(layer, starting: Array, lengths: Array):
     if getattr(layer, "ring_scores", None) is not None:
         ring_scores = jnp.where(starting[:, None, None], 0.0, layer.ring_scores)
         layer = layer.replace(ring_scores=ring_scores)
+    if getattr(layer, "since", None) is not None:
+        layer = layer.replace(since=jnp.where(starting, 0, layer.since))
     return layer

@@ -20,6 +20,7 @@ from kvlab.cache.evict.layers import EvictingLayer
 from kvlab.cache.evict.policy import (
     Policy,
     empty_ring_scores,
+    empty_since,
     empty_slots,
     observed_queries,
     overflows,
@@ -82,7 +83,7 @@ class PagedEvictingLayer:
                  L / g entries per page); a settling policy's ring stays per row;
                  pruned keys (stored.PrunedKeys): kept channels in a pool
                  [KH, P, L, Wk], the channel ids per row [B, K, Wk]
-    positions, scores, policy, ring_scores: as EvictingLayer's
+    positions, scores, policy, ring_scores, since: as EvictingLayer's
     """
 
     pools: tuple
@@ -90,6 +91,7 @@ class PagedEvictingLayer:
     scores: Array | None
     policy: Policy = struct.field(pytree_node=False)
     ring_scores: Array | None = None
+    since: Array | None = None
 
     @property
     def capacity(self) -> int:
@@ -103,7 +105,7 @@ class PagedEvictingLayer:
         """The rows' slots gathered from their pages, as a dense evicting layer."""
         p = self.policy
         tensors = tuple(_gather(pool, pages, p.rows, self._page) for pool in self.pools)
-        return EvictingLayer(tensors, self.positions, self.scores, p, self.ring_scores)
+        return EvictingLayer(tensors, self.positions, self.scores, p, self.ring_scores, self.since)
 
     def tensor_shapes(self) -> tuple[tuple[int, int], ...]:
         pool_heads = lambda t: jax.tree.leaves(t)[0].shape[0]  # noqa: E731  payload, kept first
@@ -117,7 +119,7 @@ class PagedEvictingLayer:
         return observed_queries(self.policy, placement)
 
     def competes(self, placement: Placement) -> Array | None:
-        return overflows(self.positions, self.policy, placement)
+        return overflows(self.positions, self.policy, placement, self.since)
 
     def read(self, fresh: tuple, placement: Placement):
         return self.view(placement.pages).read(fresh, placement)
@@ -146,13 +148,17 @@ class PagedEvictingLayer:
             _put_pages(pool, x, slots, pages, p.slots)
             for pool, x in zip(pools, pending, strict=True)
         )
-        return PagedEvictingLayer(pools, positions, scores, p)
+        return PagedEvictingLayer(pools, positions, scores, p, since=view.counted(placement))
 
 
 def init_paged_layer(policy: Policy, pools: tuple, batch: int) -> PagedEvictingLayer:
     """An empty paged layer around zeroed `pools`."""
     return PagedEvictingLayer(
-        pools, *empty_slots(policy, batch), policy, empty_ring_scores(policy, batch)
+        pools,
+        *empty_slots(policy, batch),
+        policy,
+        empty_ring_scores(policy, batch),
+        empty_since(policy, batch),
     )
 
 

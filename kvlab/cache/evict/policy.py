@@ -64,8 +64,9 @@ class Policy:
     granularity: int = 1  # g: tokens that settle, and are kept or evicted, together
     span: int = 0  # window methods: R, the latest positions a query sees after the sinks
     interval: int = 1  # scored: a full head evicts down to leave interval - 1 tokens free
+    #                    (decoding: the decode steps between compressions)
     when: str = "every_step"  # cache.evict.when
-    budget: int = 0  # after_prefill: the most tokens a head keeps of a compressed context
+    budget: int = 0  # after_prefill, decoding: the most tokens a head keeps of a compressed row
     ratio: float = 0.0  # after_prefill with cache.evict.budget 0: the share of it kept
     floor_share: float = 0.0  # adakv_floor (after_prefill: a floor per compressed row)
     options: tuple = ()  # the scorer's options: (name, value) pairs (Candidates.options)
@@ -76,6 +77,14 @@ class Policy:
     def compresses(self) -> bool:
         """A step given compress=True keeps a row's best `target` tokens per head."""
         return self.when == "after_prefill"
+
+    @property
+    def decodes(self) -> bool:
+        """cache.evict.when='decoding' (kvpress's DecodingPress): a row's prefill is
+        stored whole and every `interval` decode steps (steps of a row that already
+        holds tokens) it keeps its best `target` tokens per head; so does a row whose
+        tokens would not fit its slots. Its layer counts the steps (`since`)."""
+        return self.when == "decoding"
 
     def target(self, end: Array) -> Array:
         """after_prefill: the tokens each head keeps of rows of `end` tokens (any
@@ -93,7 +102,10 @@ class Policy:
     def spare(self) -> int:
         """Slots a head that overflows frees beyond what the step needs: the
         cache.evict.interval - 1 tokens the next steps then fill without scoring
-        (in groups of g; a pool frees its K heads' worth)."""
+        (in groups of g; a pool frees its K heads' worth); none while decoding,
+        whose interval counts steps instead."""
+        if self.decodes:
+            return 0
         extra = (self.interval - 1) // self.granularity
         return extra * self.kv_heads if self.pooled else extra
 
@@ -299,6 +311,7 @@ def _policies(model_cfg: Mapping, cache_cfg: Mapping, max_len: int) -> tuple[Pol
     residual, g = (0, 1) if layout is None else (layout.residual, layout.granularity)
     settles = residual > 0 or g > 1
     compresses = evict["when"] == "after_prefill" and scorer is not None
+    decodes = evict["when"] == "decoding" and scorer is not None
     if scorer is not None and scorer.observes == "probes" and not compresses:
         raise ValueError(
             f"cache.evict.method={method!r} scores a context by the probes fed after it "
@@ -306,8 +319,8 @@ def _policies(model_cfg: Mapping, cache_cfg: Mapping, max_len: int) -> tuple[Pol
         )
     options = () if scorer is None else scorer_options(scorer, evict)
     key_channels = _key_channels(scorer, model_cfg, cache_cfg, dict(options), pooled, settles)
-    if compresses:
-        _check_after_prefill(method, evict, settles)
+    if compresses or decodes:
+        _check_compression(method, evict, settles)
     shared = None if evict["budget"] or not compresses else evict["ratio"]
     ratios = None
     if shared is not None:
@@ -318,6 +331,8 @@ def _policies(model_cfg: Mapping, cache_cfg: Mapping, max_len: int) -> tuple[Pol
     for i, budget in enumerate(layer_budgets(model_cfg, cache_cfg, max_len)):
         if compresses:  # the compressed context and the tokens after it
             units = min(budget + evict["headroom"], max_len)
+        elif decodes:  # a prompt stored whole, and the steps until it is compressed
+            units = min(budget + evict["headroom"] + evict["interval"] - 1, max_len)
         elif not settles:
             units = budget
         elif method in RING_METHODS:
@@ -343,7 +358,7 @@ def _policies(model_cfg: Mapping, cache_cfg: Mapping, max_len: int) -> tuple[Pol
                 granularity=g if settles else 1,
                 span=budget - sinks if method in RING_METHODS else 0,
                 interval=evict["interval"] if scorer is not None else 1,
-                when=evict["when"] if compresses else "every_step",
+                when=evict["when"] if compresses or decodes else "every_step",
                 budget=budget,
                 ratio=(shared or 0.0) if ratios is None else ratios[i],
                 floor_share=evict["adakv_floor"] if floored else 0.0,
@@ -382,11 +397,11 @@ def _key_channels(scorer, model_cfg, cache_cfg, options, pooled: bool, settles: 
     return kept
 
 
-def _check_after_prefill(method: str, evict: Mapping, settles: bool) -> None:
-    """Refuses what cache.evict.when='after_prefill' cannot compress exactly."""
+def _check_compression(method: str, evict: Mapping, settles: bool) -> None:
+    """Refuses what cache.evict.when='after_prefill' or 'decoding' cannot compress exactly."""
     if settles:
         raise ValueError(
-            "cache.evict.when='after_prefill' cannot compress a quantized layout whose "
+            f"cache.evict.when={evict['when']!r} cannot compress a quantized layout whose "
             "tokens settle in groups (cache.residual > 0 or per-channel scales): set "
             "cache.residual=0 and cache.<prefix>_axis='token', or cache.evict.when='every_step'"
         )
@@ -401,7 +416,7 @@ def _check_after_prefill(method: str, evict: Mapping, settles: bool) -> None:
 def _check_interval(policy: Policy, evict: Mapping) -> None:
     """Refuses an interval whose spare slots would have to come out of what the
     layer always keeps (its recent tokens, AdaKV's floors)."""
-    if policy.interval == 1:
+    if policy.interval == 1 or policy.decodes:
         return
     g = policy.granularity
     units = policy.slots // policy.kv_heads if policy.pooled else policy.slots
@@ -526,16 +541,27 @@ def observed_queries(policy: Policy, placement: Placement) -> Array | None:
     return real.astype(jnp.float32)
 
 
-def overflows(positions: Array | None, policy: Policy, placement: Placement) -> Array | None:
+def overflows(
+    positions: Array | None, policy: Policy, placement: Placement, since: Array | None = None
+) -> Array | None:
     """bool[]: whether a step's candidates (the held slots and the step's new
     tokens, or the groups that settle in it) outnumber some head's slots in some
     row, so the write competes and its scorer reads the mass; the same count the
-    write makes. None where the scorer's mass is needed every step (`keeps`)."""
+    write makes (a decoding layer's: a row it compresses, `due`, given its count
+    `since`). None where the scorer's mass is needed every step (`keeps`)."""
     if policy.scorer is None or policy.keeps:  # a window, or h2o
         return None
     compressing = False
     if policy.compresses and placement.compress is not None:
         compressing = jnp.any(placement.compress & (placement.num_tokens > 0))
+    if policy.decodes:
+        compressing = jnp.any(due(since, positions, policy, placement))
+    return jnp.any(rows_overflow(positions, policy, placement)) | compressing
+
+
+def rows_overflow(positions: Array, policy: Policy, placement: Placement) -> Array:
+    """bool[B]: rows with a head whose held slots and the step's new tokens (or the
+    groups that settle in it) outnumber its slots."""
     held = (positions >= 0).sum(-1)  # [B, E]
     new = placement.num_tokens
     if policy.settles:
@@ -543,7 +569,26 @@ def overflows(positions: Array | None, policy: Policy, placement: Placement) -> 
         new = (layout.settled(lengths + new) - layout.settled(lengths)) // policy.granularity
     if policy.pooled:
         new = new * policy.kv_heads
-    return jnp.any(held + new[:, None] > positions.shape[2]) | compressing
+    return jnp.any(held + new[:, None] > positions.shape[2], axis=-1)
+
+
+def due(since: Array, positions: Array, policy: Policy, placement: Placement) -> Array:
+    """bool[B]: rows a decoding layer (Policy.decodes) compresses in this step: a
+    decode step (a row that holds tokens is given more) that is the `interval`-th
+    since the row last compressed or brings at least the budget's tokens (kvpress's
+    DecodingPress: compression_interval, q_len >= target_size), and any row whose
+    tokens would not fit its slots (a prompt longer than the budget and headroom)."""
+    real = placement.num_tokens > 0
+    decoding = real & (placement.lengths > 0)
+    count = decoding & ((since + 1 >= policy.interval) | (placement.num_tokens >= policy.budget))
+    return count | (real & rows_overflow(positions, policy, placement))
+
+
+def steps_since(since: Array, compressed: Array, placement: Placement) -> Array:
+    """int32[B]: a decoding layer's count of decode steps after this step: 0 where
+    it compressed, one more where it decoded."""
+    decoding = (placement.num_tokens > 0) & (placement.lengths > 0)
+    return jnp.where(compressed, 0, since + decoding.astype(jnp.int32))
 
 
 def empty_slots(policy: Policy, batch: int):
@@ -554,6 +599,12 @@ def empty_slots(policy: Policy, batch: int):
     shape = (batch, storage_heads(policy), policy.slots)
     scores = jnp.zeros(shape, jnp.float32) if policy.keeps else None
     return jnp.full(shape, -1, jnp.int32), scores
+
+
+def empty_since(policy: Policy, batch: int) -> Array | None:
+    """int32[B] zeros: a decoding layer's count of decode steps since each row
+    last compressed (Policy.decodes); None for other policies."""
+    return jnp.zeros((batch,), jnp.int32) if policy.decodes else None
 
 
 def empty_ring_scores(policy: Policy, batch: int) -> Array | None:
