@@ -88,6 +88,7 @@ SCORERS = Registry(
         "qfilter": "kvlab.cache.evict.qfilter",
         "duo_attention": "kvlab.cache.evict.duo_attention",
         "kvzip": "kvlab.cache.evict.kvzip",
+        "kvzip_head": "kvlab.cache.evict.kvzip_head",
     },
     group="kvlab.scorers",
 )

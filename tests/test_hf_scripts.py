@@ -332,7 +332,7 @@ def test_benchmark_writes_the_leaderboard_and_resumes(llama_with_tokenizer, tmp_
     args = [
         "scripts/benchmark.py",
         f"--model=hf:{llama_with_tokenizer}",
-        "--methods=knorm,qfilter,duo_attention",
+        "--methods=knorm,qfilter,duo_attention,kvzip_head",
         "--ratios=0.5",
         "--tasks=niah_single_1,cwe",
         "--length=96",
@@ -347,10 +347,12 @@ def test_benchmark_writes_the_leaderboard_and_resumes(llama_with_tokenizer, tmp_
         ("knorm", "0.5"),
         ("qfilter", "0.5"),
         ("duo_attention", "0.5"),
+        ("kvzip_head", "0.5"),
     ]
     assert float(board[1]["bytes_per_token"]) < float(board[0]["bytes_per_token"])
     assert np.load(out / "qfilters.npz")["filters"].ndim == 3  # calibrated, kept with the run
     assert np.load(out / "duo_patterns.npz")["patterns"].ndim == 2
+    assert np.load(out / "kvzip_heads.npz")["patterns"].ndim == 2
     assert set(board[0]) >= {"score", "niah_single_1", "cwe"}
     assert (out / "leaderboard.png").stat().st_size > 0
     results = (out / "results.csv").read_text()

@@ -5,6 +5,8 @@
     save_filters("runs/x/qfilters.npz", filters)     # cache.evict.options.filters
     patterns = duo_patterns(model_cfg, params, tokens)  # float32[cache layers, K]
     save_patterns("runs/x/duo.npz", patterns)        # cache.evict.options.patterns
+    heads = kvzip_heads(model_cfg, params, tokens, tokenizer.encode)  # kvzip_head's
+    save_patterns("runs/x/kvzip_heads.npz", heads)   # patterns
     books = codebooks(cfg.model, cfg.cache, params, tokens)  # the 'codebook' format's levels
     save_codebooks("runs/x/codebooks.npz", books)    # cache.codebooks
     ranges = scales(cfg.model, cfg.cache, params, tokens, per="head")  # axis 'calibrated'
@@ -23,7 +25,8 @@ majority sign of the queries' coordinates along it (so most queries project on
 it positively), gives the filter -v; a KV head's filter is the mean of its
 query heads'. DuoAttention's patterns (arXiv:2410.10819,
 kvlab/cache/evict/duo_attention.py) are kvpress's on-the-fly estimate
-(`duo_patterns`). A cross-layer cache layer takes its producing layer's queries.
+(`duo_patterns`); KVzip's head-level variant scores the heads by the context's
+reconstruction (`kvzip_heads`). A cross-layer cache layer takes its producing layer's queries.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ import ml_collections
 import numpy as np
 
 from kvlab.cache import topology
+from kvlab.cache.evict.kvzip import KVzip
 from kvlab.cache.factory import init_cache
 from kvlab.cache.formats import normal_float
 from kvlab.cache.quant.storage import (
@@ -111,6 +115,41 @@ def duo_patterns(model_cfg: Mapping, params, tokens: np.ndarray, length: int = 5
         logits = jnp.einsum("bnh,bpnh->bnp", q, k) * query.shape[-1] ** -0.5
         area = jnp.cumsum(jax.nn.softmax(logits, axis=-1), axis=-1).mean(-1)  # [B, N]
         scores.append(np.asarray(area.reshape(area.shape[0], -1, groups).mean((0, 2))))
+    return np.asarray(scores, np.float32)
+
+
+def kvzip_heads(
+    model_cfg: Mapping,
+    params,
+    tokens: np.ndarray,
+    encode: Callable[[str], Sequence[int]],
+    sinks: int = 4,
+) -> np.ndarray:
+    """float32[cache layers, K]: KVzip's head-level scores (arXiv:2505.23416, the
+    head-level eviction of its section 3; kvlab/cache/evict/kvzip_head.py). Each row
+    of `tokens` is a context, fed with its probes after it (KVzip's request to
+    repeat it and the context again: kvzip.probe_tokens with `encode`); a token's
+    KVzip score is the largest probability any probe query of its KV head's group
+    gives it, and a head's score the largest of its context tokens' (the first
+    `sinks` apart, which every head keeps), averaged over the rows."""
+    rows, context = tokens.shape
+    fed = np.asarray(
+        [[*row, *KVzip().probe_tokens(encode, row.tolist())] for row in tokens], np.int32
+    )
+    positions = jnp.broadcast_to(jnp.arange(fed.shape[1]), fed.shape)
+    rope = lambda x: apply_rope(x, positions, model_cfg["rope_theta"], model_cfg["rope_scaling"])  # noqa: E731
+    groups = model_cfg["num_heads"] // model_cfg["num_kv_heads"]
+    probe = np.arange(fed.shape[1]) >= context  # [T]
+    causal = np.tril(np.ones((fed.shape[1], fed.shape[1]), bool))[probe]  # [P, T]
+    scores = []
+    for query, key in _projections(model_cfg, params, fed, "KVzip's head scores"):
+        q = rope(query.astype(jnp.float32))[:, probe]  # [B, P, N, H]
+        k = jnp.repeat(rope(key.astype(jnp.float32)), groups, axis=2)  # [B, T, N, H]
+        logits = jnp.einsum("bpnh,btnh->bnpt", q, k) * query.shape[-1] ** -0.5
+        logits = jnp.where(causal, logits, -jnp.inf)
+        mass = jax.nn.softmax(logits, axis=-1)[..., sinks:context]  # [B, N, P, C]
+        peak = mass.max((2, 3)).reshape(rows, -1, groups).max(-1)  # [B, K]
+        scores.append(np.asarray(peak).mean(0))
     return np.asarray(scores, np.float32)
 
 

@@ -33,7 +33,7 @@ def _artefact(method: str, shape: tuple) -> dict:
     `shape` (qfilter's filters; duo_attention's head scores, its windows made small)."""
     path = os.path.join(tempfile.mkdtemp(prefix="kvlab-test-artefact-"), f"{method}.npz")
     array = np.random.default_rng(0).normal(size=shape)
-    if method == "duo_attention":
+    if "patterns" in SCORERS.get(method).defaults:  # duo_attention, kvzip_head
         save_patterns(path, array)
         return {"patterns": path, "sink_size": 2, "recent_size": 4}
     save_filters(path, array)
@@ -52,7 +52,7 @@ def evicting(cfg, method, bits=16, **fields):
         width = model.mla.kv_rank if model.attention == "mla" else model.head_dim
         shape = (kvlab.cache.topology.num_cache_layers(model), model.num_kv_heads)
         fields["options"] = dict(
-            _artefact(base, shape if base == "duo_attention" else (*shape, width))
+            _artefact(base, shape if "patterns" in SCORERS.get(base).defaults else (*shape, width))
         )
     cache.evict.update({"method": method, "recent": 2, **fields})
     if bits != 16:

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 import kvlab
+from kvlab.cache.evict.duo_attention import needed_budget
 from kvlab.registry import SCORERS
 from tests.cache.test_after_prefill import kept
 from tests.cache.test_duo_attention import _rope
@@ -225,3 +226,33 @@ def test_generate_feeds_each_rows_probes_after_its_prompt():
         kvlab.generate(model, params, prompts, **arguments, probes=probes[:1])
     with pytest.raises(ValueError, match=r"probes\[1\] is empty"):
         kvlab.generate(model, params, prompts, **arguments, probes=[probes[0], []])
+
+
+def test_the_head_level_variant_scores_each_head_by_its_largest_token_score(tmp_path):
+    """KVzip's head-level eviction (kvzip_head): calibrate.kvzip_heads gives the
+    first layer's KV heads the largest float64 KVzip score (reference_scores) of any
+    context token past the sinks, averaged over two contexts; as patterns, the
+    lower-scoring half of the model's heads streams (DuoAttention's pool at the
+    budget its heads need) and the others keep every token."""
+    cfg = VARIANTS["gqa"]()
+    _, params, apply = build(cfg)
+    contexts = np.stack([random_tokens(cfg, (CONTEXT,), seed=s) for s in (3, 4)])
+    heads = kvlab.eval.calibrate.kvzip_heads(cfg.model, params, contexts, encode)
+    assert heads.shape == (cfg.model.num_layers, cfg.model.num_kv_heads)
+    expected = np.mean([reference_scores(cfg, params, c)[:, 4:].max(-1) for c in contexts], 0)
+    np.testing.assert_allclose(heads[0], expected, rtol=1e-4)
+    path = str(tmp_path / "kvzip_heads.npz")
+    kvlab.eval.calibrate.save_patterns(path, heads)
+    options = {"patterns": path, "head_ratio": 0.5, "sink_size": 2, "recent_size": 4}
+    budget = needed_budget(options, cfg.model.num_layers, CONTEXT)  # what its heads need
+    cache_cfg = evicting(cfg, "kvzip_head", recent=0, budget=budget, options=options)
+    cache = kvlab.init_cache(cfg.model, cache_cfg, 1, CONTEXT)
+    _, cache = apply({"params": params}, contexts[:1], cache=cache)
+    streaming = heads <= np.median(heads)
+    window = [0, 1, *range(CONTEXT - 4, CONTEXT)]
+    for layer, streams in zip(cache.layers, streaming, strict=True):
+        for held, streams_here in zip(kept(layer)[0], streams, strict=True):
+            if streams_here:  # its sinks and latest, and what the pool's rounding spares
+                assert set(window) <= set(held) and len(held) < CONTEXT // 2
+            else:
+                assert list(held) == list(range(CONTEXT))

@@ -42,7 +42,7 @@ from kvlab.registry import SCORERS
 
 FIX = (
     "write them with kvlab.eval.calibrate.save_patterns (scripts/benchmark.py calibrates "
-    "them for --methods duo_attention)"
+    "them for --methods duo_attention and kvzip_head)"
 )
 TIER = float(2**22)  # ranks apart (positions below 2**22 rank exactly within a rank)
 
