@@ -452,6 +452,18 @@ def test_snapkv_after_one_prefill_keeps_the_top_pooled_tokens():
             np.testing.assert_array_equal(kept[b, h], np.sort([*best, 10, 11]))
 
 
+@settings(max_examples=20, deadline=None)
+@given(values=st.lists(st.integers(-3, 3), min_size=1, max_size=24), rows=st.integers(1, 3))
+def test_ranks_are_the_stable_argsort_of_the_argsort(values, rows):
+    """scorers.ranks (one sort and a scatter): each entry's place in ascending order,
+    among equals the earlier first, over rows of few distinct values (ties)."""
+    from kvlab.cache.evict.scorers import ranks
+
+    x = np.stack([np.roll(values, r) for r in range(rows)]).astype(np.float32)
+    want = np.argsort(np.argsort(x, axis=-1, kind="stable"), axis=-1, kind="stable")
+    np.testing.assert_array_equal(np.asarray(ranks(jnp.asarray(x))), want)
+
+
 @settings(max_examples=12, deadline=None)
 @given(
     heads=st.sampled_from([(2, 1), (1, 3), (1, 1)]),  # (storage heads, KV heads): a pool

@@ -23,7 +23,7 @@ import types
 import jax.numpy as jnp
 from jaxtyping import Array
 
-from kvlab.cache.evict.scorers import Candidates, Wrapper, always_kept
+from kvlab.cache.evict.scorers import Candidates, Wrapper, always_kept, ranks
 from kvlab.registry import WRAPPERS
 
 FIRST = 1.0e36  # the first stage's candidates: above every weighed priority
@@ -47,7 +47,7 @@ class CriticalKV(Wrapper):
     def priority(self, c: Candidates, priority: Array) -> Array:
         first = jnp.where(c.valid, priority, -jnp.inf)
         first = jnp.where(always_kept(c), jnp.inf, first)
-        rank = jnp.argsort(jnp.argsort(-first, axis=-1), axis=-1)  # 0: the best
+        rank = ranks(-first)  # 0: the best
         share = c.options["first_stage_ratio"]
         count = jnp.floor(c.keep * share).astype(jnp.int32)
         if share > 0:  # at least one, as kvpress

@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array
 
-from kvlab.cache.evict.scorers import Candidates, Scorer, position_order, position_rank
+from kvlab.cache.evict.scorers import Candidates, Scorer, position_order, position_rank, ranks
 from kvlab.registry import SCORERS
 
 
@@ -67,7 +67,7 @@ class LagKV(Scorer):
             spread = lambda x: _spread(x, sinks, lag, partitions)  # noqa: E731
             lagged = (spread(keys) + spread(values)) / 2
             if not c.options["cross_scoring"]:  # [B, E, P - 1, lag]: rank in its partition
-                lagged = jnp.argsort(jnp.argsort(lagged, axis=-1), axis=-1) / lag
+                lagged = ranks(lagged) / lag
             scored = jnp.ones((batch, heads, tokens), jnp.float32)
             scored = scored.at[..., sinks : sinks + (partitions - 1) * lag].set(
                 lagged.reshape(batch, heads, -1)

@@ -400,7 +400,7 @@ class Composed(Scorer):
     def priority(self, c: Candidates, score: Array) -> Array:
         first = jnp.where(c.valid, self.first.priority(c, score), -jnp.inf)
         first = jnp.where(always_kept(c), jnp.inf, first)
-        rank = jnp.argsort(jnp.argsort(-first, axis=-1), axis=-1)  # 0: the best
+        rank = ranks(-first)  # 0: the best
         staged = jnp.ceil(c.keep / c.options["share"]).astype(jnp.int32)
         second = self.second.priority(c, self.second.score(c))
         return jnp.where(rank < staged, second, -jnp.inf)
@@ -504,6 +504,14 @@ def position_order(rank: Array) -> Array:
     return jnp.zeros_like(rank).at[b, e, rank].set(jnp.arange(rank.shape[-1]))
 
 
+def ranks(x: Array) -> Array:
+    """int32: each entry's place along the last axis in ascending order, among equals
+    the earlier first (argsort of the argsort), by one sort and a scatter."""
+    order = jnp.argsort(x, axis=-1)
+    place = jnp.broadcast_to(jnp.arange(x.shape[-1], dtype=jnp.int32), x.shape)
+    return jnp.put_along_axis(jnp.zeros(x.shape, jnp.int32), order, place, axis=-1, inplace=False)
+
+
 def position_rank(c: Candidates) -> Array:
     """int32[B, E, C]: each candidate's place in the order of its storage head's
     candidates by (KV head, position): the valid ones 0 .. n - 1, the others after
@@ -514,8 +522,7 @@ def position_rank(c: Candidates) -> Array:
     lanes = c.kv_heads if c.valid.shape[1] == 1 else 1  # a pool: its heads one after another
     if not c.max_len:
         key = c.heads * (1 << 24) + c.positions  # positions stay below 2**24
-        order = jnp.argsort(jnp.where(c.valid, key, jnp.iinfo(jnp.int32).max), axis=-1)
-        return jnp.argsort(order, axis=-1)
+        return ranks(jnp.where(c.valid, key, jnp.iinfo(jnp.int32).max))
     span = lanes * c.max_len
     key = (c.heads if lanes > 1 else 0) * c.max_len + c.positions
     key = jnp.where(c.valid, jnp.clip(key, 0, span - 1), span + jnp.arange(count))
