@@ -90,6 +90,27 @@ RECIPES = {
                                                                       ratio=0.5)),
                             "KIVI-4 keeping half the tokens (SnapKV, every step)"),
 }  # fmt: skip
+# At matched bytes: each of these stores and SnapKV (every step) keeps the most
+# tokens whose cache costs at most a share of the bfloat16 cache's bytes per token
+# (`matched_budget`), so the rows of one share cost the same. KIVI's bfloat16
+# ring of 32 tokens alone is 6.25% of 512 tokens' bytes, and KVQuant's keys
+# before RoPE cannot be evicted: neither goes below 25% here.
+SHARES = (0.25, 0.125, 0.0625)
+MATCHED = {
+    "bfloat16": ({}, SHARES),
+    "fp8 per head": (RECIPES["fp8 per head"][0], SHARES),
+    "rotated codebook 4": (RECIPES["rotated codebook 4"][0], SHARES),
+    "rotated codebook 2": (RECIPES["rotated codebook 2"][0], SHARES[1:]),
+    "KIVI-4": (RECIPES["KIVI-4"][0], SHARES[:1]),
+    "KIVI-2": (RECIPES["KIVI-2"][0], SHARES[:1]),
+}
+for _name, (_fields, _shares) in MATCHED.items():
+    for _share in _shares:
+        RECIPES[f"{_name} + snapkv at {_share:.4g}"] = (
+            dict(_fields, evict=dict(method="snapkv", share=_share)),
+            f"{_name}, SnapKV keeping what fits {_share:.2%} of the bfloat16 cache's bytes",
+        )
+
 
 _MODEL = flags.DEFINE_string("model", "smollm2", "smollm2, gguf:FILE or hf:DIR.")
 _WORKDIR = flags.DEFINE_string("workdir", "runs/storage", "Where results go.")
@@ -99,7 +120,13 @@ _GROUP = flags.DEFINE_integer("group_size", 32, "Numbers (or tokens) sharing a s
 _CHUNK = flags.DEFINE_integer(
     "chunk", 64, "Prefill chunk (a topology's recipes read a token at a time, see above)."
 )
-_RECIPES = flags.DEFINE_list("recipes", list(RECIPES), "Recipes evaluated (RECIPES' names).")
+MATCHED_RECIPES = [n for n in RECIPES if " + snapkv at " in n]
+_RECIPES = flags.DEFINE_list(
+    "recipes",
+    [n for n in RECIPES if n not in MATCHED_RECIPES],
+    "Recipes evaluated (RECIPES' names); --matched: those at matched bytes.",
+)
+_MATCHED = flags.DEFINE_bool("matched", False, "Evaluate the recipes at matched bytes.")
 _RULER = flags.DEFINE_list(
     "ruler", ["KIVI-2", "rotated codebook 2", "rotated codebook 2 + sketch", "KVQuant-2",
               "Palu k32 8-bit", "Palu k32 v32 8-bit"],
@@ -109,25 +136,50 @@ _RULER_SAMPLES = flags.DEFINE_integer("ruler_samples", 2, "RULER records per tas
 _RULER_TASKS = flags.DEFINE_list("ruler_tasks", list(RULER_TASKS), "RULER tasks scored.")
 
 
-def recipe_fields(base, name: str, model):
+def recipe_fields(base, name: str, model, length: int):
     """(the model section, `base` with recipe `name`'s fields, the scales it
-    calibrates, whether it fits bases): a recipe's `topology` is the model's."""
+    calibrates, whether it fits bases): a recipe's `topology` is the model's; an
+    eviction at a `share` keeps its matched budget at `length` tokens."""
     fields = dict(RECIPES[name][0])
     cache = base.copy_and_resolve_references()
     model = model.copy_and_resolve_references()
     model.topology = fields.pop("topology", model.topology)
     per = fields.pop("scales", None)
-    cache.evict.update(fields.pop("evict", {}))
+    evict = dict(fields.pop("evict", {}))
+    share = evict.pop("share", None)
+    cache.evict.update(evict)
     fit_bases = fields.pop("bases", False)
     cache.update(fields)
+    if share is not None:
+        cache.evict.budget = matched_budget(model, base, cache, share, length, name)
     return model, cache, per, fit_bases
 
 
-def check_recipes(base, names, model) -> None:
+def matched_budget(model, base, cache, share: float, length: int, name: str) -> int:
+    """The largest cache.evict.budget at which `cache` costs at most `share` of the
+    bfloat16 `base` cache's bytes at `length` tokens (what it calibrates stands in
+    as a path); ValueError naming the recipe where no budget it accepts fits."""
+    limit = share * kvlab.cache_bytes(model, base, 1, length)
+    trial = cache.copy_and_resolve_references()
+    trial.scales = "(fitted)" if "calibrated" in (cache.k_axis, cache.v_axis) else ""
+    for budget in range(length, 0, -1):
+        trial.evict.budget = budget
+        try:
+            if kvlab.cache_bytes(model, trial, 1, length) <= limit:
+                return budget
+        except ValueError:  # a budget that cannot keep its promise: smaller ones neither
+            break
+    raise ValueError(
+        f"recipe {name!r}: no cache.evict.budget it accepts costs {share:.2%} of the "
+        f"bfloat16 cache's bytes at {length} tokens"
+    )
+
+
+def check_recipes(base, names, model, length: int) -> None:
     """ValueError naming the recipe and field of one its model cannot run, before
     anything is computed (what it calibrates stands in as a path)."""
     for name in names:
-        recipe_model, cache, per, fit_bases = recipe_fields(base, name, model)
+        recipe_model, cache, per, fit_bases = recipe_fields(base, name, model, length)
         cache.update(bases="(fitted)" if fit_bases else "", scales="(fitted)" if per else "")
         try:
             kvlab.config.validate_cache_config(cache, recipe_model)
@@ -137,7 +189,7 @@ def check_recipes(base, names, model) -> None:
 
 def recipe_cache(base, name: str, calibration, cfg, params, workdir: str):
     """`recipe_fields` with its calibrated files (written once)."""
-    model, cache, per, fit_bases = recipe_fields(base, name, cfg.model)
+    model, cache, per, fit_bases = recipe_fields(base, name, cfg.model, _LENGTH.value)
     tag = name.replace(" ", "_").replace("%", "").replace("+", "and")
     if fit_bases:  # first: scales and codebooks fit the coordinates in the bases
         path = os.path.join(workdir, f"bases_{tag}.npz")
@@ -189,13 +241,14 @@ def plot(rows: list[dict], base: dict, path: str) -> None:
 def main(argv):
     del argv
     begin = time.perf_counter()
-    unknown = (set(_RECIPES.value) | set(_RULER.value)) - set(RECIPES)
+    names = MATCHED_RECIPES if _MATCHED.value else _RECIPES.value
+    unknown = (set(names) | set(_RULER.value)) - set(RECIPES)
     if unknown:
         raise ValueError(f"--recipes/--ruler name no recipe: {sorted(unknown)}; see RECIPES")
     cfg, params, tokenizer = cli.load_model(_MODEL.value)
     base = cfg.cache.copy_and_resolve_references()
     base.update(dtype="bfloat16", group_size=_GROUP.value, scale_dtype="bfloat16")
-    check_recipes(base, _RECIPES.value, cfg.model)
+    check_recipes(base, names, cfg.model, _LENGTH.value)
     length = _LENGTH.value
     tokens = calibrate.calibration_tokens(tokenizer.encode, _WINDOWS.value, length + 1, "test")
     weights = np.ones((_WINDOWS.value, length), np.float32)
@@ -221,11 +274,11 @@ def main(argv):
     settings = dict(
         model=_MODEL.value, windows=_WINDOWS.value, length=length, group_size=_GROUP.value,
         chunk=_CHUNK.value, ruler=_RULER.value, ruler_samples=_RULER_SAMPLES.value,
-        ruler_tasks=_RULER_TASKS.value,
+        ruler_tasks=_RULER_TASKS.value, recipes=names,
     )  # fmt: skip
     done, before = finished_rows(results, settings)
     rows = []
-    for name in _RECIPES.value:
+    for name in names:
         if name in done:  # a run stopped before the end wrote it: kept
             rows.append(done[name])
             continue
