@@ -278,19 +278,24 @@ def test_the_storage_experiment_runs_every_recipe_at_its_bytes(llama_with_tokeni
     """experiments/storage.py on a small checkpoint: a row per recipe with what it
     calibrated kept beside the results; per-head scales store less than scales per
     group, a key sketch adds its bits and norm per key, and RULER scores the
-    rows asked for and the bfloat16 cache."""
+    rows asked for and the bfloat16 cache; a recipe at matched bytes evicts to its
+    share."""
     out = tmp_path / "storage"
     recipes = "fp8 per group,fp8 per head,KIVI-2,rotated codebook 2,rotated codebook 2 + sketch"
     args = ["--windows=2", "--length=96", "--group_size=8", "--ruler=KIVI-2"]
-    args += [f"--recipes={recipes},KVQuant-2,KIVI-4 + snapkv 50%", "--ruler_tasks=niah_single_1"]
+    args += [f"--recipes={recipes},KVQuant-2,KIVI-4 + snapkv 50%,fp8 per head + snapkv at 0.125"]
+    args += ["--ruler_tasks=niah_single_1"]
     args += ["--ruler_samples=1", f"--workdir={out}"]
     run_script("experiments/storage.py", f"--model=hf:{llama_with_tokenizer}", *args)
     report = json.loads((out / "results.json").read_text())
     rows = {r["recipe"]: r for r in report["rows"]}
-    assert len(rows) == 7 and {"fp8 per head", "KIVI-2", "KVQuant-2"} <= set(rows)
+    assert len(rows) == 8 and {"fp8 per head", "KIVI-2", "KVQuant-2"} <= set(rows)
     size = {name: r["bytes_per_token"] for name, r in rows.items()}
     assert size["fp8 per head"] < size["fp8 per group"]
     assert size["KIVI-4 + snapkv 50%"] < size["fp8 per head"]
+    # at matched bytes: the most tokens that cost at most 12.5% of the bfloat16 cache
+    full = report["reference"]["bytes_per_token"]
+    assert 0.11 * full < size["fp8 per head + snapkv at 0.125"] <= 0.125 * full
     model = json.loads((llama_with_tokenizer / "config.json").read_text())
     keys = model["num_hidden_layers"] * model["num_key_value_heads"]
     assert size["rotated codebook 2 + sketch"] - size["rotated codebook 2"] == keys * (8 + 2)
