@@ -15,7 +15,11 @@ method, one JSON line: the Jaccard index of the two kept sets over every layer
 and KV head (min and mean), and for think (kvpress's ComposedPress of the
 scorer's press and ThinKPress) the same of the key channels kept. Q-Filters are calibrated by kvlab
 (kvlab.eval.calibrate) and handed to kvpress's press. tests/test_kvpress_live.py
-holds the same comparison, exact, on a small random model.
+holds the same comparison, exact, on a small random model. With --decoding N,
+kvpress's DecodingPress over each method's press against kvlab's
+cache.evict.when='decoding' instead: the context's first half prefilled, the
+rest fed a token a step, every N steps each head back to --kept of the first
+half (`decoding_agreement`: the kept keys compared).
 
 `kvpress_kept` and `kvlab_kept` are what the test calls.
 """
@@ -45,6 +49,9 @@ _METHODS = flags.DEFINE_list("methods", ["knorm", "snapkv", "expected_attention"
 _TASK = flags.DEFINE_enum("task", "niah_single_2", list(RULER_TASKS), "The RULER record.")
 _LENGTH = flags.DEFINE_integer("length", 1000, "Tokens of the context.")
 _KEPT = flags.DEFINE_float("kept", 0.5, "Share of the context kept.")
+_DECODING = flags.DEFINE_integer(
+    "decoding", 0, "DecodingPress's compression_interval (0: compress the context once)."
+)
 # think's key_channel_compression_ratio on both sides (kvlab's default; kvpress's is 0).
 THINK_RATIO = 0.5
 
@@ -151,6 +158,43 @@ def kvlab_channels(cache) -> list[list[set[int]]]:
     return out
 
 
+def decoding_agreement(hf, cfg, params, method: str, ids, kept: float, interval: int):
+    """Per layer and KV head, the Jaccard index of the keys kvpress's DecodingPress
+    over `method`'s press and kvlab's cache.evict.when='decoding' hold after the
+    first half of `ids` [1, T] is prefilled and the rest fed a token a step (with
+    its position, as kvpress's pipeline decodes): every `interval` steps each head
+    back to kept x the prefill's tokens. A kvpress key counts as one kvlab holds
+    where one of kvlab's is within 1e-3 of it (their histories agree while their
+    choices do)."""
+    prompt = ids.shape[1] // 2
+    target = int(kept * prompt)
+    press = kvpress.DecodingPress(
+        default_press(method, 0.0), compression_interval=interval, target_size=target
+    )
+    cache_cfg = benchmark_cache(cfg.cache, method, kept, headroom=0)
+    cache_cfg.dtype = "float32"
+    cache_cfg.evict.update(when="decoding", budget=target, interval=interval, headroom=prompt)
+    ours = kvlab.init_cache(cfg.model, cache_cfg, 1, ids.shape[1])
+    apply = jax.jit(kvlab.Transformer(cfg.model).apply)
+    theirs = transformers.DynamicCache()
+    tokens = torch.as_tensor(ids, dtype=torch.long)
+    with torch.no_grad(), press(hf):
+        hf(tokens[:, :prompt], past_key_values=theirs)
+        _, ours = apply({"params": params}, ids[:, :prompt], cache=ours)
+        for t in range(prompt, ids.shape[1]):
+            hf(tokens[:, t : t + 1], past_key_values=theirs, position_ids=torch.tensor([[t]]))
+            _, ours = apply({"params": params}, ids[:, t : t + 1], cache=ours)
+    out = []
+    for mine, peer in zip(ours.layers, theirs.layers, strict=True):
+        keys, positions = np.asarray(mine.tensors[0][0]), np.asarray(mine.positions[0])
+        for h in range(keys.shape[0]):
+            held, other = keys[h][positions[h] >= 0], peer.keys[0, h].numpy()
+            distance = np.linalg.norm(other[:, None] - held[None], axis=-1)
+            same = len(set(distance.argmin(-1)[distance.min(-1) < 1e-3].tolist()))
+            out.append(same / (len(held) + len(other) - same))
+    return out
+
+
 def qfilter_press(ratio: float, filters: np.ndarray):
     """kvpress's QFilterPress holding kvlab's filters (it would fetch its own from a hub)."""
     press = kvpress.QFilterPress(ratio)
@@ -199,7 +243,15 @@ def main(argv):
         kvlab.save_hf(cfg, params, folder, tokenizer)
         models = {}
         filters, path = None, os.path.join(folder, "qfilters.npz")
-        for method in _METHODS.value:
+        for method in _METHODS.value if _DECODING.value else []:
+            hf = transformers.AutoModelForCausalLM.from_pretrained(
+                folder, dtype=torch.float32, attn_implementation="sdpa"
+            ).eval()
+            jaccard = decoding_agreement(hf, cfg, params, method, ids, _KEPT.value, _DECODING.value)
+            row = dict(method=method, tokens=ids.shape[1], kept=_KEPT.value, heads=len(jaccard))
+            row.update(decoding=_DECODING.value, jaccard_min=round(min(jaccard), 4))
+            print(json.dumps(dict(row, jaccard_mean=round(float(np.mean(jaccard)), 4))), flush=True)
+        for method in [] if _DECODING.value else _METHODS.value:
             fields = {}
             if method.split(":")[-1] == "qfilter":
                 if filters is None:

@@ -206,8 +206,11 @@ def run_benchmark(
     headroom = question_width + steps
     max_len = width + headroom
     cache_cfg = ml_collections.ConfigDict(cache_cfg).copy_and_resolve_references()
-    if cache_cfg.evict.method != "none":
-        cache_cfg.evict.headroom = headroom
+    # Room beside the budget: after_prefill's for the question and the answer, decoding's
+    # for the context stored whole; a cache that evicts every step has none.
+    room = {"after_prefill": headroom, "decoding": width}
+    if cache_cfg.evict.method != "none" and cache_cfg.evict.when in room:
+        cache_cfg.evict.headroom = room[cache_cfg.evict.when]
     validate_cache_config(cache_cfg, model_cfg)
     bytes_per_token = cache_bytes(model_cfg, cache_cfg, 1, max_len) / max_len
     # Records with one context share its compressed cache (query-aware: none share).

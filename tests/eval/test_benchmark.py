@@ -103,6 +103,27 @@ def test_the_protocol_generates_what_generate_does_and_compression_saves_bytes()
         run_benchmark(cfg.model, params, tokenizer, asked, cache, block_size=64, query_aware=True)
 
 
+def test_caches_that_evict_every_step_or_while_decoding_run_the_protocol():
+    """A cache of cache.evict.when='every_step' (no room beside its budget) and one of
+    'decoding' (the context stored whole) answer every record; a budget of every
+    token answers as the full cache does, a small one costs fewer bytes."""
+    cfg = VARIANTS["gqa"]()
+    _, params, _ = build(cfg)
+    tokenizer, asked = Bytes(), records()
+    full = run_benchmark(
+        cfg.model, params, tokenizer, asked, benchmark_cache(cfg.cache, "none", 1, 0)
+    )
+    rows = {}
+    for when, budget in (("every_step", 400), ("every_step", 32), ("decoding", 400)):
+        cache = cfg.cache.copy_and_resolve_references()
+        cache.evict.update(method="knorm", budget=budget, when=when, interval=4)
+        rows[when, budget] = run_benchmark(cfg.model, params, tokenizer, asked, cache)
+    for whole in (("every_step", 400), ("decoding", 400)):
+        assert [r["prediction"] for r in rows[whole]] == [r["prediction"] for r in full]
+    small = rows["every_step", 32]
+    assert len(small) == len(asked) and small[0]["bytes_per_token"] < full[0]["bytes_per_token"]
+
+
 def test_kvpress_defaults_keep_no_recent_window():
     cfg = VARIANTS["gqa"]()
     cache = benchmark_cache(cfg.cache, "snapkv", 0.5, 40)
