@@ -164,8 +164,8 @@ def decoding_agreement(hf, cfg, params, method: str, ids, kept: float, interval:
     first half of `ids` [1, T] is prefilled and the rest fed a token a step (with
     its position, as kvpress's pipeline decodes): every `interval` steps each head
     back to kept x the prefill's tokens. A kvpress key counts as one kvlab holds
-    where one of kvlab's is within 1e-3 of it (their histories agree while their
-    choices do)."""
+    where one of kvlab's is within 1e-3 of it relative to its norm (torch's and
+    XLA's float32 differ; their histories agree while their choices do)."""
     prompt = ids.shape[1] // 2
     target = int(kept * prompt)
     press = kvpress.DecodingPress(
@@ -190,6 +190,7 @@ def decoding_agreement(hf, cfg, params, method: str, ids, kept: float, interval:
         for h in range(keys.shape[0]):
             held, other = keys[h][positions[h] >= 0], peer.keys[0, h].numpy()
             distance = np.linalg.norm(other[:, None] - held[None], axis=-1)
+            distance /= np.maximum(np.linalg.norm(other, axis=-1), 1.0)[:, None]
             same = len(set(distance.argmin(-1)[distance.min(-1) < 1e-3].tolist()))
             out.append(same / (len(held) + len(other) - same))
     return out
