@@ -247,21 +247,19 @@ class Engine:
         # in its pages (a hybrid model's sliding layers keep their rings per row instead).
         sections = topology.sections(model_cfg, cache_cfg)
         plan = evict.policies(model_cfg, cache_cfg, self.max_len) or (None,) * len(sections)
-        if any(p is not None and p.compresses for p in plan):
-            raise ValueError(
-                "cache.evict.when='after_prefill' compresses a context once, which the "
-                "engine's chunked, preempted prefills do not mark: serve with "
-                "cache.evict.when='every_step', or compress through kvlab.generate / "
-                "kvlab.prefill(compress=True)"
-            )
-        if any(p is not None and p.decodes for p in plan):
-            raise ValueError(
-                "cache.evict.when='decoding' compresses a row every cache.evict.interval "
-                "steps after its first, and the engine's steps of a request (prefill chunks "
-                "sized by what shares the step, replays after a preemption) are not the "
-                "request's own: serve with cache.evict.when='every_step' and "
-                "cache.evict.interval, or decode through kvlab.generate"
-            )
+        refused = {  # protocols whose steps the engine's scheduling would change
+            "after_prefill": "compresses a context once, which the engine's chunked, "
+            "preempted prefills do not mark: serve with cache.evict.when='every_step', or "
+            "compress through kvlab.generate / kvlab.prefill(compress=True)",
+            "decoding": "compresses a row every cache.evict.interval steps after its first, "
+            "and the engine's steps of a request (prefill chunks sized by what shares the "
+            "step, replays after a preemption) are not the request's own: serve with "
+            "cache.evict.when='every_step' and cache.evict.interval, or decode through "
+            "kvlab.generate",
+        }
+        protocols = [p.when for p in plan if p is not None and p.when in refused]
+        if protocols:
+            raise ValueError(f"cache.evict.when={protocols[0]!r} {refused[protocols[0]]}")
         paged = [p for p, (_, c) in zip(plan, sections, strict=True) if c["kind"] == "paged"]
         self.evicting = paged[0] is not None  # one kind's layers: all evict or none
         self.row_slots = max(p.rows for p in paged) if self.evicting else self.max_len
