@@ -141,15 +141,20 @@ def kvzip_heads(
     groups = model_cfg["num_heads"] // model_cfg["num_kv_heads"]
     probe = np.arange(fed.shape[1]) >= context  # [T]
     causal = np.tril(np.ones((fed.shape[1], fed.shape[1]), bool))[probe]  # [P, T]
+
+    @jax.jit
+    def peak(q, k):  # one row's [P, N, H] probes and [T, K, H] keys -> [K]
+        logits = jnp.einsum("pnh,tnh->npt", q, jnp.repeat(k, groups, axis=1))
+        logits = jnp.where(causal, logits * q.shape[-1] ** -0.5, -jnp.inf)
+        mass = jax.nn.softmax(logits, axis=-1)[..., sinks:context]  # [N, P, C]
+        return mass.max((1, 2)).reshape(-1, groups).max(-1)
+
     scores = []
     for query, key in _projections(model_cfg, params, fed, "KVzip's head scores"):
         q = rope(query.astype(jnp.float32))[:, probe]  # [B, P, N, H]
-        k = jnp.repeat(rope(key.astype(jnp.float32)), groups, axis=2)  # [B, T, N, H]
-        logits = jnp.einsum("bpnh,btnh->bnpt", q, k) * query.shape[-1] ** -0.5
-        logits = jnp.where(causal, logits, -jnp.inf)
-        mass = jax.nn.softmax(logits, axis=-1)[..., sinks:context]  # [B, N, P, C]
-        peak = mass.max((2, 3)).reshape(rows, -1, groups).max(-1)  # [B, K]
-        scores.append(np.asarray(peak).mean(0))
+        k = rope(key.astype(jnp.float32))  # [B, T, K, H]
+        # a row at a time: the probabilities of a row are [N, P, T]
+        scores.append(np.mean([np.asarray(peak(q[b], k[b])) for b in range(rows)], axis=0))
     return np.asarray(scores, np.float32)
 
 
