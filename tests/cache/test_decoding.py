@@ -19,9 +19,9 @@ BUDGET, INTERVAL, HEADROOM, MAX_LEN = 6, 3, 2, 40
 SLOTS = BUDGET + HEADROOM + INTERVAL - 1
 
 
-def decoding(cfg, method, **fields):
+def decoding(cfg, method, bits=16, **fields):
     fields = {"budget": BUDGET, "interval": INTERVAL, "headroom": HEADROOM, **fields}
-    return evicting(cfg, method, when="decoding", **fields)
+    return evicting(cfg, method, bits, when="decoding", **fields)
 
 
 def schedule(prompts, steps):
@@ -66,13 +66,16 @@ def run(cfg, cache_cfg, tokens, observe):
     return cache
 
 
-@pytest.mark.parametrize("method", ["knorm", "snapkv", "h2o", "adakv"])
-def test_rows_compress_every_interval_decode_steps_and_hold_what_the_protocol_says(method):
+@pytest.mark.parametrize(
+    "method, bits", [("knorm", 16), ("snapkv", 16), ("h2o", 16), ("adakv", 16), ("knorm", 8)]
+)
+def test_rows_compress_every_interval_decode_steps_and_hold_what_the_protocol_says(method, bits):
     """Each head holds, after every step, what the protocol holds by definition (a
-    pool: its K heads together), and the layer's count is the protocol's."""
+    pool: its K heads together), and the layer's count is the protocol's; also
+    over 8-bit codes per token."""
     cfg = VARIANTS["gqa"]()
     tokens = np.asarray(random_tokens(cfg, (2, MAX_LEN), seed=21))
-    cache_cfg = decoding(cfg, method)
+    cache_cfg = decoding(cfg, method, bits)
     seen = []
     run(cfg, cache_cfg, tokens, seen.append)
     heads = cfg.model.num_kv_heads
