@@ -703,6 +703,68 @@ def test_an_interval_evicts_every_few_steps_leaving_room_for_the_next_ones():
         assert np.asarray(cache.layers[0].stored(cache.lengths)).max() <= 6
 
 
+@settings(max_examples=8, deadline=None)
+@given(
+    budget=st.integers(3, 7),
+    recent=st.integers(0, 2),
+    chunks=st.lists(st.integers(1, 3), min_size=2, max_size=6),
+    seed=st.integers(0, 2**16),
+)
+def test_knorm_every_step_scores_only_new_tokens_and_keeps_the_smallest_keys(
+    budget, recent, chunks, seed
+):
+    """knorm is static (Scorer.static): competing every step, the layer carries its
+    slots' scores (minus the key norms) and scores only the step's new tokens. Its
+    kept sets are, after every step, a NumPy replay of the definition over layer
+    0's keys (distinct tokens: no equal norms): the `recent` latest stay, then the
+    smallest keys of those held and the new ones."""
+    cfg = VARIANTS["gqa"]()
+    length = sum(chunks)
+    tokens = np.random.default_rng(seed).permutation(cfg.model.vocab_size)[None, :length]
+    tokens = jnp.asarray(tokens, jnp.int32)
+    _, params, apply = build(cfg)
+    norms = np.linalg.norm(layer0_keys(cfg, params, tokens)[0], axis=-1)  # [T, K]
+    cache_cfg = evicting(cfg, "knorm", budget=budget, recent=recent)
+    cache = kvlab.init_cache(cfg.model, cache_cfg, 1, 24)
+    assert cache.layers[0].policy.remembers and cache.layers[0].scores is not None
+    heads = cfg.model.num_kv_heads
+    held, end = [[] for _ in range(heads)], 0
+    for n in chunks:
+        _, cache = apply({"params": params}, tokens[:, end : end + n], cache=cache)
+        end += n
+        for h in range(heads):
+            candidates = held[h] + list(range(end - n, end))
+            always = [t for t in candidates if t >= end - recent]
+            rest = sorted((t for t in candidates if t < end - recent), key=lambda t: norms[t, h])
+            held[h] = always + rest[: max(0, budget - len(always))]
+        layer = cache.layers[0]
+        positions, scores = np.asarray(layer.positions)[0], np.asarray(layer.scores)[0]
+        for h in range(heads):
+            stored = positions[h] >= 0
+            assert sorted(positions[h][stored].tolist()) == sorted(held[h]), (end, h)
+            expected = -norms[positions[h][stored], h]
+            np.testing.assert_allclose(scores[h][stored], expected, rtol=1e-5)
+
+
+def test_unknown_remembered_scores_are_scored_afresh_with_the_same_choices():
+    """A row whose carried static scores are unknown (NaN: reset_rows started it on
+    prefix pages) has its slots scored at its next write: the same kept tokens and
+    scores as a layer that knew them, in every layer."""
+    cfg = VARIANTS["gqa"]()
+    tokens = random_tokens(cfg, (2, 12), seed=5)
+    _, cache = run(cfg, evicting(cfg, "knorm", budget=4), tokens[:, :9])
+    _, params, apply = build(cfg)
+    known = apply({"params": params}, tokens[:, 9:], cache=cache)[1]
+    unknown = cache.replace(
+        layers=[layer.replace(scores=layer.scores.at[0].set(jnp.nan)) for layer in cache.layers]
+    )
+    rescored = apply({"params": params}, tokens[:, 9:], cache=unknown)[1]
+    for a, b in zip(known.layers, rescored.layers, strict=True):
+        np.testing.assert_array_equal(a.positions, b.positions)
+        np.testing.assert_allclose(a.scores, b.scores, rtol=1e-6)
+        assert np.isfinite(np.asarray(b.scores)).all()
+
+
 def test_a_row_given_an_invalid_token_under_jit_keeps_its_kept_tokens():
     cfg = VARIANTS["gqa"]()
     tokens = random_tokens(cfg, (2, 9))

@@ -56,6 +56,8 @@ ones that cover every query's band stay (window_groups).
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 from einops import rearrange
@@ -457,18 +459,39 @@ class EvictingLayer:
                 [m.reshape(m.shape[0], heads, -1, m.shape[-1]).mean(2) for m in mass], axis=2
             )[..., None]
 
-        def tokens(i):  # cached tensor i's, stored and new, as stored
-            stored = stored_values(self.tensors[i])
+        def tokens(i, held=True):  # cached tensor i's, stored (held) and new, as stored
             new = as_stored(pending[i], self.tensors[i], placement.lengths).astype(jnp.float32)
             if p.pooled:
                 (new,) = self._pool_tensors((new,))
-            return jnp.concatenate([stored, new], axis=2)[:, :, :, None]
+            if held:
+                new = jnp.concatenate([stored_values(self.tensors[i]), new], axis=2)
+            return new[:, :, :, None]
 
         keys, values = lambda: tokens(0), lambda: tokens(self._values_index)  # noqa: E731
         c = self._candidates_of(
             candidates, valid, 1, per_head, keys, values, placement, queries, limit
         )
-        return _scored(p.scorer, c)
+        if not p.remembers:
+            return _scored(p.scorer, c)
+        # A static scorer's: the slots' carried scores, the new tokens' scored now;
+        # a row reset_rows started on prefix pages (NaN: unknown) has its slots scored.
+        slots = self.positions.shape[2]
+        fresh = dataclasses.replace(
+            c,
+            **{f: getattr(c, f)[..., slots:] for f in ("tags", "valid", "positions", "heads")},
+            held=0,
+            state=None,
+            keys=lambda: tokens(0, held=False),
+            values=lambda: tokens(self._values_index, held=False),
+        )
+        unknown = jnp.isnan(self.scores)
+        held = jax.lax.cond(
+            jnp.any(unknown),
+            lambda: jnp.where(unknown, p.scorer.score(c)[..., :slots], self.scores),
+            lambda: self.scores,
+        )
+        score = jnp.concatenate([held, p.scorer.score(fresh)], axis=-1)
+        return score, p.scorer.priority(c, score)
 
     @property
     def _values_index(self) -> int:
@@ -714,15 +737,17 @@ def reset_rows(layer, starting: Array, lengths: Array):
     """The layer with rows `starting` (bool[B]) holding their first lengths[b]
     tokens in slot order (a request starting there on matched prefix pages) and
     nothing else: slot j holds position j (settling: group j, first position j x g)
-    or nothing (-1), scores 0. Other layers pass through."""
+    or nothing (-1), scores 0 (a remembered static score: NaN, scored at the next
+    write, Policy.remembers). Other layers pass through."""
     if getattr(layer, "positions", None) is None:
         return layer
     first = jnp.arange(layer.positions.shape[2]) * layer.policy.granularity  # slot j: group j
     fresh = jnp.where(first[None, :] < lengths[:, None], first[None, :], -1)[:, None, :]
     positions = jnp.where(starting[:, None, None], fresh, layer.positions)
     scores = layer.scores
-    if scores is not None:
-        scores = jnp.where(starting[:, None, None], 0.0, scores)
+    if scores is not None:  # h2o's sum starts afresh; a static score is unknown until scored
+        fill = jnp.nan if layer.policy.remembers else 0.0
+        scores = jnp.where(starting[:, None, None], fill, scores)
     layer = layer.replace(positions=positions, scores=scores)
     if getattr(layer, "ring_scores", None) is not None:
         ring_scores = jnp.where(starting[:, None, None], 0.0, layer.ring_scores)

@@ -121,8 +121,23 @@ class Policy:
 
     @property
     def keeps(self) -> bool:
-        """Whether each slot carries a float32 of the scorer's (`Scorer.keeps`)."""
-        return self.scorer is not None and self.scorer.keeps
+        """Whether each slot carries a float32 of the scorer's (`Scorer.keeps`, or
+        a static score the layer `remembers`)."""
+        return self.scorer is not None and (self.scorer.keeps or self.remembers)
+
+    @property
+    def remembers(self) -> bool:
+        """Whether the layer carries its slots' scores of a `Scorer.static` scorer,
+        to score only each step's new tokens: where it competes every step (every
+        step, interval 1) over tokens stored one by one, with whole keys."""
+        return (
+            self.scorer is not None
+            and self.scorer.static
+            and self.when == "every_step"
+            and self.interval == 1
+            and not self.settles
+            and not self.key_channels
+        )
 
     @property
     def probes(self) -> bool:

@@ -38,7 +38,7 @@ FIX = (
 class QFilter(Scorer):
     """Minus each key's dot product with its layer and KV head's filter."""
 
-    name, calibrated = "qfilter", True
+    name, calibrated, static = "qfilter", True, True
     attention_kinds = ("gqa",)
     defaults = types.MappingProxyType({"filters": ""})
 

@@ -29,6 +29,10 @@ bytes, the cache's label, the eviction sweep's grid):
                   observed query (and query head of its group), not their sum
     keeps         a float32 per slot carried to the next step (the score of a kept
                   token: h2o's accumulated attention), counted in the cache's bytes
+    static        a candidate's score is a function of that candidate alone (its
+                  keys, values, tag and position) and never changes: where a layer
+                  competes every step, it carries the scores of its slots (as
+                  `keeps`, counted the same) and scores only the step's new tokens
     pooled        a layer's K heads share one pool of K x budget slots, each head at
                   least cache.evict.adakv_floor x budget (adakv)
     prefix_unsafe why shared prompt pages cannot stand for its state (None: they can)
@@ -191,6 +195,7 @@ class Scorer:
     observes: str | None = None
     peaks: bool = False
     keeps: bool = False
+    static: bool = False
     pooled: bool = False
     prefix_unsafe: str | None = None
     attention_kinds: tuple[str, ...] = ("gqa", "mla")
@@ -271,6 +276,7 @@ class Wrapped(Scorer):
         self.name = f"{wrapper.name}:{scorer.name}"
         self.observes = scorer.observes or wrapper.observes
         self.peaks, self.keeps, self.pooled = scorer.peaks, scorer.keeps, scorer.pooled
+        self.static = scorer.static  # a wrapper turns priorities, never the scores
         self.prefix_unsafe = scorer.prefix_unsafe or wrapper.prefix_unsafe
         self.attention_kinds = tuple(
             k for k in scorer.attention_kinds if k in wrapper.attention_kinds
@@ -636,7 +642,7 @@ class KNorm(Scorer):
     """K-norm (arXiv:2406.11430): the keys of smallest L2 norm stay (a group: the
     mean of its keys' norms)."""
 
-    name = "knorm"
+    name, static = "knorm", True
 
     def score(self, c: Candidates) -> Array:
         return -jnp.linalg.norm(c.keys(), axis=-1).mean(-1)
@@ -645,7 +651,7 @@ class KNorm(Scorer):
 class Random(Scorer):
     """A pseudo-random set: a hash of seed, layer, storage head and (first) position."""
 
-    name = "random"
+    name, static = "random", True
     fields = ("recent", "seed")
 
     def score(self, c: Candidates) -> Array:
