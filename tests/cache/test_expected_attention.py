@@ -4,10 +4,14 @@ queries before RoPE, turned by RoPE averaged over the next positions, give each
 key an expected score; soft-maxed past the sinks, averaged over the KV head's
 query heads and times the value's norm, it ranks the keys."""
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import kvlab
+from kvlab.cache.evict import expected_attention as expected
 from tests.cache.test_evict import evicting, kivi, layer0_keys, layer0_values, run
 from tests.helpers import VARIANTS, build, random_tokens
 
@@ -117,3 +121,32 @@ def test_a_latent_model_and_bad_options_are_refused():
         kvlab.init_cache(
             gqa.model, evicting(gqa, "expected_attention", budget=8, options=options), 1, 32
         )
+
+
+@settings(max_examples=10, deadline=None)
+@given(
+    future=st.integers(1, 40),
+    per_call=st.sampled_from([1, 3 << 10, 7 << 10, 1 << 20]),  # chunks of 1, 3, 7, all
+    end=st.integers(0, 1000),
+)
+def test_the_rotation_averaged_in_chunks_is_the_mean_of_each_positions(future, per_call, end):
+    """RoPE averaged over the next `future` positions, the basis turned a chunk of
+    positions at a time (a last chunk partly past them), is the mean of cos and
+    sin of every position's angle (the definition's matrix, row form)."""
+    width, theta = 16, 10000.0
+    turn = lambda x, p: kvlab.rope.apply_rope(  # noqa: E731
+        x.transpose(0, 2, 1, 3), p, theta
+    ).transpose(0, 2, 1, 3)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(expected, "FLOATS_PER_CALL", per_call)
+        got = expected._average_rotation(turn, jnp.asarray([end, end + 5]), 2, width, future)
+    half = width // 2
+    for row, start in enumerate((end, end + 5)):
+        angle = (start + np.arange(future))[:, None] * theta ** (-np.arange(half) * 2 / width)
+        cos, sin = np.cos(angle).mean(0), np.sin(angle).mean(0)
+        column = np.zeros((width, width))
+        i = np.arange(half)
+        column[i, i] = column[i + half, i + half] = cos
+        column[i, i + half], column[i + half, i] = -sin, sin
+        for head in range(2):
+            np.testing.assert_allclose(got[row, head], column.T, atol=2e-5)

@@ -32,6 +32,8 @@ from jaxtyping import Array
 from kvlab.cache.evict.scorers import Candidates, Scorer
 from kvlab.registry import SCORERS
 
+FLOATS_PER_CALL = 1 << 20  # the turned basis of one chunk of future positions
+
 
 class ExpectedAttention(Scorer):
     """The expected attention of future queries, times the value's norm."""
@@ -93,14 +95,23 @@ class ExpectedAttention(Scorer):
 
 def _average_rotation(rotate, end: Array, heads: int, width: int, future: int) -> Array:
     """float32[B, K, W, W]: the mean over positions end .. end + future - 1 of the
-    map rotate(., position), as a matrix acting on row vectors (x @ R)."""
-    basis = jnp.broadcast_to(jnp.eye(width), (end.shape[0], heads, width, width))
+    map rotate(., position), as a matrix acting on row vectors (x @ R): the basis
+    turned at a chunk of positions in one call (rows of about FLOATS_PER_CALL
+    numbers), the chunks summed in a loop."""
+    batch = end.shape[0]
+    chunk = max(1, min(future, FLOATS_PER_CALL // (batch * heads * width * width)))
+    chunks = -(-future // chunk)
+    basis = jnp.broadcast_to(jnp.eye(width), (batch, heads, chunk, width, width))
+    basis = basis.reshape(batch, heads, chunk * width, width)
+    offsets = jnp.repeat(jnp.arange(chunk), width)  # the position of each basis row
 
     def add(i, total):
-        positions = jnp.broadcast_to((end + i)[:, None], (end.shape[0], width))
-        return total + rotate(basis, positions)
+        step = i * chunk + offsets
+        positions = jnp.broadcast_to(end[:, None] + step, (batch, chunk * width))
+        turned = rotate(basis, positions) * (step < future)[None, None, :, None]
+        return total + turned.reshape(batch, heads, chunk, width, width).sum(2)
 
-    total = jax.lax.fori_loop(0, future, add, jnp.zeros(basis.shape, jnp.float32))
+    total = jax.lax.fori_loop(0, chunks, add, jnp.zeros((batch, heads, width, width), jnp.float32))
     return total / future
 
 
