@@ -148,7 +148,7 @@ class EvictingLayer:
     def competes(self, placement: Placement) -> Array | None:
         """bool[]: whether this step's write scores its candidates (some head of
         some row then has more than its slots), so attention computes the mass
-        only then; None where every step needs it (a scorer that keeps a state)."""
+        only then; None where every step computes it (policy.overflows)."""
         return overflows(self.positions, self.policy, placement, self.since)
 
     # -- read

@@ -563,8 +563,13 @@ def overflows(
     tokens, or the groups that settle in it) outnumber some head's slots in some
     row, so the write competes and its scorer reads the mass; the same count the
     write makes (a decoding layer's: a row it compresses, `due`, given its count
-    `since`). None where the scorer's mass is needed every step (`keeps`)."""
+    `since`). None where the scorer's mass is needed every step (`keeps`), or is
+    once the slots are full: a layer competing every step at interval 1 over
+    tokens stored one by one (a step choosing between attention with and without
+    the mass costs more there than the mass of the steps that fill the slots)."""
     if policy.scorer is None or policy.keeps:  # a window, or h2o
+        return None
+    if policy.when == "every_step" and policy.interval == 1 and not policy.settles:
         return None
     compressing = False
     if policy.compresses and placement.compress is not None:
