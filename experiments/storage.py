@@ -64,6 +64,17 @@ RECIPES = {
                            "Hadamard, then levels fitted per layer (TurboQuant's MSE recipe)"),
     "rotated codebook 2": (dict(ROTATED, k_bits=2, v_bits=2, k_format="codebook",
                                 v_format="codebook"), "the same at 2 bits"),
+    "codebook 2": (dict(k_bits=2, v_bits=2, k_format="codebook", v_format="codebook",
+                        k_axis="token", v_axis="token"),
+                   "levels fitted per layer at 2 bits, no rotation"),
+    "codebook 2 per 8 channel groups": (dict(k_bits=2, v_bits=2, k_format="codebook",
+                                             v_format="codebook", k_axis="token",
+                                             v_axis="token", channel_groups=8),
+                                        "the same, levels fitted per run of 8 channels"),
+    "rotated codebook 2 per 8 channel groups": (dict(ROTATED, k_bits=2, v_bits=2,
+                                                     k_format="codebook", v_format="codebook",
+                                                     channel_groups=8),
+                                                "rotated, levels per run of 8 channels"),
     "rotated codebook 2 + sketch": (dict(ROTATED, k_bits=2, v_bits=2, k_format="codebook",
                                          v_format="codebook", k_sketch=64),
                                     "the same, keys with a 1-bit residual sketch (TurboQuant)"),
@@ -149,6 +160,7 @@ def recipe_fields(base, name: str, model, length: int):
     share = evict.pop("share", None)
     cache.evict.update(evict)
     fit_bases = fields.pop("bases", False)
+    fields.pop("channel_groups", None)  # how its codebooks are fitted (`recipe_cache`)
     cache.update(fields)
     if share is not None:
         cache.evict.budget = matched_budget(model, base, cache, share, length, name)
@@ -201,7 +213,9 @@ def recipe_cache(base, name: str, calibration, cfg, params, workdir: str):
         cache.scales = path
     if "codebook" in (cache.k_format, cache.v_format):
         path = os.path.join(workdir, f"codebooks_{tag}.npz")
-        calibrate.save_codebooks(path, calibrate.codebooks(model, cache, params, calibration))
+        groups = RECIPES[name][0].get("channel_groups", 1)
+        books = calibrate.codebooks(model, cache, params, calibration, channel_groups=groups)
+        calibrate.save_codebooks(path, books)
         cache.codebooks = path
     return model, cache
 

@@ -283,13 +283,14 @@ def test_the_storage_experiment_runs_every_recipe_at_its_bytes(llama_with_tokeni
     out = tmp_path / "storage"
     recipes = "fp8 per group,fp8 per head,KIVI-2,rotated codebook 2,rotated codebook 2 + sketch"
     args = ["--windows=2", "--length=96", "--group_size=8", "--ruler=KIVI-2"]
-    args += [f"--recipes={recipes},KVQuant-2,KIVI-4 + snapkv 50%,fp8 per head + snapkv at 0.125"]
+    recipes += ",codebook 2 per 8 channel groups,KVQuant-2,KIVI-4 + snapkv 50%"
+    args += [f"--recipes={recipes},fp8 per head + snapkv at 0.125"]
     args += ["--ruler_tasks=niah_single_1"]
     args += ["--ruler_samples=1", f"--workdir={out}"]
     run_script("experiments/storage.py", f"--model=hf:{llama_with_tokenizer}", *args)
     report = json.loads((out / "results.json").read_text())
     rows = {r["recipe"]: r for r in report["rows"]}
-    assert len(rows) == 8 and {"fp8 per head", "KIVI-2", "KVQuant-2"} <= set(rows)
+    assert len(rows) == 9 and {"fp8 per head", "KIVI-2", "KVQuant-2"} <= set(rows)
     size = {name: r["bytes_per_token"] for name, r in rows.items()}
     assert size["fp8 per head"] < size["fp8 per group"]
     assert size["KIVI-4 + snapkv 50%"] < size["fp8 per head"]
@@ -303,6 +304,10 @@ def test_the_storage_experiment_runs_every_recipe_at_its_bytes(llama_with_tokeni
     assert [name for name, r in rows.items() if r["ruler"] is not None] == ["KIVI-2"]
     assert report["reference"]["ruler"] is not None
     assert (out / "scales_KVQuant-2.npz").exists() and (out / "codebooks_KVQuant-2.npz").exists()
+    # levels per run of 8 channels: as many bytes as levels per layer (constants, not cache)
+    with np.load(out / "codebooks_codebook_2_per_8_channel_groups.npz") as books:
+        assert books["k"].shape == (model["num_hidden_layers"], 8, 4)
+    assert size["codebook 2 per 8 channel groups"] == size["rotated codebook 2"]
     assert (out / "table.md").read_text().count("\n| ") == len(rows) + 1
     assert (out / "storage.png").stat().st_size > 0
 

@@ -232,10 +232,17 @@ def _basis(cache_cfg: Mapping, tensor, spec, layer: int, layers: int) -> tuple:
 
 
 def codebooks(
-    model_cfg: Mapping, cache_cfg: Mapping, params, tokens: np.ndarray, samples: int = 1 << 16
+    model_cfg: Mapping,
+    cache_cfg: Mapping,
+    params,
+    tokens: np.ndarray,
+    samples: int = 1 << 16,
+    channel_groups: int = 1,
 ) -> dict[str, np.ndarray]:
     """Per cached tensor stored in the 'codebook' format (cache.<prefix>_format,
-    below 16 bits): float32[cache layers, 2^bits] levels, fitted by Lloyd-Max to
+    below 16 bits): float32[cache layers, 2^bits] levels (with channel_groups G
+    > 1: [cache layers, G, 2^bits], levels for each run of W / G adjacent coded
+    channels, at most `samples` numbers each), fitted by Lloyd-Max to
     the layer's numbers as the cache stores them (after its transform), each
     divided by the largest magnitude of its group (cache.<prefix>_axis,
     group_size) or by its calibrated range (axis 'calibrated', read from
@@ -277,16 +284,27 @@ def codebooks(
             weights = None
             if spec.axis == "calibrated":  # error in the numbers' units: x range^2
                 ranges = np.asarray(layer_spec.ranges)[:, None, :]
-                scaled = np.clip(stored / ranges, -1, 1).reshape(-1)
-                weights = np.broadcast_to(ranges**2, stored.shape).reshape(-1)[coded.reshape(-1)]
+                scaled = np.clip(stored / ranges, -1, 1)
+                weights = np.broadcast_to(ranges**2, stored.shape)
             else:
                 grouped, axis = by_groups(stored, spec)
                 top = np.abs(grouped).max(axis=axis, keepdims=True)
-                scaled = (grouped / np.where(top > 0, top, 1.0)).reshape(-1)
-            scaled = scaled[coded.reshape(-1)]
-            pick = np.linspace(0, scaled.size - 1, min(samples, scaled.size)).astype(np.int64)
-            weighed = None if weights is None else weights[pick]
-            rows.append(lloyd_max(scaled[pick], spec.bits, weights=weighed))
+                scaled = (grouped / np.where(top > 0, top, 1.0)).reshape(stored.shape)
+            width = stored.shape[-1]
+            if channel_groups < 1 or width % channel_groups:
+                raise ValueError(
+                    f"channel_groups={channel_groups} does not split {prefix!r}'s {width} "
+                    "coded channels evenly: give a number of groups that divides them"
+                )
+            run = width // channel_groups
+            fitted_rows = []
+            for first in range(0, width, run):  # each run of adjacent channels alone
+                mine = coded[..., first : first + run]
+                values = scaled[..., first : first + run][mine]
+                pick = np.linspace(0, values.size - 1, min(samples, values.size)).astype(np.int64)
+                weighed = None if weights is None else weights[..., first : first + run][mine][pick]
+                fitted_rows.append(lloyd_max(values[pick], spec.bits, weights=weighed))
+            rows.append(fitted_rows[0] if channel_groups == 1 else np.stack(fitted_rows))
         out[prefix] = np.stack(rows)
     return out
 
@@ -431,8 +449,9 @@ def lloyd_max(
 
 def save_codebooks(path: str | os.PathLike, books: Mapping[str, np.ndarray]) -> None:
     """Writes `codebooks`' levels where cache.codebooks reads them (an .npz with one
-    array [cache layers, 2^bits] per tensor prefix), atomically."""
-    _save_arrays(path, books, "codebook", "[layers, 2^bits]")
+    array [cache layers, 2^bits], or [cache layers, channel groups, 2^bits], per
+    tensor prefix), atomically."""
+    _save_arrays(path, books, "codebook", ("[layers, 2^bits]", "[layers, groups, 2^bits]"))
 
 
 def save_scales(path: str | os.PathLike, ranges: Mapping[str, np.ndarray]) -> None:
@@ -460,16 +479,23 @@ def save_patterns(path: str | os.PathLike, patterns: np.ndarray) -> None:
 
 
 def _save_arrays(
-    path: str | os.PathLike, arrays: Mapping, what: str, shape: str, positive: bool = False
+    path: str | os.PathLike,
+    arrays: Mapping,
+    what: str,
+    shape: str | tuple[str, ...],
+    positive: bool = False,
 ) -> None:
     """The float32 `arrays` as one .npz at `path`, atomically; ValueError unless each
-    is finite (and positive) with as many axes as `shape` names."""
+    is finite (and positive) with as many axes as `shape` (or one of its shapes) names."""
+    shapes = (shape,) if isinstance(shape, str) else shape
     arrays = {name: np.asarray(array, np.float32) for name, array in arrays.items()}
     for name, array in arrays.items():
-        wrong = array.ndim != shape.count(",") + 1 or not np.isfinite(array).all()
+        axes = {s.count(",") + 1 for s in shapes}
+        wrong = array.ndim not in axes or not np.isfinite(array).all()
         if wrong or (positive and (array <= 0).any()):
             sign = "positive " if positive else ""
-            raise ValueError(f"{what} {name!r} of shape {array.shape} are not {sign}finite {shape}")
+            named = " or ".join(shapes)
+            raise ValueError(f"{what} {name!r} of shape {array.shape} are not {sign}finite {named}")
     buffer = io.BytesIO()
     np.savez(buffer, **arrays)
     write_atomic(path, buffer.getvalue())

@@ -221,8 +221,116 @@ def test_a_codebook_cache_exports_for_tpu_and_cuda(tmp_path, impl):
     assert_exports(program, arguments, kernel=False)
 
 
-def test_an_exported_step_over_codebook_codes_round_trips(tmp_path):
-    """Each layer's levels (Storage.table) survive jax.export's serialization."""
+@pytest.mark.parametrize("groups", [1, 4])
+def test_an_exported_step_over_codebook_codes_round_trips(tmp_path, groups):
+    """Each layer's levels (Storage.table; per channel group: nested) survive
+    jax.export's serialization."""
     cfg = VARIANTS["gqa"]()
-    cfg.cache, _ = calibrated(cfg, tmp_path)
+    cfg.cache, books = calibrated(cfg, tmp_path)
+    if groups > 1:
+        cfg.cache.codebooks = str(tmp_path / "grouped.npz")
+        calibrate.save_codebooks(cfg.cache.codebooks, tiled(books, groups))
     assert_round_trips(cfg)
+
+
+def tiled(books: dict, groups: int) -> dict:
+    """Each layer's levels repeated for `groups` channel groups: [layers, G, 2^bits]."""
+    return {k: np.repeat(v[:, None], groups, axis=1) for k, v in books.items()}
+
+
+@pytest.mark.parametrize(
+    "storage",
+    [
+        dict(k_bits=4, v_bits=4),
+        dict(k_bits=2, v_bits=2, k_axis="channel"),  # read per code position elsewhere
+        dict(k_bits=4, v_bits=4, kind="paged", page_size=8),
+    ],
+    ids=["token-4", "channel-2", "paged"],
+)
+def test_levels_per_channel_group_alike_read_as_the_layers_levels(tmp_path, storage):
+    """Levels per channel group that are each the layer's levels code and read
+    every number as the layer's levels do: the same logits, through a prefill and
+    decode steps, in scales per token or per channel and in pages."""
+    cfg = VARIANTS["gqa"]()
+    cache_cfg, books = calibrated(cfg, tmp_path, **storage)
+    grouped_cfg = cache_cfg.copy_and_resolve_references()
+    grouped_cfg.codebooks = str(tmp_path / "grouped.npz")
+    calibrate.save_codebooks(grouped_cfg.codebooks, tiled(books, 4))
+    _, params, apply = build(cfg)
+    tokens = random_tokens(cfg, (2, 20), seed=3)
+
+    def logits(cache_cfg):
+        cache = kvlab.init_cache(cfg.model, cache_cfg, 2, 32)
+        out, cache = apply({"params": params}, tokens[:, :16], cache=cache)
+        outs = [out]
+        for t in range(16, 20):
+            out, cache = apply({"params": params}, tokens[:, t : t + 1], cache=cache)
+            outs.append(out)
+        assert kvlab.cache_bytes(cfg.model, cache_cfg, 2, 32) == kvlab.tree_bytes(cache)
+        return np.concatenate(outs, axis=1)
+
+    assert kvlab.cache.quant.storages(cfg.model, grouped_cfg, 0)[0].channel_tables == 4
+    np.testing.assert_array_equal(logits(grouped_cfg), logits(cache_cfg))
+
+
+@settings(max_examples=8, deadline=None)
+@given(
+    axis=st.sampled_from(["token", "channel"]),
+    groups=st.sampled_from([2, 4]),
+    seed=st.integers(0, 2**16),
+)
+def test_each_channel_group_codes_in_its_own_levels(axis, groups, seed):
+    """Numbers whose channel groups differ in shape (Gaussian groups, groups of two
+    tight clusters): each number is read back as a level of its own group's
+    codebook times its scale, and at 2 bits levels fitted per group lose less
+    (relative to the scales, what Lloyd-Max fits) than one codebook fitted to all
+    of them (four levels cannot serve both shapes)."""
+    rng = np.random.default_rng(seed)
+    width, run, bits = 16, 16 // groups, 2
+    x = rng.standard_normal((2, 2, 256, width))
+    for g in range(1, groups, 2):  # odd groups: two clusters at +-(g + 1)
+        cols = slice(g * run, (g + 1) * run)
+        x[..., cols] = np.sign(x[..., cols]) * (g + 1) + 0.01 * rng.standard_normal(run)
+    x = jnp.asarray(x, jnp.float32)
+    base = kvlab.cache.quant.Storage(
+        bits=bits, format="codebook", axis=axis, group_size=8, symmetric=True,
+        scale_dtype="float32", dtype="float32",
+    )  # fmt: skip
+    grouped, ax = kvlab.cache.quant.storage.by_groups(np.asarray(x), base)
+    top = np.abs(grouped).max(axis=ax, keepdims=True)
+    scaled = (grouped / top).reshape(x.shape)
+    runs = [scaled[..., g * run : (g + 1) * run].ravel() for g in range(groups)]
+    per_group = tuple(tuple(float(v) for v in calibrate.lloyd_max(r, bits)) for r in runs)
+    shared = tuple(float(v) for v in calibrate.lloyd_max(scaled.ravel(), bits))
+    errors, levels = {}, {}
+    for name, table in (("groups", per_group), ("shared", shared)):
+        spec = dataclasses.replace(base, table=table)
+        restored = np.asarray(dequantize_tokens(*quantize_tokens(x, spec), spec))
+        restored, _ = kvlab.cache.quant.storage.by_groups(restored, spec)
+        levels[name] = (restored / top).reshape(x.shape)
+        errors[name] = float(np.mean((levels[name] - scaled) ** 2))
+    for g, table in enumerate(per_group):
+        found = levels["groups"][..., g * run : (g + 1) * run].reshape(-1, 1)
+        assert np.abs(found - np.asarray(table)[None]).min(-1).max() < 1e-5, g
+    assert errors["groups"] < errors["shared"], errors
+
+
+def test_calibrating_per_channel_group_and_refusals(tmp_path):
+    """calibrate.codebooks(channel_groups=G) fits [layers, G, 2^bits], groups that
+    differ; G that does not divide the coded channels is refused when fitted and
+    when a cache reads such a file."""
+    cfg = VARIANTS["gqa"]()
+    cache_cfg, _ = calibrated(cfg, tmp_path)
+    _, params, _ = build(cfg)
+    tokens = random_tokens(cfg, (4, 96), 0)
+    books = calibrate.codebooks(cfg.model, cache_cfg, params, tokens, channel_groups=4)
+    layers = cfg.model.num_layers
+    assert {k: v.shape for k, v in books.items()} == {"k": (layers, 4, 16), "v": (layers, 4, 16)}
+    assert not np.allclose(books["k"][:, 0], books["k"][:, 1])
+    with pytest.raises(ValueError, match="channel_groups=3 does not split"):
+        calibrate.codebooks(cfg.model, cache_cfg, params, tokens, channel_groups=3)
+    odd = str(tmp_path / "odd.npz")
+    calibrate.save_codebooks(odd, tiled({k: v[:, 0] for k, v in books.items()}, 3))
+    cache_cfg.codebooks = odd
+    with pytest.raises(ValueError, match="cache.codebooks=.*3 channel groups, which do not split"):
+        kvlab.init_cache(cfg.model, cache_cfg, 1, 32)

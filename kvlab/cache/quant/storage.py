@@ -35,7 +35,8 @@ class Storage:
     symmetric: bool  # int only: no zero point
     scale_dtype: str
     dtype: str  # the cache dtype (16-bit payload and the ring)
-    table: tuple = ()  # a format fitted per layer: this layer's levels (Format.table)
+    table: tuple = ()  # a format fitted per layer: this layer's levels (Format.table),
+    #                    or a tuple of them per run of adjacent channels (`channel_tables`)
     ranges: tuple = ()  # axis 'calibrated': this layer's ranges [KH][Wd] (cache.scales)
     outliers: int = 0  # numbers per token and head kept in `dtype` beside the codes
     rope: tuple = ()  # keys coded before RoPE: (inverse frequencies, cos/sin factor)
@@ -47,6 +48,12 @@ class Storage:
     @property
     def quantized(self) -> bool:
         return self.bits < 16
+
+    @property
+    def channel_tables(self) -> int:
+        """G where `table` holds levels per channel group (G runs of adjacent
+        coded channels), else 0."""
+        return len(self.table) if self.table and isinstance(self.table[0], tuple) else 0
 
     @property
     def read_dequantized(self) -> bool:
@@ -136,6 +143,7 @@ def storages(model_cfg: Mapping, cache_cfg: Mapping, layer: int | None = None) -
         rank = cache_cfg[f"{tensor.prefix}_rank"] if bits < 16 else 0
         if layer is not None and bits < 16:
             table = FORMATS.get(name).table(cache_cfg, tensor.prefix, bits, layer, layers)
+            _check_channel_tables(table, rank or tensor.width, cache_cfg, tensor.prefix)
             if cache_cfg[f"{tensor.prefix}_axis"] == "calibrated":
                 ranges = calibrated_ranges(
                     cache_cfg["scales"], tensor, layer, layers, rank or tensor.width
@@ -163,6 +171,18 @@ def storages(model_cfg: Mapping, cache_cfg: Mapping, layer: int | None = None) -
             )
         )
     return tuple(out)
+
+
+def _check_channel_tables(table: tuple, width: int, cache_cfg: Mapping, prefix: str) -> None:
+    """Refuses levels per channel group (a nested `table`) whose groups do not
+    split the `width` coded channels evenly."""
+    groups = len(table) if table and isinstance(table[0], tuple) else 0
+    if groups and width % groups:
+        raise ValueError(
+            f"cache.codebooks={cache_cfg['codebooks']!r} gives {prefix!r} levels for {groups} "
+            f"channel groups, which do not split its {width} coded channels evenly: "
+            "calibrate a number of groups that divides them"
+        )
 
 
 def rope_numbers(model_cfg: Mapping, width: int) -> tuple:

@@ -186,7 +186,7 @@ def read_slice(tensor: QuantizedTensor, take, start, size: int):
         return sliced.dequantize(first=start)
     if spec.calibrated or (spec.axis == "token" and sliced.scale.shape[-1] == 1):
         return PayloadReader(sliced)
-    if spec.bits < 8:
+    if spec.bits < 8 and not spec.channel_tables:  # a phase's channels are strided
         return Phases(_phases(sliced))
     return sliced.dequantize()
 
