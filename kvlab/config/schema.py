@@ -222,8 +222,8 @@ def base_config(variant: str = "tiny") -> ml_collections.ConfigDict:
             #              when a tensor groups along tokens)
             symmetric=False,  # int codes without a zero point (fp8 and nf never have one)
             scale_dtype="bfloat16",  # dtype of scales and zero points
-            codebooks="",  # format 'codebook': the .npz of its levels per layer
-            #                (kvlab.eval.calibrate.save_codebooks)
+            codebooks="",  # format 'codebook': the .npz of its levels per layer (or
+            #                per channel group; kvlab.eval.calibrate.save_codebooks)
             scales="",  # axis 'calibrated': the .npz of each layer's ranges per KV head
             #             and channel (kvlab.eval.calibrate.save_scales)
             k_transform="none",  # an orthogonal map applied before a tensor is stored and
