@@ -96,20 +96,19 @@ class Codebook(Format):
         return tables if levels.ndim == 3 else tables[0]
 
     def encode(self, scaled: Array, spec) -> Array:
-        if not spec.channel_tables:
-            return nearest_levels(scaled, spec.table)
         return _by_channel_group(scaled, spec, nearest_levels)
 
     def levels(self, codes: Array, spec) -> Array:
-        if not spec.channel_tables:
-            return jnp.asarray(np.asarray(spec.table, np.float32))[codes]
         look_up = lambda c, table: jnp.asarray(np.asarray(table, np.float32))[c]  # noqa: E731
         return _by_channel_group(codes, spec, look_up)
 
 
 def _by_channel_group(x: Array, spec, apply) -> Array:
     """`apply(numbers, levels)` to each channel group's numbers of `x` (module
-    docstring: channel-last, or as by_groups arranges them), x's shape."""
+    docstring: channel-last, or as by_groups arranges them), x's shape; to all
+    of them where the layer has one codebook."""
+    if not spec.channel_tables:
+        return apply(x, spec.table)
     trailing = 2 if spec.axis == "token" and x.ndim == 5 else 1
     lead, width = x.shape[:-trailing], int(np.prod(x.shape[-trailing:]))
     groups = len(spec.table)
