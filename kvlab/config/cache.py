@@ -552,5 +552,5 @@ def _validate_cache_for_model(cache: Mapping, model: Mapping) -> None:
                 f"cache.{prefix}_bits",
                 bits,
                 f"packs {width_name}={width} numbers into {width * bits / 8} bytes per token",
-                f"use a width that is a multiple of {8 // bits} or another bit-width",
+                f"use a width that is a multiple of {8 // math.gcd(8, bits)} or another bit-width",
             )

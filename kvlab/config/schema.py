@@ -26,7 +26,7 @@ UNSCORED_METHODS = ("none", "window", "sinks")
 # other): its own options beside its scorers' (kvlab/cache/evict/scorers.py, Composed).
 COMPOSED_OPTIONS = types.MappingProxyType({"share": 0.5})
 EVICT_WHEN = ("every_step", "after_prefill", "decoding")  # cache.evict.when
-BIT_WIDTHS = (16, 8, 4, 2)
+BIT_WIDTHS = (16, 8, 4, 3, 2)  # a format stores some of them (Format.widths; 3: nf, codebook)
 GROUP_AXES = ("token", "channel", "calibrated")
 CACHED_PREFIXES = ("k", "v", "latent", "rope")  # cache.<prefix>_bits, _format, _axis
 # A cached tensor's storage fields that quantize it, and their values when it is not;
@@ -203,7 +203,7 @@ def base_config(variant: str = "tiny") -> ml_collections.ConfigDict:
             num_pages=0,  # paged: pages in the pool (0 = enough for every row at max_len)
             prefix_caching=False,  # paged: share full pages of identical prompt prefixes
             dtype="float32" if on_cpu else "bfloat16",  # dtype of 16-bit entries and the residual
-            k_bits=16,  # 16 (= cache.dtype), 8, 4 or 2 bits per stored number
+            k_bits=16,  # 16 (= cache.dtype), 8, 4, 3 (nf, codebook) or 2 bits per number
             v_bits=16,
             latent_bits=16,
             rope_bits=16,

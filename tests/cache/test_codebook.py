@@ -334,3 +334,46 @@ def test_calibrating_per_channel_group_and_refusals(tmp_path):
     cache_cfg.codebooks = odd
     with pytest.raises(ValueError, match="cache.codebooks=.*3 channel groups, which do not split"):
         kvlab.init_cache(cfg.model, cache_cfg, 1, 32)
+
+
+def test_three_bit_levels_lose_between_two_and_four_bits_and_pack_three_bytes(tmp_path):
+    """At 3 bits (eight codes in three bytes) the fitted levels restore held-out
+    keys and values with less error than at 2 bits and more than at 4, and a
+    cache of them costs 3/8 of a byte a number more than at 2 bits; in pages it
+    is the dense cache, and its bytes are the tree's."""
+    cfg = VARIANTS["gqa"]()
+    _, params, apply = build(cfg)
+    held_out = kvlab.init_cache(cfg.model, cfg.cache, 2, 64)
+    _, held_out = apply({"params": params}, random_tokens(cfg, (2, 64), seed=9), cache=held_out)
+    errors, sizes, caches = {}, {}, {}
+    for bits in (2, 3, 4):
+        (tmp_path / str(bits)).mkdir()
+        cache_cfg, books = calibrated(cfg, tmp_path / str(bits), k_bits=bits, v_bits=bits)
+        assert books["k"].shape == (cfg.model.num_layers, 2**bits)
+        total = 0.0
+        for layer in range(cfg.model.num_layers):
+            for index, spec in enumerate(kvlab.cache.quant.storages(cfg.model, cache_cfg, layer)):
+                x = jnp.asarray(held_out.layers[layer].tensors[index], jnp.float32)
+                total += float(
+                    jnp.mean((dequantize_tokens(*quantize_tokens(x, spec), spec) - x) ** 2)
+                )
+        errors[bits], sizes[bits] = total, kvlab.cache_bytes(cfg.model, cache_cfg, 2, 32)
+        caches[bits] = cache_cfg
+    assert errors[4] < errors[3] < errors[2], errors
+    numbers = 2 * 32 * cfg.model.num_layers * 2 * cfg.model.num_kv_heads * cfg.model.head_dim
+    assert sizes[3] - sizes[2] == numbers // 8 and sizes[4] - sizes[3] == numbers // 8
+    tokens = random_tokens(cfg, (2, 14), seed=4)
+    outs = []
+    for cache_cfg in (caches[3], caches[3].copy_and_resolve_references()):
+        if outs:
+            cache_cfg.update(kind="paged", page_size=8)
+        cache = kvlab.init_cache(cfg.model, cache_cfg, 2, 32)
+        logits, cache = apply({"params": params}, tokens[:, :12], cache=cache)
+        for t in (12, 13):
+            logits, cache = apply({"params": params}, tokens[:, t : t + 1], cache=cache)
+        assert kvlab.cache_bytes(cfg.model, cache_cfg, 2, 32) == kvlab.tree_bytes(cache)
+        outs.append(np.asarray(logits))
+    np.testing.assert_allclose(outs[1], outs[0], atol=2e-5, rtol=0)
+    ints = {**cfg.cache.to_dict(), "k_bits": 3, "k_axis": "token", "group_size": 8}
+    with pytest.raises(ValueError, match=r"cache.k_format='int' needs 8 or 4 or 2 bits"):
+        kvlab.config.validate_cache_config(ints, cfg.model)

@@ -40,16 +40,21 @@ from tests.helpers import (
 
 
 @given(
-    bits=st.sampled_from([8, 4, 2]),
+    bits=st.sampled_from([8, 4, 3, 2, 1]),
     rows=st.integers(1, 3),
-    width=st.sampled_from([4, 8, 16]),
+    width=st.sampled_from([8, 16, 24]),
     seed=st.integers(0, 2**16),
 )
 def test_pack_and_unpack_round_trip(bits, rows, width, seed):
+    """Codes round trip, Wd * bits / 8 bytes a row, and the bytes are the codes'
+    bits one after another, low bits first (3 bits: across byte boundaries)."""
     codes = np.random.default_rng(seed).integers(0, 2**bits, (rows, width), dtype=np.uint8)
     packed = pack(jnp.asarray(codes), bits)
     assert packed.dtype == jnp.uint8 and packed.shape == (rows, width * bits // 8)
     np.testing.assert_array_equal(unpack(packed, bits), codes)
+    stream = ((codes[..., None] >> np.arange(bits)) & 1).reshape(rows, -1)  # LSB first
+    expected = (stream.reshape(rows, -1, 8) << np.arange(8)).sum(-1)
+    np.testing.assert_array_equal(np.asarray(packed), expected)
 
 
 def test_four_two_bit_codes_share_a_byte_low_bits_first():

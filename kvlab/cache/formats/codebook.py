@@ -57,6 +57,7 @@ class Codebook(Format):
     """Levels per layer from cache.codebooks (module docstring)."""
 
     name = "codebook"
+    widths = (8, 4, 3, 2)  # 3 bits: 8 codes in 3 bytes (kvlab.cache.quant.pack)
 
     def table(self, cache_cfg, prefix: str, bits: int, layer: int, layers: int) -> tuple:
         path = cache_cfg["codebooks"]

@@ -39,6 +39,7 @@ class NormalFloat(Format):
     """Levels on the normal-float grid of `spec.bits` (module docstring)."""
 
     name = "nf"
+    widths = (8, 4, 3, 2)
 
     def encode(self, scaled: Array, spec) -> Array:
         return nearest_levels(scaled, grid(spec.bits))

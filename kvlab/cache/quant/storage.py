@@ -298,8 +298,12 @@ def quantized_layout(model_cfg: Mapping, cache_cfg: Mapping, capacity: int) -> L
 
 
 def pack(codes: Array, bits: int) -> Array:
-    """uint8 codes [..., Wd] -> uint8 [..., Wd * bits / 8]; value j of a byte in bits j*b.."""
+    """uint8 codes [..., Wd] -> uint8 [..., Wd * bits / 8]; value j of a byte in bits
+    j*b.. where b divides 8; otherwise each run of 8 / gcd(8, b) codes fills
+    b / gcd(8, b) bytes, little-endian (3 bits: 8 codes in 3 bytes)."""
     per_byte = 8 // bits
+    if 8 % bits:
+        return _pack_across_bytes(codes, bits)
     grouped = codes.reshape(*codes.shape[:-1], codes.shape[-1] // per_byte, per_byte)
     grouped = grouped.astype(jnp.uint8)
     shifts = (jnp.arange(per_byte, dtype=jnp.uint8) * bits).astype(jnp.uint8)
@@ -308,10 +312,34 @@ def pack(codes: Array, bits: int) -> Array:
 
 def unpack(packed: Array, bits: int) -> Array:
     """The inverse of `pack`: uint8 [..., Wd * bits / 8] -> uint8 codes [..., Wd]."""
+    if 8 % bits:
+        return _unpack_across_bytes(packed, bits)
     per_byte = 8 // bits
     shifts = (jnp.arange(per_byte, dtype=jnp.uint8) * bits).astype(jnp.uint8)
     codes = (packed[..., None] >> shifts) & jnp.uint8(2**bits - 1)
     return codes.reshape(*packed.shape[:-1], packed.shape[-1] * per_byte)
+
+
+def _run(bits: int) -> tuple[int, int]:
+    """(codes, bytes) of the shortest run of `bits`-bit codes that fills whole bytes."""
+    common = math.gcd(8, bits)
+    return 8 // common, bits // common
+
+
+def _pack_across_bytes(codes: Array, bits: int) -> Array:
+    count, size = _run(bits)
+    runs = codes.reshape(*codes.shape[:-1], -1, count).astype(jnp.uint32)
+    word = jnp.bitwise_or.reduce(runs << (jnp.arange(count, dtype=jnp.uint32) * bits), axis=-1)
+    out = (word[..., None] >> (jnp.arange(size, dtype=jnp.uint32) * 8)) & jnp.uint32(0xFF)
+    return out.astype(jnp.uint8).reshape(*codes.shape[:-1], -1)
+
+
+def _unpack_across_bytes(packed: Array, bits: int) -> Array:
+    count, size = _run(bits)
+    runs = packed.reshape(*packed.shape[:-1], -1, size).astype(jnp.uint32)
+    word = jnp.bitwise_or.reduce(runs << (jnp.arange(size, dtype=jnp.uint32) * 8), axis=-1)
+    codes = (word[..., None] >> (jnp.arange(count, dtype=jnp.uint32) * bits)) & (2**bits - 1)
+    return codes.astype(jnp.uint8).reshape(*packed.shape[:-1], -1)
 
 
 def quantize(x: Array, spec: Storage, axis: int) -> tuple[Array, Array, Array | None]:

@@ -186,8 +186,8 @@ def read_slice(tensor: QuantizedTensor, take, start, size: int):
         return sliced.dequantize(first=start)
     if spec.calibrated or (spec.axis == "token" and sliced.scale.shape[-1] == 1):
         return PayloadReader(sliced)
-    if spec.bits < 8 and not spec.channel_tables:  # a phase's channels are strided
-        return Phases(_phases(sliced))
+    if spec.bits < 8 and 8 % spec.bits == 0 and not spec.channel_tables:
+        return Phases(_phases(sliced))  # a phase's channels are strided: one table
     return sliced.dequantize()
 
 
