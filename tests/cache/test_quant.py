@@ -199,7 +199,8 @@ def quantized_configs(draw, models=("gqa", "mla")):
     for prefix in prefixes:
         fmt = draw(st.sampled_from(["int", "int", "fp8", "nf"]))
         cache[f"{prefix}_format"] = fmt
-        cache[f"{prefix}_bits"] = 8 if fmt == "fp8" else draw(st.sampled_from([16, 8, 4, 2]))
+        widths = [16, 8, 4, 3, 2] if fmt == "nf" else [16, 8, 4, 2]  # nf: 8 codes in 3 bytes
+        cache[f"{prefix}_bits"] = 8 if fmt == "fp8" else draw(st.sampled_from(widths))
         cache[f"{prefix}_axis"] = draw(st.sampled_from(["token", "channel"]))
     if all(cache[f"{p}_bits"] == 16 for p in prefixes):
         cache[f"{prefixes[0]}_bits"] = 4
@@ -488,7 +489,8 @@ def with_cache(model="gqa", **fields):
 @pytest.mark.parametrize(
     "model,fields,words",
     [
-        ("gqa", dict(k_bits=3), r"cache.k_bits=3 is not supported: use one of 16, 8, 4, 2"),
+        ("gqa", dict(k_bits=5), r"cache.k_bits=5 is not supported: use one of 16, 8, 4, 3, 2"),
+        ("gqa", dict(k_bits=3), r"cache.k_format='int' needs 8 or 4 or 2 bits"),
         ("gqa", dict(v_bits=4, v_format="fp8"), r"cache.v_format='fp8' needs 8 bits"),
         (
             "gqa",
