@@ -117,6 +117,7 @@ MATCHED = {
     "bfloat16": ({}, SHARES),
     "fp8 per head": (RECIPES["fp8 per head"][0], SHARES),
     "rotated codebook 4": (RECIPES["rotated codebook 4"][0], SHARES),
+    "rotated codebook 3": (RECIPES["rotated codebook 3"][0], SHARES),
     "rotated codebook 2": (RECIPES["rotated codebook 2"][0], SHARES[1:]),
     "KIVI-4": (RECIPES["KIVI-4"][0], SHARES[:1]),
     "KIVI-2": (RECIPES["KIVI-2"][0], SHARES[:1]),
