@@ -70,7 +70,7 @@ BAD_CONFIGS = [
     ("model", "tie_embeddings", "yes", "not a bool"),
     ("cache", "kind", "ring", "'dense'"),
     ("cache", "dtype", "int8", "'float32'"),
-    ("cache", "k_bits", 3, "16"),
+    ("cache", "k_bits", 5, "16"),
     ("cache", "v_bits", 16.0, "16"),
     ("train", "steps", 0, "below 1"),
     ("train", "lr", -1.0, "not a finite number > 0"),

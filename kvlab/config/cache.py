@@ -76,12 +76,13 @@ def validate_cache_config(cache: Mapping, model: Mapping | None = None) -> None:
         bits, name = cache[f"{prefix}_bits"], cache[f"{prefix}_format"]
         widths = FORMATS.get(name).widths  # the bit-widths the format stores a number in
         if bits < 16 and bits not in widths:
+            others = [repr(f) for f in FORMATS.names() if bits in FORMATS.get(f).widths]
             fail(
                 f"cache.{prefix}_format",
                 name,
                 f"needs {' or '.join(map(str, widths))} bits but cache.{prefix}_bits={bits}",
                 f"set cache.{prefix}_bits to {' or '.join(map(str, widths))}, or "
-                f"cache.{prefix}_format='int'",
+                f"cache.{prefix}_format to one that stores {bits} bits ({', '.join(others)})",
             )
         if (
             bits < 16

@@ -490,7 +490,11 @@ def with_cache(model="gqa", **fields):
     "model,fields,words",
     [
         ("gqa", dict(k_bits=5), r"cache.k_bits=5 is not supported: use one of 16, 8, 4, 3, 2"),
-        ("gqa", dict(k_bits=3), r"cache.k_format='int' needs 8 or 4 or 2 bits"),
+        (
+            "gqa",
+            dict(k_bits=3),
+            r"cache.k_format='int' needs 8 or 4 or 2 bits .* stores 3 bits \('nf', 'codebook'\)",
+        ),
         ("gqa", dict(v_bits=4, v_format="fp8"), r"cache.v_format='fp8' needs 8 bits"),
         (
             "gqa",
