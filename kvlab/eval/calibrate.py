@@ -252,6 +252,7 @@ def codebooks(
     outliers, cache.<prefix>_outliers, left out), over the model's read of `tokens`
     (at most `samples` numbers per layer, drawn evenly).
     kvlab/cache/formats/codebook.py reads them."""
+    _check_channel_groups(model_cfg, cache_cfg, channel_groups)
     fitted, cache = _stored(
         model_cfg, cache_cfg, params, tokens, lambda spec: spec.format == "codebook"
     )
@@ -291,11 +292,6 @@ def codebooks(
                 top = np.abs(grouped).max(axis=axis, keepdims=True)
                 scaled = (grouped / np.where(top > 0, top, 1.0)).reshape(stored.shape)
             width = stored.shape[-1]
-            if channel_groups < 1 or width % channel_groups:
-                raise ValueError(
-                    f"channel_groups={channel_groups} does not split {prefix!r}'s {width} "
-                    "coded channels evenly: give a number of groups that divides them"
-                )
             run = width // channel_groups
             fitted_rows = []
             for first in range(0, width, run):  # each run of adjacent channels alone
@@ -307,6 +303,20 @@ def codebooks(
             rows.append(fitted_rows[0] if channel_groups == 1 else np.stack(fitted_rows))
         out[prefix] = np.stack(rows)
     return out
+
+
+def _check_channel_groups(model_cfg: Mapping, cache_cfg: Mapping, groups) -> None:
+    """Refuses, before the model runs, `channel_groups` that is no positive integer
+    or does not split a codebook tensor's coded channels evenly."""
+    if isinstance(groups, bool) or not isinstance(groups, int) or groups < 1:
+        raise ValueError(f"channel_groups={groups!r} is no positive integer: give 1 or more")
+    for tensor, spec in zip(cached_tensors(model_cfg), storages(model_cfg, cache_cfg), strict=True):
+        width = spec.coded_width(tensor.width)
+        if spec.quantized and spec.format == "codebook" and width % groups:
+            raise ValueError(
+                f"channel_groups={groups} does not split {tensor.prefix!r}'s {width} coded "
+                "channels evenly: give a number of groups that divides them"
+            )
 
 
 PER = ("channel", "head", "tensor")  # what one calibrated range covers (`scales`' per)

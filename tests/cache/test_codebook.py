@@ -329,6 +329,9 @@ def test_calibrating_per_channel_group_and_refusals(tmp_path):
     assert not np.allclose(books["k"][:, 0], books["k"][:, 1])
     with pytest.raises(ValueError, match="channel_groups=3 does not split"):
         calibrate.codebooks(cfg.model, cache_cfg, params, tokens, channel_groups=3)
+    for bad in (0, True, 2.0):
+        with pytest.raises(ValueError, match=f"channel_groups={bad!r} is no positive integer"):
+            calibrate.codebooks(cfg.model, cache_cfg, params, tokens, channel_groups=bad)
     odd = str(tmp_path / "odd.npz")
     calibrate.save_codebooks(odd, tiled({k: v[:, 0] for k, v in books.items()}, 3))
     cache_cfg.codebooks = odd

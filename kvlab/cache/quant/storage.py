@@ -143,7 +143,6 @@ def storages(model_cfg: Mapping, cache_cfg: Mapping, layer: int | None = None) -
         rank = cache_cfg[f"{tensor.prefix}_rank"] if bits < 16 else 0
         if layer is not None and bits < 16:
             table = FORMATS.get(name).table(cache_cfg, tensor.prefix, bits, layer, layers)
-            _check_channel_tables(table, rank or tensor.width, cache_cfg, tensor.prefix)
             if cache_cfg[f"{tensor.prefix}_axis"] == "calibrated":
                 ranges = calibrated_ranges(
                     cache_cfg["scales"], tensor, layer, layers, rank or tensor.width
@@ -170,17 +169,18 @@ def storages(model_cfg: Mapping, cache_cfg: Mapping, layer: int | None = None) -
                 basis=basis,
             )
         )
+        _check_channel_tables(out[-1], tensor.width, cache_cfg, tensor.prefix)
     return tuple(out)
 
 
-def _check_channel_tables(table: tuple, width: int, cache_cfg: Mapping, prefix: str) -> None:
-    """Refuses levels per channel group (a nested `table`) whose groups do not
-    split the `width` coded channels evenly."""
-    groups = len(table) if table and isinstance(table[0], tuple) else 0
-    if groups and width % groups:
+def _check_channel_tables(spec: Storage, width: int, cache_cfg: Mapping, prefix: str) -> None:
+    """Refuses levels per channel group whose groups do not split the coded
+    channels of a tensor `width` wide evenly."""
+    groups, coded = spec.channel_tables, spec.coded_width(width)
+    if groups and coded % groups:
         raise ValueError(
             f"cache.codebooks={cache_cfg['codebooks']!r} gives {prefix!r} levels for {groups} "
-            f"channel groups, which do not split its {width} coded channels evenly: "
+            f"channel groups, which do not split its {coded} coded channels evenly: "
             "calibrate a number of groups that divides them"
         )
 
@@ -301,9 +301,9 @@ def pack(codes: Array, bits: int) -> Array:
     """uint8 codes [..., Wd] -> uint8 [..., Wd * bits / 8]; value j of a byte in bits
     j*b.. where b divides 8; otherwise each run of 8 / gcd(8, b) codes fills
     b / gcd(8, b) bytes, little-endian (3 bits: 8 codes in 3 bytes)."""
-    per_byte = 8 // bits
     if 8 % bits:
         return _pack_across_bytes(codes, bits)
+    per_byte = 8 // bits
     grouped = codes.reshape(*codes.shape[:-1], codes.shape[-1] // per_byte, per_byte)
     grouped = grouped.astype(jnp.uint8)
     shifts = (jnp.arange(per_byte, dtype=jnp.uint8) * bits).astype(jnp.uint8)
