@@ -244,15 +244,18 @@ def main(argv):
         kvlab.save_hf(cfg, params, folder, tokenizer)
         models = {}
         filters, path = None, os.path.join(folder, "qfilters.npz")
-        for method in _METHODS.value if _DECODING.value else []:
-            hf = transformers.AutoModelForCausalLM.from_pretrained(
-                folder, dtype=torch.float32, attn_implementation="sdpa"
-            ).eval()
-            jaccard = decoding_agreement(hf, cfg, params, method, ids, _KEPT.value, _DECODING.value)
-            row = dict(method=method, tokens=ids.shape[1], kept=_KEPT.value, heads=len(jaccard))
-            row.update(decoding=_DECODING.value, jaccard_min=round(min(jaccard), 4))
-            print(json.dumps(dict(row, jaccard_mean=round(float(np.mean(jaccard)), 4))), flush=True)
-        for method in [] if _DECODING.value else _METHODS.value:
+
+        def model(attention: str):
+            if attention not in models:
+                models[attention] = transformers.AutoModelForCausalLM.from_pretrained(
+                    folder, dtype=torch.float32, attn_implementation=attention
+                ).eval()
+            return models[attention]
+
+        def compressed_agreement(method: str, row: dict) -> list[float]:
+            """Jaccard per layer and KV head of the tokens each keeps after one
+            compression (think: the channels' too, into `row`)."""
+            nonlocal filters
             fields = {}
             if method.split(":")[-1] == "qfilter":
                 if filters is None:
@@ -261,35 +264,37 @@ def main(argv):
                     save_filters(path, filters)
                 fields = dict(options={"filters": path})
             attention = "eager" if method == "h2o" else "sdpa"  # observed attention needs eager
-            if attention not in models:
-                models[attention] = transformers.AutoModelForCausalLM.from_pretrained(
-                    folder, dtype=torch.float32, attn_implementation=attention
-                ).eval()
             press = default_press(method, 1 - _KEPT.value, filters)
-            theirs = kvpress_kept(models[attention], press, ids)
+            theirs = kvpress_kept(model(attention), press, ids)
             ours = kvlab_kept(cfg, params, method, _KEPT.value, ids, tokenizer.encode, **fields)
-            jaccard = [
-                len(a & b) / len(a | b)
-                for mine, peer in zip(ours, theirs, strict=True)
-                for a, b in zip(mine, peer, strict=True)
-            ]
-            row = dict(method=method, tokens=ids.shape[1], kept=_KEPT.value, heads=len(jaccard))
-            row.update(
-                jaccard_min=round(min(jaccard), 4), jaccard_mean=round(float(np.mean(jaccard)), 4)
-            )
             if "think" in method.split("+")[0].split(":")[:-1]:  # and the channels kept
                 cache = kvlab_compressed(cfg, params, method, _KEPT.value, ids, **fields)
-                pairs = zip(
-                    kvlab_channels(cache),
-                    kvpress_channels(models[attention], press, ids),
-                    strict=True,
-                )
-                same = [
-                    len(a & b) / len(a | b) for x, y in pairs for a, b in zip(x, y, strict=True)
-                ]
+                peer = kvpress_channels(model(attention), press, ids)
+                same = jaccards(kvlab_channels(cache), peer)
                 row.update(channels_jaccard_min=round(min(same), 4))
-            print(json.dumps(row), flush=True)
+            return jaccards(ours, theirs)
+
+        for method in _METHODS.value:
+            row = dict(method=method, tokens=ids.shape[1], kept=_KEPT.value)
+            if _DECODING.value:
+                jaccard = decoding_agreement(
+                    model("sdpa"), cfg, params, method, ids, _KEPT.value, _DECODING.value
+                )
+                row.update(decoding=_DECODING.value)
+            else:
+                jaccard = compressed_agreement(method, row)
+            row.update(heads=len(jaccard), jaccard_min=round(min(jaccard), 4))
+            print(json.dumps(dict(row, jaccard_mean=round(float(np.mean(jaccard)), 4))), flush=True)
             jax.clear_caches()  # each method's compiled model: none is used again
+
+
+def jaccards(ours, theirs) -> list[float]:
+    """The Jaccard index of each pair of sets, per layer and head of two [layer][head] lists."""
+    return [
+        len(a & b) / len(a | b)
+        for mine, peer in zip(ours, theirs, strict=True)
+        for a, b in zip(mine, peer, strict=True)
+    ]
 
 
 if __name__ == "__main__":
