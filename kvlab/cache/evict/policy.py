@@ -126,18 +126,22 @@ class Policy:
         return self.scorer is not None and (self.scorer.keeps or self.remembers)
 
     @property
-    def remembers(self) -> bool:
-        """Whether the layer carries its slots' scores of a `Scorer.static` scorer,
-        to score only each step's new tokens: where it competes every step (every
-        step, interval 1) over tokens stored one by one, with whole keys."""
+    def competes_always(self) -> bool:
+        """A scored layer that competes in every step once its slots are full: every
+        step at interval 1, over tokens stored one by one."""
         return (
             self.scorer is not None
-            and self.scorer.static
             and self.when == "every_step"
             and self.interval == 1
             and not self.settles
-            and not self.key_channels
         )
+
+    @property
+    def remembers(self) -> bool:
+        """Whether the layer carries its slots' scores of a `Scorer.static` scorer,
+        to score only each step's new tokens: where it `competes_always`, with
+        whole keys."""
+        return self.competes_always and self.scorer.static and not self.key_channels
 
     @property
     def probes(self) -> bool:
@@ -564,12 +568,12 @@ def overflows(
     row, so the write competes and its scorer reads the mass; the same count the
     write makes (a decoding layer's: a row it compresses, `due`, given its count
     `since`). None where the scorer's mass is needed every step (`keeps`), or is
-    once the slots are full: a layer competing every step at interval 1 over
-    tokens stored one by one (a step choosing between attention with and without
-    the mass costs more there than the mass of the steps that fill the slots)."""
+    once the slots are full (`competes_always`: a step choosing between attention
+    with and without the mass costs more there than the mass of the steps that
+    fill the slots)."""
     if policy.scorer is None or policy.keeps:  # a window, or h2o
         return None
-    if policy.when == "every_step" and policy.interval == 1 and not policy.settles:
+    if policy.competes_always:
         return None
     compressing = False
     if policy.compresses and placement.compress is not None:
