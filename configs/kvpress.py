@@ -8,7 +8,9 @@ The argument is a cache.evict.method ('snapkv', 'chunkkv:knorm', ...), then
 optionally the variant after a comma (tiny, small, base; tiny by default), then
 optionally 'decoding' after another comma: kvpress's DecodingPress over the
 method instead (configs/kvpress.py:knorm,small,decoding: the prompt stored whole,
-every 512 decode steps each head back to 2,048 tokens; tiny: 16 and 64). The
+every 512 decode steps each head back to 2,048 tokens, scored by the queries of
+the decode steps since the last compression: SnapKV's window of 64, Expected
+Attention's last 256; tiny: 16 and 64). The
 prompt is compressed once after its prefill to the share cache.evict.ratio of
 it (0.5 here: kvpress's compression_ratio 0.5), as kvpress's pipeline does
 (cache.evict.when='after_prefill'); what follows (a question, the answer)
@@ -21,13 +23,17 @@ cache.evict.options.filters; DuoAttention its heads' scores,
 cache.evict.options.patterns (both from kvlab.eval.calibrate).
 """
 
+from kvlab.cache.evict import scorer_of
 from kvlab.config import base_config
 from kvlab.eval.benchmark import kvpress_evict
 
 # DecodingPress's compression_interval and target_size (kvpress's defaults; tiny's
 # fit the tiny model's context), and room for any prompt stored whole.
-DECODING = {"tiny": (16, 64), "small": (512, 2048), "base": (512, 2048)}
+DECODING = {"tiny": (16, 128), "small": (512, 2048), "base": (512, 2048)}
 WHOLE_PROMPT = 1 << 20
+# DecodingPress's hidden_states_buffer_size: a scorer that reads every query (Expected
+# Attention) scores by the last this many decode steps' (at most an interval's).
+BUFFERED_STEPS = 256
 
 
 def get_config(arg: str = "snapkv"):
@@ -52,4 +58,6 @@ def get_config(arg: str = "snapkv"):
         # evicts within the budget as every step does.
         cfg.cache.evict.headroom = 48 if variant == "tiny" else 512
     cfg.cache.evict.update(kvpress_evict(method))
+    if protocol == "decoding" and scorer_of(method).observes == "all":
+        cfg.cache.evict.obs_window = min(BUFFERED_STEPS, interval)
     return cfg

@@ -19,13 +19,15 @@ holds the same comparison, exact, on a small random model. With --decoding N,
 kvpress's DecodingPress over each method's press against kvlab's
 cache.evict.when='decoding' instead: the context's first half prefilled, the
 rest fed a token a step, every N steps each head back to --kept of the first
-half (`decoding_agreement`: the kept keys compared).
+half (`decoding_agreement`: the kept keys compared; each buffered hidden state
+with its own RoPE, as kvpress's main branch buffers them, `BufferedRoPE`).
 
 `kvpress_kept` and `kvlab_kept` are what the test calls.
 """
 
 from __future__ import annotations
 
+import collections
 import json
 import os
 import tempfile
@@ -36,6 +38,7 @@ import numpy as np
 import torch
 import transformers
 from absl import flags
+from kvpress.presses.base_press import is_prefilling
 
 import kvlab
 from kvlab import cli
@@ -158,9 +161,34 @@ def kvlab_channels(cache) -> list[list[set[int]]]:
     return out
 
 
-def decoding_agreement(hf, cfg, params, method: str, ids, kept: float, interval: int):
+class BufferedRoPE(kvpress.DecodingPress):
+    """kvpress's DecodingPress as its main branch defines it: each buffered hidden
+    state scored with its own RoPE. 0.5.5 buffers the states alone and hands a
+    press the compressing step's position embeddings, so SnapKVPress turns every
+    query of its window as if at the last position."""
+
+    def __post_init__(self):
+        super().__post_init__()
+        self.rope = collections.defaultdict(list)
+
+    def forward_hook(self, module, input, kwargs, output):
+        if not is_prefilling(kwargs["cache_position"], kwargs["hidden_states"].shape[1]):
+            self.rope[module.layer_idx].append(kwargs["position_embeddings"])
+        return super().forward_hook(module, input, kwargs, output)
+
+    def compress(self, module, hidden_states, keys, values, attentions, kwargs):
+        buffered = self.rope.pop(module.layer_idx)[-hidden_states.shape[1] :]
+        cos, sin = (torch.cat(parts, dim=1) for parts in zip(*buffered, strict=True))
+        kwargs = {**kwargs, "position_embeddings": (cos, sin)}
+        return super().compress(module, hidden_states, keys, values, attentions, kwargs)
+
+
+def decoding_agreement(
+    hf, cfg, params, method: str, ids, kept: float, interval: int, base=None, **fields
+):
     """Per layer and KV head, the Jaccard index of the keys kvpress's DecodingPress
-    over `method`'s press and kvlab's cache.evict.when='decoding' hold after the
+    over `method`'s press (`base`: another press of it) and kvlab's
+    cache.evict.when='decoding' (with cache.evict `fields`) hold after the
     first half of `ids` [1, T] is prefilled and the rest fed a token a step (with
     its position, as kvpress's pipeline decodes): every `interval` steps each head
     back to kept x the prefill's tokens. A kvpress key counts as one kvlab holds
@@ -168,12 +196,13 @@ def decoding_agreement(hf, cfg, params, method: str, ids, kept: float, interval:
     XLA's float32 differ; their histories agree while their choices do)."""
     prompt = ids.shape[1] // 2
     target = int(kept * prompt)
-    press = kvpress.DecodingPress(
-        default_press(method, 0.0), compression_interval=interval, target_size=target
+    press = BufferedRoPE(
+        base or default_press(method, 0.0), compression_interval=interval, target_size=target
     )
     cache_cfg = benchmark_cache(cfg.cache, method, kept, headroom=0)
     cache_cfg.dtype = "float32"
     cache_cfg.evict.update(when="decoding", budget=target, interval=interval, headroom=prompt)
+    cache_cfg.evict.update(fields)
     ours = kvlab.init_cache(cfg.model, cache_cfg, 1, ids.shape[1])
     apply = jax.jit(kvlab.Transformer(cfg.model).apply)
     theirs = transformers.DynamicCache()

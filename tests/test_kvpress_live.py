@@ -240,3 +240,19 @@ def test_decoding_press_keeps_kvpress_tokens(model):
     jaccard = agreement().decoding_agreement(load("sdpa"), cfg, params, "knorm", ids, 2 / 3, 8)
     assert len(jaccard) == cfg.model.num_layers * cfg.model.num_kv_heads
     assert min(jaccard) == 1.0
+
+
+def test_decoding_press_over_snapkv_scores_by_the_buffered_queries(model):
+    """DecodingPress over SnapKVPress scores each compression by the last 4 of the
+    hidden states it buffered since the last one; kvlab's decoding layer by the
+    queries it buffered (evict.QueryBuffer): the same keys in every layer and KV
+    head after seven compressions. No pooling (kernel 1): kvpress keeps a compressed
+    cache in score order, so its later compressions would pool other neighbours."""
+    cfg, params, load = model
+    ids = np.random.default_rng(6).permutation(256)[None, :120].astype(np.int32)
+    base = kvpress.SnapKVPress(window_size=4, kernel_size=1)
+    jaccard = agreement().decoding_agreement(
+        load("sdpa"), cfg, params, "snapkv", ids, 2 / 3, 8, base, obs_window=4, kernel=1, recent=4
+    )
+    assert len(jaccard) == cfg.model.num_layers * cfg.model.num_kv_heads
+    assert min(jaccard) == 1.0

@@ -345,7 +345,8 @@ CACHES = {
     "paged_evicting": dict(kind="paged", page_size=4, evict=dict(method="h2o", budget=6, recent=2)),
     # keys stored pruned of half their channels (ThinK), the channel ids per row and head
     "pruned_keys": dict(evict=dict(method="think:snapkv", budget=6, recent=2)),
-    # a prompt stored whole, compressed to 4 every 2 decode steps; the count per row
+    # a prompt stored whole, compressed to 4 every 2 decode steps; the count per row, the
+    # buffered queries per row and KV head
     "decoding": dict(
         evict=dict(method="snapkv", budget=4, recent=2, when="decoding", interval=2, headroom=6)
     ),
@@ -480,7 +481,7 @@ def assert_cache_layout(cache, heads=("tensor",)):
     by_rows = P(ROWS, *heads)
     for path, leaf in jax.tree_util.tree_leaves_with_path(cache):
         name = jax.tree_util.keystr(path)
-        per_row = any(part in name for part in (".ring", ".positions", ".scores"))
+        per_row = any(part in name for part in (".ring", ".positions", ".scores", ".buffer"))
         pooled = isinstance(cache, kvlab.cache.PagedCache) and not per_row
         per_row_only = (
             "lengths",
@@ -489,6 +490,7 @@ def assert_cache_layout(cache, heads=("tensor",)):
             "kept_positions",
             "kept_distance",
             ".since",
+            ".buffer.positions",
         )
         if any(part in name for part in per_row_only):
             want = P(ROWS)

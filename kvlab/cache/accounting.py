@@ -54,6 +54,9 @@ SLOT_BYTES = 4  # evicting caches (scored methods): the int32 position of each s
 SCORE_BYTES = 4  # a scorer that keeps: the float32 each slot carries (h2o's attention)
 CHANNEL_BYTES = 4  # pruned keys (ThinK): the int32 id of each kept channel per row and KV head
 COUNT_BYTES = 4  # cache.evict.when='decoding': the int32 decode steps per row since it compressed
+# A decoding layer's query buffer (evict.QueryBuffer): per row and buffered token, the int32
+# position, and per query head its vector as it meets the keys and before RoPE (cache.dtype).
+BUFFERED_BYTES = 4
 
 
 def cache_bytes(
@@ -175,6 +178,11 @@ def _evicting_bytes(plan, tensors, cache_cfg: Mapping, batch_size: int, rows_hel
             per_layer += rows_held * heads * policy.slots * per_slot
         if policy.decodes:
             per_layer += rows_held * COUNT_BYTES
+        if policy.buffers:
+            keys = tensors[0][0]
+            vectors = keys.heads * (policy.query_heads // policy.kv_heads) * keys.width
+            element = dtype_of(cache_cfg["dtype"]).itemsize
+            per_layer += rows_held * policy.buffers * (BUFFERED_BYTES + 2 * vectors * element)
     return per_layer + tables
 
 
@@ -320,6 +328,8 @@ def _kept_label(model_cfg: Mapping, evict_cfg: Mapping) -> str:
         details.append(f"headroom {evict_cfg['headroom']}")
     if evict_cfg["when"] == "decoding":
         kept += f" every {evict_cfg['interval']} decode steps"
+        if scorer.observes == "all" and not scorer.keeps and model_cfg["attention"] != "mla":
+            details.append(f"buffering {evict_cfg['obs_window']} queries")  # evict.QueryBuffer
         details = [d for d in details if not d.startswith("interval ")]
         details.append(f"headroom {evict_cfg['headroom']}")
     return f"{method} keeping {kept} ({', '.join(details)})"

@@ -179,7 +179,7 @@ def _evicting_layer(policy, specs, shapes, dtype, batch_size: int) -> evict.Evic
             tensors.append(quant.init_tensor(spec, layout, batch_size, heads, width))
         else:
             tensors.append(jnp.zeros((batch_size, heads, policy.slots, width), dtype))
-    return evict.init_layer(policy, tuple(tensors), batch_size)
+    return evict.init_layer(policy, tuple(tensors), batch_size, dtype)
 
 
 def _channels(batch_size: int, heads: int, kept: int) -> jnp.ndarray:
@@ -218,7 +218,7 @@ def _paged_evicting_layers(plan, specs, shapes, dtype, cache_cfg, batch_size, ow
                 pools.append(one_page.replace(ring=ring, **arrays))
             else:
                 pools.append(jnp.zeros((pool_heads, num_pages, page, width), dtype))
-        layers.append(evict.init_paged_layer(policy, tuple(pools), batch_size))
+        layers.append(evict.init_paged_layer(policy, tuple(pools), batch_size, dtype))
     return layers, _tables(batch_size, n, own_pages)
 
 
@@ -284,6 +284,7 @@ def _layer_axes(layer):
             scores=None if layer.scores is None else per_slot,
             **({} if getattr(layer, "ring_scores", None) is None else {"ring_scores": per_slot}),
             **({} if getattr(layer, "since", None) is None else {"since": per_row}),
+            **({} if getattr(layer, "buffer", None) is None else {"buffer": _buffer_axes()}),
         )
     if isinstance(layer, (DenseLayer, quant.QuantizedLayer)):
         return jax.tree.map(lambda _: ROW_AXES, layer)
@@ -292,6 +293,12 @@ def _layer_axes(layer):
     if isinstance(layer, paged.PagedQuantizedLayer):
         return layer.replace(tensors=tuple(_stored_axes(t, POOL_AXES) for t in layer.tensors))
     raise TypeError(f"no mesh layout for the cache layer {type(layer).__name__}")
+
+
+def _buffer_axes() -> evict.QueryBuffer:
+    """A decoding layer's query buffer: split by rows and KV heads."""
+    per_head = PartitionSpec("cache_batch", "cache_heads", None, None, None)
+    return evict.QueryBuffer(per_head, per_head, PartitionSpec("cache_batch", None))
 
 
 def _stored_axes(tensor, axes: PartitionSpec):

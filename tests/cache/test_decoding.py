@@ -145,6 +145,40 @@ def test_a_budget_of_the_whole_cache_gives_the_full_cache_logits():
     np.testing.assert_allclose(np.concatenate(outs, 1), expected, atol=2e-5, rtol=0)
 
 
+@pytest.mark.parametrize(
+    "method, kind, window",
+    [("snapkv", "dense", 3), ("adakv", "paged", 4), ("expected_attention", "dense", 4)],
+)
+def test_buffered_queries_score_as_if_the_decode_steps_were_one_step(method, kind, window):
+    """A compression after 4 decode steps of one token scores by the buffered
+    queries of the steps before (QueryBuffer) as the same 4 tokens given in one
+    step score by their own (nothing is evicted before it, so every query saw the
+    same keys): the same tokens are kept in every layer, and the buffer is empty
+    after it. `window`: the queries scored (obs_window; Expected Attention: all 4)."""
+    cfg = VARIANTS["gqa"]()
+    _, params, apply = build(cfg)
+    tokens = random_tokens(cfg, (2, 9), seed=26)
+    finals = []
+    for interval, steps in ((4, [(5, 6), (6, 7), (7, 8), (8, 9)]), (1, [(5, 9)])):
+        cache_cfg = decoding(
+            cfg, method, budget=4, interval=interval, headroom=6, recent=1, obs_window=window
+        )
+        if method == "expected_attention":  # its first 4 positions would fill the budget
+            cache_cfg.evict.options = {"sink_tokens": 0}
+        cache_cfg.update(kind=kind, page_size=2)
+        cache = kvlab.init_cache(cfg.model, cache_cfg, 2, 16)
+        _, cache = apply({"params": params}, tokens[:, :5], cache=cache)
+        for start, end in steps:
+            assert all(int(layer.since[0]) == start - 5 for layer in cache.layers)
+            _, cache = apply({"params": params}, tokens[:, start:end], cache=cache)
+        assert all(int(layer.since[0]) == 0 for layer in cache.layers)  # compressed
+        assert all((np.asarray(layer.buffer.positions) == -1).all() for layer in cache.layers)
+        finals.append([kept(layer) for layer in cache.layers])
+    assert finals[0] == finals[1]
+    # a pool's heads share 4 x K
+    assert all(sum(map(len, row)) == 4 * len(row) for layer in finals[0] for row in layer)
+
+
 @pytest.mark.parametrize("kind", ["dense", "paged"])
 def test_the_slots_and_the_count_are_the_bytes_counted(kind):
     cfg = VARIANTS["gqa"]()

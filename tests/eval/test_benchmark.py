@@ -163,20 +163,36 @@ def test_the_kvpress_configs_compress_a_prompt_once_with_kvpress_defaults(method
 
 def test_the_kvpress_decoding_config_stores_the_prompt_whole_and_compresses_while_decoding():
     """configs/kvpress.py:knorm,tiny,decoding: DecodingPress's fields over the preset;
-    a 100-token prompt stays whole, and after 16 decode steps each head holds 64."""
+    a 150-token prompt stays whole, and after 16 decode steps each head holds 128."""
     cfg = kvlab.load_config(f"{ROOT}/configs/kvpress.py:knorm,tiny,decoding")
     evict = cfg.cache.evict
-    assert (evict.when, evict.budget, evict.interval, evict.recent) == ("decoding", 64, 16, 0)
+    assert (evict.when, evict.budget, evict.interval, evict.recent) == ("decoding", 128, 16, 0)
     _, params, apply = build(cfg)
-    tokens = random_tokens(cfg, (1, 117), seed=2)
-    cache = kvlab.init_cache(cfg.model, cfg.cache, 1, 128)
-    assert cache.layers[0].policy.slots == 128  # any prompt fits whole
-    _, cache = apply({"params": params}, tokens[:, :100], cache=cache)
+    tokens = random_tokens(cfg, (1, 167), seed=2)
+    cache = kvlab.init_cache(cfg.model, cfg.cache, 1, 192)
+    assert cache.layers[0].policy.slots == 192  # any prompt fits whole
+    _, cache = apply({"params": params}, tokens[:, :150], cache=cache)
     held = lambda: {int(x) for layer in cache.layers for x in layer.stored(cache.lengths).ravel()}  # noqa: E731
-    assert held() == {100}
-    for t in range(100, 116):
+    assert held() == {150}
+    for t in range(150, 166):
         assert held() == {t}
         _, cache = apply({"params": params}, tokens[:, t : t + 1], cache=cache)
-    assert held() == {64}
+    assert held() == {128}
+
+
+@pytest.mark.parametrize("method", ["snapkv", "expected_attention"])
+def test_every_kvpress_decoding_preset_builds_and_buffers_what_decodingpress_scores_by(method):
+    """SnapKV's preset (its window of 64 kept, which the tiny target must exceed)
+    and Expected Attention's (the queries of an interval's decode steps, at most
+    DecodingPress's 256 hidden states) build, their buffers counted in the bytes."""
+    for variant, buffered in (("tiny", 16), ("small", 256)):
+        cfg = kvlab.load_config(f"{ROOT}/configs/kvpress.py:{method},{variant},decoding")
+        window = 64 if method == "snapkv" else buffered
+        assert cfg.cache.evict.obs_window == window
+        (policy, *_) = kvlab.cache.evict.policies(cfg.model, cfg.cache, 4096)
+        assert policy.buffers == window
+        if variant == "tiny":
+            cache = kvlab.init_cache(cfg.model, cfg.cache, 1, 192)
+            assert kvlab.cache_bytes(cfg.model, cfg.cache, 1, 192) == kvlab.tree_bytes(cache)
     with pytest.raises(ValueError, match="names the protocol 'later'"):
         kvlab.load_config(f"{ROOT}/configs/kvpress.py:knorm,tiny,later")

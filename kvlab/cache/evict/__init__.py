@@ -3,7 +3,8 @@
 layers.py holds the layers (the ring of a window, scored slots, settling groups
 of a quantized layout, AdaKV's pool), paged.py their paged twins, policy.py the
 per-layer policies (what a layer keeps, its budget, what that says about a
-row's slots), stored.py the reads and writes of the stored tensors, scorers.py
+row's slots), buffer.py a decoding layer's queries kept for its compressions,
+stored.py the reads and writes of the stored tensors, scorers.py
 the scorers a method is and the wrappers over them (registries,
 kvlab.registry.SCORERS and WRAPPERS: a new method is one file there, e.g.
 tova.py, chunkkv.py). Imports run one way, paged > layers > policy | stored |
@@ -12,6 +13,7 @@ docs/caches.md, "Evicting caches", describes them; docs/adding-a-method.md how
 a scorer is added.
 """
 
+from kvlab.cache.evict.buffer import QueryBuffer
 from kvlab.cache.evict.layers import EvictingLayer, init_layer, reset_rows
 from kvlab.cache.evict.paged import PagedEvictingLayer, copy_pages, init_paged_layer
 from kvlab.cache.evict.policy import (
@@ -44,6 +46,7 @@ __all__ = [
     "PagedEvictingLayer",
     "Policy",
     "PrunedKeys",
+    "QueryBuffer",
     "Scorer",
     "Wrapper",
     "banded",

@@ -16,8 +16,10 @@ the KV head's keys past the sinks and averaged over its query heads; with
 The first `sink_tokens` positions stay. Every quantity is kvpress's: its
 kept tokens are kvlab's on the same weights (tests/test_kvpress_live.py). It
 needs the queries before RoPE, which grouped-query attention offers
-(Candidates.raw_queries); a latent model is refused. Decoding steps score by
-their own queries (one query each: a mean and no spread). A settled group of a
+(Candidates.raw_queries); a latent model is refused. A decode step
+competing every step scores by its own query (a mean and no spread); a
+decoding layer (cache.evict.when='decoding') by the queries it buffered since
+its last compression (kvlab/cache/evict/buffer.py). A settled group of a
 quantized layout scores the mean of its tokens'.
 """
 

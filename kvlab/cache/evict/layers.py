@@ -64,6 +64,7 @@ from einops import rearrange
 from flax import struct
 from jaxtyping import Array, Float, Int
 
+from kvlab.cache.evict.buffer import QueryBuffer, empty_buffer
 from kvlab.cache.evict.policy import (
     Policy,
     banded,
@@ -115,6 +116,8 @@ class EvictingLayer:
                  has accumulated while unsettled; None otherwise
     since        int32[B] cache.evict.when='decoding': decode steps since each row
                  last compressed (Policy.decodes); None otherwise
+    buffer       a decoding layer's queries of the decode steps since each row last
+                 compressed (buffer.QueryBuffer, Policy.buffers); None otherwise
     """
 
     tensors: tuple
@@ -123,6 +126,7 @@ class EvictingLayer:
     policy: Policy = struct.field(pytree_node=False)
     ring_scores: Array | None = None
     since: Array | None = None
+    buffer: QueryBuffer | None = None
 
     @property
     def capacity(self) -> int:
@@ -243,7 +247,14 @@ class EvictingLayer:
         slots, positions, scores = self.destinations(pending, placement, mass, queries)
         tensors = self.with_channels(pending, placement, slots, queries)
         tensors = tuple(put_tokens(t, x, slots) for t, x in zip(tensors, pending, strict=True))
-        return EvictingLayer(tensors, positions, scores, self.policy, since=self.counted(placement))
+        return EvictingLayer(
+            tensors,
+            positions,
+            scores,
+            self.policy,
+            since=self.counted(placement),
+            buffer=self.buffered(placement, queries),
+        )
 
     def counted(self, placement: Placement) -> Array | None:
         """A decoding layer's `since` after this step (policy.steps_since); None
@@ -251,6 +262,22 @@ class EvictingLayer:
         if not self.policy.decodes:
             return None
         return steps_since(self.since, self._due(placement), placement)
+
+    def buffered(self, placement: Placement, queries) -> QueryBuffer | None:
+        """A decoding layer's buffer after this step: the step's decode queries
+        appended, emptied in the rows it compressed; None without one."""
+        if self.buffer is None:
+            return None
+        return self._joined(placement, queries).emptied(self._due(placement))
+
+    def _joined(self, placement: Placement, queries) -> QueryBuffer:
+        """The buffer with the step's decode queries (`queries`, Observed) appended."""
+        if queries is None:
+            raise ValueError(
+                f"cache.evict.method={self.policy.method!r} scores a decoding layer's "
+                "compressions by its buffered queries, and this attention offered none"
+            )
+        return self.buffer.appended(queries, placement)
 
     def _due(self, placement: Placement) -> Array:
         """bool[B]: the rows a decoding layer compresses in this step (policy.due)."""
@@ -471,6 +498,8 @@ class EvictingLayer:
         c = self._candidates_of(
             candidates, valid, 1, per_head, keys, values, placement, queries, limit
         )
+        if self.buffer is not None:
+            c = self._with_buffer(c, placement, queries)
         if not p.remembers:
             return _scored(p.scorer, c)
         # A static scorer's: the slots' carried scores, the new tokens' scored now;
@@ -492,6 +521,25 @@ class EvictingLayer:
         )
         score = jnp.concatenate([held, p.scorer.score(fresh)], axis=-1)
         return score, p.scorer.priority(c, score)
+
+    def _with_buffer(self, c: Candidates, placement: Placement, queries) -> Candidates:
+        """`c` with a decoding layer's buffered queries of earlier decode steps beside
+        the step's own: in the mass (the attention they paid, buffer.QueryBuffer.mass),
+        the queries and the count of observed ones."""
+        joined = self._joined(placement, queries)
+        keys = c.keys()[..., 0, :]  # [B, E, C, W]: tokens one by one
+        earlier = joined.mass(keys, c.positions, c.valid, c.heads, placement)
+        observed = joined.observed(queries, placement)
+        buffered = joined.before(placement).sum(-1).astype(jnp.float32)[:, None, None]
+        return dataclasses.replace(
+            c,
+            mass=None if c.mass is None else c.mass + earlier[..., None],
+            queries=observed.vectors,
+            query_weights=observed.weights,
+            query_positions=observed.positions,
+            raw_queries=observed.raw,
+            observed=c.observed + buffered,
+        )
 
     @property
     def _values_index(self) -> int:
@@ -721,16 +769,27 @@ def _scored(scorer, c: Candidates) -> tuple[Array, Array]:
     return score, scorer.priority(c, score)
 
 
-def init_layer(policy: Policy, tensors: tuple, batch: int) -> EvictingLayer:
+def init_layer(policy: Policy, tensors: tuple, batch: int, dtype=jnp.bfloat16) -> EvictingLayer:
     """An empty layer around `tensors` (each with policy.slots rows, zeroed; settling:
-    QuantizedTensors of slots x g rows and a ring of policy.layout.ring_len)."""
+    QuantizedTensors of slots x g rows and a ring of policy.layout.ring_len); a
+    decoding layer's query buffer in `dtype` (the cache's)."""
     return EvictingLayer(
         tensors,
         *empty_slots(policy, batch),
         policy,
         empty_ring_scores(policy, batch),
         empty_since(policy, batch),
+        init_buffer(policy, tensors, batch, dtype),
     )
+
+
+def init_buffer(policy: Policy, tensors: tuple, batch: int, dtype) -> QueryBuffer | None:
+    """An empty query buffer of `policy.buffers` tokens (None where it keeps none)."""
+    if not policy.buffers:
+        return None
+    groups = policy.query_heads // policy.kv_heads
+    width = tensor_width(tensors[0])
+    return empty_buffer(policy.buffers, batch, policy.kv_heads, groups, width, dtype)
 
 
 def reset_rows(layer, starting: Array, lengths: Array):
@@ -754,4 +813,6 @@ def reset_rows(layer, starting: Array, lengths: Array):
         layer = layer.replace(ring_scores=ring_scores)
     if getattr(layer, "since", None) is not None:
         layer = layer.replace(since=jnp.where(starting, 0, layer.since))
+    if getattr(layer, "buffer", None) is not None:
+        layer = layer.replace(buffer=layer.buffer.emptied(starting))
     return layer

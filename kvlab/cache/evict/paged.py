@@ -16,7 +16,8 @@ import jax.numpy as jnp
 from flax import struct
 from jaxtyping import Array, Float, Int
 
-from kvlab.cache.evict.layers import EvictingLayer
+from kvlab.cache.evict.buffer import QueryBuffer
+from kvlab.cache.evict.layers import EvictingLayer, init_buffer
 from kvlab.cache.evict.policy import (
     Policy,
     empty_ring_scores,
@@ -83,7 +84,7 @@ class PagedEvictingLayer:
                  L / g entries per page); a settling policy's ring stays per row;
                  pruned keys (stored.PrunedKeys): kept channels in a pool
                  [KH, P, L, Wk], the channel ids per row [B, K, Wk]
-    positions, scores, policy, ring_scores, since: as EvictingLayer's
+    positions, scores, policy, ring_scores, since, buffer: as EvictingLayer's
     """
 
     pools: tuple
@@ -92,6 +93,7 @@ class PagedEvictingLayer:
     policy: Policy = struct.field(pytree_node=False)
     ring_scores: Array | None = None
     since: Array | None = None
+    buffer: QueryBuffer | None = None
 
     @property
     def capacity(self) -> int:
@@ -105,7 +107,9 @@ class PagedEvictingLayer:
         """The rows' slots gathered from their pages, as a dense evicting layer."""
         p = self.policy
         tensors = tuple(_gather(pool, pages, p.rows, self._page) for pool in self.pools)
-        return EvictingLayer(tensors, self.positions, self.scores, p, self.ring_scores, self.since)
+        return EvictingLayer(
+            tensors, self.positions, self.scores, p, self.ring_scores, self.since, self.buffer
+        )
 
     def tensor_shapes(self) -> tuple[tuple[int, int], ...]:
         pool_heads = lambda t: jax.tree.leaves(t)[0].shape[0]  # noqa: E731  payload, kept first
@@ -148,17 +152,27 @@ class PagedEvictingLayer:
             _put_pages(pool, x, slots, pages, p.slots)
             for pool, x in zip(pools, pending, strict=True)
         )
-        return PagedEvictingLayer(pools, positions, scores, p, since=view.counted(placement))
+        return PagedEvictingLayer(
+            pools,
+            positions,
+            scores,
+            p,
+            since=view.counted(placement),
+            buffer=view.buffered(placement, queries),
+        )
 
 
-def init_paged_layer(policy: Policy, pools: tuple, batch: int) -> PagedEvictingLayer:
-    """An empty paged layer around zeroed `pools`."""
+def init_paged_layer(
+    policy: Policy, pools: tuple, batch: int, dtype=jnp.bfloat16
+) -> PagedEvictingLayer:
+    """An empty paged layer around zeroed `pools` (a query buffer in `dtype`)."""
     return PagedEvictingLayer(
         pools,
         *empty_slots(policy, batch),
         policy,
         empty_ring_scores(policy, batch),
         empty_since(policy, batch),
+        init_buffer(policy, pools, batch, dtype),
     )
 
 

@@ -144,6 +144,17 @@ class Policy:
         return self.competes_always and self.scorer.static and not self.key_channels
 
     @property
+    def buffers(self) -> int:
+        """The decode tokens whose queries a decoding layer keeps for its next
+        compression (buffer.QueryBuffer): the last obs_window, where its scorer reads
+        queries (observes "window" or "all", keeping no state) of a grouped-query
+        model; 0 otherwise (a latent's queries meet it without their RoPE part)."""
+        s = self.scorer
+        if not self.decodes or self.latent or s.keeps or s.observes not in ("window", "all"):
+            return 0
+        return self.obs_window
+
+    @property
     def probes(self) -> bool:
         """Whether a compressing step's tokens past a row's context are probes
         (Placement.context): observed, never stored (`Scorer.observes` "probes")."""
@@ -387,6 +398,14 @@ def _policies(model_cfg: Mapping, cache_cfg: Mapping, max_len: int) -> tuple[Pol
             )
         )
         _check_interval(out[-1], evict)
+    shared = topology.num_cache_layers(model_cfg) < model_cfg["num_layers"]
+    if out and out[0].buffers and shared:
+        raise ValueError(
+            f"cache.evict.method={method!r} with cache.evict.when='decoding' scores each "
+            "compression by one attention's buffered queries, and model.topology="
+            f"{model_cfg['topology']!r} has several layers read one cache layer: use "
+            "cache.evict.when='after_prefill', a method that reads no queries, or no topology"
+        )
     return tuple(out)
 
 
