@@ -23,17 +23,13 @@ cache.evict.options.filters; DuoAttention its heads' scores,
 cache.evict.options.patterns (both from kvlab.eval.calibrate).
 """
 
-from kvlab.cache.evict import scorer_of
 from kvlab.config import base_config
-from kvlab.eval.benchmark import kvpress_evict
+from kvlab.eval.benchmark import kvpress_decoding, kvpress_evict
 
-# DecodingPress's compression_interval and target_size (kvpress's defaults; tiny's
+# DecodingPress's target_size and compression_interval (kvpress's defaults; tiny's
 # fit the tiny model's context), and room for any prompt stored whole.
-DECODING = {"tiny": (16, 128), "small": (512, 2048), "base": (512, 2048)}
+DECODING = {"tiny": (128, 16), "small": (2048, 512), "base": (2048, 512)}
 WHOLE_PROMPT = 1 << 20
-# DecodingPress's hidden_states_buffer_size: a scorer that reads every query (Expected
-# Attention) scores by the last this many decode steps' (at most an interval's).
-BUFFERED_STEPS = 256
 
 
 def get_config(arg: str = "snapkv"):
@@ -48,16 +44,11 @@ def get_config(arg: str = "snapkv"):
         )
     cfg = base_config(variant)
     if protocol == "decoding":
-        interval, target = DECODING[variant]
-        cfg.cache.evict.update(
-            method=method, budget=target, when="decoding", interval=interval, headroom=WHOLE_PROMPT
-        )
-    else:
-        cfg.cache.evict.update(method=method, ratio=0.5, budget=0, when="after_prefill")
-        # The generated tokens' room (scripts/generate.py's 48 by default); a longer answer
-        # evicts within the budget as every step does.
-        cfg.cache.evict.headroom = 48 if variant == "tiny" else 512
+        cfg.cache.evict.update(kvpress_decoding(method, *DECODING[variant]), headroom=WHOLE_PROMPT)
+        return cfg
+    cfg.cache.evict.update(method=method, ratio=0.5, budget=0, when="after_prefill")
+    # The generated tokens' room (scripts/generate.py's 48 by default); a longer answer
+    # evicts within the budget as every step does.
+    cfg.cache.evict.headroom = 48 if variant == "tiny" else 512
     cfg.cache.evict.update(kvpress_evict(method))
-    if protocol == "decoding" and scorer_of(method).observes == "all":
-        cfg.cache.evict.obs_window = min(BUFFERED_STEPS, interval)
     return cfg

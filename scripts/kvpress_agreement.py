@@ -44,7 +44,7 @@ import kvlab
 from kvlab import cli
 from kvlab.cache.evict import PrunedKeys, scorer_of
 from kvlab.data.ruler import RULER_TASKS, ruler_record
-from kvlab.eval.benchmark import benchmark_cache
+from kvlab.eval.benchmark import benchmark_cache, kvpress_decoding
 from kvlab.eval.calibrate import calibration_tokens, q_filters, save_filters
 
 _MODEL = flags.DEFINE_string("model", "smollm2", "smollm2, gguf:FILE or hf:DIR.")
@@ -199,9 +199,9 @@ def decoding_agreement(
     press = BufferedRoPE(
         base or default_press(method, 0.0), compression_interval=interval, target_size=target
     )
-    cache_cfg = benchmark_cache(cfg.cache, method, kept, headroom=0)
+    cache_cfg = cfg.cache.copy_and_resolve_references()
     cache_cfg.dtype = "float32"
-    cache_cfg.evict.update(when="decoding", budget=target, interval=interval, headroom=prompt)
+    cache_cfg.evict.update(kvpress_decoding(method, target, interval), headroom=prompt)
     cache_cfg.evict.update(fields)
     ours = kvlab.init_cache(cfg.model, cache_cfg, 1, ids.shape[1])
     apply = jax.jit(kvlab.Transformer(cfg.model).apply)

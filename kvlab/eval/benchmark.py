@@ -53,6 +53,7 @@ from kvlab.model import Transformer
 # beta 20, H2O as ObservedAttentionPress (attention averaged over the queries that saw
 # a token). A wrapper ('chunkkv:knorm') takes its scorer's.
 _WINDOW = dict(obs_window=64, kernel=5, recent=64, options={"pooling": "mean"})
+DECODING_BUFFER = 256  # DecodingPress's hidden_states_buffer_size
 KVPRESS_DEFAULTS = {
     "*": dict(recent=0),
     "tova": dict(recent=1),
@@ -73,6 +74,19 @@ def kvpress_evict(method: str) -> dict:
         fields.update(preset)
         if options:
             fields["options"] = options
+    return fields
+
+
+def kvpress_decoding(method: str, target: int, interval: int) -> dict:
+    """cache.evict fields of kvpress's DecodingPress over `method` at its defaults
+    (`target`: target_size, `interval`: compression_interval): a scorer that reads
+    every query buffers the last hidden_states_buffer_size (256) decode steps' of
+    an interval (at most `interval`), evict.QueryBuffer; the prompt's room
+    (cache.evict.headroom) is the caller's."""
+    fields = dict(kvpress_evict(method), method=method, when="decoding")
+    fields.update(budget=target, interval=interval)
+    if scorer_of(method).observes == "all":
+        fields["obs_window"] = min(DECODING_BUFFER, interval)
     return fields
 
 
