@@ -22,7 +22,7 @@ from typing import Any
 from jax import export
 
 from kvlab.cache.dense import Cache, DenseLayer
-from kvlab.cache.evict import EvictingLayer, PagedEvictingLayer, PrunedKeys
+from kvlab.cache.evict import EvictingLayer, PagedEvictingLayer, PrunedKeys, QueryBuffer
 from kvlab.cache.paged import PagedCache, PagedLayer, PagedQuantizedLayer
 from kvlab.cache.quant import Flush, QuantizedLayer, QuantizedTensor
 from kvlab.cache.topology.minicache import MergedLayer
@@ -40,6 +40,7 @@ PYTREES = (
     EvictingLayer,
     PagedEvictingLayer,
     PrunedKeys,
+    QueryBuffer,
     MergedLayer,  # topologies' own layers (kvlab/cache/topology)
     SharedBasisLayer,
 )

@@ -13,7 +13,7 @@ import kvlab
 from tests.cache.test_after_prefill import kept
 from tests.cache.test_evict import evicting, layer0_keys
 from tests.helpers import VARIANTS, build, random_tokens
-from tests.test_export import assert_exports, inference
+from tests.test_export import assert_exports, assert_round_trips, inference
 
 BUDGET, INTERVAL, HEADROOM, MAX_LEN = 6, 3, 2, 40
 SLOTS = BUDGET + HEADROOM + INTERVAL - 1
@@ -237,6 +237,7 @@ def test_a_decoding_cache_exports_for_tpu_and_cuda():
     cfg.cache = decoding(cfg, "snapkv")
     program, arguments = inference(cfg, loops=False)
     assert_exports(program, arguments, kernel=False)
+    assert_round_trips(cfg)  # the count and the query buffer serialized with the step
 
 
 def test_the_engine_refuses_it():
