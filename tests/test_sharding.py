@@ -419,7 +419,8 @@ def test_on_mesh_merged_layers_and_codes_in_a_basis_are_unchanged(tmp_path):
     """MiniCache's merged pair (directions, magnitudes, kept tokens and their
     positions split by rows and heads) beside a layer of its own; keys and
     values coded in 8 of their directions (the bases split with their heads as
-    constants); and xKV's pair coded in 24 of its 2 x 16 directions."""
+    constants); and xKV's pair coded in 24 of its 2 x 16 directions, offline or
+    fitted per prompt (each row's bases split with its rows and heads)."""
     rng = np.random.default_rng(0)
 
     def run(cfg, bases=None):
@@ -444,6 +445,8 @@ def test_on_mesh_merged_layers_and_codes_in_a_basis_are_unchanged(tmp_path):
     assert run(cfg, np.linalg.qr(rng.normal(size=(1, 2, 2 * width, 2 * width)))[0][..., :24]) == [
         "SharedBasisLayer"
     ]
+    cfg.model.topology, cfg.cache.bases = "xkv:2,fit=prompt", ""  # each row's own, split by rows
+    assert run(cfg) == ["SharedBasisLayer"]
 
 
 def through_the_cache(cfg, mesh, rules, model, params, placed):

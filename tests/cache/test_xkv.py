@@ -133,3 +133,59 @@ def test_a_coded_cache_exports_for_tpu_and_cuda_and_round_trips(tmp_path):
     program, arguments = inference(cfg, loops=False)
     assert_exports(program, arguments, kernel=False)
     assert_round_trips(cfg)
+
+
+def per_prompt(rank: int, num_layers: int = 2):
+    """The tiny model with xkv:2,fit=prompt at `rank` (no bases file)."""
+    cfg = VARIANTS["gqa"]()
+    cfg.model.num_layers, cfg.model.topology = num_layers, "xkv:2,fit=prompt"
+    cfg.cache.update(k_rank=rank, v_rank=rank)
+    return cfg
+
+
+def test_bases_fitted_per_prompt_are_exact_where_the_prompt_spans_its_run():
+    """xKV's own fit: each row's bases from its prefill. Keys (before RoPE) and
+    values in 4 directions a head and layer: an 8-token prompt spans its run's 8,
+    so the bases it fits code the prompt and every later token exactly (the
+    layerwise logits within float rounding), and 6 do not; each row has its own
+    bases (kept in the cache, its bytes counted)."""
+    plain = VARIANTS["gqa"]()
+    plain.model.num_layers = 2
+    params = low_rank_params(plain, 4)
+    tokens = random_tokens(plain, (2, 15), seed=5)
+
+    def logits(cfg):  # a prefill of 8, then a token a step
+        cache = kvlab.init_cache(cfg.model, cfg.cache, 2, 32)
+        out = []
+        for start, end in [(0, 8)] + [(t, t + 1) for t in range(8, 15)]:
+            step, cache = build(cfg)[2]({"params": params}, tokens[:, start:end], cache=cache)
+            out.append(np.asarray(step))
+        cache.check()
+        return np.concatenate(out, axis=1), cache
+
+    want, _ = logits(plain)
+    errors = {}
+    for rank in (8, 6):
+        cfg = per_prompt(rank)
+        got, cache = logits(cfg)
+        errors[rank] = np.abs(got - want).max()
+        assert kvlab.cache_bytes(cfg.model, cfg.cache, 2, 32) == kvlab.tree_bytes(cache)
+        keys = np.asarray(cache.layers[0].fitted[0])  # [B, K, G W, r], orthonormal columns
+        for row in keys:
+            for head in row:
+                np.testing.assert_allclose(head.T @ head, np.eye(rank), atol=1e-5)
+        assert np.abs(keys[0] - keys[1]).max() > 0.1  # two prompts, two bases
+    assert errors[8] < 1e-4 and errors[6] > 100 * errors[8], errors
+
+
+def test_per_prompt_bases_read_no_file_and_export(tmp_path):
+    cfg = per_prompt(16)
+    cfg.cache.bases = str(tmp_path / "bases.npz")
+    with pytest.raises(ValueError, match=r"cache.bases=.*fits each row's bases from its prompt"):
+        kvlab.init_cache(cfg.model, cfg.cache, 1, 32)
+    cfg.cache.bases = ""
+    with pytest.raises(ValueError, match=r"is not G\[,from=D\]\[,fit=prompt\]"):
+        kvlab.config.validate_model_config({**cfg.model.to_dict(), "topology": "xkv:2,fit=data"})
+    program, arguments = inference(cfg, loops=False)
+    assert_exports(program, arguments, kernel=False)
+    assert_round_trips(cfg)

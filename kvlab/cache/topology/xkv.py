@@ -4,6 +4,7 @@ values coded together.
     cfg.model.topology = "xkv:2"          # layers 0, 1 | 2, 3 | ... coded in pairs
     cfg.model.topology = "xkv:4,from=8"   # runs of four from layer 8
     cfg.cache.update(k_rank=64, v_rank=96, bases="runs/x/xkv.npz")
+    cfg.model.topology = "xkv:2,fit=prompt"  # each row's bases from its prompt (no file)
 
 xKV finds that the caches of adjacent layers share their dominant singular
 vectors, so a run of G layers is coded in one low-rank subspace: per token and
@@ -14,14 +15,18 @@ as c B_j^T, B_j its W rows of B. Keys are coded before RoPE (turned back from
 their positions when written and turned again when read: a dense cache's
 slots are positions), where a projection's keys lie in few directions. The
 bases are fitted offline, the leading eigenvectors of the run's second moment
-over calibration text (kvlab.eval.calibrate.bases: xKV computes its SVD per
-prompt; a fixed basis keeps the program static), and read from cache.bases
-([runs, K, G W, r] per tensor). At full rank (r = G W) each layer reads back
-exactly what it wrote. Every layer keeps its projections, as MiniCache's do;
-a step's own tokens are read uncoded, so a prompt prefilled whole attends
-exactly. Layers outside whole runs keep their own caches, as the cache section
-says. The codes are 16-bit (cache.dtype): the cache must be a dense 16-bit one
-of a grouped-query model without eviction, transforms or windows.
+over calibration text (kvlab.eval.calibrate.bases), and read from cache.bases
+([runs, K, G W, r] per tensor); or, with 'fit=prompt', as xKV fits them: per
+row, from the tokens of its first step (its prompt prefilled whole; a chunked
+prompt's first chunk), the leading right singular vectors of those tokens
+(the same directions, from their SVD), computed in the program as the row starts
+and kept with it in cache.dtype (`fitted`, counted in the bytes). At full rank
+(r = G W) each layer reads back exactly what it wrote. Every layer keeps its
+projections, as MiniCache's do; a step's own tokens are read uncoded, so a
+prompt prefilled whole attends exactly. Layers outside whole runs keep their
+own caches, as the cache section says. The codes are 16-bit (cache.dtype): the
+cache must be a dense 16-bit one of a grouped-query model without eviction,
+transforms or windows.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 from jax.sharding import PartitionSpec
+from jaxtyping import Array
 
 from kvlab.cache.placement import Placement, write_tokens
 from kvlab.cache.quant.storage import rope_numbers, turn
@@ -41,16 +47,20 @@ from kvlab.files import read_arrays
 from kvlab.registry import TOPOLOGIES
 
 
-def parse(arg: str) -> tuple[int, int]:
-    """(run length G, first coded layer D) of an argument 'G[,from=D]'."""
+def parse(arg: str) -> tuple[int, int, bool]:
+    """(run length G, first coded layer D, bases fitted per prompt) of an argument
+    'G[,from=D][,fit=prompt]'."""
     fields = arg.split(",")
-    share, first = int(fields[0]), 0
+    share, first, per_prompt = int(fields[0]), 0, False
     for field in fields[1:]:
         name, _, value = field.partition("=")
-        if name != "from":
+        if name == "from":
+            first = int(value)
+        elif (name, value) == ("fit", "prompt"):
+            per_prompt = True
+        else:
             raise ValueError(name)
-        first = int(value)
-    return share, first
+    return share, first, per_prompt
 
 
 class SharedBasis(Topology):
@@ -61,12 +71,15 @@ class SharedBasis(Topology):
     codes_in_bases = True  # cache.<prefix>_rank and cache.bases are the runs'
 
     def check(self, arg: str, num_layers: int, field: str) -> None:
-        usage = f"set {field}='xkv:G[,from=D]' (G >= 2 adjacent layers a run, e.g. 'xkv:2')"
+        usage = (
+            f"set {field}='xkv:G[,from=D][,fit=prompt]' (G >= 2 adjacent layers a run, "
+            "e.g. 'xkv:2')"
+        )
         try:
-            share, first = parse(arg)
+            share, first, _ = parse(arg)
         except ValueError:
             spec = self.name + ":" + arg
-            raise ValueError(f"{field}={spec!r} is not G[,from=D]: {usage}") from None
+            raise ValueError(f"{field}={spec!r} is not G[,from=D][,fit=prompt]: {usage}") from None
         if share < 2 or not 0 <= first <= num_layers - share:
             raise ValueError(
                 f"{field}={self.name + ':' + arg!r} codes no run of at least 2 of "
@@ -74,7 +87,7 @@ class SharedBasis(Topology):
             )
 
     def layers(self, arg: str, num_layers: int) -> tuple[int, ...]:
-        share, first = parse(arg)
+        share, first, _ = parse(arg)
         runs = (num_layers - first) // share
         coded = first + runs * share  # layers from here on keep their own
 
@@ -86,15 +99,18 @@ class SharedBasis(Topology):
         return tuple(owner(i) for i in range(num_layers))
 
     def joint_layers(self, arg: str, num_layers: int) -> tuple[int, ...]:
-        share, first = parse(arg)
+        share, first, _ = parse(arg)
         return tuple(range(first, first + (num_layers - first) // share))
 
     def check_cache(self, arg: str, model_cfg: Mapping, cache_cfg: Mapping) -> None:
-        share, _ = parse(arg)
+        share, _, per_prompt = parse(arg)
         width = share * model_cfg["head_dim"]
+        bases = cache_cfg["bases"]
         more = [
-            ("cache.bases", cache_cfg["bases"], not cache_cfg["bases"],
+            ("cache.bases", bases, not bases and not per_prompt,
              "reads each run's bases from it", "the .npz of kvlab.eval.calibrate.save_bases"),
+            ("cache.bases", bases, bases and per_prompt,
+             "fits each row's bases from its prompt (fit=prompt) and reads no file", "''"),
         ] + [
             (f"cache.{p}_rank", cache_cfg[f"{p}_rank"], not 1 <= cache_cfg[f"{p}_rank"] <= width,
              f"codes a run's {share} x model.head_dim = {width} numbers in that many directions",
@@ -104,26 +120,35 @@ class SharedBasis(Topology):
         check_joint_cache("xKV", model_cfg, cache_cfg, more)
 
     def build(self, arg, model_cfg, cache_cfg, batch: int, max_len: int, index: int = 0):
-        share, first = parse(arg)
+        share, first, per_prompt = parse(arg)
         runs = len(self.joint_layers(arg, model_cfg["num_layers"]))
         heads, width = model_cfg["num_kv_heads"], model_cfg["head_dim"]
-        bases = tuple(
-            run_bases(cache_cfg, p, index - first, runs, heads, share * width) for p in ("k", "v")
-        )
         dtype = dtype_of(cache_cfg["dtype"])
+        ranks = tuple(cache_cfg[f"{p}_rank"] for p in ("k", "v"))
+        bases, fitted = (), None
+        if per_prompt:  # a row's own, from its first step
+            fitted = tuple(jnp.zeros((batch, heads, share * width, r), dtype) for r in ranks)
+        else:
+            bases = tuple(
+                run_bases(cache_cfg, p, index - first, runs, heads, share * width)
+                for p in ("k", "v")
+            )
         return SharedBasisLayer(
-            codes=tuple(jnp.zeros((batch, heads, max_len, len(b[0][0])), dtype) for b in bases),
+            codes=tuple(jnp.zeros((batch, heads, max_len, r), dtype) for r in ranks),
             bases=bases,
             rope=rope_numbers(model_cfg, width),
             share=share,
+            fitted=fitted,
         )
 
     def layer_bytes(self, arg, model_cfg, cache_cfg, rows: int, max_len: int, split) -> int:
+        share, _, per_prompt = parse(arg)
         heads = model_cfg["num_kv_heads"]
         heads //= split("cache_heads", heads)
         element = dtype_of(cache_cfg["dtype"]).itemsize
         ranks = cache_cfg["k_rank"] + cache_cfg["v_rank"]
-        return rows * heads * max_len * ranks * element
+        basis = share * model_cfg["head_dim"] if per_prompt else 0  # a row's own bases
+        return rows * heads * (max_len + basis) * ranks * element
 
 
 TOPOLOGIES.register(SharedBasis())
@@ -155,16 +180,19 @@ def run_bases(cache_cfg: Mapping, prefix: str, run: int, runs: int, heads: int, 
 class SharedBasisLayer:
     """A run's keys and values as their coordinates in its bases (module docstring).
 
-    codes  (k, v) cache.dtype[B, K, S, r]
-    bases  static: (k, v) [K][G W][r] (constants of the program)
-    rope   static: the keys' RoPE numbers (kvlab.cache.quant.storage.rope_numbers)
-    share  static: G
+    codes   (k, v) cache.dtype[B, K, S, r]
+    bases   static: (k, v) [K][G W][r] (constants of the program); () with `fitted`
+    rope    static: the keys' RoPE numbers (kvlab.cache.quant.storage.rope_numbers)
+    share   static: G
+    fitted  fit=prompt: (k, v) cache.dtype[B, K, G W, r], each row's bases from its
+            first step; None for offline bases
     """
 
     codes: tuple
     bases: tuple = struct.field(pytree_node=False)
     rope: tuple = struct.field(pytree_node=False)
     share: int = struct.field(pytree_node=False)  # G, the layers of the run
+    fitted: tuple | None = None
 
     joint = True  # read per member, written by the run's last layer
 
@@ -175,7 +203,14 @@ class SharedBasisLayer:
     @property
     def width(self) -> int:
         """W: a member's channels (its share of a basis's rows)."""
-        return len(self.bases[0][0]) // self.share
+        rows = self.fitted[0].shape[2] if self.fitted else len(self.bases[0][0])
+        return rows // self.share
+
+    def _bases(self) -> tuple:
+        """Per tensor, the bases as float32 [B or 1, K, G W, r]."""
+        if self.fitted is not None:
+            return tuple(b.astype(jnp.float32) for b in self.fitted)
+        return tuple(jnp.asarray(np.asarray(b, np.float32))[None] for b in self.bases)
 
     def tensor_shapes(self) -> tuple[tuple[int, int], ...]:
         return tuple((c.shape[1], self.width) for c in self.codes)
@@ -187,10 +222,9 @@ class SharedBasisLayer:
         batch, capacity, width = self.codes[0].shape[0], self.capacity, self.width
         positions = jnp.broadcast_to(jnp.arange(capacity, dtype=jnp.int32), (batch, capacity))
         read = []
-        for i, (codes, basis) in enumerate(zip(self.codes, self.bases, strict=True)):
-            mine = np.asarray(basis, np.float32)[:, member * width : (member + 1) * width]
-            rows = jnp.asarray(mine)  # [K, W, r]
-            x = jnp.einsum("BKSr,Kwr->BKSw", codes.astype(jnp.float32), rows)
+        for i, (codes, basis) in enumerate(zip(self.codes, self._bases(), strict=True)):
+            rows = basis[:, :, member * width : (member + 1) * width]  # [B or 1, K, W, r]
+            x = jnp.einsum("BKSr,BKwr->BKSw", codes.astype(jnp.float32), rows)
             read.append((turn(x, self.rope, positions) if i == 0 else x).astype(dtype))
         written = jnp.arange(capacity) < placement.lengths[:, None]
         fresh = tuple(x.astype(dtype) for x in fresh)
@@ -201,16 +235,21 @@ class SharedBasisLayer:
 
     def write(self, pendings: tuple, placement: Placement) -> SharedBasisLayer:
         """Every member's tokens of the step (keys turned back from their positions),
-        side by side, coded in the bases and written to their slots."""
-        codes = []
-        for i, (stored, basis) in enumerate(zip(self.codes, self.bases, strict=True)):
+        side by side, coded in the bases and written to their slots; with
+        fit=prompt, a row's first step fits its bases from them first."""
+        codes, fitted = [], []
+        for i, (stored, basis) in enumerate(zip(self.codes, self._bases(), strict=True)):
             members = [p[i].astype(jnp.float32) for p in pendings]  # each [B, K, T, W]
             if i == 0:
                 members = [turn(x, self.rope, placement.positions, back=True) for x in members]
             side = jnp.concatenate(members, axis=-1)  # [B, K, T, G W]
-            coded = jnp.einsum("BKTw,Kwr->BKTr", side, jnp.asarray(np.asarray(basis, np.float32)))
+            if self.fitted is not None:
+                basis = _fit(side, placement, basis).astype(stored.dtype)
+                fitted.append(basis)
+                basis = basis.astype(jnp.float32)  # coded in the bases as kept
+            coded = jnp.einsum("BKTw,BKwr->BKTr", side, basis)
             codes.append(write_tokens(stored, coded.astype(stored.dtype), placement.slots, axis=2))
-        return self.replace(codes=tuple(codes))
+        return self.replace(codes=tuple(codes), fitted=tuple(fitted) if fitted else None)
 
     def alike(self) -> SharedBasisLayer:
         """The layer without its bases, which differ from run to run (the model's check
@@ -220,4 +259,23 @@ class SharedBasisLayer:
     def axes(self) -> SharedBasisLayer:
         """The logical axes of its arrays (kvlab.cache.factory.cache_axes)."""
         rows = PartitionSpec("cache_batch", "cache_heads", None, None)
-        return self.replace(codes=(rows, rows))
+        fitted = None if self.fitted is None else (rows, rows)
+        return self.replace(codes=(rows, rows), fitted=fitted)
+
+
+def _fit(side: Array, placement: Placement, kept: Array) -> Array:
+    """float32[B, K, G W, r]: each row's bases, `kept` [B, K, G W, r] except in the
+    rows whose first step this is: the r leading right singular vectors of the
+    step's real tokens `side` [B, K, T, G W] (an SVD of the tokens, not an
+    eigendecomposition of their second moment, which squares its condition), in
+    order, each column's largest entry positive."""
+    rank = kept.shape[-1]
+    real = jnp.arange(side.shape[2])[None, :] < placement.num_tokens[:, None]  # [B, T]
+    x = jnp.where(real[:, None, :, None], side, 0.0)
+    if x.shape[2] < rank:  # at least r singular vectors (those of zeros: any)
+        x = jnp.pad(x, ((0, 0), (0, 0), (0, rank - x.shape[2]), (0, 0)))
+    basis = jnp.linalg.svd(x, full_matrices=False)[2][..., :rank, :].swapaxes(-1, -2)
+    largest = jnp.take_along_axis(basis, jnp.abs(basis).argmax(-2, keepdims=True), axis=-2)
+    basis = basis * jnp.where(largest < 0, -1.0, 1.0)
+    starting = (placement.lengths == 0) & (placement.num_tokens > 0)
+    return jnp.where(starting[:, None, None, None], basis, kept)
