@@ -1,6 +1,8 @@
 """A row's first positions kept in cache.dtype beside the codes (cache.<prefix>_full_first,
 KVQuant's attention sink and IntactKV): read exactly, everything after them as before."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -9,7 +11,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import kvlab
-from kvlab.cache.quant import FirstTokens, Layout, Storage, init_layer
+from kvlab.cache.quant import (
+    FirstTokens,
+    Layout,
+    QuantizedTensor,
+    Storage,
+    init_layer,
+    quantize_tokens,
+)
 from kvlab.eval import calibrate
 from tests.cache.test_quant import chunkings
 from tests.helpers import (
@@ -192,6 +201,35 @@ def test_the_first_positions_read_back_exactly_and_the_others_as_without(
             np.testing.assert_array_equal(
                 scores[..., n:settled], np.asarray(theirs.reader().scores(q))[..., n:settled]
             )
+
+
+@settings(max_examples=10, deadline=None)
+@given(
+    first=st.integers(1, 12),
+    start=st.integers(0, 2),
+    per_row=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_a_slice_reads_what_the_whole_reads_there(first, start, per_row, seed):
+    """What attention streams (`chunk`: 8 stored tokens from a multiple of 4) scores,
+    sums and dequantizes as the whole reader's same tokens, rows holding positions
+    from a start per row or not (float32 first tokens: a slice widens them)."""
+    rng = np.random.default_rng(seed)
+    spec = dataclasses.replace(layer_spec("token", first), dtype="float32", group_size=4)
+    x = jnp.asarray(rng.standard_normal((2, 2, 16, 8)), jnp.float32)
+    payload, scale, zero = quantize_tokens(x, spec)
+    rest = QuantizedTensor(payload, scale, zero, None, spec).reader()
+    offset = jnp.asarray([0, 3]) if per_row else 0
+    whole = FirstTokens(rest, x[:, :, :first], offset)
+    piece = whole.chunk(4 * start, 8)
+    q = jnp.asarray(rng.standard_normal((2, 2, 3, 8)), jnp.float32)
+    w = jnp.asarray(rng.random((2, 2, 3, 8)), jnp.float32)
+    part = slice(4 * start, 4 * start + 8)
+    tolerance = dict(atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(piece.scores(q), whole.scores(q)[..., part], **tolerance)
+    np.testing.assert_allclose(piece.dequantize(), whole.dequantize()[:, :, part], **tolerance)
+    spread = jnp.zeros((2, 2, 3, 16)).at[..., part].set(w)
+    np.testing.assert_allclose(piece.weighted_sum(w), whole.weighted_sum(spread), **tolerance)
 
 
 @pytest.mark.parametrize("layout", ["paged", "native", "chunked"])
