@@ -117,6 +117,7 @@ def _layers_bytes(model_cfg, cache_cfg, layers: list, batch_size: int, seq_len: 
     ]
     rows_held = batch_size // split("cache_batch", batch_size)  # rows on one device
     ring = 0 if layout is None else layout.ring_len
+    rows = seq_len if layout is None else layout.payload_len
     plan = evict.policies(model_cfg, cache_cfg, seq_len)
     # Token rows each tensor stores: a row's S (or P settled) tokens, or a page pool.
     if plan is not None:
@@ -127,12 +128,11 @@ def _layers_bytes(model_cfg, cache_cfg, layers: list, batch_size: int, seq_len: 
         pooled = pages // split("cache_pages", pages) * cache_cfg["page_size"]
         per_layer = sum(_tensor_bytes(spec, t.heads, t.width, pooled, 0) for t, spec in tensors)
         per_layer += rows_held * sum(
-            _tensor_bytes(spec, t.heads, t.width, 0, ring, spec.first_rows(layout.payload_len))
+            _tensor_bytes(spec, t.heads, t.width, 0, ring, spec.first_rows(rows))
             for t, spec in tensors
         )
         tables = rows_held * paged.pages_per_row(cache_cfg, seq_len) * TABLE_ENTRY_BYTES
     else:
-        rows = seq_len if layout is None else layout.payload_len
         per_layer = rows_held * sum(
             _tensor_bytes(s, t.heads, t.width, rows, ring, s.first_rows(rows)) for t, s in tensors
         )
