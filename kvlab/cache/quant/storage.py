@@ -71,7 +71,8 @@ class Storage:
 
     def first_rows(self, rows: int) -> int:
         """Positions per row kept in `dtype` beside a payload of `rows` rows: the first
-        `full_first` (cache.<prefix>_full_first) that may settle, at most all."""
+        `full_first` (cache.<prefix>_full_first), at most `rows` (later positions never
+        settle, so they are read from the ring, never from these)."""
         return min(self.full_first, rows) if self.quantized else 0
 
     def coded_width(self, width: int) -> int:
