@@ -283,14 +283,15 @@ def test_the_storage_experiment_runs_every_recipe_at_its_bytes(llama_with_tokeni
     out = tmp_path / "storage"
     recipes = "fp8 per group,fp8 per head,KIVI-2,rotated codebook 2,rotated codebook 2 + sketch"
     args = ["--windows=2", "--length=96", "--group_size=8", "--ruler=KIVI-2"]
-    recipes += ",codebook 2 per 8 channel groups,KVQuant-2,KIVI-4 + snapkv 50%"
+    recipes += ",codebook 2 per 8 channel groups,KVQuant-2,KVQuant-2 + first token"
+    recipes += ",KIVI-4 + snapkv 50%"
     args += [f"--recipes={recipes},fp8 per head + snapkv at 0.125"]
     args += ["--ruler_tasks=niah_single_1"]
     args += ["--ruler_samples=1", f"--workdir={out}"]
     run_script("experiments/storage.py", f"--model=hf:{llama_with_tokenizer}", *args)
     report = json.loads((out / "results.json").read_text())
     rows = {r["recipe"]: r for r in report["rows"]}
-    assert len(rows) == 9 and {"fp8 per head", "KIVI-2", "KVQuant-2"} <= set(rows)
+    assert len(rows) == 10 and {"fp8 per head", "KIVI-2", "KVQuant-2"} <= set(rows)
     size = {name: r["bytes_per_token"] for name, r in rows.items()}
     assert size["fp8 per head"] < size["fp8 per group"]
     assert size["KIVI-4 + snapkv 50%"] < size["fp8 per head"]
@@ -300,6 +301,10 @@ def test_the_storage_experiment_runs_every_recipe_at_its_bytes(llama_with_tokeni
     model = json.loads((llama_with_tokenizer / "config.json").read_text())
     keys = model["num_hidden_layers"] * model["num_key_value_heads"]
     assert size["rotated codebook 2 + sketch"] - size["rotated codebook 2"] == keys * (8 + 2)
+    # the first token's key and value in bfloat16 per layer and KV head, over 96 tokens
+    first = keys * model["hidden_size"] // model["num_attention_heads"] * 2 * 2
+    added = size["KVQuant-2 + first token"] - size["KVQuant-2"]
+    assert first // 96 <= added <= -(-first // 96) and added > 0
     assert all(np.isfinite(r["kl_mean"]) and r["kl_mean"] >= 0 for r in rows.values())
     assert [name for name, r in rows.items() if r["ruler"] is not None] == ["KIVI-2"]
     assert report["reference"]["ruler"] is not None

@@ -336,11 +336,13 @@ def test_on_mesh_a_panel_tree_is_refused(gqa):
         kvlab.sampling.place_params(cfg.model, panels, mesh, rules)
 
 
-# Through the steps: 16-bit rows, and quantized pools with per-row rings (the
-# quantized math, scales and zero points included). Laid out only: the rest.
+# Through the steps: 16-bit rows, and quantized pools with per-row rings and first
+# tokens (the quantized math, scales and zero points included). Laid out only: the rest.
 CACHES = {
     "dense": dict(),
-    "paged_quantized": dict(kind="paged", page_size=16, k_bits=4, v_bits=4, residual=16),
+    "paged_quantized": dict(
+        kind="paged", page_size=16, k_bits=4, v_bits=4, residual=16, k_full_first=2
+    ),
     # 6 of 11 tokens kept per KV head in pages (h2o), positions and scores per row
     "paged_evicting": dict(kind="paged", page_size=4, evict=dict(method="h2o", budget=6, recent=2)),
     # keys stored pruned of half their channels (ThinK), the channel ids per row and head
@@ -352,7 +354,7 @@ CACHES = {
     ),
 }
 LAID_OUT = {
-    "quantized": dict(k_bits=4, v_bits=8, residual=16),
+    "quantized": dict(k_bits=4, v_bits=8, residual=16, v_full_first=3),
     "paged": dict(kind="paged", page_size=8),
 }
 
@@ -484,7 +486,8 @@ def assert_cache_layout(cache, heads=("tensor",)):
     by_rows = P(ROWS, *heads)
     for path, leaf in jax.tree_util.tree_leaves_with_path(cache):
         name = jax.tree_util.keystr(path)
-        per_row = any(part in name for part in (".ring", ".positions", ".scores", ".buffer"))
+        parts = (".ring", ".first_tokens", ".positions", ".scores", ".buffer")
+        per_row = any(part in name for part in parts)
         pooled = isinstance(cache, kvlab.cache.PagedCache) and not per_row
         per_row_only = (
             "lengths",

@@ -11,7 +11,8 @@ latent attention stores (kv_rank + rope_dim) numbers per token and layer instead
 (DeepSeek-V2, arXiv:2405.04434). A quantized cache counts, per tensor, its
 packed payload (bits / 8 bytes a number), one scale (and zero point) per group
 (none for scales calibrated offline: they are the program's constants, like a
-codebook's levels) and the full-precision ring of recent tokens, laid out as kvlab/cache/quant/
+codebook's levels), the full-precision ring of recent tokens and the first
+positions of a row kept in full precision beside the codes, laid out as kvlab/cache/quant/
 describes. A paged cache counts its page pools (num_pages x page_size token
 rows, shared by the rows) and each row's ring instead. An evicting cache
 counts its budget slots (kvlab/cache/evict/), and per slot an int32 position
@@ -119,6 +120,7 @@ def _layers_bytes(model_cfg, cache_cfg, layers: list, batch_size: int, seq_len: 
     ]
     rows_held = batch_size // split("cache_batch", batch_size)  # rows on one device
     ring = 0 if layout is None else layout.ring_len
+    rows = seq_len if layout is None else layout.payload_len
     plan = evict.policies(model_cfg, cache_cfg, seq_len)
     # Token rows each tensor stores: a row's S (or P settled) tokens, or a page pool.
     if plan is not None:
@@ -129,13 +131,13 @@ def _layers_bytes(model_cfg, cache_cfg, layers: list, batch_size: int, seq_len: 
         pooled = pages // split("cache_pages", pages) * cache_cfg["page_size"]
         per_layer = sum(_tensor_bytes(spec, t.heads, t.width, pooled, 0) for t, spec in tensors)
         per_layer += rows_held * sum(
-            _tensor_bytes(spec, t.heads, t.width, 0, ring) for t, spec in tensors
+            _tensor_bytes(spec, t.heads, t.width, 0, ring, spec.first_rows(rows))
+            for t, spec in tensors
         )
         tables = rows_held * paged.pages_per_row(cache_cfg, seq_len) * TABLE_ENTRY_BYTES
     else:
-        rows = seq_len if layout is None else layout.payload_len
         per_layer = rows_held * sum(
-            _tensor_bytes(s, t.heads, t.width, rows, ring) for t, s in tensors
+            _tensor_bytes(s, t.heads, t.width, rows, ring, s.first_rows(rows)) for t, s in tensors
         )
         tables = 0
     return len(layers) * per_layer + tables
@@ -186,12 +188,12 @@ def _evicting_bytes(plan, tensors, cache_cfg: Mapping, batch_size: int, rows_hel
     return per_layer + tables
 
 
-def _tensor_bytes(spec, heads: int, width: int, rows: int, ring: int) -> int:
+def _tensor_bytes(spec, heads: int, width: int, rows: int, ring: int, first: int = 0) -> int:
     """One cached tensor: `rows` stored tokens (packed codes, and the numbers its
-    format keeps per group when quantized: scales, zero points) and `ring`
-    tokens in full precision."""
+    format keeps per group when quantized: scales, zero points), `ring` tokens in
+    full precision and a row's `first` positions kept in it beside the codes."""
     element = dtype_of(spec.dtype).itemsize
-    total = heads * ring * width * element
+    total = heads * (ring + first) * width * element
     if not spec.quantized:
         return total + heads * rows * width * element
     total += heads * rows * spec.row_bytes(width)
@@ -243,6 +245,7 @@ def cache_label(model_cfg: Mapping, cache_cfg: Mapping) -> str:
                 + ("with calibrated scales" if axis == "calibrated" else f"per {axis}")
                 + _outliers_words(cache_cfg[f"{p}_outliers"])
                 + (" before RoPE" if p == "k" and cache_cfg["k_before_rope"] else "")
+                + _first_words(cache_cfg[f"{p}_full_first"], cache_cfg["dtype"])
                 + (f" in {cache_cfg[f'{p}_rank']} directions" if cache_cfg[f"{p}_rank"] else "")
                 + (
                     f" and a {cache_cfg['k_sketch']}-bit residual sketch"
@@ -283,6 +286,10 @@ def cache_label(model_cfg: Mapping, cache_cfg: Mapping) -> str:
 
 def _outliers_words(count: int) -> str:
     return f" and {count} outlier{'s' if count > 1 else ''} a token" if count else ""
+
+
+def _first_words(count: int, dtype: str) -> str:
+    return f" and the first {count} position{'s' if count > 1 else ''} in {dtype}" if count else ""
 
 
 def _window_words(model_cfg: Mapping) -> str:

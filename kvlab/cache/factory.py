@@ -242,7 +242,8 @@ def _tables(batch_size: int, n: int, own_pages: bool) -> jnp.ndarray:
 def _paged_quantized_layer(
     one_row: quant.QuantizedLayer, batch_size: int, num_pages: int, page: int
 ) -> paged.PagedQuantizedLayer:
-    """Pools shaped after a one-row quantized layer's arrays; rings stay per row."""
+    """Pools shaped after a one-row quantized layer's arrays; rings and first tokens
+    stay per row."""
     tensors, lengths = [], []
     for tensor in one_row.tensors:
         per_scale_row = tensor.spec.group_size if tensor.spec.axis == "channel" else 1
@@ -250,10 +251,12 @@ def _paged_quantized_layer(
         for name in ("scale", "zero"):
             array = getattr(tensor, name)
             pooled[name] = None if array is None else _pool(array, num_pages, page // per_scale_row)
-        ring = None
-        if tensor.ring is not None:
-            ring = jnp.zeros((batch_size, *tensor.ring.shape[1:]), tensor.ring.dtype)
-        tensors.append(tensor.replace(ring=ring, **pooled))
+        per_row = {  # the ring and the first tokens stay per row
+            name: None if array is None else jnp.zeros((batch_size, *array.shape[1:]), array.dtype)
+            for name in ("ring", "first_tokens")
+            for array in [getattr(tensor, name)]
+        }
+        tensors.append(tensor.replace(**per_row, **pooled))
         scale_rows = 0 if tensor.scale is None else tensor.scale.shape[2]
         lengths.append((tensor.payload.shape[2], scale_rows))
     return paged.PagedQuantizedLayer(tuple(tensors), one_row.layout, tuple(lengths))
@@ -302,13 +305,16 @@ def _buffer_axes() -> evict.QueryBuffer:
 
 
 def _stored_axes(tensor, axes: PartitionSpec):
-    """A stored tensor's axes: `axes` for its arrays, a QuantizedTensor's ring per
-    row, pruned keys' channels per row and head."""
+    """A stored tensor's axes: `axes` for its arrays, a QuantizedTensor's ring and
+    first tokens per row, pruned keys' channels per row and head."""
     if isinstance(tensor, evict.PrunedKeys):
         return tensor.replace(kept=axes, channels=PartitionSpec("cache_batch", "cache_heads", None))
     spec = jax.tree.map(lambda _: axes, tensor)
-    if isinstance(tensor, quant.QuantizedTensor) and tensor.ring is not None:
-        spec = spec.replace(ring=ROW_AXES)
+    if isinstance(tensor, quant.QuantizedTensor):
+        per_row = ("ring", "first_tokens")
+        spec = spec.replace(
+            **{name: ROW_AXES for name in per_row if getattr(tensor, name) is not None}
+        )
     return spec
 
 

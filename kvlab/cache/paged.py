@@ -202,7 +202,8 @@ _POOLED = ("payload", "scale", "zero")  # the QuantizedTensor arrays that page
 
 @struct.dataclass
 class PagedQuantizedLayer:
-    """One layer's quantized tensors: payload, scale and zero pools, and per-row rings.
+    """One layer's quantized tensors: payload, scale and zero pools, and per-row rings
+    (and first tokens, cache.<prefix>_full_first).
 
     `tensors` are QuantizedTensors whose payload/scale/zero are pools
     [KH, num_pages, entries per page, X]; `lengths` gives each array's dense

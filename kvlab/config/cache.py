@@ -69,6 +69,7 @@ def validate_cache_config(cache: Mapping, model: Mapping | None = None) -> None:
     for prefix in CACHED_PREFIXES:
         check_int("cache", cache, f"{prefix}_outliers", minimum=0)
         check_int("cache", cache, f"{prefix}_rank", minimum=0)
+        check_int("cache", cache, f"{prefix}_full_first", minimum=0)
         check_choice("cache", cache, f"{prefix}_transform", TRANSFORMS.names())
         check_choice("cache", cache, f"{prefix}_bits", BIT_WIDTHS)
         check_choice("cache", cache, f"{prefix}_format", FORMATS.names())
@@ -372,6 +373,47 @@ def _validate_before_rope(cache: Mapping, model: Mapping) -> None:
             )
 
 
+def _validate_full_first(cache: Mapping, model: Mapping) -> None:
+    """cache.<prefix>_full_first: a quantized tensor's first positions kept beside its
+    codes per row, in a cache that keeps every token at its position and whose rows
+    are filled by their own tokens (no shared prefix pages)."""
+    for prefix in cached_prefixes(model):
+        first = cache[f"{prefix}_full_first"]
+        if not first:
+            continue
+        refusals = [
+            (
+                cache[f"{prefix}_bits"] == 16,
+                f"cache.{prefix}_bits=16",
+                "stores every token in cache.dtype already",
+            ),
+            (
+                cache["evict"]["method"] != "none",
+                f"cache.evict.method={cache['evict']['method']!r}",
+                "keeps tokens in slots that are not their positions (the first may be evicted)",
+            ),
+            (
+                model["sliding_window"] > 0,
+                f"model.sliding_window={model['sliding_window']}",
+                "keeps its window in a ring whose slots are not positions",
+            ),
+            (
+                cache["prefix_caching"],
+                "cache.prefix_caching=True",
+                "starts a row from shared pages, and the first tokens are kept per row",
+            ),
+        ]
+        for refused, field, why in refusals:
+            if refused:
+                fail(
+                    f"cache.{prefix}_full_first",
+                    first,
+                    f"cannot combine with {field}, which {why}",
+                    f"set cache.{prefix}_full_first=0, or keep it for a quantized tensor "
+                    "(bits below 16) in a cache without eviction, window or prefix caching",
+                )
+
+
 def _replaced(section: Mapping, **fields) -> ml_collections.FrozenConfigDict:
     """A frozen copy of `section` with `fields` set (a dict value updates that subsection)."""
     copy = ml_collections.ConfigDict(frozen(section).as_configdict().to_dict())
@@ -451,6 +493,7 @@ def _validate_cache_for_model(cache: Mapping, model: Mapping) -> None:
                 "choose another cache.evict.method",
             )
     _validate_before_rope(cache, model)
+    _validate_full_first(cache, model)
     name, _, arg = model["topology"].partition(":")
     topology = TOPOLOGIES.get(name)
     topology.check_cache(arg, model, cache)

@@ -31,7 +31,7 @@ GROUP_AXES = ("token", "channel", "calibrated")
 CACHED_PREFIXES = ("k", "v", "latent", "rope")  # cache.<prefix>_bits, _format, _axis
 # A cached tensor's storage fields that quantize it, and their values when it is not;
 # with the transform, those of a tensor stored as it is.
-QUANTIZING = (("bits", 16), ("outliers", 0), ("rank", 0))
+QUANTIZING = (("bits", 16), ("outliers", 0), ("rank", 0), ("full_first", 0))
 UNSET = (*QUANTIZING, ("transform", "none"))
 DATA_SOURCES = ("stdlib", "text", "mqar")
 WANDB_MODES = ("offline", "online", "disabled")
@@ -240,6 +240,10 @@ def base_config(variant: str = "tiny") -> ml_collections.ConfigDict:
             rope_rank=0,
             bases="",  # cache.<prefix>_rank: the .npz of each layer's bases per KV head
             #            (kvlab.eval.calibrate.save_bases)
+            k_full_first=0,  # the first positions of every row a quantized tensor also
+            v_full_first=0,  # keeps in cache.dtype beside its codes, read exactly (KVQuant's
+            latent_full_first=0,  # attention sink, IntactKV); 0 = none
+            rope_full_first=0,
             # grouped-query keys coded before RoPE and turned at their positions when read
             # (KVQuant's pre-RoPE keys: a channel's scale then follows one channel); the
             # keys must be quantized, in a cache that keeps every token

@@ -205,6 +205,7 @@ def _stored(model_cfg: Mapping, cache_cfg: Mapping, params, tokens: np.ndarray, 
     whole.update({f"{tensor.prefix}_bits": 16 for tensor in tensors})
     whole.update({f"{tensor.prefix}_outliers": 0 for tensor in tensors})
     whole.update({f"{tensor.prefix}_rank": 0 for tensor in tensors})
+    whole.update({f"{tensor.prefix}_full_first": 0 for tensor in tensors})
     whole.evict = base_config().cache.evict
     tokens = jnp.asarray(tokens, jnp.int32)
     cache = init_cache(model_cfg, whole, tokens.shape[0], tokens.shape[1])
@@ -215,7 +216,10 @@ def _stored(model_cfg: Mapping, cache_cfg: Mapping, params, tokens: np.ndarray, 
 def _numbers(layer, index: int, spec, basis: tuple = ()) -> np.ndarray:
     """float32 [B, K, T, W]: a cache layer's tensor `index` of `_stored` as `spec`
     codes it (keys before RoPE turned back from their positions, the rows; with
-    the layer's `basis` [K][W][rank], its coordinates in it: W = rank)."""
+    the layer's `basis` [K][W][rank], its coordinates in it: W = rank), past the
+    first positions of each row it reads exactly (cache.<prefix>_full_first: the
+    attention sink, whose numbers its codes never stand for; on the channel axis,
+    past the groups of tokens holding them, so the groups stay as coded)."""
     stored = jnp.asarray(layer.tensors[index], jnp.float32)
     if spec.rope:
         b, _, t, _ = stored.shape
@@ -223,7 +227,10 @@ def _numbers(layer, index: int, spec, basis: tuple = ()) -> np.ndarray:
         stored = turn(stored, spec.rope, positions, back=True)
     if basis:
         stored = jnp.einsum("BKTw,Kwr->BKTr", stored, jnp.asarray(basis, jnp.float32))
-    return np.asarray(stored)
+    skip = spec.full_first
+    if spec.axis == "channel":
+        skip = -(-skip // spec.group_size) * spec.group_size
+    return np.asarray(stored[:, :, skip:])
 
 
 def _basis(cache_cfg: Mapping, tensor, spec, layer: int, layers: int) -> tuple:

@@ -84,6 +84,7 @@ CACHE_FIELDS = dict(
     kind=st.sampled_from(["dense", "paged"]),
     page_size=st.sampled_from([8, 16]),
     prefix_caching=st.booleans(),
+    k_full_first=st.sampled_from([0, 1, 4]),
 )
 EVICT_FIELDS = dict(
     method=st.sampled_from(["none", "window", "sinks", "h2o", "snapkv", "adakv", "random"]),
@@ -105,6 +106,7 @@ def stored_choices(cache: dict) -> tuple:
     key = [cache["k_bits"], cache["v_bits"], cache["kind"], cache["k_transform"]]
     key.append(cache["v_transform"])
     key += [(cache.get(f"{p}_format", "int"), cache[f"{p}_axis"]) for p in quantized]
+    key += [cache.get(f"{p}_full_first", 0) for p in quantized]
     if quantized:
         key += [cache["group_size"], cache["symmetric"], cache["scale_dtype"], cache["residual"]]
     if len(quantized) < 2 or cache["residual"]:

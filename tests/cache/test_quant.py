@@ -204,6 +204,9 @@ def quantized_configs(draw, models=("gqa", "mla")):
         cache[f"{prefix}_axis"] = draw(st.sampled_from(["token", "channel"]))
     if all(cache[f"{p}_bits"] == 16 for p in prefixes):
         cache[f"{prefixes[0]}_bits"] = 4
+    for prefix in prefixes:  # a row's first positions kept beside the codes
+        if cache[f"{prefix}_bits"] < 16:
+            cache[f"{prefix}_full_first"] = draw(st.sampled_from([0, 0, 1, 5]))
     return quantized_config(model, **cache)
 
 

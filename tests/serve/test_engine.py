@@ -93,6 +93,22 @@ def test_a_hybrid_model_gives_every_request_what_it_gets_alone(storage):
         kvlab.Engine(cfg.model, dict(cfg.cache, prefix_caching=True), params, max_slots=3)
 
 
+def test_first_positions_kept_give_every_request_what_it_gets_alone():
+    """4-bit codes with each row's first 2 positions in cache.dtype beside them
+    (cache.<prefix>_full_first, kept per slot as the ring is): slots reused by later
+    requests and preempted ones recomputed, every request gets its solo output; a
+    shared prefix's pages would hold no first tokens, so prefix caching is refused."""
+    cfg = engine_config(False, num_pages=7, num_kv_heads=2)
+    cfg.cache.update(KIVI, k_full_first=2, v_full_first=2)
+    _, params, _ = build(kvlab.validate_config(cfg))
+    engine = kvlab.Engine(cfg.model, cfg.cache, params, max_slots=3, max_len=48, prefill_chunk=8)
+    prompts = requests(seed=1, count=4)
+    assert engine.generate(prompts, max_new_tokens=NEW) == [solo(cfg, p) for p in prompts]
+    assert engine.stats.preemptions > 0 and engine.pages.num_free == 7
+    with pytest.raises(ValueError, match=r"cache.k_full_first=2 cannot combine with cache.prefix"):
+        kvlab.Engine(cfg.model, dict(cfg.cache, prefix_caching=True), params, max_slots=3)
+
+
 @pytest.mark.parametrize(
     "method, storage",
     [

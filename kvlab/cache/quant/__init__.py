@@ -36,6 +36,8 @@ payload rows and W = min(residual + g - 1, S) ring slots.
                or None (axis "calibrated": static ranges per head and channel)
       zero     as scale, or None (a format without one: symmetric int, fp8, nf)
       ring     cache.dtype[B, KH, W, Wd], or None when W = 0
+      first_tokens  cache.dtype[B, KH, N, Wd]: positions 0..N-1 of the row as they came
+               (cache.<prefix>_full_first, N at most P), or None
 
 Reads keep a token's representation a pure function of the row's length when
 the query was made, so a query at position p sees token i quantized exactly
@@ -46,7 +48,11 @@ probabilities for V; per-channel scales multiply the query group by group;
 static ones multiply the query and the output. A tensor with outliers, or keys
 coded before RoPE (cache.k_before_rope: turned back from their position before
 they are coded, turned again at the position their row holds when read), or
-coded in a basis (mapped back through it), is read dequantized.
+coded in a basis (mapped back through it), is read dequantized. A tensor that
+keeps its first positions (KVQuant's attention sink, IntactKV) still codes them
+in the payload as any other, but attention reads them from `first_tokens`, as a
+16-bit cache reads its tokens (FirstTokens, over the payload and the settling
+group alike).
 """
 
 from kvlab.cache.quant.layer import (
@@ -70,6 +76,7 @@ from kvlab.cache.quant.storage import (
     unpack,
 )
 from kvlab.cache.quant.tensor import (
+    FirstTokens,
     PayloadReader,
     Phases,
     QuantizedTensor,
@@ -79,6 +86,7 @@ from kvlab.cache.quant.tensor import (
 )
 
 __all__ = [
+    "FirstTokens",
     "Flush",
     "Layout",
     "PayloadReader",

@@ -12,7 +12,7 @@ from jaxtyping import Array
 
 from kvlab.cache.placement import Placement, write_tokens
 from kvlab.cache.quant.storage import Layout, Storage, dequantize_tokens, quantize_tokens
-from kvlab.cache.quant.tensor import PayloadReader, QuantizedTensor, init_tensor
+from kvlab.cache.quant.tensor import FirstTokens, PayloadReader, QuantizedTensor, init_tensor
 from kvlab.config import dtype_of
 
 
@@ -22,7 +22,7 @@ class Flush:
 
     positions int32[B, F*g] (-1 where nothing settles); per tensor: payload rows
     [B, KH, F*g, .] (packed codes, or the numbers themselves at 16 bits),
-    scales and zeros.
+    scales and zeros, and its first tokens with the step's written (or None).
     """
 
     positions: Array
@@ -30,6 +30,7 @@ class Flush:
     payloads: tuple
     scales: tuple
     zeros: tuple
+    firsts: tuple  # per tensor: cache dtype [B, KH, N, Wd] (cache.<prefix>_full_first) or None
 
 
 @struct.dataclass
@@ -84,7 +85,11 @@ class QuantizedLayer:
         nothing = lambda: jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), shapes)  # noqa: E731
         payloads, scales, zeros, values = jax.lax.cond(jnp.any(valid), settle, nothing)
         positions = jnp.where(valid, positions, -1)  # -1: nothing settles there (dropped)
-        return Flush(positions, fresh, payloads, scales, zeros), values
+        firsts = tuple(
+            None if t.first_tokens is None else write_first(t.first_tokens, new, layout, placement)
+            for t, new in zip(self.tensors, fresh, strict=True)
+        )
+        return Flush(positions, fresh, payloads, scales, zeros, firsts), values
 
     def read(self, fresh: tuple, placement: Placement, visible=None, readers=None):
         """Blocks to attend over and what `write` will store (see DenseLayer.read).
@@ -108,12 +113,9 @@ class QuantizedLayer:
         q_positions = placement.positions[:, :, None]  # [B, T, 1]
         rule = (lambda keys: visible(q_positions, keys)) if visible else (lambda keys: True)  # noqa: E731
         payload_positions = jnp.arange(layout.payload_len)[None, None, :]
-        blocks = [
-            (
-                readers or tuple(t.reader() for t in self.tensors),
-                (payload_positions < before[:, None, None]) & rule(payload_positions),
-            )
-        ]
+        readers = readers or tuple(t.reader() for t in self.tensors)
+        readers = tuple(_exact_first(r, f) for r, f in zip(readers, flush.firsts, strict=True))
+        blocks = [(readers, (payload_positions < before[:, None, None]) & rule(payload_positions))]
         if layout.ring_len:
             slots = jnp.arange(layout.ring_len)
             # The latest position below the row's length that lives in each slot.
@@ -132,12 +134,16 @@ class QuantizedLayer:
         blocks.append((fresh, fresh_mask & rule(fresh_positions)))
         flushed = flush.positions[:, None, :]  # [B, 1, F*g]; -1 where nothing settles
         settled_values = tuple(  # keys with a sketch are read as the payload reads them
-            PayloadReader(QuantizedTensor(payload, scale, zero, None, t.spec))
-            if t.spec.sketch
-            else value
-            for t, value, payload, scale, zero in zip(
+            _exact_first(
+                PayloadReader(QuantizedTensor(payload, scale, zero, None, t.spec))
+                if t.spec.sketch
+                else value,
+                first,
+                before,
+            )
+            for t, value, payload, scale, zero, first in zip(
                 self.tensors, settled_values, flush.payloads, flush.scales, flush.zeros,
-                strict=True,
+                flush.firsts, strict=True,
             )
         )  # fmt: skip
         blocks.append((settled_values, (flushed >= 0) & (flushed < seen_settled) & rule(flushed)))
@@ -167,8 +173,8 @@ def write_flush(tensors: tuple, layout: Layout, flush: Flush, placement: Placeme
     """
     g = layout.granularity
     written = []
-    for tensor, new, payload, scale, zero in zip(
-        tensors, flush.fresh, flush.payloads, flush.scales, flush.zeros, strict=True
+    for tensor, new, payload, scale, zero, first in zip(
+        tensors, flush.fresh, flush.payloads, flush.scales, flush.zeros, flush.firsts, strict=True
     ):
         rows = put(tensor.payload, payload, flush.positions)
         if tensor.spec.quantized and not tensor.spec.calibrated:
@@ -180,7 +186,7 @@ def write_flush(tensors: tuple, layout: Layout, flush: Flush, placement: Placeme
             if zero is not None:
                 zero = put(tensor.zero, zero, scale_slots)
         ring = None if tensor.ring is None else write_ring(tensor.ring, new, layout, placement)
-        written.append(QuantizedTensor(rows, scale, zero, ring, tensor.spec))
+        written.append(QuantizedTensor(rows, scale, zero, ring, tensor.spec, first))
     return tuple(written)
 
 
@@ -192,6 +198,20 @@ def write_ring(ring: Array, new: Array, layout: Layout, placement: Placement) ->
     stays = (positions >= after[:, None]) & (placement.slots < layout.capacity)
     ring_slots = jnp.where(stays, positions % layout.ring_len, layout.ring_len)
     return write_tokens(ring, new, ring_slots, axis=2)
+
+
+def _exact_first(stored, first: Array | None, start=0):
+    """`stored` (a Reader or an array of tokens from position `start` on) with a
+    row's first positions read exactly from `first` (FirstTokens), or as it is."""
+    return stored if first is None else FirstTokens(stored, first, start)
+
+
+def write_first(first: Array, new: Array, layout: Layout, placement: Placement) -> Array:
+    """The first tokens [B, KH, N, Wd] with the step's tokens `new` [B, KH, T, Wd] at
+    positions below N written (slot = position); padding and later positions dropped."""
+    n = first.shape[2]
+    kept = (placement.positions < n) & (placement.slots < layout.capacity)
+    return write_tokens(first, new, jnp.where(kept, placement.positions, n), axis=2)
 
 
 def init_layer(specs: tuple[Storage, ...], layout: Layout, batch: int, shapes) -> QuantizedLayer:

@@ -44,6 +44,7 @@ class Storage:
     sketch_seed: int = 0  # of the sketch's Gaussian projection (`sketch_matrix`)
     rank: int = 0  # numbers coded per token and head in a basis (0: the channels)
     basis: tuple = ()  # rank > 0: this layer's orthonormal bases [KH][Wd][rank] (cache.bases)
+    full_first: int = 0  # a row's first positions also kept in `dtype`, read exactly
 
     @property
     def quantized(self) -> bool:
@@ -67,6 +68,12 @@ class Storage:
         """Codes alone in the payload with a scale per group: what a kernel that
         dequantizes the format reads (no static scales, outliers, sketch, RoPE)."""
         return not (self.calibrated or self.read_dequantized)
+
+    def first_rows(self, rows: int) -> int:
+        """Positions per row kept in `dtype` beside a payload of `rows` rows: the first
+        `full_first` (cache.<prefix>_full_first), at most `rows` (later positions never
+        settle, so they are read from the ring, never from these)."""
+        return min(self.full_first, rows) if self.quantized else 0
 
     def coded_width(self, width: int) -> int:
         """Numbers coded per token and head of a tensor `width` wide: its rank or width."""
@@ -167,6 +174,7 @@ def storages(model_cfg: Mapping, cache_cfg: Mapping, layer: int | None = None) -
                 sketch=cache_cfg["k_sketch"] if bits < 16 and tensor.prefix == "k" else 0,
                 rank=rank,
                 basis=basis,
+                full_first=cache_cfg[f"{tensor.prefix}_full_first"] if bits < 16 else 0,
             )
         )
         _check_channel_tables(out[-1], tensor.width, cache_cfg, tensor.prefix)

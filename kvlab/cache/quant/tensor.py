@@ -1,6 +1,7 @@
 """One cached tensor of a quantized layer (QuantizedTensor) and what attention
 reads its settled tokens through: the payload without a dequantized copy
-(PayloadReader), or a slice dequantized per code position (Phases)."""
+(PayloadReader), a slice dequantized per code position (Phases), and a row's
+first positions kept in the cache dtype beside either (FirstTokens)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import jax.numpy as jnp
 from flax import struct
 from jaxtyping import Array
 
+from kvlab.cache.protocols import Reader
 from kvlab.cache.quant.storage import (
     Layout,
     Storage,
@@ -33,6 +35,7 @@ class QuantizedTensor:
     zero: Array | None
     ring: Array | None
     spec: Storage = struct.field(pytree_node=False)
+    first_tokens: Array | None = None  # cache.dtype[B, KH, N, Wd]: positions 0..N-1 exactly
 
     @property
     def width(self) -> int:
@@ -159,6 +162,82 @@ class PayloadReader:
         return out
 
 
+@dataclasses.dataclass(frozen=True)
+class FirstTokens:
+    """Stored tokens read through `rest` but for a row's first positions, read from
+    `first` as a 16-bit cache reads them (queries and weights in its dtype):
+    cache.<prefix>_full_first, KVQuant's attention sink kept exact.
+
+    rest: a Reader, or a float32 array, [B, KH, X, Wd] whose row j holds position
+    start + j (start: an int, or int32[B] per row); first: [B, KH, N, Wd], row i
+    holding position i.
+    """
+
+    rest: Reader | Array
+    first: Array
+    start: Array | int = 0
+
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        return self.rest.shape
+
+    @property
+    def step(self) -> int:
+        return self.rest.step if isinstance(self.rest, Reader) else 1
+
+    def _positions(self) -> Array:
+        """int32 [B or 1, 1, 1, X]: the position each of rest's rows holds."""
+        start = jnp.reshape(jnp.asarray(self.start, jnp.int32), (-1, 1, 1, 1))
+        return start + jnp.arange(self.shape[2], dtype=jnp.int32)
+
+    def scores(self, q: Array) -> Array:
+        positions, n = self._positions(), self.first.shape[2]
+        if isinstance(self.rest, Reader):
+            rest = self.rest.scores(q)
+        else:
+            rest = jnp.einsum("BKMd,BKXd->BKMX", q.astype(jnp.float32), self.rest)
+        exact = jnp.einsum(  # [B, KH, M, N]
+            "BKMd,BKNd->BKMN", q.astype(self.first.dtype), self.first,
+            preferred_element_type=jnp.float32,
+        )  # fmt: skip
+        at = jnp.broadcast_to(jnp.clip(positions, 0, n - 1), rest.shape)
+        return jnp.where(positions < n, jnp.take_along_axis(exact, at, axis=-1), rest)
+
+    def weighted_sum(self, w: Array) -> Array:
+        positions, n = self._positions(), self.first.shape[2]
+        w = w.astype(jnp.float32)
+        kept = jnp.where(positions < n, 0.0, w)
+        if isinstance(self.rest, Reader):
+            out = self.rest.weighted_sum(kept)
+        else:
+            out = jnp.einsum("BKMX,BKXd->BKMd", kept, self.rest)
+        # Each first position's weight: its column of w where rest holds it, else 0.
+        column = jnp.arange(n, dtype=jnp.int32) - positions[..., :1]  # [B or 1, 1, 1, N]
+        inside = (column >= 0) & (column < w.shape[3])
+        at = jnp.broadcast_to(jnp.clip(column, 0, w.shape[3] - 1), (*w.shape[:3], n))
+        first_w = jnp.where(inside, jnp.take_along_axis(w, at, axis=-1), 0.0)
+        return out + jnp.einsum(
+            "BKMN,BKNd->BKMd", first_w.astype(self.first.dtype), self.first,
+            preferred_element_type=jnp.float32,
+        )  # fmt: skip
+
+    def dequantize(self) -> Array:
+        rest = self.rest.dequantize() if isinstance(self.rest, Reader) else self.rest
+        positions, n = self._positions()[:, 0, 0], self.first.shape[2]  # [B or 1, X]
+        at = jnp.clip(positions, 0, n - 1)[:, None, :, None]  # [B or 1, 1, X, 1]
+        exact = jnp.take_along_axis(self.first, at, axis=2).astype(jnp.float32)
+        return jnp.where(positions[:, None, :, None] < n, exact, rest)
+
+    def chunk(self, start, size: int) -> FirstTokens:
+        """Tokens start..start+size-1; the first ones widened to float32, as a long
+        16-bit block's slices are (kvlab.attention.core)."""
+        if isinstance(self.rest, Reader):
+            rest = self.rest.chunk(start, size)
+        else:
+            rest = jax.lax.dynamic_slice_in_dim(self.rest, start, size, axis=2)
+        return FirstTokens(rest, self.first.astype(jnp.float32), self.start + start)
+
+
 def read_slice(tensor: QuantizedTensor, take, start, size: int):
     """What attention reads stored tokens start..start+size-1 of `tensor` through.
 
@@ -251,14 +330,19 @@ class Phases:
 def init_tensor(
     spec: Storage, layout: Layout, batch: int, heads: int, width: int
 ) -> QuantizedTensor:
-    return empty_tensor(spec, batch, heads, width, layout.payload_len, layout.ring_len)
+    tensor = empty_tensor(spec, batch, heads, width, layout.payload_len, layout.ring_len)
+    first = spec.first_rows(layout.payload_len)
+    if not first:
+        return tensor
+    first_tokens = jnp.zeros((batch, heads, first, width), dtype_of(spec.dtype))
+    return tensor.replace(first_tokens=first_tokens)
 
 
 def empty_tensor(
     spec: Storage, batch: int, heads: int, width: int, rows: int, ring: int
 ) -> QuantizedTensor:
     """A zero tensor of `rows` payload rows (a multiple of group_size on the channel
-    axis) and `ring` ring slots, KH = `heads`."""
+    axis) and `ring` ring slots, KH = `heads`, without first tokens (`init_tensor`)."""
     p, w = rows, ring
     dtype = dtype_of(spec.dtype)
     ring = jnp.zeros((batch, heads, w, width), dtype) if w else None
