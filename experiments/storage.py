@@ -15,7 +15,10 @@ bfloat16 cache, the RULER score (kvlab/data/ruler.py's synthetic tasks at
 Each recipe is a set of cache fields (`RECIPES`) or a topology (MiniCache,
 xKV: layers whose caches are stored together, which read a step's own tokens
 uncoded, so they read the windows a token a step, as decoding does, where
-every other recipe's logits do not depend on the chunk); what one calibrates
+every other recipe's logits do not depend on the chunk). With --prefill P each
+window is a prompt of its first P tokens prefilled whole, then the rest (a
+topology's a token a step), and only the rest is scored: the protocol of
+recipes that fit a row's bases from its prompt (xKV per prompt). What one calibrates
 (bases, scales per channel or head, codebooks) is fitted on 8 x 512 tokens of the 'train'
 files and kept beside the results. Writes results.json, table.md and
 storage.png (atomically) under --workdir; results.json also after each recipe,
@@ -49,6 +52,9 @@ KVQUANT = dict(
 # Palu: keys before RoPE and values, each KV head's coded in its principal directions
 # (fitted on the calibration tokens: kvlab.eval.calibrate.bases), codes per token.
 PALU = dict(k_before_rope=True, k_axis="token", v_axis="token", bases=True)
+# xKV: pairs of layers coded in one basis of 64 / 96 of their 128 directions (keys
+# before RoPE), offline bases; with bits below 16 its codes are quantized per token.
+XKV = dict(topology="xkv:2", k_rank=64, v_rank=96, bases=True, k_axis="token", v_axis="token")
 
 # name: (cache fields, what it is); every recipe groups scales over 32 numbers or tokens
 RECIPES = {
@@ -107,11 +113,21 @@ RECIPES = {
                           "tokens kept whole"),
     "MiniCache from 23": (dict(topology="minicache:23"),
                           "the same from layer 23 (three pairs)"),
-    "xKV pairs k64 v96": (dict(topology="xkv:2", k_rank=64, v_rank=96, bases=True),
+    "xKV pairs k64 v96": (dict(XKV),
                           "xKV: each pair of layers' keys (before RoPE) and values coded in "
                           "one basis of 64 / 96 of their 128 directions, 16-bit codes"),
     "xKV pairs k32 v64": (dict(topology="xkv:2", k_rank=32, v_rank=64, bases=True),
                           "the same in 32 / 64 directions"),
+    "xKV pairs k64 v96 8-bit": (dict(XKV, k_bits=8, v_bits=8),
+                                "xKV pairs k64 v96, codes at 8 bits per token"),
+    "xKV pairs k64 v96 4-bit": (dict(XKV, k_bits=4, v_bits=4), "the same, codes at 4 bits"),
+    "xKV pairs k64 v96 per prompt": (dict(topology="xkv:2,fit=prompt", k_rank=64, v_rank=96),
+                                     "xKV as its paper fits it: each row's bases from its "
+                                     "prompt (--prefill), kept with the row"),
+    "xKV pairs k64 v96 per prompt 8-bit": (dict(topology="xkv:2,fit=prompt", k_rank=64,
+                                                v_rank=96, k_bits=8, v_bits=8, k_axis="token",
+                                                v_axis="token"),
+                                           "the same, codes at 8 bits per token"),
     "KIVI-4 + snapkv 50%": (dict(KIVI, k_bits=4, v_bits=4, evict=dict(method="snapkv",
                                                                       ratio=0.5)),
                             "KIVI-4 keeping half the tokens (SnapKV, every step)"),
@@ -154,6 +170,9 @@ _RECIPES = flags.DEFINE_list(
     "Recipes evaluated (RECIPES' names); --matched: those at matched bytes.",
 )
 _MATCHED = flags.DEFINE_bool("matched", False, "Evaluate the recipes at matched bytes.")
+_PREFILL = flags.DEFINE_integer(
+    "prefill", 0, "A prompt of this many tokens a window, prefilled whole, not scored (see above)."
+)
 _RULER = flags.DEFINE_list(
     "ruler", ["KIVI-2", "rotated codebook 2", "rotated codebook 2 + sketch", "KVQuant-2",
               "Palu k32 8-bit", "Palu k32 v32 8-bit"],
@@ -279,12 +298,21 @@ def main(argv):
     base = cfg.cache.copy_and_resolve_references()
     base.update(dtype="bfloat16", group_size=_GROUP.value, scale_dtype="bfloat16")
     check_recipes(base, names, cfg.model, _LENGTH.value)
-    length = _LENGTH.value
+    length, prefill = _LENGTH.value, _PREFILL.value
+    if not 0 <= prefill < length:
+        raise ValueError(f"--prefill={prefill} leaves no token of --length={length} to score")
+    per_prompt = [n for n in names if "fit=prompt" in RECIPES[n][0].get("topology", "")]
+    if per_prompt and not prefill:
+        raise ValueError(
+            f"recipes {per_prompt} fit each row's bases from its prompt, and --prefill=0 "
+            "gives none (its first token alone): set --prefill, e.g. --prefill=256"
+        )
     tokens = calibrate.calibration_tokens(tokenizer.encode, _WINDOWS.value, length + 1, "test")
     weights = np.ones((_WINDOWS.value, length), np.float32)
+    weights[:, :prefill] = 0.0  # the prompt's tokens: not scored
     batches = [{"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "weights": weights}]
     calibration = calibrate.calibration_tokens(tokenizer.encode, 8, 512)
-    on = dict(chunk=_CHUNK.value, windows=True)
+    on = dict(chunk=_CHUNK.value, prefill=prefill, windows=True)
     references = {on["chunk"]: evaluate_reference(cfg.model, base, params, batches, **on)}
     reference = references[on["chunk"]]
     records = []
@@ -303,7 +331,7 @@ def main(argv):
     results = os.path.join(_WORKDIR.value, "results.json")
     settings = dict(
         model=_MODEL.value, windows=_WINDOWS.value, length=length, group_size=_GROUP.value,
-        chunk=_CHUNK.value, ruler=_RULER.value, ruler_samples=_RULER_SAMPLES.value,
+        chunk=_CHUNK.value, prefill=prefill, ruler=_RULER.value, ruler_samples=_RULER_SAMPLES.value,
         ruler_tasks=_RULER_TASKS.value, recipes=names,
     )  # fmt: skip
     done, before = finished_rows(results, settings)
@@ -350,7 +378,9 @@ def main(argv):
     )
     write_atomic(results, json.dumps(report, indent=2))
     lines = [
-        f"{_MODEL.value}, {_WINDOWS.value} windows of {length} tokens; bfloat16 cache: ppl "
+        f"{_MODEL.value}, {_WINDOWS.value} windows of {length} tokens"
+        + (f" (the first {prefill} a prompt, prefilled whole, not scored)" if prefill else "")
+        + "; bfloat16 cache: ppl "
         f"{full['ppl']:.3f}, {full['bytes_per_token']:,} bytes per token"
         + (f", RULER {full['ruler']:.1f} ({len(records)} records)" if records else "")
         + f"; {seconds:.0f} s",

@@ -422,7 +422,8 @@ def test_on_mesh_merged_layers_and_codes_in_a_basis_are_unchanged(tmp_path):
     positions split by rows and heads) beside a layer of its own; keys and
     values coded in 8 of their directions (the bases split with their heads as
     constants); and xKV's pair coded in 24 of its 2 x 16 directions, offline or
-    fitted per prompt (each row's bases split with its rows and heads)."""
+    fitted per prompt (each row's bases split with its rows and heads), its codes
+    16-bit or quantized."""
     rng = np.random.default_rng(0)
 
     def run(cfg, bases=None):
@@ -444,11 +445,13 @@ def test_on_mesh_merged_layers_and_codes_in_a_basis_are_unchanged(tmp_path):
     run(cfg, np.linalg.qr(rng.normal(size=(1, 2, width, width)))[0][..., :8])
     cfg = model_config((2, 2, 2), num_layers=2, topology="xkv:2")
     cfg.cache.update(k_rank=24, v_rank=24)
-    assert run(cfg, np.linalg.qr(rng.normal(size=(1, 2, 2 * width, 2 * width)))[0][..., :24]) == [
-        "SharedBasisLayer"
-    ]
+    bases = np.linalg.qr(rng.normal(size=(1, 2, 2 * width, 2 * width)))[0][..., :24]
+    assert run(cfg, bases) == ["SharedBasisLayer"]
     cfg.model.topology, cfg.cache.bases = "xkv:2,fit=prompt", ""  # each row's own, split by rows
     assert run(cfg) == ["SharedBasisLayer"]
+    cfg.model.topology = "xkv:2"  # 8-bit codes: payload, scales and zeros split by rows and heads
+    cfg.cache.update(k_bits=8, v_bits=8, k_axis="token", group_size=8)
+    assert run(cfg, bases) == ["SharedBasisLayer"]
 
 
 def through_the_cache(cfg, mesh, rules, model, params, placed):

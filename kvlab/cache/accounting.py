@@ -189,20 +189,10 @@ def _evicting_bytes(plan, tensors, cache_cfg: Mapping, batch_size: int, rows_hel
 
 
 def _tensor_bytes(spec, heads: int, width: int, rows: int, ring: int, first: int = 0) -> int:
-    """One cached tensor: `rows` stored tokens (packed codes, and the numbers its
-    format keeps per group when quantized: scales, zero points), `ring` tokens in
-    full precision and a row's `first` positions kept in it beside the codes."""
+    """One cached tensor: `rows` stored tokens (`Storage.stored_bytes`), `ring` tokens
+    in full precision and a row's `first` positions kept in it beside the codes."""
     element = dtype_of(spec.dtype).itemsize
-    total = heads * (ring + first) * width * element
-    if not spec.quantized:
-        return total + heads * rows * width * element
-    total += heads * rows * spec.row_bytes(width)
-    if spec.calibrated:  # static scales, in the program, not the cache
-        return total
-    groups = rows * spec.coded_width(width) // spec.group_size  # one scale per group, either axis
-    return total + heads * groups * dtype_of(spec.scale_dtype).itemsize * spec.codes.scale_numbers(
-        spec
-    )
+    return heads * ((ring + first) * width * element + spec.stored_bytes(rows, width))
 
 
 def stored_bits(cache_cfg: Mapping, prefix: str) -> int:

@@ -418,12 +418,13 @@ def _run_bases(model_cfg: Mapping, cache_cfg: Mapping, params, tokens: np.ndarra
     """`bases` of a topology that codes runs of layers together (model.topology
     'xkv:G', kvlab/cache/topology/xkv.py): per run, float32[runs, K, G W, rank],
     the principal directions of the run's keys (before RoPE) and values side
-    by side, read from the layerwise model's float32 cache of `tokens`."""
+    by side, read from the layerwise model's float32 cache of `tokens` (whatever
+    bits the runs' codes are stored in)."""
     shape, arg = topology.parse(model_cfg["topology"])
     layerwise = ml_collections.ConfigDict(dict(model_cfg)).copy_and_resolve_references()
     layerwise.topology = "layerwise"
     plain = ml_collections.ConfigDict(dict(cache_cfg)).copy_and_resolve_references()
-    plain.update(dtype="float32", bases="", k_rank=0, v_rank=0)
+    plain.update(dtype="float32", bases="", k_rank=0, v_rank=0, k_bits=16, v_bits=16)
     tokens = jnp.asarray(tokens, jnp.int32)
     cache = init_cache(layerwise, plain, tokens.shape[0], tokens.shape[1])
     _, cache = Transformer(layerwise).apply({"params": params}, tokens, cache=cache)

@@ -13,7 +13,11 @@ the cache as the cache stores them (quantized, latent, ...), exactly as a
 decode step would, and its logits are scored against the next tokens. Cached
 storage is chunk-invariant (kvlab/cache/quant/), so any chunk size gives the
 logits token-by-token decoding gives; larger chunks are only faster. With a
-16-bit dense cache the result equals the plain forward's.
+16-bit dense cache the result equals the plain forward's. With `prefill=P` each
+window's first P tokens go in as one step (a prompt prefilled whole) and the rest
+in chunks of `chunk`: the protocol of caches whose logits depend on the steps,
+such as a topology that fits a row's bases from its first step or reads a step's
+own tokens uncoded (kvlab/cache/topology; `chunk=1` decodes after the prompt).
 
 The result holds loss (nats per target), ppl, bits_per_token (bits per
 target), bits_per_byte (per UTF-8 byte of the text the targets cover: the
@@ -49,7 +53,7 @@ scores its own logits against them. Where the logits of all windows would
 exceed KEEP_REFERENCE_BYTES (large vocabularies, long windows) it keeps none,
 and each evaluation runs the reference cache in lockstep with its own (twice
 the forward passes, no memory). A reference remembers the model, batches,
-chunk and mesh it ran with and refuses other batches, chunk or mesh, and a
+chunk, prefill and mesh it ran with and refuses other batches, steps or mesh, and a
 model whose parameters differ in names or shapes: another model with the same
 parameters (a model made hybrid by model.layer_types, another rope scaling or
 attention_impl) is scored against the reference's, which the lockstep runs.
@@ -168,7 +172,7 @@ def cache_bytes_per_token(model_cfg: Mapping, cache_cfg: Mapping, seq_len: int) 
 class Reference:
     """A cache evaluated once to score others against (`evaluate_reference`).
 
-    model_cfg, cache_cfg: the frozen sections it ran; chunk, mesh, rules: how
+    model_cfg, cache_cfg: the frozen sections it ran; chunk, prefill, mesh, rules: how
     (mesh None: one device); batches: a digest of the batches' shapes and
     values; result: its own evaluate() result (kl_mean 0, kl_p99 0,
     top1_agreement 1, delta_ppl 0); logits: per window, per chunk, its logits
@@ -180,6 +184,7 @@ class Reference:
     model_cfg: ml_collections.FrozenConfigDict
     cache_cfg: ml_collections.FrozenConfigDict
     chunk: int
+    prefill: int
     mesh: Mesh | None
     rules: tuple | None
     batches: str
@@ -208,9 +213,13 @@ def _validated_reference(cache_cfg: Mapping, model_cfg: Mapping) -> None:
         ) from None
 
 
-def _check_reference(reference: Reference, model: Transformer, batches, chunk, mesh, rules):
-    """Raises ValueError when `reference` ran another model, batches, chunk or mesh."""
-    fix = "build it with evaluate_reference on the same model, params, batches, chunk and mesh"
+def _check_reference(reference: Reference, model: Transformer, batches, steps, mesh, rules):
+    """Raises ValueError when `reference` ran another model, batches, steps ((chunk,
+    prefill)) or mesh."""
+    fix = (
+        "build it with evaluate_reference on the same model, params, batches, chunk, "
+        "prefill and mesh"
+    )
     if reference.model_cfg != model.config and _parameters(reference.model_cfg) != _parameters(
         model.config
     ):
@@ -220,7 +229,8 @@ def _check_reference(reference: Reference, model: Transformer, batches, chunk, m
             f"reference= ran a model with other parameters: model.{field}="
             f"{theirs.get(field)!r} there, {ours.get(field)!r} here; {fix}"
         )
-    ran = {"chunk": (reference.chunk, chunk), "mesh": (reference.mesh, mesh)}
+    ran = {"chunk": (reference.chunk, steps[0]), "prefill": (reference.prefill, steps[1])}
+    ran["mesh"] = (reference.mesh, mesh)
     ran["mesh rules"] = (reference.rules, rules)
     ran["batches (tokens or weights)"] = (reference.batches, _digest(batches))
     for name, (theirs, ours) in ran.items():
@@ -249,7 +259,7 @@ def _run(
     cache_cfg,
     params,
     batches,
-    chunk,
+    steps,
     mesh,
     rules,
     *,
@@ -258,7 +268,8 @@ def _run(
     keep,
     per_row=False,
 ):
-    """Every window through `cache_cfg`; returns (per-chunk sums, per-window
+    """Every window through `cache_cfg` in `steps` ((chunk, prefill): `spans`);
+    returns (per-chunk sums, per-window
     per-token KL [B, T] or None, per-window kept logits or None, seq_len,
     per-batch lists of each chunk's per-row sums [B] on the devices, or None).
 
@@ -285,8 +296,8 @@ def _run(
             placed = sharding.batch_sharding(mesh, rules, size)
             host_rows = sharding.process_rows(placed, size)
         window_kl, window_logits, window_rows = [], [], []
-        for index, start in enumerate(range(0, seq_len, chunk)):
-            part = {k: batch[k][:, start : start + chunk] for k in ("inputs", "targets", "weights")}
+        for index, (start, stop) in enumerate(spans(seq_len, *steps)):
+            part = {k: batch[k][:, start:stop] for k in ("inputs", "targets", "weights")}
             if mesh is not None:
                 part = {
                     k: sharding.rows_array(v[host_rows], host_rows, size, placed)
@@ -322,6 +333,14 @@ def _run(
         rows_of.append(window_rows)
     compared, kept = (tokens if compare else None), (kept if keep else None)
     return scored, compared, kept, seq_len, rows_of if per_row else None
+
+
+def spans(seq_len: int, chunk: int, prefill: int = 0) -> list[tuple[int, int]]:
+    """(start, stop) of each step through a window of `seq_len` tokens: its first
+    `prefill` tokens in one, then chunks of `chunk` (the last may be shorter)."""
+    first = min(prefill, seq_len)
+    rest = [(s, min(s + chunk, seq_len)) for s in range(first, seq_len, chunk)]
+    return ([(0, first)] if first else []) + rest
 
 
 def _window_sums(rows_of: list) -> list[dict]:
@@ -390,12 +409,13 @@ def _results(model, cache_cfg, batches, scored, tokens, seq_len, rows_of=None) -
     return result
 
 
-def _prepared(model_cfg, cache_cfg, batches, chunk):
+def _prepared(model_cfg, cache_cfg, batches, chunk, prefill):
+    """(the model, the frozen cache section, (chunk, prefill)), each checked."""
     validate_cache_config(cache_cfg, model_cfg)
-    chunk = check_count("eval.chunk", chunk)
+    steps = (check_count("eval.chunk", chunk), check_count("eval.prefill", prefill, minimum=0))
     if not batches:
         raise ValueError("no evaluation batches: the held-out split produced no windows")
-    return Transformer(model_cfg), frozen(cache_cfg), chunk
+    return Transformer(model_cfg), frozen(cache_cfg), steps
 
 
 def evaluate_reference(
@@ -405,6 +425,7 @@ def evaluate_reference(
     batches: Sequence[Mapping],
     *,
     chunk: int,
+    prefill: int = 0,
     mesh: Mesh | None = None,
     rules: tuple | None = None,
     windows: bool = False,
@@ -415,18 +436,19 @@ def evaluate_reference(
     windows' would pass KEEP_REFERENCE_BYTES. windows: its result holds the
     per-window sums (module docstring)."""
     _validated_reference(cache_cfg, model_cfg)
-    model, cache_cfg, chunk = _prepared(model_cfg, cache_cfg, batches, chunk)
+    model, cache_cfg, steps = _prepared(model_cfg, cache_cfg, batches, chunk, prefill)
     mesh, rules, placed_params = _placed(model, params, mesh, rules)
     logit_bytes = sum(np.size(b["inputs"]) for b in batches) * model.config.vocab_size * 4
     keep = logit_bytes <= KEEP_REFERENCE_BYTES
     scored, tokens, kept, seq_len, rows_of = _run(
-        model, cache_cfg, placed_params, batches, chunk, mesh, rules,
+        model, cache_cfg, placed_params, batches, steps, mesh, rules,
         compare=True, reference=None, keep=keep, per_row=windows,
     )  # fmt: skip
     return Reference(
         model_cfg=model.config,
         cache_cfg=cache_cfg,
-        chunk=chunk,
+        chunk=steps[0],
+        prefill=steps[1],
         mesh=mesh,
         rules=rules,
         batches=_digest(batches),
@@ -442,6 +464,7 @@ def evaluate(
     batches: Sequence[Mapping],
     *,
     chunk: int,
+    prefill: int = 0,
     mesh: Mesh | None = None,
     rules: tuple | None = None,
     reference: Mapping | Reference | None = None,
@@ -451,7 +474,7 @@ def evaluate(
     (dicts of inputs/targets/weights [B, T]) run through `cache_cfg`.
 
     With `reference` (a cache config, evaluated first, or a Reference from
-    evaluate_reference over the same model, params, batches, chunk and mesh)
+    evaluate_reference over the same model, params, batches, chunk, prefill and mesh)
     the result adds kl_mean, kl_p99, top1_agreement and delta_ppl against it
     (module docstring). With `windows` it adds `windows`, the per-window sums
     of nll, correct and weight (module docstring).
@@ -469,14 +492,15 @@ def evaluate(
     returns the same result."""
     if reference is not None and not isinstance(reference, Reference):
         reference = evaluate_reference(
-            model_cfg, reference, params, batches, chunk=chunk, mesh=mesh, rules=rules
-        )
-    model, cache_cfg, chunk = _prepared(model_cfg, cache_cfg, batches, chunk)
+            model_cfg, reference, params, batches, chunk=chunk, prefill=prefill, mesh=mesh,
+            rules=rules,
+        )  # fmt: skip
+    model, cache_cfg, steps = _prepared(model_cfg, cache_cfg, batches, chunk, prefill)
     mesh, rules, params = _placed(model, params, mesh, rules)
     if reference is not None:
-        _check_reference(reference, model, batches, chunk, mesh, rules)
+        _check_reference(reference, model, batches, steps, mesh, rules)
     scored, tokens, _, seq_len, rows_of = _run(
-        model, cache_cfg, params, batches, chunk, mesh, rules,
+        model, cache_cfg, params, batches, steps, mesh, rules,
         compare=reference is not None, reference=reference, keep=False, per_row=windows,
     )  # fmt: skip
     return _results(model, cache_cfg, batches, scored, tokens, seq_len, rows_of)

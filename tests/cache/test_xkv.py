@@ -110,7 +110,19 @@ def test_a_cache_it_cannot_code_is_refused_naming_the_field(tmp_path):
         with pytest.raises(ValueError, match=match):
             kvlab.init_cache(cfg.model, cache_cfg, 1, 32)
 
-    refused(r"cache.k_bits=8 under model.topology='xkv:2'", k_bits=8)
+    refused(r"cache.k_axis='channel' under model.topology='xkv:2': .* set 'token'", k_bits=8)
+    token = dict(k_axis="token", v_axis="token")
+    refused(r"cache.k_transform='hadamard'", k_transform="hadamard")
+    refused(r"cache.v_format='codebook' .* 'int', 'nf' or 'fp8'", v_bits=4, v_format="codebook",
+            codebooks=str(tmp_path / "books.npz"), **token)  # fmt: skip
+    refused(r"cache.v_outliers=1", v_bits=4, v_outliers=1, **token)
+    refused(r"cache.k_full_first=1", k_bits=4, k_full_first=1, **token)
+    refused(r"cache.k_before_rope=True .* codes keys before RoPE", k_bits=4, k_before_rope=True,
+            **token)  # fmt: skip
+    refused(r"cache.k_sketch=64", k_bits=4, k_sketch=64, **token)
+    refused(r"cache.group_size=16 .*k_rank=8 .* a divisor of 8", k_bits=4, k_rank=8, **token)
+    refused(r"cache.v_bits=3 .*v_rank=12 .* a multiple of 8", v_bits=3, v_format="nf",
+            v_rank=12, group_size=4, **token)  # fmt: skip
     refused(r"cache.kind='paged'", kind="paged")
     refused(r"cache.evict.method='snapkv'", evict={"method": "snapkv", "ratio": 0.5})
     refused(r"cache.v_rank=33 .*set 1..32", v_rank=33)
@@ -128,8 +140,58 @@ def test_a_cache_it_cannot_code_is_refused_naming_the_field(tmp_path):
             kvlab.config.validate_model_config({**cfg.model.to_dict(), "topology": topology})
 
 
-def test_a_coded_cache_exports_for_tpu_and_cuda_and_round_trips(tmp_path):
+def quantized(cfg, k_bits: int, v_bits: int, group: int = 8):
+    """`cfg`'s cache with the runs' codes at `k_bits` / `v_bits`, per token in groups of
+    `group` coordinates, float32 scales."""
+    cache = cfg.cache.copy_and_resolve_references()
+    cache.update(k_bits=k_bits, v_bits=v_bits, k_axis="token", v_axis="token")
+    cache.update(group_size=group, scale_dtype="float32")
+    return cache
+
+
+def test_quantized_codes_are_each_tokens_coordinates_within_half_a_step(tmp_path):
+    """With cache.k_bits / v_bits below 16 each token's coordinates in the run's basis
+    are quantized in groups of cache.group_size: after a prefill (whose hidden
+    states no cache changes) every coordinate read back is within half its group's
+    step, (max - min) / (2^b - 1), of the 16-bit cache's, and the bytes are the
+    tree's: packed codes and a float32 scale and zero point per group. Fewer bits
+    move the decode steps' logits further from the 16-bit codes'."""
     cfg, _ = coded(tmp_path, rank=16)
+    _, params, apply = build(cfg)
+    tokens = random_tokens(cfg, (2, 16), seed=6)
+    caches = {}
+    for bits in (16, 4, 2):
+        cache_cfg = cfg.cache if bits == 16 else quantized(cfg, bits, bits)
+        cache = kvlab.init_cache(cfg.model, cache_cfg, 2, 16)
+        _, caches[bits] = apply({"params": params}, tokens[:, :12], cache=cache)
+        caches[bits].check()
+        assert kvlab.cache_bytes(cfg.model, cache_cfg, 2, 16) == kvlab.tree_bytes(caches[bits])
+    for layer in range(2):
+        for tensor in range(2):
+            exact = np.asarray(caches[16].layers[layer].codes[tensor].payload)[:, :, :12]
+            groups = exact.reshape(*exact.shape[:-1], 2, 8)
+            span = groups.max(-1, keepdims=True) - groups.min(-1, keepdims=True)
+            for bits in (4, 2):
+                read = np.asarray(caches[bits].layers[layer].codes[tensor].dequantize())
+                error = np.abs(read[:, :, :12].reshape(groups.shape) - groups)
+                assert (error <= span / (2**bits - 1) / 2 * (1 + 1e-5) + 1e-6).all()
+                assert error.max() > 0
+    # per joint layer, 2 rows x 2 KV heads x 16 slots: 16 coordinates of a key and of a
+    # value at b bits, then 2 groups of each, a float32 scale and zero point a group
+    for bits in (4, 2):
+        assert kvlab.tree_bytes(caches[bits].layers[0]) == 2 * 2 * 16 * 2 * (16 * bits // 8 + 16)
+    logits = {b: last_logits(cfg, cfg.cache if b == 16 else quantized(cfg, b, b), tokens, 12)
+              for b in (16, 8, 2)}  # fmt: skip
+    errors = {b: np.abs(logits[b] - logits[16]).max() for b in (8, 2)}
+    assert 0 < errors[8] < errors[2] / 4, errors
+
+
+def test_a_coded_cache_exports_for_tpu_and_cuda_and_round_trips(tmp_path):
+    """Quantized codes (int keys at 4 bits, fp8 values) and 16-bit ones (per prompt,
+    below) lower for TPU and CUDA and round-trip through the cache's files."""
+    cfg, _ = coded(tmp_path, rank=16)
+    cfg.cache = quantized(cfg, 4, 8)
+    cfg.cache.v_format = "fp8"
     program, arguments = inference(cfg, loops=False)
     assert_exports(program, arguments, kernel=False)
     assert_round_trips(cfg)

@@ -30,11 +30,15 @@ MODELS = {
 
 
 @settings(max_examples=3)
-@given(name=st.sampled_from(sorted(MODELS)), chunk=st.sampled_from([1, 5, 8, 32, 100]))
-def test_a_16_bit_cache_scores_what_the_forward_scores(batches, name, chunk):
+@given(
+    name=st.sampled_from(sorted(MODELS)),
+    chunk=st.sampled_from([1, 5, 8, 32, 100]),
+    prefill=st.sampled_from([0, 3, 20, 32, 40]),
+)
+def test_a_16_bit_cache_scores_what_the_forward_scores(batches, name, chunk, prefill):
     cfg = MODELS[name]()
     model, params, _ = build(cfg)
-    through_cache = evaluate(cfg.model, cfg.cache, params, batches, chunk=chunk)
+    through_cache = evaluate(cfg.model, cfg.cache, params, batches, chunk=chunk, prefill=prefill)
     forward = evaluate_forward(model, params, batches)
     assert through_cache["targets"] == forward["targets"] == 3 * 2 * 32
     assert through_cache["loss"] == pytest.approx(forward["loss"], rel=1e-5)
@@ -69,11 +73,24 @@ def test_bytes_per_token_counts_one_sequence_of_the_window():
     assert result["cache_bytes_per_token"] == (128 * kv + kvlab.cache.accounting.ROW_BYTES) / 128
 
 
+@given(seq_len=st.integers(1, 300), chunk=st.integers(1, 70), prefill=st.integers(0, 400))
+def test_a_window_goes_in_as_its_prefill_then_chunks(seq_len, chunk, prefill):
+    steps = kvlab.eval.perplexity.spans(seq_len, chunk, prefill)
+    assert [start for start, _ in steps] == [0] + [stop for _, stop in steps[:-1]]
+    assert steps[-1][1] == seq_len
+    if prefill:
+        assert steps[0] == (0, min(prefill, seq_len))
+    assert all(0 < stop - start <= chunk for start, stop in steps[bool(prefill) :])
+
+
 def test_bad_chunks_and_empty_batches_are_refused(batches):
     cfg = tiny_config()
     _, params, _ = build(cfg)
     with pytest.raises(ValueError, match="eval.chunk=0"):
         evaluate(cfg.model, cfg.cache, params, batches, chunk=0)
+    for prefill in (-1, 2.5, True):
+        with pytest.raises(ValueError, match=f"eval.prefill={prefill!r}"):
+            evaluate(cfg.model, cfg.cache, params, batches, chunk=4, prefill=prefill)
     with pytest.raises(ValueError, match="no evaluation batches"):
         evaluate(cfg.model, cfg.cache, params, [], chunk=4)
 
@@ -236,6 +253,8 @@ def test_a_reference_of_another_model_chunk_or_batches_is_refused(references, ba
         evaluate(mla.model, mla.cache, mla_params, batches, chunk=8, reference=reference)
     with pytest.raises(ValueError, match="reference= ran with other chunk: 8 there, 4 here"):
         evaluate(cfg.model, cfg.cache, params, batches, chunk=4, reference=reference)
+    with pytest.raises(ValueError, match="reference= ran with other prefill: 0 there, 16 here"):
+        evaluate(cfg.model, cfg.cache, params, batches, chunk=8, prefill=16, reference=reference)
     with pytest.raises(ValueError, match=r"other batches \(tokens or weights\)"):
         evaluate(cfg.model, cfg.cache, params, batches[:1], chunk=8, reference=reference)
 

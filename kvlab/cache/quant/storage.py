@@ -94,6 +94,20 @@ class Storage:
         coded = self.coded_width(width) * self.bits // 8
         return coded + self.outliers * (1 + dtype_of(self.dtype).itemsize)
 
+    def stored_bytes(self, rows: int, width: int) -> int:
+        """Bytes of `rows` stored tokens of one head of a tensor `width` wide: `dtype`
+        numbers unquantized; else payload rows (`row_bytes`) and the numbers its format
+        keeps per group, scales and zero points (none calibrated: the program's
+        constants), one group per `group_size` coded numbers or tokens."""
+        if not self.quantized:
+            return rows * width * dtype_of(self.dtype).itemsize
+        total = rows * self.row_bytes(width)
+        if self.calibrated:
+            return total
+        groups = rows * self.coded_width(width) // self.group_size
+        scale = dtype_of(self.scale_dtype).itemsize
+        return total + groups * scale * self.codes.scale_numbers(self)
+
     def codes_of(self, row: int) -> int:
         """Numbers coded per token and head in a payload row of `row` bytes."""
         extra = self.outliers * (1 + dtype_of(self.dtype).itemsize)
@@ -147,7 +161,9 @@ def storages(model_cfg: Mapping, cache_cfg: Mapping, layer: int | None = None) -
     for tensor in cached_tensors(model_cfg):
         bits, name = cache_cfg[f"{tensor.prefix}_bits"], cache_cfg[f"{tensor.prefix}_format"]
         table, ranges, basis = (), (), ()
-        rank = cache_cfg[f"{tensor.prefix}_rank"] if bits < 16 else 0
+        # a topology coding runs of layers in bases (xKV) takes the ranks for its codes
+        in_bases = topology.parse(model_cfg["topology"])[0].codes_in_bases
+        rank = cache_cfg[f"{tensor.prefix}_rank"] if bits < 16 and not in_bases else 0
         if layer is not None and bits < 16:
             table = FORMATS.get(name).table(cache_cfg, tensor.prefix, bits, layer, layers)
             if cache_cfg[f"{tensor.prefix}_axis"] == "calibrated":

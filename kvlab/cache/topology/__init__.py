@@ -104,11 +104,15 @@ def produces(model_cfg: Mapping, index: int) -> bool:
     return first or parse(model_cfg["topology"])[0].every_layer_produces
 
 
-def check_joint_cache(method: str, model_cfg: Mapping, cache_cfg: Mapping, more=()) -> None:
+def check_joint_cache(
+    method: str, model_cfg: Mapping, cache_cfg: Mapping, more=(), unset=("bits", "transform")
+) -> None:
     """ValueError naming the first field a cache of joint layers that keep every token
     of a grouped-query model in 16-bit, untransformed rows of their own cannot
-    have (`method` names the topology's method); `more`: further (field, value,
-    bad, why, fix) checks."""
+    have (`method` names the topology's method); `unset`: the per-tensor fields of
+    those checked (a topology that quantizes its codes leaves out "bits"); `more`:
+    further (field, value, bad, why, fix) checks."""
+    defaults = {"bits": 16, "transform": "none"}
     evict = cache_cfg["evict"]["method"]
     problems = [
         ("model.attention", model_cfg["attention"], model_cfg["attention"] != "gqa",
@@ -119,10 +123,11 @@ def check_joint_cache(method: str, model_cfg: Mapping, cache_cfg: Mapping, more=
         ("model.sliding_window", model_cfg["sliding_window"], bool(model_cfg["sliding_window"]),
          "keeps every token, not a window's ring", "0"),
         *[
-            (f"cache.{p}_{field}", cache_cfg[f"{p}_{field}"], cache_cfg[f"{p}_{field}"] != unset,
-             "stores 16-bit numbers, untransformed", repr(unset))
+            (f"cache.{p}_{field}", cache_cfg[f"{p}_{field}"],
+             cache_cfg[f"{p}_{field}"] != defaults[field],
+             "stores 16-bit numbers, untransformed", repr(defaults[field]))
             for p in ("k", "v")
-            for field, unset in (("bits", 16), ("transform", "none"))
+            for field in unset
         ],
         *more,
     ]  # fmt: skip

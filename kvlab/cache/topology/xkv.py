@@ -24,27 +24,35 @@ and kept with it in cache.dtype (`fitted`, counted in the bytes). At full rank
 (r = G W) each layer reads back exactly what it wrote. Every layer keeps its
 projections, as MiniCache's do; a step's own tokens are read uncoded, so a
 prompt prefilled whole attends exactly. Layers outside whole runs keep their
-own caches, as the cache section says. The codes are 16-bit (cache.dtype): the
-cache must be a dense 16-bit one of a grouped-query model without eviction,
-transforms or windows.
+own caches, as the cache section says. The codes are kept in cache.dtype, or
+with cache.k_bits / v_bits below 16 quantized per token in groups of
+cache.group_size coordinates in the tensor's format (xKV with quantized codes;
+kvlab/cache/quant: int, fp8, nf), read back dequantized. The cache must be a
+dense one of a grouped-query model without eviction, transforms or windows, and
+quantized codes have no fields a run's coordinates do not have: levels fitted
+per layer, calibrated scales, channel groups, outliers, sketches, first tokens.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import struct
 from jax.sharding import PartitionSpec
 from jaxtyping import Array
 
+from kvlab.cache.formats import Format
 from kvlab.cache.placement import Placement, write_tokens
-from kvlab.cache.quant.storage import rope_numbers, turn
+from kvlab.cache.quant.storage import quantize_tokens, rope_numbers, storages, turn
+from kvlab.cache.quant.tensor import QuantizedTensor, empty_tensor
 from kvlab.cache.topology import Topology, check_joint_cache
 from kvlab.config import dtype_of
 from kvlab.files import read_arrays
-from kvlab.registry import TOPOLOGIES
+from kvlab.registry import FORMATS, TOPOLOGIES
 
 
 def parse(arg: str) -> tuple[int, int, bool]:
@@ -116,8 +124,11 @@ class SharedBasis(Topology):
              f"codes a run's {share} x model.head_dim = {width} numbers in that many directions",
              f"1..{width}")
             for p in ("k", "v")
+        ] + [
+            check for p in ("k", "v") if cache_cfg[f"{p}_bits"] < 16
+            for check in quantized_checks(cache_cfg, p)
         ]  # fmt: skip
-        check_joint_cache("xKV", model_cfg, cache_cfg, more)
+        check_joint_cache("xKV", model_cfg, cache_cfg, more, unset=("transform",))
 
     def build(self, arg, model_cfg, cache_cfg, batch: int, max_len: int, index: int = 0):
         share, first, per_prompt = parse(arg)
@@ -133,8 +144,12 @@ class SharedBasis(Topology):
                 run_bases(cache_cfg, p, index - first, runs, heads, share * width)
                 for p in ("k", "v")
             )
+        codes = tuple(
+            empty_tensor(spec, batch, heads, r, max_len, 0)
+            for spec, r in zip(storages(model_cfg, cache_cfg), ranks, strict=True)
+        )
         return SharedBasisLayer(
-            codes=tuple(jnp.zeros((batch, heads, max_len, r), dtype) for r in ranks),
+            codes=codes,
             bases=bases,
             rope=rope_numbers(model_cfg, width),
             share=share,
@@ -146,12 +161,47 @@ class SharedBasis(Topology):
         heads = model_cfg["num_kv_heads"]
         heads //= split("cache_heads", heads)
         element = dtype_of(cache_cfg["dtype"]).itemsize
-        ranks = cache_cfg["k_rank"] + cache_cfg["v_rank"]
         basis = share * model_cfg["head_dim"] if per_prompt else 0  # a row's own bases
-        return rows * heads * (max_len + basis) * ranks * element
+        per_row = 0
+        for spec, p in zip(storages(model_cfg, cache_cfg), ("k", "v"), strict=True):
+            rank = cache_cfg[f"{p}_rank"]
+            per_row += spec.stored_bytes(max_len, rank) + basis * rank * element
+        return rows * heads * per_row
 
 
 TOPOLOGIES.register(SharedBasis())
+
+
+def quantized_checks(cache_cfg: Mapping, prefix: str) -> list[tuple]:
+    """(field, value, bad, why, fix) of what quantized codes of tensor `prefix` cannot
+    have (module docstring): they are coded per token, in groups of its coordinates."""
+    rank, bits, group = (
+        cache_cfg[f"{prefix}_rank"],
+        cache_cfg[f"{prefix}_bits"],
+        cache_cfg["group_size"],
+    )
+    name, axis = cache_cfg[f"{prefix}_format"], cache_cfg[f"{prefix}_axis"]
+    fitted = type(FORMATS.get(name)).table is not Format.table  # levels per layer's channels
+    return [
+        (f"cache.{prefix}_axis", axis, axis != "token",
+         "quantizes each token's coordinates in the run's basis", "'token'"),
+        (f"cache.{prefix}_format", name, fitted,
+         "codes a run's coordinates, not the layer's channels its levels were fitted on",
+         "'int', 'nf' or 'fp8'"),
+        (f"cache.{prefix}_outliers", cache_cfg[f"{prefix}_outliers"],
+         bool(cache_cfg[f"{prefix}_outliers"]), "keeps no numbers beside its codes", "0"),
+        (f"cache.{prefix}_full_first", cache_cfg[f"{prefix}_full_first"],
+         bool(cache_cfg[f"{prefix}_full_first"]), "keeps no positions beside its codes", "0"),
+        *([("cache.k_before_rope", True, cache_cfg["k_before_rope"],
+            "codes keys before RoPE already", "False"),
+           ("cache.k_sketch", cache_cfg["k_sketch"], bool(cache_cfg["k_sketch"]),
+            "keeps no residual sketch beside its codes", "0")] if prefix == "k" else []),
+        ("cache.group_size", group, rank % group != 0,
+         f"groups a token's cache.{prefix}_rank={rank} coordinates", f"a divisor of {rank}"),
+        (f"cache.{prefix}_bits", bits, rank * bits % 8 != 0,
+         f"packs cache.{prefix}_rank={rank} coordinates into whole bytes",
+         f"a rank that is a multiple of {8 // math.gcd(8, bits)} or another bit-width"),
+    ]  # fmt: skip
 
 
 def run_bases(cache_cfg: Mapping, prefix: str, run: int, runs: int, heads: int, width: int):
@@ -180,7 +230,8 @@ def run_bases(cache_cfg: Mapping, prefix: str, run: int, runs: int, heads: int, 
 class SharedBasisLayer:
     """A run's keys and values as their coordinates in its bases (module docstring).
 
-    codes   (k, v) cache.dtype[B, K, S, r]
+    codes   (k, v) QuantizedTensor of S tokens of r numbers (no ring): in
+            cache.dtype, or packed codes with their groups' scales
     bases   static: (k, v) [K][G W][r] (constants of the program); () with `fitted`
     rope    static: the keys' RoPE numbers (kvlab.cache.quant.storage.rope_numbers)
     share   static: G
@@ -198,7 +249,7 @@ class SharedBasisLayer:
 
     @property
     def capacity(self) -> int:
-        return self.codes[0].shape[2]
+        return self.codes[0].payload.shape[2]
 
     @property
     def width(self) -> int:
@@ -213,18 +264,18 @@ class SharedBasisLayer:
         return tuple(jnp.asarray(np.asarray(b, np.float32))[None] for b in self.bases)
 
     def tensor_shapes(self) -> tuple[tuple[int, int], ...]:
-        return tuple((c.shape[1], self.width) for c in self.codes)
+        return tuple((c.payload.shape[1], self.width) for c in self.codes)
 
     def read(self, fresh: tuple, placement: Placement, member: int):
         """Layer `member`'s blocks: every stored token read back through its rows of
         the bases (keys turned by RoPE at their slots), then the step's own."""
-        dtype = self.codes[0].dtype
-        batch, capacity, width = self.codes[0].shape[0], self.capacity, self.width
+        dtype = dtype_of(self.codes[0].spec.dtype)
+        batch, capacity, width = self.codes[0].payload.shape[0], self.capacity, self.width
         positions = jnp.broadcast_to(jnp.arange(capacity, dtype=jnp.int32), (batch, capacity))
         read = []
         for i, (codes, basis) in enumerate(zip(self.codes, self._bases(), strict=True)):
             rows = basis[:, :, member * width : (member + 1) * width]  # [B or 1, K, W, r]
-            x = jnp.einsum("BKSr,BKwr->BKSw", codes.astype(jnp.float32), rows)
+            x = jnp.einsum("BKSr,BKwr->BKSw", codes.dequantize(), rows)
             read.append((turn(x, self.rope, positions) if i == 0 else x).astype(dtype))
         written = jnp.arange(capacity) < placement.lengths[:, None]
         fresh = tuple(x.astype(dtype) for x in fresh)
@@ -244,11 +295,11 @@ class SharedBasisLayer:
                 members = [turn(x, self.rope, placement.positions, back=True) for x in members]
             side = jnp.concatenate(members, axis=-1)  # [B, K, T, G W]
             if self.fitted is not None:
-                basis = _fit(side, placement, basis).astype(stored.dtype)
+                basis = _fit(side, placement, basis).astype(dtype_of(stored.spec.dtype))
                 fitted.append(basis)
                 basis = basis.astype(jnp.float32)  # coded in the bases as kept
             coded = jnp.einsum("BKTw,BKwr->BKTr", side, basis)
-            codes.append(write_tokens(stored, coded.astype(stored.dtype), placement.slots, axis=2))
+            codes.append(_write_codes(stored, coded, placement))
         return self.replace(codes=tuple(codes), fitted=tuple(fitted) if fitted else None)
 
     def alike(self) -> SharedBasisLayer:
@@ -260,7 +311,23 @@ class SharedBasisLayer:
         """The logical axes of its arrays (kvlab.cache.factory.cache_axes)."""
         rows = PartitionSpec("cache_batch", "cache_heads", None, None)
         fitted = None if self.fitted is None else (rows, rows)
-        return self.replace(codes=(rows, rows), fitted=fitted)
+        codes = tuple(jax.tree.map(lambda _: rows, c) for c in self.codes)
+        return self.replace(codes=codes, fitted=fitted)
+
+
+def _write_codes(stored: QuantizedTensor, coded: Array, placement: Placement) -> QuantizedTensor:
+    """`stored` with the step's coordinates `coded` float32[B, K, T, r] at their slots:
+    in its dtype, or quantized per token (payload rows, scales, zeros)."""
+    spec = stored.spec
+    if spec.quantized:
+        new = quantize_tokens(coded, spec)
+    else:
+        new = (coded.astype(dtype_of(spec.dtype)), None, None)
+    put = [
+        None if old is None else write_tokens(old, x.astype(old.dtype), placement.slots, axis=2)
+        for old, x in zip((stored.payload, stored.scale, stored.zero), new, strict=True)
+    ]
+    return stored.replace(payload=put[0], scale=put[1], zero=put[2])
 
 
 def _fit(side: Array, placement: Placement, kept: Array) -> Array:
