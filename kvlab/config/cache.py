@@ -472,17 +472,28 @@ def _validate_cache_for_model(cache: Mapping, model: Mapping) -> None:
             "cache.<prefix>_axis='calibrated'",
             "set the axis of the tensors it holds ranges for, or cache.scales=''",
         )
+    name, _, arg = model["topology"].partition(":")
+    topology = TOPOLOGIES.get(name)
+    in_bases = [  # coded in a basis per KV head (a topology's runs' ranks are its own)
+        p
+        for p in cached_prefixes(model)
+        if cache[f"{p}_bits"] < 16 and cache[f"{p}_rank"] and not topology.codes_in_bases
+    ]
     for part in _method_parts(cache["evict"]):
         pools_heads = model["attention"] == "gqa" and model["num_kv_heads"] > 1
-        if calibrated and getattr(part, "pooled", False) and pools_heads:
-            fail(
-                "cache.evict.method",
-                cache["evict"]["method"],
-                "keeps one pool of every KV head's tokens per layer, which cannot be read "
-                f"with cache.{calibrated[0]}_axis='calibrated' (a static scale per KV head)",
-                "choose a method that keeps a budget per head (snapkv, h2o, ...) or "
-                "scales per group (cache.<prefix>_axis='token' or 'channel')",
-            )
+        per_head = [
+            (f"cache.{p}_axis='calibrated'", "a static scale per KV head") for p in calibrated
+        ] + [(f"cache.{p}_rank={cache[p + '_rank']}", "a basis per KV head") for p in in_bases]
+        for field, what in per_head[:1]:
+            if getattr(part, "pooled", False) and pools_heads:
+                fail(
+                    "cache.evict.method",
+                    cache["evict"]["method"],
+                    "keeps one pool of every KV head's tokens per layer, which cannot be read "
+                    f"with {field} ({what})",
+                    "choose a method that keeps a budget per head (snapkv, h2o, ...), or "
+                    "store the tensor without it",
+                )
         kinds = getattr(part, "attention_kinds", None)
         if kinds is not None and model["attention"] not in kinds:
             fail(
@@ -494,8 +505,6 @@ def _validate_cache_for_model(cache: Mapping, model: Mapping) -> None:
             )
     _validate_before_rope(cache, model)
     _validate_full_first(cache, model)
-    name, _, arg = model["topology"].partition(":")
-    topology = TOPOLOGIES.get(name)
     topology.check_cache(arg, model, cache)
     if cache["k_sketch"] and (model["attention"] != "gqa" or cache["k_bits"] == 16):
         fail(

@@ -11,7 +11,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import kvlab
-from kvlab.cache.quant import Storage, dequantize_tokens, quantize_tokens, storages
+from kvlab.cache.quant import (
+    PayloadReader,
+    QuantizedTensor,
+    Storage,
+    dequantize_tokens,
+    quantize_tokens,
+    storages,
+)
 from kvlab.eval import calibrate
 from tests.helpers import LAYOUTS, VARIANTS, build, last_logits, random_tokens, same_logits
 from tests.test_export import assert_exports, inference
@@ -79,6 +86,40 @@ def test_a_token_is_its_coordinates_coded_and_mapped_back(fmt_bits, rank, axis, 
     if (fmt, bits) == ("int", 8):
         kept = np.einsum("bknr,kwr->bknw", coordinates, basis)
         assert np.abs(read - kept).max() <= 0.02 * np.abs(coordinates).max()
+
+
+@settings(max_examples=20, deadline=None)
+@given(
+    fmt_bits=st.sampled_from([("int", 8), ("int", 4), ("int", 2), ("fp8", 8), ("nf", 4)]),
+    rank=st.sampled_from([4, 8, 12]),
+    axis=st.sampled_from(["token", "channel"]),
+    outliers=st.sampled_from([0, 1]),
+    seed=st.integers(0, 2**16),
+)
+def test_attention_reads_the_coordinates_with_the_basis_folded_in(
+    fmt_bits, rank, axis, outliers, seed
+):
+    """Over a tensor coded in a basis, attention's products (PayloadReader, whole and
+    by slices) are those over its dequantized numbers, computed as (q B) . c and
+    (w c) B^T over the r coordinates (Palu's fused read) without mapping the
+    tokens back."""
+    fmt, bits = fmt_bits
+    rng = np.random.default_rng(seed)
+    basis = orthonormal(rng, 3, 16, rank)
+    spec = Storage(**{**spec_of(basis, fmt, bits, axis).__dict__, "outliers": outliers})
+    assert spec.folds_basis
+    x = rng.normal(size=(2, 3, 8, 16)).astype(np.float32)
+    tensor = QuantizedTensor(*quantize_tokens(jnp.asarray(x), spec), None, spec)
+    dense = np.asarray(tensor.dequantize())
+    q = rng.normal(size=(2, 3, 5, 16)).astype(np.float32)
+    w = rng.random(size=(2, 3, 5, 4)).astype(np.float32)
+    for start, reader in ((0, PayloadReader(tensor)), (4, PayloadReader(tensor).chunk(4, 4))):
+        stop = start + (8 if start == 0 else 4)
+        scores = np.einsum("bkmd,bksd->bkms", q, dense[:, :, start:stop])
+        np.testing.assert_allclose(reader.scores(jnp.asarray(q)), scores, rtol=1e-4, atol=1e-4)
+        weights = w[..., : stop - start] if start else np.tile(w, 2)
+        out = np.einsum("bkms,bksd->bkmd", weights, dense[:, :, start:stop])
+        np.testing.assert_allclose(reader.weighted_sum(jnp.asarray(weights)), out, atol=1e-4)
 
 
 def low_rank_params(cfg, rank: int):
@@ -276,6 +317,9 @@ def test_without_usable_bases_the_cache_is_refused_naming_the_field(tmp_path):
     invalid(r"cache.bases=.* is read by no tensor", k_rank=0, v_rank=0)
     invalid(r"cache.group_size=3 does not divide cache.k_rank=8", group_size=3)
     invalid(r"cache.k_sketch=16 cannot combine with cache.k_rank=8", k_sketch=16)
+    adakv = {**cache_cfg.evict.to_dict(), "method": "adakv", "budget": 8, "recent": 2}
+    invalid(r"cache.evict.method='adakv' .* pool .*cache.k_rank=8 \(a basis per KV head\)",
+            evict=adakv)  # fmt: skip
     with pytest.raises(ValueError, match="no cached tensor is coded in a basis"):
         calibrate.bases(cfg.model, cfg.cache, build(cfg)[1], random_tokens(cfg, (1, 16)))
 

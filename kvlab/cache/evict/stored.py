@@ -155,14 +155,7 @@ def put_tokens(tensor, new: Array, slots: Array):
         return tensor.replace(kept=write_tokens(tensor.kept, tensor.narrow(new), slots, axis=2))
     if not isinstance(tensor, QuantizedTensor):
         return write_tokens(tensor, new, slots, axis=2)
-    if not tensor.spec.quantized:
-        return tensor.replace(payload=write_tokens(tensor.payload, new, slots, axis=2))
-    payload, scale, zero = quantize_tokens(new, tensor.spec)
-    return tensor.replace(
-        payload=write_tokens(tensor.payload, payload, slots, axis=2),
-        scale=None if scale is None else write_tokens(tensor.scale, scale, slots, axis=2),
-        zero=None if zero is None else write_tokens(tensor.zero, zero, slots, axis=2),
-    )
+    return tensor.put(new, slots)
 
 
 def tensor_heads(tensor) -> int:

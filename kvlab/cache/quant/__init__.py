@@ -45,10 +45,12 @@ when i < settled(p + 1), as token-by-token decode would, whatever the chunk
 size. Attention reads payloads without building a dequantized copy where the
 math allows: per-token scales multiply the query-key products and fold into the
 probabilities for V; per-channel scales multiply the query group by group;
-static ones multiply the query and the output. A tensor with outliers, or keys
-coded before RoPE (cache.k_before_rope: turned back from their position before
-they are coded, turned again at the position their row holds when read), or
-coded in a basis (mapped back through it), is read dequantized. A tensor that
+static ones multiply the query and the output. A tensor coded in a basis B is
+read as its coordinates with B folded into the query (q B) and the output
+((w c) B^T). A tensor with outliers, or keys coded before RoPE
+(cache.k_before_rope: turned back from their position before they are coded,
+turned again at the position their row holds when read, and mapped back
+through their basis first), is read dequantized. A tensor that
 keeps its first positions (KVQuant's attention sink, IntactKV) still codes them
 in the payload as any other, but attention reads them from `first_tokens`, as a
 16-bit cache reads its tokens (FirstTokens, over the payload and the settling

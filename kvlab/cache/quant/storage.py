@@ -64,6 +64,19 @@ class Storage:
         return bool(self.outliers or self.rope or self.sketch or self.rank)
 
     @property
+    def folds_basis(self) -> bool:
+        """Whether attention reads a basis's coordinates without mapping them back: the
+        basis folded into the query, (q B) . c, and into the output, (w c) B^T, over
+        the r coordinates (`coordinates`); not for keys coded before RoPE, which
+        is turned between the basis and the query."""
+        return bool(self.rank) and not self.rope
+
+    def coordinates(self) -> Storage:
+        """How a tensor coded in a basis stores its coordinates: the same storage of
+        `rank` numbers per token and head, without the basis."""
+        return dataclasses.replace(self, rank=0, basis=())
+
+    @property
     def grouped_codes(self) -> bool:
         """Codes alone in the payload with a scale per group: what a kernel that
         dequantizes the format reads (no static scales, outliers, sketch, RoPE)."""

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 from flax import struct
 from jaxtyping import Array
 
+from kvlab.cache.placement import write_tokens
 from kvlab.cache.protocols import Reader
 from kvlab.cache.quant.storage import (
     Layout,
@@ -20,6 +21,7 @@ from kvlab.cache.quant.storage import (
     by_groups,
     dequantize_tokens,
     levels,
+    quantize_tokens,
     sketch_scores,
     unpack,
 )
@@ -47,6 +49,20 @@ class QuantizedTensor:
     def reader(self):
         """What the attention function reads the settled tokens through."""
         return self.payload if not self.spec.quantized else PayloadReader(self)
+
+    def put(self, new: Array, slots: Array) -> QuantizedTensor:
+        """The tensor with tokens `new` [B, KH, T, Wd] (float, any dtype) written at
+        payload rows `slots` [B, T] or per head [B, E, T] (kvlab.cache.placement.
+        write_tokens): in the cache dtype, or quantized per token with their scales."""
+        if not self.spec.quantized:
+            payload = new.astype(self.payload.dtype)
+            return self.replace(payload=write_tokens(self.payload, payload, slots, axis=2))
+        payload, scale, zero = quantize_tokens(new, self.spec)
+        return self.replace(
+            payload=write_tokens(self.payload, payload, slots, axis=2),
+            scale=None if scale is None else write_tokens(self.scale, scale, slots, axis=2),
+            zero=None if zero is None else write_tokens(self.zero, zero, slots, axis=2),
+        )
 
     def dequantize(self, first=0) -> Array:
         """The settled tokens as float32 [B, KH, P, Wd]; row i holds position first + i."""
@@ -98,8 +114,15 @@ class PayloadReader:
         t = self.tensor
         return levels(unpack(t.payload, t.spec.bits), t.spec)
 
+    def _coordinates(self) -> PayloadReader:
+        """A basis's coordinates read as a tensor of their own (Storage.folds_basis)."""
+        return PayloadReader(self.tensor.replace(spec=self.tensor.spec.coordinates()))
+
     def scores(self, q: Array) -> Array:
         q = q.astype(jnp.float32)
+        spec = self.tensor.spec
+        if spec.folds_basis:  # (q B) . c over the coordinates
+            return self._coordinates().scores(jnp.einsum("BKMd,Kdr->BKMr", q, spec.bases()))
         if self.tensor.spec.read_dequantized:  # outliers in place, keys after RoPE
             scores = jnp.einsum("BKMd,BKPd->BKMP", q, self.dequantize())
             if self.tensor.spec.sketch:
@@ -134,6 +157,9 @@ class PayloadReader:
 
     def weighted_sum(self, w: Array) -> Array:
         w = w.astype(jnp.float32)
+        spec = self.tensor.spec
+        if spec.folds_basis:  # (w c) B^T
+            return jnp.einsum("BKMr,Kdr->BKMd", self._coordinates().weighted_sum(w), spec.bases())
         if self.tensor.spec.read_dequantized:
             return jnp.einsum("BKMP,BKPd->BKMd", w, self.dequantize())
         if self.tensor.spec.calibrated:  # ... and into the output
@@ -259,7 +285,7 @@ def read_slice(tensor: QuantizedTensor, take, start, size: int):
         zero=None if tensor.zero is None else take(tensor.zero, scale_start, scale_size),
         ring=None,
     )
-    if spec.sketch:  # scores read the sketch beside the codes
+    if spec.sketch or spec.folds_basis:  # the sketch beside the codes; the basis folded
         return PayloadReader(sliced)
     if spec.read_dequantized:
         return sliced.dequantize(first=start)

@@ -46,9 +46,9 @@ from jax.sharding import PartitionSpec
 from jaxtyping import Array
 
 from kvlab.cache.formats import Format
-from kvlab.cache.placement import Placement, write_tokens
-from kvlab.cache.quant.storage import quantize_tokens, rope_numbers, storages, turn
-from kvlab.cache.quant.tensor import QuantizedTensor, empty_tensor
+from kvlab.cache.placement import Placement
+from kvlab.cache.quant.storage import rope_numbers, storages, turn
+from kvlab.cache.quant.tensor import empty_tensor
 from kvlab.cache.topology import Topology, check_joint_cache
 from kvlab.config import dtype_of
 from kvlab.files import read_arrays
@@ -299,7 +299,7 @@ class SharedBasisLayer:
                 fitted.append(basis)
                 basis = basis.astype(jnp.float32)  # coded in the bases as kept
             coded = jnp.einsum("BKTw,BKwr->BKTr", side, basis)
-            codes.append(_write_codes(stored, coded, placement))
+            codes.append(stored.put(coded, placement.slots))
         return self.replace(codes=tuple(codes), fitted=tuple(fitted) if fitted else None)
 
     def alike(self) -> SharedBasisLayer:
@@ -313,21 +313,6 @@ class SharedBasisLayer:
         fitted = None if self.fitted is None else (rows, rows)
         codes = tuple(jax.tree.map(lambda _: rows, c) for c in self.codes)
         return self.replace(codes=codes, fitted=fitted)
-
-
-def _write_codes(stored: QuantizedTensor, coded: Array, placement: Placement) -> QuantizedTensor:
-    """`stored` with the step's coordinates `coded` float32[B, K, T, r] at their slots:
-    in its dtype, or quantized per token (payload rows, scales, zeros)."""
-    spec = stored.spec
-    if spec.quantized:
-        new = quantize_tokens(coded, spec)
-    else:
-        new = (coded.astype(dtype_of(spec.dtype)), None, None)
-    put = [
-        None if old is None else write_tokens(old, x.astype(old.dtype), placement.slots, axis=2)
-        for old, x in zip((stored.payload, stored.scale, stored.zero), new, strict=True)
-    ]
-    return stored.replace(payload=put[0], scale=put[1], zero=put[2])
 
 
 def _fit(side: Array, placement: Placement, kept: Array) -> Array:
