@@ -418,8 +418,8 @@ def test_on_mesh_calibrated_scales_and_outliers_are_unchanged(tmp_path):
 
 @on_eight
 def test_on_mesh_merged_layers_and_codes_in_a_basis_are_unchanged(tmp_path):
-    """MiniCache's merged pair (directions, magnitudes, kept tokens and their
-    positions split by rows and heads) beside a layer of its own; keys and
+    """MiniCache's merged pair (directions, 16-bit or quantized, magnitudes, kept
+    tokens and their positions split by rows and heads) beside a layer of its own; keys and
     values coded in 8 of their directions (the bases split with their heads as
     constants); and xKV's pair coded in 24 of its 2 x 16 directions, offline or
     fitted per prompt (each row's bases split with its rows and heads), its codes
@@ -439,6 +439,8 @@ def test_on_mesh_merged_layers_and_codes_in_a_basis_are_unchanged(tmp_path):
 
     cfg = model_config((2, 2, 2), num_layers=3, topology="minicache:1,keep=0.25")
     assert run(cfg) == ["DenseLayer", "MergedLayer"]
+    cfg.cache.update(k_bits=8, v_bits=8, k_axis="token", group_size=8)  # directions quantized
+    assert run(cfg) == ["QuantizedLayer", "MergedLayer"]
     cfg = model_config((2, 2, 2), num_layers=1)
     cfg.cache.update(k_bits=8, v_bits=8, k_rank=8, v_rank=8, group_size=8, k_axis="token")
     width = cfg.model.head_dim

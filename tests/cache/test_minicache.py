@@ -81,9 +81,7 @@ def test_a_layer_reads_the_slerp_direction_at_its_magnitude_and_its_kept_tokens_
         tuple(rng.normal(size=(2, 2, n, 16)).astype(np.float32) for _ in "kv") for _ in range(2)
     ]
     cfg = merged(f"minicache:2,t={t},keep={keep / 16}")
-    layer = MiniCache().build(
-        cfg.model.topology.partition(":")[2], cfg.model, {"dtype": "float32"}, 2, 16
-    )
+    layer = MiniCache().build(cfg.model.topology.partition(":")[2], cfg.model, cfg.cache, 2, 16)
     assert layer.kept_positions.shape == (2, keep)
     layer, placement = write_steps(layer, [tuple(map(jnp.asarray, p)) for p in pairs], chunks)
     angles = []
@@ -171,7 +169,12 @@ def test_a_cache_it_cannot_merge_is_refused_naming_the_field():
             kvlab.init_cache(model_cfg, cache_cfg, 1, 32)
 
     refused(r"cache.kind='paged' under model.topology='minicache:2'", kind="paged")
-    refused(r"cache.k_bits=8 .*set 16", k_bits=8)
+    refused(r"cache.k_axis='channel' .*MiniCache quantizes each token's numbers", k_bits=8)
+    token = dict(k_axis="token", v_axis="token")
+    refused(r"cache.v_rank=8 .*not in a basis", v_bits=8, v_rank=8, bases="b.npz", **token)
+    refused(r"cache.k_before_rope=True .*after RoPE", k_bits=4, k_before_rope=True, **token)
+    refused(r"cache.v_outliers=1", v_bits=4, v_outliers=1, **token)
+    refused(r"cache.group_size=5 ", k_bits=4, group_size=5, **token)
     refused(r"cache.v_transform='hadamard'", v_transform="hadamard")
     refused(r"cache.evict.method='snapkv'", evict={"method": "snapkv", "ratio": 0.5})
     for topology, match in (
@@ -191,8 +194,54 @@ def test_a_cache_it_cannot_merge_is_refused_naming_the_field():
         build(five)[2]({"params": build(five)[1]}, random_tokens(cfg, (1, 4)), cache=shared)
 
 
+def test_quantized_directions_are_within_half_a_step_and_counted():
+    """With cache.k_bits / v_bits below 16 each merged direction is quantized per token
+    in groups of cache.group_size: written the same tokens, every direction read
+    back is within half its group's step, (max - min) / (2^b - 1), of the 16-bit
+    layer's, the magnitudes and kept tokens are the same, and the bytes are the
+    tree's: packed codes and a float32 scale and zero point a group, beside the
+    magnitudes and kept tokens in cache.dtype."""
+    cfg = merged("minicache:2,keep=0.125")
+    rng = np.random.default_rng(7)
+    pairs = [tuple(jnp.asarray(rng.normal(size=(2, 2, 12, 16)), jnp.float32) for _ in "kv")] * 2
+    pairs[1] = tuple(x + jnp.asarray(rng.normal(size=x.shape), jnp.float32) for x in pairs[0])
+
+    def coded(bits):
+        cache = cfg.cache.copy_and_resolve_references()
+        cache.update(k_bits=bits, v_bits=bits, k_axis="token", v_axis="token")
+        cache.update(group_size=8, scale_dtype="float32")
+        return cache
+
+    layers = {}
+    for bits in (16, 4, 2):
+        cache_cfg = cfg.cache if bits == 16 else coded(bits)
+        layer = MiniCache().build("2,keep=0.125", cfg.model, cache_cfg, 2, 16)
+        layers[bits], _ = write_steps(layer, pairs, [5, 7])
+        cache = kvlab.init_cache(cfg.model, cache_cfg, 2, 16)
+        assert kvlab.cache_bytes(cfg.model, cache_cfg, 2, 16) == kvlab.tree_bytes(cache)
+    exact = layers[16]
+    full = kvlab.tree_bytes(exact.directions)  # k, v: 2 rows x 2 KV heads x 16 slots x 16 float32
+    for tensor in range(2):
+        directions = np.asarray(exact.directions[tensor].payload)[:, :, :12]
+        groups = directions.reshape(*directions.shape[:-1], 2, 8)
+        span = groups.max(-1, keepdims=True) - groups.min(-1, keepdims=True)
+        for bits in (4, 2):
+            layer = layers[bits]
+            read = np.asarray(layer.directions[tensor].dequantize())[:, :, :12]
+            error = np.abs(read.reshape(groups.shape) - groups)
+            assert (error <= span / (2**bits - 1) / 2 * (1 + 1e-5) + 1e-6).all()
+            assert error.max() > 0
+            np.testing.assert_array_equal(layer.norms[tensor], exact.norms[tensor])
+            np.testing.assert_array_equal(layer.kept[tensor], exact.kept[tensor])
+            # per token and head: 16 numbers at b bits and 2 groups' float32 scale and zero
+            assert kvlab.tree_bytes(layer.directions) == full // 64 * (2 * bits + 16)
+
+
 def test_a_merged_cache_exports_for_tpu_and_cuda_and_round_trips():
+    """16-bit directions, and (round trip) 4-bit ones beside fp8 values."""
     cfg = merged("minicache:2")
     program, arguments = inference(cfg, loops=False)
     assert_exports(program, arguments, kernel=False)
-    assert_round_trips(merged("minicache:2,keep=0.1"))
+    quantized = merged("minicache:2,keep=0.1")
+    quantized.cache.update(k_bits=4, v_bits=8, v_format="fp8", k_axis="token", v_axis="token")
+    assert_round_trips(quantized)

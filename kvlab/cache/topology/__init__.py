@@ -26,10 +26,12 @@ placement)`; kvlab.attention.core.through_layer). "minicache" in minicache.py
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 
+from kvlab.cache.formats import Format
 from kvlab.config import layer_sections, layer_windows
-from kvlab.registry import TOPOLOGIES
+from kvlab.registry import FORMATS, TOPOLOGIES
 
 
 class Topology:
@@ -137,6 +139,40 @@ def check_joint_cache(
                 f"{field}={value!r} under model.topology={model_cfg['topology']!r}: {method} "
                 f"{why}: set {fix}"
             )
+
+
+def quantized_code_checks(
+    cache_cfg: Mapping, prefix: str, width: int, width_name: str, where: str, keys: str
+) -> list[tuple]:
+    """`check_joint_cache`'s (field, value, bad, why, fix) of what a joint layer's
+    codes of tensor `prefix`, quantized per token in groups of its `width`
+    numbers (named `width_name`, coded in `where`; `keys`: how it codes keys
+    with respect to RoPE), cannot have: the channel or calibrated axis, levels
+    fitted per layer, outliers, first tokens, cache.k_before_rope, a sketch,
+    groups or bits that do not pack."""
+    bits, group = cache_cfg[f"{prefix}_bits"], cache_cfg["group_size"]
+    name, axis = cache_cfg[f"{prefix}_format"], cache_cfg[f"{prefix}_axis"]
+    fitted = type(FORMATS.get(name)).table is not Format.table  # levels per layer's channels
+    return [
+        (f"cache.{prefix}_axis", axis, axis != "token",
+         f"quantizes each token's numbers in {where}", "'token'"),
+        (f"cache.{prefix}_format", name, fitted,
+         f"codes numbers in {where}, not the layer's channels its levels were fitted on",
+         "'int', 'nf' or 'fp8'"),
+        (f"cache.{prefix}_outliers", cache_cfg[f"{prefix}_outliers"],
+         bool(cache_cfg[f"{prefix}_outliers"]), "keeps no numbers beside its codes", "0"),
+        (f"cache.{prefix}_full_first", cache_cfg[f"{prefix}_full_first"],
+         bool(cache_cfg[f"{prefix}_full_first"]), "keeps no positions beside its codes", "0"),
+        *([("cache.k_before_rope", True, cache_cfg["k_before_rope"], f"codes keys {keys}",
+            "False"),
+           ("cache.k_sketch", cache_cfg["k_sketch"], bool(cache_cfg["k_sketch"]),
+            "keeps no residual sketch beside its codes", "0")] if prefix == "k" else []),
+        ("cache.group_size", group, width % group != 0,
+         f"groups a token's {width_name}={width} numbers", f"a divisor of {width}"),
+        (f"cache.{prefix}_bits", bits, width * bits % 8 != 0,
+         f"packs {width_name}={width} numbers into whole bytes",
+         f"a width that is a multiple of {8 // math.gcd(8, bits)} or another bit-width"),
+    ]  # fmt: skip
 
 
 def joint_layers(model_cfg: Mapping) -> tuple[int, ...]:

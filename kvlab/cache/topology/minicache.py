@@ -23,9 +23,14 @@ nearest kept one, and the one it displaces is read merged from then on).
 A step's own tokens are read unmerged by both layers; they merge when written,
 so a prompt prefilled whole attends exactly and is merged after, as MiniCache
 compresses a prefilled cache (the logits of a sequence depend on how it is
-chunked, as they do under `cache.evict.when='after_prefill'`). The cache must
-be a dense 16-bit one of a grouped-query model without eviction, transforms or
-windows (refused otherwise, naming the field).
+chunked, as they do under `cache.evict.when='after_prefill'`). The directions
+are kept in cache.dtype, or with cache.k_bits / v_bits below 16 quantized per
+token in groups of cache.group_size numbers in the tensor's format (MiniCache
+beside KIVI-style quantization: int, nf, fp8 per token; the magnitudes and the
+tokens kept unmerged stay in cache.dtype). The cache must be a dense one of a
+grouped-query model without eviction, transforms, windows or bases, and
+quantized directions refuse what a per-token code has not (by field:
+kvlab.cache.topology.quantized_code_checks).
 """
 
 from __future__ import annotations
@@ -40,7 +45,9 @@ from jax.sharding import PartitionSpec
 from jaxtyping import Array
 
 from kvlab.cache.placement import Placement, write_tokens
-from kvlab.cache.topology import Topology, check_joint_cache
+from kvlab.cache.quant.storage import storages
+from kvlab.cache.quant.tensor import empty_tensor
+from kvlab.cache.topology import Topology, check_joint_cache, quantized_code_checks
 from kvlab.config import dtype_of
 from kvlab.registry import TOPOLOGIES
 
@@ -107,15 +114,26 @@ class MiniCache(Topology):
         return tuple(c for c in sorted(set(owner)) if owner.count(c) == 2)
 
     def check_cache(self, arg: str, model_cfg: Mapping, cache_cfg: Mapping) -> None:
-        check_joint_cache("MiniCache", model_cfg, cache_cfg)
+        width = model_cfg["head_dim"]
+        more = [
+            check for p in ("k", "v") if cache_cfg[f"{p}_bits"] < 16
+            for check in [
+                (f"cache.{p}_rank", cache_cfg[f"{p}_rank"], bool(cache_cfg[f"{p}_rank"]),
+                 "codes directions in their channels, not in a basis", "0"),
+                *quantized_code_checks(cache_cfg, p, width, "model.head_dim", "a direction",
+                                       "after RoPE, as its layers read them"),
+            ]
+        ]  # fmt: skip
+        check_joint_cache("MiniCache", model_cfg, cache_cfg, more, unset=("transform",))
 
     def build(self, arg, model_cfg, cache_cfg, batch: int, max_len: int, index=0) -> MergedLayer:
         _, t, keep = parse(arg, model_cfg["num_layers"])
         heads, width = model_cfg["num_kv_heads"], model_cfg["head_dim"]
         dtype = dtype_of(cache_cfg["dtype"])
         kept = kept_tokens(keep, max_len)
+        specs = storages(model_cfg, cache_cfg)
         return MergedLayer(
-            directions=tuple(jnp.zeros((batch, heads, max_len, width), dtype) for _ in "kv"),
+            directions=tuple(empty_tensor(s, batch, heads, width, max_len, 0) for s in specs),
             norms=tuple(jnp.zeros((batch, heads, max_len, 2), dtype) for _ in "kv"),
             kept=tuple(jnp.zeros((batch, heads, 2, kept, width), dtype) for _ in "kv"),
             kept_positions=jnp.full((batch, kept), -1, jnp.int32),
@@ -129,8 +147,9 @@ class MiniCache(Topology):
         heads //= split("cache_heads", heads)
         element = dtype_of(cache_cfg["dtype"]).itemsize
         width, kept = model_cfg["head_dim"], kept_tokens(keep, max_len)
-        per_tensor = heads * (max_len * (width + 2) + 2 * kept * width) * element
-        return rows * (2 * per_tensor + kept * 2 * INDEX_BYTES)
+        directions = sum(s.stored_bytes(max_len, width) for s in storages(model_cfg, cache_cfg))
+        others = 2 * (max_len * 2 + 2 * kept * width) * element  # magnitudes, kept tokens
+        return rows * (heads * (directions + others) + kept * 2 * INDEX_BYTES)
 
 
 TOPOLOGIES.register(MiniCache())
@@ -156,7 +175,8 @@ def slerp(x0: Array, x1: Array, t: float) -> tuple[Array, Array, Array]:
 class MergedLayer:
     """Two adjacent layers' keys and values merged (module docstring).
 
-    directions  (k, v) cache.dtype[B, K, S, W]   each token's merged direction
+    directions  (k, v) QuantizedTensor of S tokens of W numbers (no ring), each
+                token's merged direction: in cache.dtype, or packed codes and scales
     norms       (k, v) cache.dtype[B, K, S, 2]   each layer's magnitude of it
     kept        (k, v) cache.dtype[B, K, 2, R, W]  the R tokens kept unmerged, per layer
     kept_positions  int32[B, R]   their positions (-1: none yet)
@@ -175,15 +195,15 @@ class MergedLayer:
 
     @property
     def capacity(self) -> int:
-        return self.directions[0].shape[2]
+        return self.directions[0].payload.shape[2]
 
     def tensor_shapes(self) -> tuple[tuple[int, int], ...]:
-        return tuple((d.shape[1], d.shape[3]) for d in self.directions)
+        return tuple((d.payload.shape[1], d.width) for d in self.directions)
 
     def read(self, fresh: tuple, placement: Placement, member: int):
         """Layer `member` (0, 1)'s blocks: its merged tokens (those kept unmerged
         masked out), its kept tokens, and the step's own, as given."""
-        dtype = self.directions[0].dtype
+        dtype = self.norms[0].dtype
         fresh = tuple(x.astype(dtype) for x in fresh)
         batch, capacity = self.kept_positions.shape[0], self.capacity
         written = jnp.arange(capacity) < placement.lengths[:, None]  # [B, S]
@@ -192,7 +212,9 @@ class MergedLayer:
         rows = jnp.arange(batch)[:, None]
         kept_slot = jnp.zeros((batch, capacity), bool).at[rows, at].set(True, mode="drop")
         pairs = zip(self.directions, self.norms, strict=True)
-        merged = tuple(d * n[..., member : member + 1] for d, n in pairs)
+        merged = tuple(
+            (d.dequantize() * n[..., member : member + 1]).astype(dtype) for d, n in pairs
+        )
         blocks = [(merged, (written & ~kept_slot)[:, None, :])]
         if self.kept_positions.shape[1]:
             kept = tuple(x[:, :, member] for x in self.kept)
@@ -209,10 +231,11 @@ class MergedLayer:
         directions, norms, angles = [], [], []
         for i, (x0, x1) in enumerate(((k0, k1), (v0, v1))):
             direction, magnitude, angle = slerp(x0, x1, self.t)
-            dtype = self.directions[i].dtype
             slots = placement.slots
-            directions.append(write_tokens(self.directions[i], direction.astype(dtype), slots, 2))
-            norms.append(write_tokens(self.norms[i], magnitude.astype(dtype), slots, axis=2))
+            directions.append(self.directions[i].put(direction, slots))
+            norms.append(
+                write_tokens(self.norms[i], magnitude.astype(self.norms[i].dtype), slots, 2)
+            )
             angles.append(angle)  # [B, K, T]
         layer = self.replace(directions=tuple(directions), norms=tuple(norms))
         if not self.kept_positions.shape[1]:
@@ -247,7 +270,7 @@ class MergedLayer:
         rows = PartitionSpec("cache_batch", "cache_heads", None, None)
         pairs = PartitionSpec("cache_batch", "cache_heads", None, None, None)
         return self.replace(
-            directions=(rows, rows),
+            directions=tuple(jax.tree.map(lambda _: rows, d) for d in self.directions),
             norms=(rows, rows),
             kept=(pairs, pairs),
             kept_positions=PartitionSpec("cache_batch", None),

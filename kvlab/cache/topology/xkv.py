@@ -35,7 +35,6 @@ per layer, calibrated scales, channel groups, outliers, sketches, first tokens.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 
 import jax
@@ -45,14 +44,13 @@ from flax import struct
 from jax.sharding import PartitionSpec
 from jaxtyping import Array
 
-from kvlab.cache.formats import Format
 from kvlab.cache.placement import Placement
 from kvlab.cache.quant.storage import rope_numbers, storages, turn
 from kvlab.cache.quant.tensor import empty_tensor
-from kvlab.cache.topology import Topology, check_joint_cache
+from kvlab.cache.topology import Topology, check_joint_cache, quantized_code_checks
 from kvlab.config import dtype_of
 from kvlab.files import read_arrays
-from kvlab.registry import FORMATS, TOPOLOGIES
+from kvlab.registry import TOPOLOGIES
 
 
 def parse(arg: str) -> tuple[int, int, bool]:
@@ -126,7 +124,10 @@ class SharedBasis(Topology):
             for p in ("k", "v")
         ] + [
             check for p in ("k", "v") if cache_cfg[f"{p}_bits"] < 16
-            for check in quantized_checks(cache_cfg, p)
+            for check in quantized_code_checks(
+                cache_cfg, p, cache_cfg[f"{p}_rank"], f"cache.{p}_rank", "the run's basis",
+                "before RoPE already",
+            )
         ]  # fmt: skip
         check_joint_cache("xKV", model_cfg, cache_cfg, more, unset=("transform",))
 
@@ -170,38 +171,6 @@ class SharedBasis(Topology):
 
 
 TOPOLOGIES.register(SharedBasis())
-
-
-def quantized_checks(cache_cfg: Mapping, prefix: str) -> list[tuple]:
-    """(field, value, bad, why, fix) of what quantized codes of tensor `prefix` cannot
-    have (module docstring): they are coded per token, in groups of its coordinates."""
-    rank, bits, group = (
-        cache_cfg[f"{prefix}_rank"],
-        cache_cfg[f"{prefix}_bits"],
-        cache_cfg["group_size"],
-    )
-    name, axis = cache_cfg[f"{prefix}_format"], cache_cfg[f"{prefix}_axis"]
-    fitted = type(FORMATS.get(name)).table is not Format.table  # levels per layer's channels
-    return [
-        (f"cache.{prefix}_axis", axis, axis != "token",
-         "quantizes each token's coordinates in the run's basis", "'token'"),
-        (f"cache.{prefix}_format", name, fitted,
-         "codes a run's coordinates, not the layer's channels its levels were fitted on",
-         "'int', 'nf' or 'fp8'"),
-        (f"cache.{prefix}_outliers", cache_cfg[f"{prefix}_outliers"],
-         bool(cache_cfg[f"{prefix}_outliers"]), "keeps no numbers beside its codes", "0"),
-        (f"cache.{prefix}_full_first", cache_cfg[f"{prefix}_full_first"],
-         bool(cache_cfg[f"{prefix}_full_first"]), "keeps no positions beside its codes", "0"),
-        *([("cache.k_before_rope", True, cache_cfg["k_before_rope"],
-            "codes keys before RoPE already", "False"),
-           ("cache.k_sketch", cache_cfg["k_sketch"], bool(cache_cfg["k_sketch"]),
-            "keeps no residual sketch beside its codes", "0")] if prefix == "k" else []),
-        ("cache.group_size", group, rank % group != 0,
-         f"groups a token's cache.{prefix}_rank={rank} coordinates", f"a divisor of {rank}"),
-        (f"cache.{prefix}_bits", bits, rank * bits % 8 != 0,
-         f"packs cache.{prefix}_rank={rank} coordinates into whole bytes",
-         f"a rank that is a multiple of {8 // math.gcd(8, bits)} or another bit-width"),
-    ]  # fmt: skip
 
 
 def run_bases(cache_cfg: Mapping, prefix: str, run: int, runs: int, heads: int, width: int):
