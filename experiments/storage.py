@@ -113,6 +113,12 @@ RECIPES = {
                           "tokens kept whole"),
     "MiniCache from 23": (dict(topology="minicache:23"),
                           "the same from layer 23 (three pairs)"),
+    "int4 per token": (dict(k_bits=4, v_bits=4, k_axis="token", v_axis="token"),
+                       "4-bit int per token in groups of 32, keys and values"),
+    "MiniCache from 15 + int4 per token": (dict(topology="minicache:15", k_bits=4, v_bits=4,
+                                                k_axis="token", v_axis="token"),
+                                           "MiniCache from 15, its directions (and the "
+                                           "layers before) at 4 bits per token"),
     "xKV pairs k64 v96": (dict(XKV),
                           "xKV: each pair of layers' keys (before RoPE) and values coded in "
                           "one basis of 64 / 96 of their 128 directions, 16-bit codes"),
