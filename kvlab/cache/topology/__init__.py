@@ -106,15 +106,11 @@ def produces(model_cfg: Mapping, index: int) -> bool:
     return first or parse(model_cfg["topology"])[0].every_layer_produces
 
 
-def check_joint_cache(
-    method: str, model_cfg: Mapping, cache_cfg: Mapping, more=(), unset=("bits", "transform")
-) -> None:
+def check_joint_cache(method: str, model_cfg: Mapping, cache_cfg: Mapping, more=()) -> None:
     """ValueError naming the first field a cache of joint layers that keep every token
-    of a grouped-query model in 16-bit, untransformed rows of their own cannot
-    have (`method` names the topology's method); `unset`: the per-tensor fields of
-    those checked (a topology that quantizes its codes leaves out "bits"); `more`:
-    further (field, value, bad, why, fix) checks."""
-    defaults = {"bits": 16, "transform": "none"}
+    of a grouped-query model in untransformed rows of their own cannot have
+    (`method` names the topology's method); `more`: further (field, value, bad,
+    why, fix) checks (what its codes cannot have: `quantized_code_checks`)."""
     evict = cache_cfg["evict"]["method"]
     problems = [
         ("model.attention", model_cfg["attention"], model_cfg["attention"] != "gqa",
@@ -125,11 +121,9 @@ def check_joint_cache(
         ("model.sliding_window", model_cfg["sliding_window"], bool(model_cfg["sliding_window"]),
          "keeps every token, not a window's ring", "0"),
         *[
-            (f"cache.{p}_{field}", cache_cfg[f"{p}_{field}"],
-             cache_cfg[f"{p}_{field}"] != defaults[field],
-             "stores 16-bit numbers, untransformed", repr(defaults[field]))
+            (f"cache.{p}_transform", cache_cfg[f"{p}_transform"],
+             cache_cfg[f"{p}_transform"] != "none", "stores its numbers untransformed", "'none'")
             for p in ("k", "v")
-            for field in unset
         ],
         *more,
     ]  # fmt: skip

@@ -124,7 +124,7 @@ class MiniCache(Topology):
                                        "after RoPE, as its layers read them"),
             ]
         ]  # fmt: skip
-        check_joint_cache("MiniCache", model_cfg, cache_cfg, more, unset=("transform",))
+        check_joint_cache("MiniCache", model_cfg, cache_cfg, more)
 
     def build(self, arg, model_cfg, cache_cfg, batch: int, max_len: int, index=0) -> MergedLayer:
         _, t, keep = parse(arg, model_cfg["num_layers"])

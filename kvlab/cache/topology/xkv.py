@@ -129,7 +129,7 @@ class SharedBasis(Topology):
                 "before RoPE already",
             )
         ]  # fmt: skip
-        check_joint_cache("xKV", model_cfg, cache_cfg, more, unset=("transform",))
+        check_joint_cache("xKV", model_cfg, cache_cfg, more)
 
     def build(self, arg, model_cfg, cache_cfg, batch: int, max_len: int, index: int = 0):
         share, first, per_prompt = parse(arg)
