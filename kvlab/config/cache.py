@@ -484,16 +484,16 @@ def _validate_cache_for_model(cache: Mapping, model: Mapping) -> None:
         per_head = [
             (f"cache.{p}_axis='calibrated'", "a static scale per KV head") for p in calibrated
         ] + [(f"cache.{p}_rank={cache[p + '_rank']}", "a basis per KV head") for p in in_bases]
-        for field, what in per_head[:1]:
-            if getattr(part, "pooled", False) and pools_heads:
-                fail(
-                    "cache.evict.method",
-                    cache["evict"]["method"],
-                    "keeps one pool of every KV head's tokens per layer, which cannot be read "
-                    f"with {field} ({what})",
-                    "choose a method that keeps a budget per head (snapkv, h2o, ...), or "
-                    "store the tensor without it",
-                )
+        if per_head and getattr(part, "pooled", False) and pools_heads:
+            field, what = per_head[0]
+            fail(
+                "cache.evict.method",
+                cache["evict"]["method"],
+                "keeps one pool of every KV head's tokens per layer, which cannot be read "
+                f"with {field} ({what})",
+                "choose a method that keeps a budget per head (snapkv, h2o, ...), or "
+                "store the tensor without it",
+            )
         kinds = getattr(part, "attention_kinds", None)
         if kinds is not None and model["attention"] not in kinds:
             fail(
