@@ -55,6 +55,7 @@ PALU = dict(k_before_rope=True, k_axis="token", v_axis="token", bases=True)
 # xKV: pairs of layers coded in one basis of 64 / 96 of their 128 directions (keys
 # before RoPE), offline bases; with bits below 16 its codes are quantized per token.
 XKV = dict(topology="xkv:2", k_rank=64, v_rank=96, bases=True, k_axis="token", v_axis="token")
+XKV_PER_PROMPT = dict(XKV, topology="xkv:2,fit=prompt", bases=False)  # bases from each prompt
 
 # name: (cache fields, what it is); every recipe groups scales over 32 numbers or tokens
 RECIPES = {
@@ -127,12 +128,10 @@ RECIPES = {
     "xKV pairs k64 v96 8-bit": (dict(XKV, k_bits=8, v_bits=8),
                                 "xKV pairs k64 v96, codes at 8 bits per token"),
     "xKV pairs k64 v96 4-bit": (dict(XKV, k_bits=4, v_bits=4), "the same, codes at 4 bits"),
-    "xKV pairs k64 v96 per prompt": (dict(topology="xkv:2,fit=prompt", k_rank=64, v_rank=96),
+    "xKV pairs k64 v96 per prompt": (dict(XKV_PER_PROMPT),
                                      "xKV as its paper fits it: each row's bases from its "
                                      "prompt (--prefill), kept with the row"),
-    "xKV pairs k64 v96 per prompt 8-bit": (dict(topology="xkv:2,fit=prompt", k_rank=64,
-                                                v_rank=96, k_bits=8, v_bits=8, k_axis="token",
-                                                v_axis="token"),
+    "xKV pairs k64 v96 per prompt 8-bit": (dict(XKV_PER_PROMPT, k_bits=8, v_bits=8),
                                            "the same, codes at 8 bits per token"),
     "KIVI-4 + snapkv 50%": (dict(KIVI, k_bits=4, v_bits=4, evict=dict(method="snapkv",
                                                                       ratio=0.5)),
@@ -306,7 +305,10 @@ def main(argv):
     check_recipes(base, names, cfg.model, _LENGTH.value)
     length, prefill = _LENGTH.value, _PREFILL.value
     if not 0 <= prefill < length:
-        raise ValueError(f"--prefill={prefill} leaves no token of --length={length} to score")
+        raise ValueError(
+            f"--prefill={prefill} is not in 0..{length - 1}: a prompt shorter than "
+            f"--length={length}, which leaves tokens to score"
+        )
     per_prompt = [n for n in names if "fit=prompt" in RECIPES[n][0].get("topology", "")]
     if per_prompt and not prefill:
         raise ValueError(
