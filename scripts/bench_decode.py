@@ -87,6 +87,13 @@ def decode_step_time(cfg, model, params, tokens, steps: int, repeats: int) -> fl
     )
 
 
+def decode_step_times(variants, params, tokens, steps: int, repeats: int) -> dict:
+    """Seconds per decode step of each of `variants` ({name: (cfg, model)}), timed in turn."""
+    return speed.decode_step_times(
+        variants, params, tokens, steps, repeats, prefill_chunk=_PREFILL_CHUNK.value
+    )
+
+
 def bench_length(cfg, model, params, length: int, batch: int, steps: int, repeats: int) -> dict:
     """(a) and (b) at one context length."""
     tokens = random_prompt(cfg, batch, length)
@@ -105,18 +112,15 @@ def bench_length(cfg, model, params, length: int, batch: int, steps: int, repeat
 
 def bench_mla_paths(cfg, params, lengths, batch: int, steps: int, repeats: int) -> list[dict]:
     """(c) Latent attention: absorbed against expanded decode at each context length."""
-    models = {}
+    variants = {}
     for absorb in (True, False):
-        variant = cfg.model.copy_and_resolve_references()
-        variant.mla.absorb = absorb
-        models[absorb] = kvlab.Transformer(variant)
+        variant = cfg.copy_and_resolve_references()
+        variant.model.mla.absorb = absorb
+        variants[absorb] = (variant, kvlab.Transformer(variant.model))
     rows = []
     for length in lengths:
         tokens = random_prompt(cfg, batch, length)
-        seconds = {
-            absorb: decode_step_time(cfg, model, params, tokens, steps, repeats)
-            for absorb, model in models.items()
-        }
+        seconds = decode_step_times(variants, params, tokens, steps, repeats)
         rows.append(
             dict(
                 seq_len=length,
@@ -130,29 +134,31 @@ def bench_mla_paths(cfg, params, lengths, batch: int, steps: int, repeats: int) 
 
 def bench_caches(cfg, model, params, lengths, caches, key, batch, steps, repeats) -> list[dict]:
     """Decode tokens/s through each of `caches` ({name: cache fields changed}) at
-    each length, against the first; each row names its cache under `key`."""
-    rows = []
+    each length, against the first (timed in turn, speed.decode_step_times); each
+    row names its cache under `key`."""
+    variants = {}
     for name, fields in caches.items():
         variant = cfg.copy_and_resolve_references()
         variant.cache.update(fields)
-        kvlab.validate_config(variant)
-        for length in lengths:
-            tokens = random_prompt(cfg, batch, length)
-            seconds = decode_step_time(variant, model, params, tokens, steps, repeats)
+        variants[name] = (kvlab.validate_config(variant), model)
+    rows = []
+    first = next(iter(caches))
+    for length in lengths:
+        tokens = random_prompt(cfg, batch, length)
+        seconds = decode_step_times(variants, params, tokens, steps, repeats)
+        for name, (variant, _) in variants.items():
+            cache_bytes = kvlab.cache_bytes(variant.model, variant.cache, batch, length + steps)
             rows.append(
                 {
                     key: name,
                     "seq_len": length,
-                    "tokens_per_s": batch / seconds,
-                    "cache_bytes": kvlab.cache_bytes(
-                        variant.model, variant.cache, batch, length + steps
-                    ),
+                    "tokens_per_s": batch / seconds[name],
+                    "cache_bytes": cache_bytes,
+                    "speed_vs_first": seconds[first] / seconds[name],
                 }
             )
-    first = next(iter(caches))
     for row in rows:
         base = next(r for r in rows if r[key] == first and r["seq_len"] == row["seq_len"])
-        row["speed_vs_first"] = row["tokens_per_s"] / base["tokens_per_s"]
         row["bytes_vs_first"] = row["cache_bytes"] / base["cache_bytes"]
     return rows
 

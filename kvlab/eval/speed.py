@@ -6,7 +6,8 @@ beat (weight bytes + cache bytes) / bandwidth. `memory_bandwidth` measures
 that bandwidth the way decode reads memory (a jitted reduction and a
 matrix-vector product, best of a few; docs/references.md explains why an
 elementwise copy would understate it); `decode_step_time` times greedy decode
-steps in one compiled loop after a prefill that is not timed.
+steps in one compiled loop after a prefill that is not timed, and
+`decode_step_times` several variants so, in turn within each round.
 """
 
 from __future__ import annotations
@@ -61,24 +62,37 @@ def decode_step_time(
     cfg, model, params, tokens, steps: int, repeats: int, prefill_chunk: int = 512
 ) -> float:
     """Seconds per greedy decode step after a prefill of `tokens` [B, L] (not timed)."""
-    batch, length = tokens.shape
+    times = decode_step_times({"": (cfg, model)}, params, tokens, steps, repeats, prefill_chunk)
+    return times[""]
 
-    def prefilled():
+
+def decode_step_times(
+    variants: dict, params, tokens, steps: int, repeats: int, prefill_chunk: int = 512
+) -> dict:
+    """Seconds per greedy decode step of each variant ({name: (cfg, model)}, the same
+    params) after a prefill of `tokens` [B, L] (not timed): each variant is prefilled
+    once, then timed in turn, round after round (a first untimed round compiles),
+    the best round kept, so that a shared machine's slow spells fall on every
+    variant alike and the ratios between them hold."""
+    batch, length = tokens.shape
+    prefilled = {}
+    for name, (cfg, model) in variants.items():
         # In chunks: attention over a whole long prompt at once would need
         # [T, S] scores per head.
         cache = init_cache(cfg.model, cfg.cache, batch, length + steps)
         for start in range(0, length, prefill_chunk):
             cache = prefill(model, params, cache, tokens[:, start : start + prefill_chunk])[1]
-        return jax.block_until_ready(cache)
-
+        prefilled[name] = jax.block_until_ready(cache)
     start_token = jnp.asarray(tokens[:, -1])
-    times = []
-    for _ in range(repeats + 1):  # the first run compiles
-        cache = prefilled()
-        begin = time.perf_counter()
-        jax.block_until_ready(decode_loop(model, params, cache, start_token, steps))
-        times.append(time.perf_counter() - begin)
-    return min(times[1:]) / steps
+    best = dict.fromkeys(variants, float("inf"))
+    for round_ in range(repeats + 1):
+        for name, (_, model) in variants.items():
+            cache = jax.block_until_ready(jax.tree.map(jnp.copy, prefilled[name]))  # donated
+            begin = time.perf_counter()
+            jax.block_until_ready(decode_loop(model, params, cache, start_token, steps))
+            if round_:
+                best[name] = min(best[name], (time.perf_counter() - begin) / steps)
+    return best
 
 
 def random_prompt(vocab_size: int, batch: int, length: int) -> np.ndarray:
