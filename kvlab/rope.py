@@ -150,12 +150,14 @@ def apply_rope(
     positions: Int[Array, "B T"],
     theta: float,
     scaling: Mapping | None = None,
+    span: int = 1,
 ) -> Float[Array, "B T N H"]:
-    """Rotates each head's channels by angles that grow with the token position.
+    """Rotates each head's channels by angles that grow with the token position
+    (`span` > 1: the mean rotation over a position and the span - 1 after it).
 
     `scaling` is a `model.rope_scaling` section (None: plain RoPE).
     """
-    return rotate(x, positions, *rope_frequencies(x.shape[-1], theta, scaling))
+    return rotate(x, positions, *rope_frequencies(x.shape[-1], theta, scaling), span=span)
 
 
 def rotate(
@@ -163,12 +165,22 @@ def rotate(
     positions: Int[Array, "B T"],
     inverse_frequency: Float[Array | np.ndarray, "*N H/2"],
     attention_factor: float = 1.0,
+    span: int = 1,
 ) -> Float[Array, "B T N H"]:
     """RoPE with given inverse frequencies: the same for every head ([H/2]) or
-    each head its own ([N, H/2], latent attention's kept pairs, `model.mla.rope_pairs`)."""
+    each head its own ([N, H/2], latent attention's kept pairs, `model.mla.rope_pairs`).
+    With `span` > 1, the mean of the rotations at positions p .. p + span - 1: the
+    rotation is linear in its cosines and sines, so the mean map is the one with
+    their means."""
     # [B, T, 1 or N, H/2]
     angles = positions.astype(jnp.float32)[:, :, None, None] * inverse_frequency
-    sin, cos = jnp.sin(angles), jnp.cos(angles)
+    if span == 1:
+        sin, cos = jnp.sin(angles), jnp.cos(angles)
+    else:  # [B, T, 1 or N, H/2, span], each position's offset added before the product
+        offsets = jnp.arange(span, dtype=jnp.float32)
+        at = positions.astype(jnp.float32)[:, :, None, None, None] + offsets
+        angles = at * jnp.asarray(inverse_frequency)[..., None]
+        sin, cos = jnp.sin(angles).mean(-1), jnp.cos(angles).mean(-1)
     if attention_factor != 1.0:
         sin, cos = sin * attention_factor, cos * attention_factor
     first, second = jnp.split(x.astype(jnp.float32), 2, axis=-1)

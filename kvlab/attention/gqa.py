@@ -94,8 +94,9 @@ class GroupedQueryAttention(nn.Module):
             b, t = x.shape[:2]
             return x.reshape(b, t, cfg.num_kv_heads, -1, x.shape[-1]).transpose(0, 2, 1, 3, 4)
 
-        def rotate(x, positions):  # raw [B, K, Q, H] as queries at positions [B, Q]
-            turned = apply_rope(x.swapaxes(1, 2), positions, cfg.rope_theta, cfg.rope_scaling)
+        def rotate(x, positions, span=1):  # raw [B, K, Q, H] as queries at positions [B, Q]
+            turned = x.swapaxes(1, 2)
+            turned = apply_rope(turned, positions, cfg.rope_theta, cfg.rope_scaling, span)
             return keys.forward(turned.swapaxes(1, 2))
 
         def out_kernel():  # [N, H, D] whatever layout the parameters hold (a backend's own)

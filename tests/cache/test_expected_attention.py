@@ -123,30 +123,51 @@ def test_a_latent_model_and_bad_options_are_refused():
         )
 
 
+YARN = dict(type="yarn", factor=4.0, original_max_len=64, beta_fast=32.0, beta_slow=1.0)
+
+
 @settings(max_examples=10, deadline=None)
 @given(
-    future=st.integers(1, 40),
-    per_call=st.sampled_from([1, 3 << 10, 7 << 10, 1 << 20]),  # chunks of 1, 3, 7, all
-    end=st.integers(0, 1000),
+    future=st.integers(1, 600),
+    end=st.integers(0, 9000),
+    scaling=st.sampled_from([None, YARN | dict(mscale=0.0, mscale_all_dim=0.0)]),
 )
-def test_the_rotation_averaged_in_chunks_is_the_mean_of_each_positions(future, per_call, end):
-    """RoPE averaged over the next `future` positions, the basis turned a chunk of
-    positions at a time (a last chunk partly past them), is the mean of cos and
-    sin of every position's angle (the definition's matrix, row form)."""
+def test_the_rotation_averaged_over_the_future_is_the_mean_of_each_positions(future, end, scaling):
+    """RoPE averaged over the next `future` positions (rotate's span, one position
+    for every basis row) is the mean of cos and sin of every position's angle
+    times the scaling's attention factor (the definition's matrix, row form; each
+    angle the float32 product the model computes, its cos and sin in float64)."""
     width, theta = 16, 10000.0
-    turn = lambda x, p: kvlab.rope.apply_rope(  # noqa: E731
-        x.transpose(0, 2, 1, 3), p, theta
+    turn = lambda x, p, span: kvlab.rope.apply_rope(  # noqa: E731
+        x.transpose(0, 2, 1, 3), p, theta, scaling, span
     ).transpose(0, 2, 1, 3)
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(expected, "FLOATS_PER_CALL", per_call)
-        got = expected._average_rotation(turn, jnp.asarray([end, end + 5]), 2, width, future)
+    got = expected._average_rotation(turn, jnp.asarray([end, end + 5]), 2, width, future)
+    inverse, factor = kvlab.rope.rope_frequencies(width, theta, scaling)
     half = width // 2
     for row, start in enumerate((end, end + 5)):
-        angle = (start + np.arange(future))[:, None] * theta ** (-np.arange(half) * 2 / width)
-        cos, sin = np.cos(angle).mean(0), np.sin(angle).mean(0)
+        positions = (start + np.arange(future, dtype=np.float32))[:, None]
+        angle = (positions * np.asarray(inverse, np.float32)).astype(np.float64)
+        cos, sin = factor * np.cos(angle).mean(0), factor * np.sin(angle).mean(0)
         column = np.zeros((width, width))
         i = np.arange(half)
         column[i, i] = column[i + half, i + half] = cos
         column[i, i + half], column[i + half, i] = -sin, sin
         for head in range(2):
             np.testing.assert_allclose(got[row, head], column.T, atol=2e-5)
+
+
+@settings(max_examples=10, deadline=None)
+@given(queries=st.integers(1, 24), seed=st.integers(0, 2**16))
+def test_the_spread_term_is_each_keys_quadratic_form(queries, seed):
+    """k^T R^T S R k, S the sum of the centred queries' outer products, whether
+    summed over the queries (fewer than the 16 channels) or through S: the
+    definition in float64."""
+    rng = np.random.default_rng(seed)
+    keys = rng.normal(size=(2, 2, 7, 1, 16))
+    centred = rng.normal(size=(2, 2, queries, 3, 16))
+    turn = rng.normal(size=(2, 2, 16, 16))
+    got = expected._spread(*(jnp.asarray(x, jnp.float32) for x in (keys, centred, turn)))
+    spread = np.einsum("bkqgw,bkqgv->bkgwv", centred, centred)
+    turned = np.einsum("bkwu,bkgwv,bkvz->bkguz", turn, spread, turn)
+    want = np.einsum("bkcjw,bkgwv,bkcjv->bkgcj", keys, turned, keys)
+    np.testing.assert_allclose(got, want, rtol=2e-4, atol=2e-4 * np.abs(want).max())

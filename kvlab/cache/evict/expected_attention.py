@@ -34,8 +34,6 @@ from jaxtyping import Array
 from kvlab.cache.evict.scorers import Candidates, Scorer
 from kvlab.registry import SCORERS
 
-FLOATS_PER_CALL = 1 << 20  # the turned basis of one chunk of future positions
-
 
 class ExpectedAttention(Scorer):
     """The expected attention of future queries, times the value's norm."""
@@ -78,10 +76,8 @@ class ExpectedAttention(Scorer):
         keys = c.keys()  # [B, K, C, g, W]
         scores = jnp.einsum("bkcjw,bkgw->bkgcj", keys, expected) / jnp.sqrt(width)
         if o["covariance"]:
-            centred = (q - mean[:, :, None]) * jnp.sqrt(w)
-            spread = jnp.einsum("bkqgw,bkqgv->bkgwv", centred, centred) / count[..., None]
-            spread = jnp.einsum("bkwu,bkgwv,bkvz->bkguz", turn, spread, turn)
-            scores += jnp.einsum("bkcjw,bkgwv,bkcjv->bkgcj", keys, spread, keys) / (2 * width)
+            centred = (q - mean[:, :, None]) * jnp.sqrt(w)  # [B, K, Q / G, G, W]
+            scores += _spread(keys, centred, turn) / (count[..., None] * 2 * width)
         tokens = c.positions[..., None] + jnp.arange(c.group)  # [B, K, C, g]
         scored = c.valid[..., None] & (tokens >= sinks)
         scores = jnp.where(scored[:, :, None], scores, -jnp.inf)
@@ -95,26 +91,25 @@ class ExpectedAttention(Scorer):
         return attention.mean(-1)
 
 
+def _spread(keys: Array, centred: Array, turn: Array) -> Array:
+    """float32[B, K, G, C, g]: k^T R^T S R k for each key k ([B, K, C, g, W]) and query
+    head, S = the sum of c^T c over its centred queries c ([B, K, Q, G, W]), R = turn:
+    as the sum of the keys' squared products with the turned queries where there
+    are fewer queries than channels (a decode step's, a buffer's), else through S."""
+    if centred.shape[2] < centred.shape[-1]:
+        turned = jnp.einsum("bkqgw,bkwu->bkqgu", centred, turn)
+        return jnp.square(jnp.einsum("bkcju,bkqgu->bkgcjq", keys, turned)).sum(-1)
+    spread = jnp.einsum("bkqgw,bkqgv->bkgwv", centred, centred)
+    spread = jnp.einsum("bkwu,bkgwv,bkvz->bkguz", turn, spread, turn)
+    return jnp.einsum("bkcjw,bkgwv,bkcjv->bkgcj", keys, spread, keys)
+
+
 def _average_rotation(rotate, end: Array, heads: int, width: int, future: int) -> Array:
     """float32[B, K, W, W]: the mean over positions end .. end + future - 1 of the
     map rotate(., position), as a matrix acting on row vectors (x @ R): the basis
-    turned at a chunk of positions in one call (rows of about FLOATS_PER_CALL
-    numbers), the chunks summed in a loop."""
-    batch = end.shape[0]
-    chunk = max(1, min(future, FLOATS_PER_CALL // (batch * heads * width * width)))
-    chunks = -(-future // chunk)
-    basis = jnp.broadcast_to(jnp.eye(width), (batch, heads, chunk, width, width))
-    basis = basis.reshape(batch, heads, chunk * width, width)
-    offsets = jnp.repeat(jnp.arange(chunk), width)  # the position of each basis row
-
-    def add(i, total):
-        step = i * chunk + offsets
-        positions = jnp.broadcast_to(end[:, None] + step, (batch, chunk * width))
-        turned = rotate(basis, positions) * (step < future)[None, None, :, None]
-        return total + turned.reshape(batch, heads, chunk, width, width).sum(2)
-
-    total = jax.lax.fori_loop(0, chunks, add, jnp.zeros((batch, heads, width, width), jnp.float32))
-    return total / future
+    turned by the mean rotation (rotate's span), W rows a head at one position."""
+    basis = jnp.broadcast_to(jnp.eye(width, dtype=jnp.float32), (end.shape[0], heads, width, width))
+    return rotate(basis, end[:, None], span=future).astype(jnp.float32)
 
 
 SCORERS.register(ExpectedAttention())

@@ -108,9 +108,10 @@ class Candidates:
     raw_queries    float32[B, K, Q, W] | None   the same queries before RoPE and the
                cache's transform (None where positions do not enter the scores with
                the first cached tensor: a latent model)
-    rotate     (x [B, K, Q', W], positions [B, Q']) -> [B, K, Q', W]: raw vectors as
-               queries at `positions` meet the keys (RoPE, then the transform); None
-               with raw_queries
+    rotate     (x [B, K, Q', W], positions [B, Q'] or [B, 1], span=1) -> [B, K, Q', W]: raw
+               vectors as queries at `positions` meet the keys (RoPE, then the
+               transform; span > 1: the mean over each position and the span - 1
+               after it); None with raw_queries
     values     () -> float32[B, E, C, group, Wv]   its values as stored (quantized:
                dequantized; a latent model: the latent, which values are read from)
     keep       int32[B, E, 1]   the candidates each head keeps after this step (its
