@@ -172,6 +172,8 @@ def rotate(
     With `span` > 1, the mean of the rotations at positions p .. p + span - 1: the
     rotation is linear in its cosines and sines, so the mean map is the one with
     their means."""
+    if isinstance(span, bool) or not (isinstance(span, int) and span >= 1):
+        raise ValueError(f"span={span!r} is not a positive int: pass the positions to average")
     # [B, T, 1 or N, H/2]
     angles = positions.astype(jnp.float32)[:, :, None, None] * inverse_frequency
     if span == 1:

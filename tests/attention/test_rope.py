@@ -4,7 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import kvlab
@@ -219,3 +219,20 @@ def test_softmax_mscale_is_deepseeks():
     assert softmax_mscale(None) == softmax_mscale(scaling()) == 1.0
     assert softmax_mscale(scaling("yarn", factor=40.0, original_max_len=4096)) == 1.0
     assert yarn_mscale(0.5, 0.707) == yarn_mscale(1.0, 0.707) == 1.0
+
+
+@settings(max_examples=10, deadline=None)
+@given(span=st.integers(1, 40), per_head=st.booleans(), seed=st.integers(0, 2**16))
+def test_a_span_is_the_mean_of_the_rotations_over_it(span, per_head, seed):
+    """rotate(x, p, span=F) is the mean of rotate(x, p + f) over f < F, with one set of
+    frequencies or a set per head; a span below 1 is refused by name."""
+    rng = np.random.default_rng(seed)
+    x = jnp.asarray(rng.normal(size=(2, 3, 4, 8)), jnp.float32)
+    positions = jnp.asarray(rng.integers(0, 5000, (2, 3)), jnp.int32)
+    inverse = rng.uniform(1e-3, 1, (4, 4) if per_head else (4,)).astype(np.float32)
+    got = kvlab.rope.rotate(x, positions, inverse, 1.25, span=span)
+    each = [kvlab.rope.rotate(x, positions + f, inverse, 1.25) for f in range(span)]
+    np.testing.assert_allclose(got, np.mean(each, axis=0), atol=2e-5, rtol=0)
+    for bad in (0, -1, 2.0, True):
+        with pytest.raises(ValueError, match=f"span={bad!r} is not a positive int"):
+            kvlab.rope.rotate(x, positions, inverse, span=bad)
