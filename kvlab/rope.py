@@ -174,9 +174,8 @@ def rotate(
     their means."""
     if isinstance(span, bool) or not (isinstance(span, int) and span >= 1):
         raise ValueError(f"span={span!r} is not a positive int: pass the positions to average")
-    # [B, T, 1 or N, H/2]
-    angles = positions.astype(jnp.float32)[:, :, None, None] * inverse_frequency
-    if span == 1:
+    if span == 1:  # [B, T, 1 or N, H/2]
+        angles = positions.astype(jnp.float32)[:, :, None, None] * inverse_frequency
         sin, cos = jnp.sin(angles), jnp.cos(angles)
     else:  # [B, T, 1 or N, H/2, span], each position's offset added before the product
         offsets = jnp.arange(span, dtype=jnp.float32)

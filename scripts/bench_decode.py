@@ -146,20 +146,21 @@ def bench_caches(cfg, model, params, lengths, caches, key, batch, steps, repeats
     for length in lengths:
         tokens = random_prompt(cfg, batch, length)
         seconds = decode_step_times(variants, params, tokens, steps, repeats)
-        for name, (variant, _) in variants.items():
-            cache_bytes = kvlab.cache_bytes(variant.model, variant.cache, batch, length + steps)
+        sizes = {
+            name: kvlab.cache_bytes(variant.model, variant.cache, batch, length + steps)
+            for name, (variant, _) in variants.items()
+        }
+        for name in variants:
             rows.append(
                 {
                     key: name,
                     "seq_len": length,
                     "tokens_per_s": batch / seconds[name],
-                    "cache_bytes": cache_bytes,
+                    "cache_bytes": sizes[name],
                     "speed_vs_first": seconds[first] / seconds[name],
+                    "bytes_vs_first": sizes[name] / sizes[first],
                 }
             )
-    for row in rows:
-        base = next(r for r in rows if r[key] == first and r["seq_len"] == row["seq_len"])
-        row["bytes_vs_first"] = row["cache_bytes"] / base["cache_bytes"]
     return rows
 
 
