@@ -70,24 +70,22 @@ def decode_step_times(
     variants: dict, params, tokens, steps: int, repeats: int, prefill_chunk: int = 512
 ) -> dict:
     """Seconds per greedy decode step of each variant ({name: (cfg, model)}, the same
-    params) after a prefill of `tokens` [B, L] (not timed): each variant is prefilled
-    once, then timed in turn, round after round (a first untimed round compiles),
-    the best round kept, so that a shared machine's slow spells fall on every
-    variant alike and the ratios between them hold."""
+    params) after a prefill of `tokens` [B, L] (not timed): the variants are timed
+    in turn, round after round (a first untimed round compiles), the best round of
+    each kept, so that a shared machine's slow spells fall on every variant alike
+    and the ratios between them hold. Each round prefills its cache anew (the
+    loop donates it), so one variant's cache is held at a time."""
     batch, length = tokens.shape
-    prefilled = {}
-    for name, (cfg, model) in variants.items():
-        # In chunks: attention over a whole long prompt at once would need
-        # [T, S] scores per head.
-        cache = init_cache(cfg.model, cfg.cache, batch, length + steps)
-        for start in range(0, length, prefill_chunk):
-            cache = prefill(model, params, cache, tokens[:, start : start + prefill_chunk])[1]
-        prefilled[name] = jax.block_until_ready(cache)
     start_token = jnp.asarray(tokens[:, -1])
     best = dict.fromkeys(variants, float("inf"))
     for round_ in range(repeats + 1):
-        for name, (_, model) in variants.items():
-            cache = jax.block_until_ready(jax.tree.map(jnp.copy, prefilled[name]))  # donated
+        for name, (cfg, model) in variants.items():
+            # In chunks: attention over a whole long prompt at once would need
+            # [T, S] scores per head.
+            cache = init_cache(cfg.model, cfg.cache, batch, length + steps)
+            for start in range(0, length, prefill_chunk):
+                cache = prefill(model, params, cache, tokens[:, start : start + prefill_chunk])[1]
+            jax.block_until_ready(cache)
             begin = time.perf_counter()
             jax.block_until_ready(decode_loop(model, params, cache, start_token, steps))
             if round_:
