@@ -190,7 +190,8 @@ def check_cache(config, cache: Cache) -> None:
             layer = layer.alike()
         if isinstance(layer, EVICTING):
             arrays = layer.pools if isinstance(layer, PagedEvictingLayer) else layer.tensors
-            return type(layer), jax.tree.structure((arrays, layer.positions, layer.scores))
+            state = (layer.positions, layer.scores, layer.weights)
+            return type(layer), jax.tree.structure((arrays, *state))
         return jax.tree.structure(layer)
 
     for i, layer in enumerate(cache.layers):

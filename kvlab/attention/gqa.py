@@ -99,18 +99,24 @@ class GroupedQueryAttention(nn.Module):
             turned = apply_rope(turned, positions, cfg.rope_theta, cfg.rope_scaling, span)
             return keys.forward(turned.swapaxes(1, 2))
 
-        def out_kernel():  # [N, H, D] whatever layout the parameters hold (a backend's own)
+        def output_norms(v):  # v [B, K, X, H] as stored -> [B, K, G, X]: |W_o v|_1 per head
+            v = values.inverse(v).astype(jnp.float32)
+            heads, width = cfg.num_heads, cfg.head_dim
             stored = self.variables["params"]["out"]
             if "kernel" in stored:
-                return stored["kernel"].astype(jnp.float32)
-            basis = jnp.eye(cfg.num_heads * cfg.head_dim, dtype=dtype_of(cfg.dtype))
-            rows = out_projection(basis.reshape(-1, cfg.num_heads, cfg.head_dim))
-            return rows.astype(jnp.float32).reshape(cfg.num_heads, cfg.head_dim, -1)
-
-        def output_norms(v):  # v [B, K, X, H] as stored -> [B, K, G, X]: |W_o v|_1 per head
-            kernel = out_kernel()
+                kernel = stored["kernel"].astype(jnp.float32)  # [N, H, D]
+            elif v.shape[2] < width:
+                # A backend's own layout and few values (a step's new tokens): project
+                # each in each query head's place alone, N x X rows (not N x H).
+                alone = jnp.repeat(v, heads // cfg.num_kv_heads, axis=1)  # [B, N, X, H]
+                alone = alone[:, :, :, None, :] * jnp.eye(heads)[:, None, :, None]
+                out = out_projection(alone.astype(dtype_of(cfg.dtype))).astype(jnp.float32)
+                return jnp.abs(out).sum(-1).reshape(*v.shape[:2], -1, v.shape[2])
+            else:  # read the kernel back through the projection: N x H rows
+                basis = jnp.eye(heads * width, dtype=dtype_of(cfg.dtype))
+                rows = out_projection(basis.reshape(-1, heads, width))
+                kernel = rows.astype(jnp.float32).reshape(heads, width, -1)
             per_head = kernel.reshape(cfg.num_kv_heads, -1, *kernel.shape[1:]).swapaxes(0, 1)
-            v = values.inverse(v).astype(jnp.float32)
             norm = lambda w: jnp.abs(jnp.einsum("bkxh,khd->bkxd", v, w)).sum(-1)  # noqa: E731
             return jax.lax.map(norm, per_head).transpose(1, 2, 0, 3)  # one query head at a time
 

@@ -16,8 +16,9 @@ positions of a row kept in full precision beside the codes, laid out as kvlab/ca
 describes. A paged cache counts its page pools (num_pages x page_size token
 rows, shared by the rows) and each row's ring instead. An evicting cache
 counts its budget slots (kvlab/cache/evict/), and per slot an int32 position
-(and h2o's float32 score) unless it is a ring; keys pruned of channels (ThinK)
-count their kept channels and an int32 id per kept channel, row and KV head;
+(and h2o's float32 score, criticalkv's float32 weight) unless it is a ring;
+keys pruned of channels (ThinK) count their kept channels and an int32 id per
+kept channel, row and KV head;
 a cache whose quantized tokens settle in groups (a residual, per-channel
 scales) counts slots of g tokens, its ring and (h2o) a float32 score per ring
 slot. A hybrid model (model.layer_types) counts each kind of layer as its
@@ -53,6 +54,7 @@ ROW_BYTES = 4 + 4  # per row: an int32 length and int32 error flags
 TABLE_ENTRY_BYTES = 4  # paged: one int32 page id per row and page
 SLOT_BYTES = 4  # evicting caches (scored methods): the int32 position of each slot's token
 SCORE_BYTES = 4  # a scorer that keeps: the float32 each slot carries (h2o's attention)
+WEIGHT_BYTES = 4  # a scorer that weighs: the float32 weight each slot carries (criticalkv)
 CHANNEL_BYTES = 4  # pruned keys (ThinK): the int32 id of each kept channel per row and KV head
 COUNT_BYTES = 4  # cache.evict.when='decoding': the int32 decode steps per row since it compressed
 # A decoding layer's query buffer (evict.QueryBuffer): per row and buffered token, the int32
@@ -177,6 +179,7 @@ def _evicting_bytes(plan, tensors, cache_cfg: Mapping, batch_size: int, rows_hel
             heads = evict.storage_heads(policy)
             heads //= split("cache_heads", heads)
             per_slot = SLOT_BYTES + (SCORE_BYTES if keeps else 0)
+            per_slot += WEIGHT_BYTES if policy.weighs else 0
             per_layer += rows_held * heads * policy.slots * per_slot
         if policy.decodes:
             per_layer += rows_held * COUNT_BYTES

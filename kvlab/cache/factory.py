@@ -288,6 +288,7 @@ def _layer_axes(layer):
             **({} if getattr(layer, "ring_scores", None) is None else {"ring_scores": per_slot}),
             **({} if getattr(layer, "since", None) is None else {"since": per_row}),
             **({} if getattr(layer, "buffer", None) is None else {"buffer": _buffer_axes()}),
+            **({} if getattr(layer, "weights", None) is None else {"weights": per_slot}),
         )
     if isinstance(layer, (DenseLayer, quant.QuantizedLayer)):
         return jax.tree.map(lambda _: ROW_AXES, layer)

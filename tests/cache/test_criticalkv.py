@@ -3,11 +3,23 @@ its definition (arXiv:2502.03805, as kvpress's CriticalKVPress computes it): the
 scorer's best half of the kept share first, the rest by (score + epsilon) times
 the L1 norm of each value's output projection, averaged over a KV head's query heads."""
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import kvlab
-from tests.cache.test_evict import assert_composes, evicting, layer0_keys, layer0_values, run
+from kvlab.cache.evict.layers import reset_rows
+from tests.cache.test_evict import (
+    KIVI_LEN,
+    assert_composes,
+    evicting,
+    kivi,
+    layer0_keys,
+    layer0_values,
+    run,
+)
 from tests.helpers import VARIANTS, build, random_tokens
 
 
@@ -54,3 +66,83 @@ def test_bad_options_and_a_latent_model_are_refused():
     latent = VARIANTS["mla_absorbed"]()
     with pytest.raises(ValueError, match="cannot score a model.attention='mla' cache"):
         kvlab.init_cache(latent.model, evicting(latent, "criticalkv:knorm", budget=8), 1, 32)
+
+
+def _weights(cfg, params, tokens):
+    """float64 [B, T, K]: each token's value weighed by the definition, |W_o^n v|_1
+    averaged over its KV head's query heads n, from layer 0's values."""
+    values = layer0_values(cfg, params, tokens)  # [B, T, K, H]
+    kernel = np.asarray(params["block_0"]["attention"]["out"]["kernel"], np.float64)  # [N, H, D]
+    per_head = kernel.reshape(cfg.model.num_kv_heads, -1, *kernel.shape[1:])  # [K, G, H, D]
+    return np.abs(np.einsum("btkh,kghd->btkgd", values, per_head)).sum(-1).mean(-1)
+
+
+@settings(max_examples=4, deadline=None)
+@given(
+    scorer=st.sampled_from(["knorm", "snapkv", "h2o", "adakv"]),
+    paged=st.booleans(),
+    interval=st.sampled_from([1, 4]),
+    chunks=st.lists(st.sampled_from([1, 5]), min_size=2, max_size=5),
+    seed=st.integers(0, 2**16),
+)
+def test_each_slot_carries_its_values_weight_weighed_as_it_arrived(
+    scorer, paged, interval, chunks, seed
+):
+    """Tokens stored one by one are weighed once, as they arrive, and each slot
+    carries its token's weight (Policy.weighs), so a competition projects no held
+    value again: after every step each held slot's weight is the definition's for
+    its token (a pool's: for its KV head), and the bytes count the weights."""
+    cfg = VARIANTS["gqa"]()
+    tokens = random_tokens(cfg, (2, sum(chunks)), seed=seed)
+    _, params, apply = build(cfg)
+    expected = _weights(cfg, params, tokens)
+    cache_cfg = evicting(cfg, f"criticalkv:{scorer}", budget=6, interval=interval)
+    if paged:
+        cache_cfg.update(kind="paged", page_size=4)
+    cache = kvlab.init_cache(cfg.model, cache_cfg, 2, 32)
+    assert cache.layers[0].policy.weighs and cache.layers[0].weights is not None
+    assert kvlab.cache_bytes(cfg.model, cache_cfg, 2, 32) == kvlab.tree_bytes(cache)
+    heads, end = cfg.model.num_kv_heads, 0
+    for n in chunks:
+        _, cache = apply({"params": params}, tokens[:, end : end + n], cache=cache)
+        end += n
+        layer = cache.layers[0]
+        tags, weights = np.asarray(layer.positions), np.asarray(layer.weights)
+        for b, e, s in zip(*np.nonzero(tags >= 0), strict=True):
+            position, head = (
+                divmod(tags[b, e, s], heads) if layer.policy.pooled else (tags[b, e, s], e)
+            )
+            np.testing.assert_allclose(weights[b, e, s], expected[b, position, head], rtol=2e-5)
+
+
+def test_unknown_weights_are_weighed_afresh_with_the_same_choices():
+    """A row whose carried weights are unknown (NaN: reset_rows starts a row on
+    prefix pages so) has its slots weighed at its next write: the same kept tokens
+    and weights as a layer that knew them, in every layer."""
+    cfg = VARIANTS["gqa"]()
+    tokens = random_tokens(cfg, (2, 12), seed=5)
+    _, cache = run(cfg, evicting(cfg, "criticalkv:snapkv", budget=4), tokens[:, :9])
+    _, params, apply = build(cfg)
+    known = apply({"params": params}, tokens[:, 9:], cache=cache)[1]
+    starting = jnp.asarray([True, False])
+    reset = reset_rows(cache.layers[0], starting, cache.lengths)
+    assert np.isnan(np.asarray(reset.weights[0])).all()
+    np.testing.assert_array_equal(reset.weights[1], cache.layers[0].weights[1])
+    unknown = cache.replace(
+        layers=[layer.replace(weights=layer.weights.at[0].set(jnp.nan)) for layer in cache.layers]
+    )
+    weighed = apply({"params": params}, tokens[:, 9:], cache=unknown)[1]
+    for a, b in zip(known.layers, weighed.layers, strict=True):
+        np.testing.assert_array_equal(a.positions, b.positions)
+        np.testing.assert_allclose(a.weights, b.weights, rtol=1e-6)
+        assert np.isfinite(np.asarray(b.weights)).all()
+
+
+def test_a_settling_layout_carries_no_weights():
+    """KIVI's settled groups carry no weight (Policy.weighs is off: they are weighed
+    at each competition, test_it_wraps_stateful_and_pooled_scorers), nor count one."""
+    cfg = VARIANTS["gqa"]()
+    cache_cfg = kivi(cfg, "criticalkv:knorm", 8, budget=24)
+    cache = kvlab.init_cache(cfg.model, cache_cfg, 2, KIVI_LEN)
+    assert not cache.layers[0].policy.weighs and cache.layers[0].weights is None
+    assert kvlab.cache_bytes(cfg.model, cache_cfg, 2, KIVI_LEN) == kvlab.tree_bytes(cache)

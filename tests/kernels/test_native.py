@@ -711,16 +711,23 @@ def test_a_panel_tree_is_refused_where_it_cannot_go():
 @needs_native
 def test_criticalkv_weighs_values_alike_through_projections_stored_as_panels():
     """CriticalKV reads each head's output projection: from panels (the backend's
-    layout) it rebuilds the same kernel, so the same tokens stay."""
+    layout) it projects a step's few new values head by head, or rebuilds the
+    kernel for many (a 20-token prefill, above the head width of 16), and weighs
+    them as from the kernel, so the same tokens stay with the same weights."""
     cfg = kvlab.load_config(f"{ROOT}/configs/gqa.py:tiny")
-    cfg.cache.evict.update(method="criticalkv:knorm", budget=8, recent=0)
+    cfg.cache.evict.update(method="criticalkv:knorm", budget=8, recent=0, interval=2)
     params = kvlab.init_params(cfg.model, jax.random.key(1))
-    tokens = random_tokens(cfg, (2, 16), 4)
+    tokens = random_tokens(cfg, (2, 24), 4)
     kept = []
     for impl, weights in (("xla", params), ("native", native.panel_projections(params))):
         cfg.model.attention_impl = impl
-        cache = kvlab.init_cache(cfg.model, cfg.cache, batch_size=2, max_len=16)
-        _, cache = kvlab.Transformer(cfg.model).apply({"params": weights}, tokens, cache=cache)
-        kept.append([np.sort(np.asarray(layer.positions), -1) for layer in cache.layers])
-    for xla, panelled in zip(*kept, strict=True):
-        np.testing.assert_array_equal(xla, panelled)
+        cache = kvlab.init_cache(cfg.model, cfg.cache, batch_size=2, max_len=24)
+        model = kvlab.Transformer(cfg.model)
+        for start, end in ((0, 20), (20, 21), (21, 22), (22, 23), (23, 24)):
+            _, cache = model.apply({"params": weights}, tokens[:, start:end], cache=cache)
+            kept.append([(layer.positions, layer.weights) for layer in cache.layers])
+    steps = len(kept) // 2
+    for xla, panelled in zip(kept[:steps], kept[steps:], strict=True):
+        for (positions, weights), (same_positions, same_weights) in zip(xla, panelled, strict=True):
+            np.testing.assert_array_equal(positions, same_positions)
+            np.testing.assert_allclose(weights, same_weights, rtol=1e-5)

@@ -72,6 +72,7 @@ from kvlab.cache.evict.policy import (
     empty_ring_scores,
     empty_since,
     empty_slots,
+    empty_weights,
     observed_queries,
     overflows,
     ring_positions,
@@ -118,6 +119,9 @@ class EvictingLayer:
                  last compressed (Policy.decodes); None otherwise
     buffer       a decoding layer's queries of the decode steps since each row last
                  compressed (buffer.QueryBuffer, Policy.buffers); None otherwise
+    weights      float32[B, E, S] each slot's token's weight (Scorer.weigh, weighed
+                 as it arrived: CriticalKV's value norm; NaN: unknown, weighed at
+                 the next write) where Policy.weighs; None otherwise
     """
 
     tensors: tuple
@@ -127,6 +131,7 @@ class EvictingLayer:
     ring_scores: Array | None = None
     since: Array | None = None
     buffer: QueryBuffer | None = None
+    weights: Array | None = None
 
     @property
     def capacity(self) -> int:
@@ -244,7 +249,7 @@ class EvictingLayer:
         the observed queries and their weights (Candidates.queries), or None."""
         if self.policy.settles:
             return self.write_settling(pending, placement, mass, queries=queries)
-        slots, positions, scores = self.destinations(pending, placement, mass, queries)
+        slots, positions, scores, weights = self.destinations(pending, placement, mass, queries)
         tensors = self.with_channels(pending, placement, slots, queries)
         tensors = tuple(put_tokens(t, x, slots) for t, x in zip(tensors, pending, strict=True))
         return EvictingLayer(
@@ -254,6 +259,7 @@ class EvictingLayer:
             self.policy,
             since=self.counted(placement),
             buffer=self.buffered(placement, queries),
+            weights=weights,
         )
 
     def counted(self, placement: Placement) -> Array | None:
@@ -312,10 +318,11 @@ class EvictingLayer:
 
     def destinations(self, pending: tuple, placement: Placement, mass=None, queries=None):
         """Where the step's tokens go: (slots [B, T] for a ring, else per storage
-        head [B, E, T'], S where a token is not stored; the new positions and scores)."""
+        head [B, E, T'], S where a token is not stored; the new positions, scores
+        and weights)."""
         p = self.policy
         if p.ring:
-            return self._ring_slots(placement), None, None
+            return self._ring_slots(placement), None, None, None
         tags, candidates = self._candidates(placement)  # [B, E, T'], [B, E, C]
         valid = candidates >= 0
         end = self._end(placement)[:, None, None]
@@ -324,8 +331,13 @@ class EvictingLayer:
             limit = self._limit(placement.compress, placement, end)
         elif p.decodes:
             limit = self._limit(self._due(placement), placement, end)
-        score = lambda: self._score(pending, placement, candidates, valid, mass, queries, limit)  # noqa: E731
-        return self._decide(tags, candidates, score, end, limit=limit)
+        weights = None
+        if p.weighs:  # every step: the new tokens' weights are carried from now on
+            weights = self._weights(pending, placement, candidates, valid, queries)
+        score = lambda: self._score(  # noqa: E731
+            pending, placement, candidates, valid, mass, queries, limit, weights
+        )
+        return self._decide(tags, candidates, score, end, limit=limit, weights=weights)
 
     def _limit(self, compress: Array, placement: Placement, end: Array) -> Array:
         """int32[B, 1, 1]: candidates a head keeps at most this step: the target in
@@ -340,7 +352,9 @@ class EvictingLayer:
         target = p.target(end) * (p.kv_heads if p.pooled else 1)
         return jnp.where(rows, target, -1)
 
-    def _decide(self, tags: Array, candidates: Array, score, end: Array, span: int = 1, limit=None):
+    def _decide(
+        self, tags: Array, candidates: Array, score, end: Array, span=1, limit=None, weights=None
+    ):
         """`_keep`, scoring (`score()`: the scores and the priorities they rank by)
         only in a step where some head of some row has
         more candidates than slots, or is compressed (`limit`, `_limit`): otherwise
@@ -360,8 +374,10 @@ class EvictingLayer:
             appended = jnp.zeros(candidates.shape, jnp.float32)
         return jax.lax.cond(
             overflow,
-            lambda: self._keep(tags, candidates, *score(), end, span, limit=limit),
-            lambda: self._keep(tags, candidates, appended, appended, end, span, compete=False),
+            lambda: self._keep(tags, candidates, *score(), end, span, limit=limit, weights=weights),
+            lambda: self._keep(
+                tags, candidates, appended, appended, end, span, compete=False, weights=weights
+            ),
         )
 
     def _keep(
@@ -374,14 +390,16 @@ class EvictingLayer:
         span: int = 1,
         compete: bool = True,
         limit=None,
+        weights=None,
     ):
         """The competition for the S slots of each head: candidates [B, E, C] (stored
         slots first, then the new `tags` [B, E, C - S]) of `span` positions each.
         A head with more candidates than slots drops the lowest down to S minus
         the policy's `spare` (cache.evict.interval), a row with a `limit` (>= 0)
         down to it, the lowest `priority` first; the kept ones carry their `score`
-        (a state the scorer keeps). Returns the new candidates' slots [B, E, C - S] (S: not
-        stored), the positions and (h2o) the scores the slots then hold.
+        (a state the scorer keeps) and their `weights` (Policy.weighs). Returns the
+        new candidates' slots [B, E, C - S] (S: not stored), the positions, (h2o)
+        the scores and the weights the slots then hold.
         compete=False: every candidate fits (nothing dropped)."""
         slots = self.positions.shape[2]
         valid = candidates >= 0
@@ -402,7 +420,11 @@ class EvictingLayer:
         if scores is not None:  # h2o: the attention each kept token has received
             scores = jnp.where(kept_stored, score[..., :slots], 0.0)
             scores = scores.at[b, e, dest].set(score[..., slots:], mode="drop")
-        return dest, positions, scores
+        held = None
+        if weights is not None:
+            held = jnp.where(kept_stored, weights[..., :slots], 0.0)
+            held = held.at[b, e, dest].set(weights[..., slots:], mode="drop")
+        return dest, positions, scores, held
 
     def _dropped(self, candidates: Array, score: Array, end: Array, span: int, limit=None) -> Array:
         """bool[B, E, C]: the candidates a head drops, the lowest priority first."""
@@ -475,9 +497,12 @@ class EvictingLayer:
             )
         return tags, jnp.concatenate([self.positions, tags], axis=2)
 
-    def _score(self, pending, placement, candidates, valid, mass, queries, limit=None):
+    def _score(
+        self, pending, placement, candidates, valid, mass, queries, limit=None, weights=None
+    ):
         """(scores, priorities) float32[B, E, C]: the scorer's score of each candidate
-        token and what the competition ranks it by."""
+        token and what the competition ranks it by (`weights`: the candidates'
+        carried weights, Policy.weighs)."""
         p = self.policy
         heads = candidates.shape[1]
         per_head = None
@@ -485,19 +510,17 @@ class EvictingLayer:
             per_head = jnp.concatenate(
                 [m.reshape(m.shape[0], heads, -1, m.shape[-1]).mean(2) for m in mass], axis=2
             )[..., None]
-
-        def tokens(i, held=True):  # cached tensor i's, stored (held) and new, as stored
-            new = as_stored(pending[i], self.tensors[i], placement.lengths).astype(jnp.float32)
-            if p.pooled:
-                (new,) = self._pool_tensors((new,))
-            if held:
-                new = jnp.concatenate([stored_values(self.tensors[i]), new], axis=2)
-            return new[:, :, :, None]
-
-        keys, values = lambda: tokens(0), lambda: tokens(self._values_index)  # noqa: E731
         c = self._candidates_of(
-            candidates, valid, 1, per_head, keys, values, placement, queries, limit
+            candidates,
+            valid,
+            1,
+            per_head,
+            *self._readers(pending, placement),
+            placement,
+            queries,
+            limit,
         )
+        c = dataclasses.replace(c, weights=weights)
         if self.buffer is not None:
             c = self._with_buffer(c, placement, queries)
         if not p.remembers:
@@ -505,14 +528,7 @@ class EvictingLayer:
         # A static scorer's: the slots' carried scores, the new tokens' scored now;
         # a row reset_rows started on prefix pages (NaN: unknown) has its slots scored.
         slots = self.positions.shape[2]
-        fresh = dataclasses.replace(
-            c,
-            **{f: getattr(c, f)[..., slots:] for f in ("tags", "valid", "positions", "heads")},
-            held=0,
-            state=None,
-            keys=lambda: tokens(0, held=False),
-            values=lambda: tokens(self._values_index, held=False),
-        )
+        fresh = self._fresh(c, pending, placement)
         unknown = jnp.isnan(self.scores)
         held = jax.lax.cond(
             jnp.any(unknown),
@@ -521,6 +537,54 @@ class EvictingLayer:
         )
         score = jnp.concatenate([held, p.scorer.score(fresh)], axis=-1)
         return score, p.scorer.priority(c, score)
+
+    def _readers(self, pending, placement, held: bool = True):
+        """(keys, values): functions giving the candidates' keys and values as stored
+        [B, E, C, 1, W] (float32), the stored slots' first unless not `held`."""
+
+        def tokens(i):  # cached tensor i's, stored (held) and new, as stored
+            new = as_stored(pending[i], self.tensors[i], placement.lengths).astype(jnp.float32)
+            if self.policy.pooled:
+                (new,) = self._pool_tensors((new,))
+            if held:
+                new = jnp.concatenate([stored_values(self.tensors[i]), new], axis=2)
+            return new[:, :, :, None]
+
+        return lambda: tokens(0), lambda: tokens(self._values_index)
+
+    def _fresh(self, c: Candidates, pending, placement) -> Candidates:
+        """`c` narrowed to the step's new candidates (past the stored slots)."""
+        slots = self.positions.shape[2]
+        keys, values = self._readers(pending, placement, held=False)
+        return dataclasses.replace(
+            c,
+            **{f: getattr(c, f)[..., slots:] for f in ("tags", "valid", "positions", "heads")},
+            held=0,
+            state=None,
+            weights=None if c.weights is None else c.weights[..., slots:],
+            keys=keys,
+            values=values,
+        )
+
+    def _weights(self, pending, placement, candidates, valid, queries) -> Array:
+        """float32[B, E, C]: each candidate's weight (Policy.weighs): the slots'
+        carried ones, the step's new tokens' weighed now (NaN where the attention
+        offered no queries to weigh them by: weighed at a later write); a row
+        reset_rows started on prefix pages (NaN: unknown) has its slots weighed."""
+        scorer, slots = self.policy.scorer, self.positions.shape[2]
+        if queries is None:
+            fresh = jnp.full(candidates[..., slots:].shape, jnp.nan, jnp.float32)
+            return jnp.concatenate([self.weights, fresh], axis=-1)
+        c = self._candidates_of(
+            candidates, valid, 1, None, *self._readers(pending, placement), placement, queries
+        )
+        unknown = jnp.isnan(self.weights) & (self.positions >= 0)
+        held = jax.lax.cond(
+            jnp.any(unknown),
+            lambda: jnp.where(unknown, scorer.weigh(c)[..., :slots], self.weights),
+            lambda: self.weights,
+        )
+        return jnp.concatenate([held, scorer.weigh(self._fresh(c, pending, placement))], axis=-1)
 
     def _with_buffer(self, c: Candidates, placement: Placement, queries) -> Candidates:
         """`c` with a decoding layer's buffered queries of earlier decode steps beside
@@ -636,7 +700,7 @@ class EvictingLayer:
             return self._group_score(flush, placement, candidates, valid, mass, unsettled, queries)
 
         end = (placement.lengths + placement.num_tokens)[:, None, None]
-        dest, positions, scores = self._decide(tags, candidates, score, end, span=g)
+        dest, positions, scores, _ = self._decide(tags, candidates, score, end, span=g)
         # Slot j of a head holds rows j*g .. j*g + g-1 (S x g: dropped).
         rows = (dest[..., None] * g + jnp.arange(g)).reshape(*dest.shape[:2], -1)
         pool = self._pool_tensors if p.pooled else (lambda xs: xs)
@@ -780,6 +844,7 @@ def init_layer(policy: Policy, tensors: tuple, batch: int, dtype=jnp.bfloat16) -
         empty_ring_scores(policy, batch),
         empty_since(policy, batch),
         init_buffer(policy, tensors, batch, dtype),
+        empty_weights(policy, batch),
     )
 
 
@@ -797,7 +862,8 @@ def reset_rows(layer, starting: Array, lengths: Array):
     tokens in slot order (a request starting there on matched prefix pages) and
     nothing else: slot j holds position j (settling: group j, first position j x g)
     or nothing (-1), scores 0 (a remembered static score: NaN, scored at the next
-    write, Policy.remembers). Other layers pass through."""
+    write, Policy.remembers) and weights NaN (weighed at the next write). Other
+    layers pass through."""
     if getattr(layer, "positions", None) is None:
         return layer
     first = jnp.arange(layer.positions.shape[2]) * layer.policy.granularity  # slot j: group j
@@ -813,6 +879,8 @@ def reset_rows(layer, starting: Array, lengths: Array):
         layer = layer.replace(ring_scores=ring_scores)
     if getattr(layer, "since", None) is not None:
         layer = layer.replace(since=jnp.where(starting, 0, layer.since))
+    if getattr(layer, "weights", None) is not None:
+        layer = layer.replace(weights=jnp.where(starting[:, None, None], jnp.nan, layer.weights))
     if getattr(layer, "buffer", None) is not None:
         layer = layer.replace(buffer=layer.buffer.emptied(starting))
     return layer

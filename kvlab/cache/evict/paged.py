@@ -23,6 +23,7 @@ from kvlab.cache.evict.policy import (
     empty_ring_scores,
     empty_since,
     empty_slots,
+    empty_weights,
     observed_queries,
     overflows,
     stored_tokens,
@@ -84,7 +85,7 @@ class PagedEvictingLayer:
                  L / g entries per page); a settling policy's ring stays per row;
                  pruned keys (stored.PrunedKeys): kept channels in a pool
                  [KH, P, L, Wk], the channel ids per row [B, K, Wk]
-    positions, scores, policy, ring_scores, since, buffer: as EvictingLayer's
+    positions, scores, policy, ring_scores, since, buffer, weights: as EvictingLayer's
     """
 
     pools: tuple
@@ -94,6 +95,7 @@ class PagedEvictingLayer:
     ring_scores: Array | None = None
     since: Array | None = None
     buffer: QueryBuffer | None = None
+    weights: Array | None = None
 
     @property
     def capacity(self) -> int:
@@ -108,7 +110,14 @@ class PagedEvictingLayer:
         p = self.policy
         tensors = tuple(_gather(pool, pages, p.rows, self._page) for pool in self.pools)
         return EvictingLayer(
-            tensors, self.positions, self.scores, p, self.ring_scores, self.since, self.buffer
+            tensors,
+            self.positions,
+            self.scores,
+            p,
+            self.ring_scores,
+            self.since,
+            self.buffer,
+            self.weights,
         )
 
     def tensor_shapes(self) -> tuple[tuple[int, int], ...]:
@@ -143,7 +152,7 @@ class PagedEvictingLayer:
             return PagedEvictingLayer(
                 layer.tensors, layer.positions, layer.scores, p, layer.ring_scores
             )
-        slots, positions, scores = view.destinations(pending, placement, mass, queries)
+        slots, positions, scores, weights = view.destinations(pending, placement, mass, queries)
         pools = self.pools
         if isinstance(pools[0], PrunedKeys):  # the channels the rows' first writes choose
             chosen = view.with_channels(pending, placement, slots, queries)[0]
@@ -159,6 +168,7 @@ class PagedEvictingLayer:
             p,
             since=view.counted(placement),
             buffer=view.buffered(placement, queries),
+            weights=weights,
         )
 
 
@@ -173,6 +183,7 @@ def init_paged_layer(
         empty_ring_scores(policy, batch),
         empty_since(policy, batch),
         init_buffer(policy, pools, batch, dtype),
+        empty_weights(policy, batch),
     )
 
 

@@ -126,6 +126,14 @@ class Policy:
         return self.scorer is not None and (self.scorer.keeps or self.remembers)
 
     @property
+    def weighs(self) -> bool:
+        """Whether each slot carries its token's weight (`Scorer.weighs`: CriticalKV's
+        value norm), weighed once as the token arrives: tokens stored one by one
+        (a settling layout's groups are weighed at each competition)."""
+        s = self.scorer
+        return s is not None and s.weighs and not self.ring and not self.settles
+
+    @property
     def competes_always(self) -> bool:
         """A scored layer that competes in every step once its slots are full: every
         step at interval 1, over tokens stored one by one."""
@@ -642,6 +650,14 @@ def empty_slots(policy: Policy, batch: int):
     shape = (batch, storage_heads(policy), policy.slots)
     scores = jnp.zeros(shape, jnp.float32) if policy.keeps else None
     return jnp.full(shape, -1, jnp.int32), scores
+
+
+def empty_weights(policy: Policy, batch: int) -> Array | None:
+    """float32[B, E, S] zeros: the weight each slot's token carries where the
+    layer `weighs` its tokens; None otherwise."""
+    if not policy.weighs:
+        return None
+    return jnp.zeros((batch, storage_heads(policy), policy.slots), jnp.float32)
 
 
 def empty_since(policy: Policy, batch: int) -> Array | None:

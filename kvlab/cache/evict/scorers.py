@@ -35,6 +35,11 @@ bytes, the cache's label, the eviction sweep's grid):
                   `keeps`, counted the same) and scores only the step's new tokens
     pooled        a layer's K heads share one pool of K x budget slots, each head at
                   least cache.evict.adakv_floor x budget (adakv)
+    weighs        its priority reads a weight per token that is a function of the
+                  token alone (CriticalKV's value norm): a layer storing tokens one by
+                  one weighs each as it arrives (`weigh`) and carries the weight per
+                  slot (`Candidates.weights`, counted in the bytes) instead of
+                  weighing every candidate at each competition
     prefix_unsafe why shared prompt pages cannot stand for its state (None: they can)
     attention_kinds  the model.attention kinds it can score (expected_attention
                   needs the queries before RoPE, which only 'gqa' offers)
@@ -47,6 +52,7 @@ bytes, the cache's label, the eviction sweep's grid):
     probe_tokens()  the probes to feed after a context (observes "probes")
     key_channels()  the channels of each key a slot stores (fewer under a wrapper
                   that prunes them: ThinK), and choose_channels() which (`Channels`)
+    weigh()       float32[B, E, C]: each candidate's weight (`weighs`)
     budgets()     the per-layer budgets (pyramidkv), uniform by default
     priority()    what the competition compares, from its score (default: the
                   score; a scorer that `keeps` its score may rank by another number)
@@ -129,6 +135,8 @@ class Candidates:
     recent     the layer's cache.evict.recent: candidates holding one of a row's
                `recent` latest positions stay whatever their score (`always_kept`)
     options    the scorer's options (its `defaults` with cache.evict.options over them)
+    weights    float32[B, E, C] | None   each candidate's `Scorer.weigh`, carried per
+               slot by a layer of a scorer that `weighs` (None elsewhere: weigh them)
     """
 
     tags: Array
@@ -159,6 +167,7 @@ class Candidates:
     observed: Array | None = None
     recent: int = 0
     options: Mapping = dataclasses.field(default_factory=dict)
+    weights: Array | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -198,6 +207,7 @@ class Scorer:
     keeps: bool = False
     static: bool = False
     pooled: bool = False
+    weighs: bool = False
     prefix_unsafe: str | None = None
     attention_kinds: tuple[str, ...] = ("gqa", "mla")
     calibrated: bool = False
@@ -235,6 +245,10 @@ class Scorer:
     def score(self, c: Candidates) -> Array:
         raise NotImplementedError
 
+    def weigh(self, c: Candidates) -> Array:
+        """float32[B, E, C]: each candidate's weight, a function of it alone (`weighs`)."""
+        raise NotImplementedError(f"{self.name} weighs no tokens")
+
     def priority(self, c: Candidates, score: Array) -> Array:
         """float32[B, E, C]: what the competition compares (higher stays)."""
         return score
@@ -246,6 +260,7 @@ class Wrapper:
 
     name: str = ""
     observes: str | None = None  # queries it needs observed when its scorer observes none
+    weighs: bool = False  # as Scorer's, with `weigh`
     prefix_unsafe: str | None = None  # as Scorer's
     attention_kinds: tuple[str, ...] = ("gqa", "mla")
     fields: tuple[str, ...] = ()
@@ -260,6 +275,10 @@ class Wrapper:
 
     def priority(self, c: Candidates, priority: Array) -> Array:
         return priority
+
+    def weigh(self, c: Candidates) -> Array:
+        """As Scorer.weigh."""
+        raise NotImplementedError(f"{self.name} weighs no tokens")
 
     def key_channels(self, width: int, options: Mapping) -> int:
         """As Scorer.key_channels: a wrapper may prune the keys of any scorer."""
@@ -278,6 +297,9 @@ class Wrapped(Scorer):
         self.observes = scorer.observes or wrapper.observes
         self.peaks, self.keeps, self.pooled = scorer.peaks, scorer.keeps, scorer.pooled
         self.static = scorer.static  # a wrapper turns priorities, never the scores
+        # one weight per slot: where several levels weigh, each weighs its candidates
+        self.weighers = int(wrapper.weighs) + getattr(scorer, "weighers", int(scorer.weighs))
+        self.weighs = self.weighers == 1
         self.prefix_unsafe = scorer.prefix_unsafe or wrapper.prefix_unsafe
         self.attention_kinds = tuple(
             k for k in scorer.attention_kinds if k in wrapper.attention_kinds
@@ -310,6 +332,9 @@ class Wrapped(Scorer):
 
     def score(self, c: Candidates) -> Array:
         return self.scorer.score(c)
+
+    def weigh(self, c: Candidates) -> Array:
+        return (self.wrapper if self.wrapper.weighs else self.scorer).weigh(c)
 
     def priority(self, c: Candidates, score: Array) -> Array:
         return self.wrapper.priority(c, self.scorer.priority(c, score))
