@@ -103,11 +103,12 @@ class GroupedQueryAttention(nn.Module):
             v = values.inverse(v).astype(jnp.float32)
             heads, width = cfg.num_heads, cfg.head_dim
             stored = self.variables["params"]["out"]
+            few = v.shape[2] < width  # a step's new tokens: every query head at once
             if "kernel" in stored:
                 kernel = stored["kernel"].astype(jnp.float32)  # [N, H, D]
-            elif v.shape[2] < width:
-                # A backend's own layout and few values (a step's new tokens): project
-                # each in each query head's place alone, N x X rows (not N x H).
+            elif few:
+                # A backend's own layout: project each value in each query head's
+                # place alone, N x X rows (not the N x H that read the kernel back).
                 alone = jnp.repeat(v, heads // cfg.num_kv_heads, axis=1)  # [B, N, X, H]
                 alone = alone[:, :, :, None, :] * jnp.eye(heads)[:, None, :, None]
                 out = out_projection(alone.astype(dtype_of(cfg.dtype))).astype(jnp.float32)
@@ -116,9 +117,12 @@ class GroupedQueryAttention(nn.Module):
                 basis = jnp.eye(heads * width, dtype=dtype_of(cfg.dtype))
                 rows = out_projection(basis.reshape(-1, heads, width))
                 kernel = rows.astype(jnp.float32).reshape(heads, width, -1)
-            per_head = kernel.reshape(cfg.num_kv_heads, -1, *kernel.shape[1:]).swapaxes(0, 1)
+            per_head = kernel.reshape(cfg.num_kv_heads, -1, *kernel.shape[1:])  # [K, G, H, D]
+            if few:
+                return jnp.abs(jnp.einsum("bkxh,kghd->bkgxd", v, per_head)).sum(-1)
             norm = lambda w: jnp.abs(jnp.einsum("bkxh,khd->bkxd", v, w)).sum(-1)  # noqa: E731
-            return jax.lax.map(norm, per_head).transpose(1, 2, 0, 3)  # one query head at a time
+            # one query head at a time: many values' projections are large
+            return jax.lax.map(norm, per_head.swapaxes(0, 1)).transpose(1, 2, 0, 3)
 
         def queries():  # for scorers (kvlab.attention.core.Queries)
             return Queries(by_kv_head(q), by_kv_head(raw), rotate, output_norms)
