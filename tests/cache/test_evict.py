@@ -746,23 +746,31 @@ def test_knorm_every_step_scores_only_new_tokens_and_keeps_the_smallest_keys(
             np.testing.assert_allclose(scores[h][stored], expected, rtol=1e-5)
 
 
-def test_unknown_remembered_scores_are_scored_afresh_with_the_same_choices():
-    """A row whose carried static scores are unknown (NaN: reset_rows started it on
-    prefix pages) has its slots scored at its next write: the same kept tokens and
-    scores as a layer that knew them, in every layer."""
+def assert_unknown_state_is_rebuilt(method: str, field: str):
+    """A row whose per-slot `field` (a remembered score, a carried weight) is
+    unknown (NaN: reset_rows started it on prefix pages) has it rebuilt at its
+    next write under `method`: the same kept tokens and `field` as a layer that
+    knew it, in every layer."""
     cfg = VARIANTS["gqa"]()
     tokens = random_tokens(cfg, (2, 12), seed=5)
-    _, cache = run(cfg, evicting(cfg, "knorm", budget=4), tokens[:, :9])
+    _, cache = run(cfg, evicting(cfg, method, budget=4), tokens[:, :9])
     _, params, apply = build(cfg)
     known = apply({"params": params}, tokens[:, 9:], cache=cache)[1]
     unknown = cache.replace(
-        layers=[layer.replace(scores=layer.scores.at[0].set(jnp.nan)) for layer in cache.layers]
+        layers=[
+            layer.replace(**{field: getattr(layer, field).at[0].set(jnp.nan)})
+            for layer in cache.layers
+        ]
     )
-    rescored = apply({"params": params}, tokens[:, 9:], cache=unknown)[1]
-    for a, b in zip(known.layers, rescored.layers, strict=True):
+    rebuilt = apply({"params": params}, tokens[:, 9:], cache=unknown)[1]
+    for a, b in zip(known.layers, rebuilt.layers, strict=True):
         np.testing.assert_array_equal(a.positions, b.positions)
-        np.testing.assert_allclose(a.scores, b.scores, rtol=1e-6)
-        assert np.isfinite(np.asarray(b.scores)).all()
+        np.testing.assert_allclose(getattr(a, field), getattr(b, field), rtol=1e-6)
+        assert np.isfinite(np.asarray(getattr(b, field))).all()
+
+
+def test_unknown_remembered_scores_are_scored_afresh_with_the_same_choices():
+    assert_unknown_state_is_rebuilt("knorm", "scores")
 
 
 def test_a_row_given_an_invalid_token_under_jit_keeps_its_kept_tokens():
