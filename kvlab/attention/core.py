@@ -245,8 +245,9 @@ def through_layer(
 def _observing(attention, read: Read):
     """(output, mass) of attention over an observing read. The mass is computed
     only in a step whose write scores (`layer.competes`, a traced bool; None:
-    every step): other steps attend as a layer without eviction does (streamed,
-    or a backend's kernel) and hand zeros, which their write does not read."""
+    every step; False: none, the layer reads the queries alone): other steps
+    attend as a layer without eviction does (streamed, or a backend's kernel)
+    and hand zeros, which their write does not read."""
     observe = Peak(read.observe) if read.layer.policy.peaks else read.observe
     attend = lambda: attention(read.regions, observe, read.cached)  # noqa: E731
     competes = read.layer.competes(read.placement)
@@ -258,6 +259,8 @@ def _observing(attention, read: Read):
         out = attention(read.regions, None, read.cached)
         return out, [jnp.zeros(m.shape, m.dtype) for m in masses]
 
+    if competes is False:
+        return unobserved()
     return jax.lax.cond(competes, attend, unobserved)
 
 

@@ -88,7 +88,8 @@ class CacheLayer(Protocol):
         """Weights of the queries whose attention the layer wants to see (an
         evicting layer scoring by attention, kvlab/cache/evict/), or None. A
         layer that gives weights also answers `competes(placement)`: a traced
-        bool, whether this step's write reads the mass at all (None: always);
+        bool, whether this step's write reads the mass at all (None: always;
+        False: never, the queries alone are read);
         attention computes it only then (kvlab.attention.core.through_layer)."""
 
     def write(self, pending: Any, placement: Placement, mass=None, queries=None) -> CacheLayer:

@@ -136,3 +136,15 @@ def test_a_settling_layout_carries_no_weights():
     cache = kvlab.init_cache(cfg.model, cache_cfg, 2, KIVI_LEN)
     assert not cache.layers[0].policy.weighs and cache.layers[0].weights is None
     assert kvlab.cache_bytes(cfg.model, cache_cfg, 2, KIVI_LEN) == kvlab.tree_bytes(cache)
+
+
+def test_over_a_scorer_that_reads_no_mass_attention_computes_none():
+    """criticalkv observes the last query for its output projections alone: over
+    knorm (which reads no mass) no step's attention computes the mass
+    (`competes` is False, Scorer.reads_mass), over snapkv the steps that score do."""
+    cfg = VARIANTS["gqa"]()
+    for method, computes in (("criticalkv:knorm", False), ("criticalkv:snapkv", True)):
+        cache = kvlab.init_cache(cfg.model, evicting(cfg, method, budget=8), 2, 32)
+        placement = cache.place(1, jnp.ones((2,), jnp.int32))
+        competes = cache.layers[0].competes(placement)
+        assert (competes is not False) == computes, method

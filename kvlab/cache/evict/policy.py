@@ -589,7 +589,7 @@ def observed_queries(policy: Policy, placement: Placement) -> Array | None:
 
 def overflows(
     positions: Array | None, policy: Policy, placement: Placement, since: Array | None = None
-) -> Array | None:
+) -> Array | bool | None:
     """bool[]: whether a step's candidates (the held slots and the step's new
     tokens, or the groups that settle in it) outnumber some head's slots in some
     row, so the write competes and its scorer reads the mass; the same count the
@@ -597,7 +597,10 @@ def overflows(
     `since`). None where the scorer's mass is needed every step (`keeps`), or is
     once the slots are full (`competes_always`: a step choosing between attention
     with and without the mass costs more there than the mass of the steps that
-    fill the slots)."""
+    fill the slots). False where no step reads it: a wrapper observes for the
+    queries alone, over a scorer that reads no mass (criticalkv:knorm)."""
+    if policy.scorer is not None and not policy.scorer.reads_mass:
+        return False
     if policy.scorer is None or policy.keeps:  # a window, or h2o
         return None
     if policy.competes_always:

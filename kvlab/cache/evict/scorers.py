@@ -242,6 +242,12 @@ class Scorer:
         a compression keeps (per_layer). Read instead of `budgets` where given."""
         return None
 
+    @property
+    def reads_mass(self) -> bool:
+        """Whether it reads the attention its candidates received (`Candidates.mass`):
+        a scorer that observes does; a wrapper observes for the queries alone."""
+        return self.observes is not None
+
     def score(self, c: Candidates) -> Array:
         raise NotImplementedError
 
@@ -259,7 +265,8 @@ class Wrapper:
     priorities [B, E, C] into the wrapper's."""
 
     name: str = ""
-    observes: str | None = None  # queries it needs observed when its scorer observes none
+    # queries it needs observed when its scorer observes none (their mass unread)
+    observes: str | None = None
     weighs: bool = False  # as Scorer's, with `weigh`
     prefix_unsafe: str | None = None  # as Scorer's
     attention_kinds: tuple[str, ...] = ("gqa", "mla")
@@ -329,6 +336,10 @@ class Wrapped(Scorer):
 
     def probe_tokens(self, encode: Callable[[str], list], context: list) -> list:
         return self.scorer.probe_tokens(encode, context)
+
+    @property
+    def reads_mass(self) -> bool:
+        return self.scorer.reads_mass  # a wrapper observes for the queries alone
 
     def score(self, c: Candidates) -> Array:
         return self.scorer.score(c)
