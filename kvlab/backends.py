@@ -9,7 +9,8 @@ kvlab's core is plain JAX: `kvlab.attention.core.attend` is the reference
 time) and `kvlab.cache.placement.write_tokens` the one cache write, and both
 run on any platform. A `Backend` may take over parts of them: `partial`
 computes the softmax partial of one block of stored tokens (its peak, sum and
-weighted sum, merged with the others' as flash-decoding merges them), `write`
+weighted sum, merged with the others' as flash-decoding merges them), `pooled`
+the same for a pool of slots owned by several KV heads (AdaKV's), `write`
 writes new tokens into a cache buffer, and `scope` wraps a model's forward
 (a plug-in may intercept the model's modules there, e.g. projections whose
 weights it stores in a layout of its own). Each returns None (or does
@@ -65,6 +66,10 @@ class Backend:
     partial(block, attention): (peak [B, K, T, G, 1], total [B, K, T, G, 1],
         out [B, K, M, Hv]) of the block's keys and values under the queries
         `attention` (kvlab.attention.core.Attention) holds, or None.
+    pooled(block, attention): the partial, as `partial` gives it, of a pool's
+        block (kvlab.cache.protocols.Pooled keys and values: each slot read by
+        the query heads of its own KV head alone) in an unobserved step, or
+        None (attend then reads the arrays under the block's mask).
     write(buffer, new, slots, axis): the buffer with the new tokens written
         (kvlab.cache.placement.write_tokens' contract), or None.
     scope(): a context around a model's forward (`kvlab.Transformer`).
@@ -85,6 +90,9 @@ class Backend:
         return False
 
     def partial(self, block, attention) -> tuple | None:
+        return None
+
+    def pooled(self, block, attention) -> tuple | None:
         return None
 
     def write(self, buffer, new, slots, axis: int):

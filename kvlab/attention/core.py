@@ -52,7 +52,7 @@ from einops import rearrange
 from jaxtyping import Array, Bool, Float
 
 from kvlab import backends
-from kvlab.cache.protocols import Reader
+from kvlab.cache.protocols import Pooled, Reader
 
 # A finite "minus infinity": a fully masked row gives a uniform softmax, not NaN.
 MASKED = -0.7 * float(jnp.finfo(jnp.float32).max)
@@ -311,6 +311,19 @@ def merge(a, b):
     return peak, a[1] * scale_a + b[1] * scale_b, out
 
 
+def unpooled(block):
+    """The block with a pool's `Pooled` keys and values as the arrays they wrap
+    (the mask says which query heads read which slot)."""
+    plain = lambda x: x.array if isinstance(x, Pooled) else x  # noqa: E731
+    k, v, mask = block
+    return (tuple(map(plain, k)) if isinstance(k, tuple) else plain(k), plain(v), mask)
+
+
+def pooled(block) -> bool:
+    """Whether the block is a pool's stored slots (`Pooled` keys and values)."""
+    return isinstance(block[1], Pooled)
+
+
 def tensors(block) -> tuple:
     """A block's key parts and values (arrays or Readers)."""
     return (*_parts(block[0]), block[1])
@@ -503,13 +516,16 @@ def attend(
     and averaged over each KV head's G query heads (a `Peak`: the largest from
     any observed query and query head). `impl` names the backend
     (kvlab.backends; model.attention_impl) whose kernels compute the blocks
-    it claims; "xla" is this function alone.
+    it claims; "xla" is this function alone. A pool's block (`Pooled` keys and
+    values, AdaKV) is read as the arrays it wraps under its mask, unless the
+    backend reads it with each slot's own query heads (`Backend.pooled`).
     """
     queries = _parts(q)
     batch, length, num_heads, _ = queries[0].shape
     # [B, K, S, H] keys and values (arrays or readers)
-    num_kv_heads = blocks[0][1].shape[1]
-    part_heads = tuple(part.shape[1] for part in _parts(blocks[0][0]))
+    first = unpooled(blocks[0])
+    num_kv_heads = first[1].shape[1]
+    part_heads = tuple(part.shape[1] for part in _parts(first[0]))
     for heads in (num_kv_heads, *part_heads):
         if num_heads % heads:
             raise ValueError(f"query heads ({num_heads}) must be a multiple of KV heads ({heads})")
@@ -523,6 +539,16 @@ def attend(
     )
     attention = Attention(folded, part_heads, (batch, num_kv_heads, length, groups), scale)
     kernels = backends.get(impl)
+    # A pool's slots that the backend reads with each slot's own query heads alone
+    # (Backend.pooled): their partials, merged with the others' after.
+    partials = []
+    if observe is None:
+        for block in [b for b in blocks if pooled(b)]:
+            partial = kernels.pooled(block, attention)
+            if partial is not None:
+                partials.append(partial)
+                blocks = [b for b in blocks if b is not block]
+    blocks = [unpooled(block) for block in blocks]
 
     def apart(block) -> bool:
         """Blocks attended on their own and merged after: long stored blocks
@@ -563,6 +589,8 @@ def attend(
     for block in separate:  # merged into the others' softmax as in flash-decoding
         partial = kernels.partial(block, attention) if kernels.claims(block, attention) else None
         peak, total, out = merge((peak, total, out), partial or attention.partial(block))
+    for partial in partials:
+        peak, total, out = merge((peak, total, out), partial)
     out = out / total.reshape(batch, num_kv_heads, length * groups, 1)
     out = rearrange(out, "B K (T G) H -> B T (K G) H", T=length).astype(queries[0].dtype)
     return out if observe is None else (out, mass)

@@ -8,7 +8,7 @@ from kvlab.cache.factory import init_cache
 from kvlab.cache.paged import PagedCache, PagedLayer, PagedQuantizedLayer
 from kvlab.cache.placement import write_tokens
 from kvlab.cache.prefix import PrefixCache
-from kvlab.cache.protocols import CacheLayer, Reader
+from kvlab.cache.protocols import CacheLayer, Pooled, Reader
 from kvlab.cache.quant import QuantizedLayer, QuantizedTensor
 from kvlab.cache.serialization import PYTREES  # registers them with jax.export
 
@@ -24,6 +24,7 @@ __all__ = [
     "PagedCache",
     "PagedLayer",
     "PagedQuantizedLayer",
+    "Pooled",
     "PrefixCache",
     "QuantizedLayer",
     "QuantizedTensor",

@@ -12,13 +12,15 @@ attend over, attends, and hands back what to store:
 queries' attention it observes and handing it their mass.) Every storage kind
 (dense, quantized, paged, paged quantized, evicting) is a `CacheLayer`. A
 block's keys or values are arrays, or a `Reader` of stored data that computes
-attention's two products without a dequantized copy (kvlab/cache/quant/).
+attention's two products without a dequantized copy (kvlab/cache/quant/); a
+pool's (AdaKV's one pool of slots for all KV heads) are `Pooled`.
 docs/caches.md, "The read/write contract", says why the write comes after the
 read.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Any, Protocol, runtime_checkable
 
@@ -58,6 +60,20 @@ class Reader(Protocol):
     def chunk(self, start: Int[Array, ""], size: int) -> Any:
         """Tokens start..start+size-1 (0 <= start <= S - size, multiples of `step`)
         as an array or a Reader: attention reads long blocks a slice at a time."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Pooled:
+    """The keys or values [B, 1, S, W] (an array) of a pool whose slots each hold
+    a token of one of `heads` KV heads (AdaKV, kvlab/cache/evict/layers.py): slot
+    s of row b belongs to KV head owner[b, s] (int32 [B, S]; -1: no token) and
+    only that head's query heads read it. The block's mask says the same, so
+    attention's reference reads `array` under it; a backend may read each slot
+    with its own head's queries alone (kvlab.backends.Backend.pooled)."""
+
+    array: Array
+    owner: Int[Array, "B S"]
+    heads: int
 
 
 class CacheLayer(Protocol):

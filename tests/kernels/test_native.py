@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 
 import kvlab
 import kvlab.kernels.native as native
+from kvlab.attention import core
 from kvlab.cache.placement import scatter_tokens
 from kvlab.kernels.native import ffi, to_panels
 from tests.attention.test_stream import decode_logits
@@ -332,6 +333,90 @@ def test_pool_products_are_those_of_the_gathered_tokens(
     check_products(out, "bkms,bksh->bkmh", w[..., :seen], tokens[:, :, :seen])
     with pytest.raises(ValueError, match="do not match"):  # more tokens than the tables hold
         ffi.pool_scores(q, pool, pages, n * per_page + 1, seen)
+
+
+@needs_native
+@given(
+    batch=st.integers(1, 3),
+    heads=st.integers(1, 4),
+    rows=st.integers(1, ffi.MAX_ROWS),
+    length=st.integers(1, 80),
+    width=st.integers(1, 70),
+    dtype=st.sampled_from(["float32", "bfloat16", "float16"]),
+    seed=st.integers(0, 2**16),
+)
+def test_owned_products_read_each_slot_with_its_own_heads_queries(
+    batch, heads, rows, length, width, dtype, seed
+):
+    """Over a pool of slots each owned by one KV head (AdaKV's), a slot's score
+    is its owner's queries' product and each head's sum runs over its own slots
+    alone; a slot of no head (-1, or a head past K) scores 0 and its weight,
+    here NaN, is never read; a head that owns nothing has peak -inf, sum 0."""
+    rng = np.random.default_rng(seed)
+    owner = rng.integers(-2, heads + 1, (batch, length)).astype(np.int32)
+    owner[0][owner[0] == heads - 1] = -1  # the last head of row 0 owns no slot
+    stored = jnp.asarray(rng.standard_normal((batch, length, width)), dtype)
+    tokens = np.asarray(stored.astype(jnp.float32), np.float64)
+    q = rng.standard_normal((batch, heads, rows, width), np.float32)
+    w = rng.standard_normal((batch, rows, length), np.float32)
+    mine = np.stack([owner == k for k in range(heads)], 1)  # [B, K, S]
+    w_owned = np.where(mine.any(1)[:, None, :], w, np.nan)
+
+    scores, peaks = jax.jit(ffi.owned_scores)(q, stored, owner)
+    by_head = np.einsum("bkmh,bsh->bkms", q.astype(np.float64), tokens)
+    want = np.where(mine[:, :, None, :], by_head, 0.0).sum(1)  # [B, M, S]
+    terms = np.einsum("bkmh,bsh->bkms", np.abs(q.astype(np.float64)), np.abs(tokens)).max(1)
+    assert np.all(np.abs(np.asarray(scores, np.float64) - want) <= 1e-5 * terms + 1e-30)
+    top = np.where(mine[:, :, None, :], np.asarray(scores)[:, None], -np.inf).max(-1)
+    np.testing.assert_array_equal(peaks, top)
+    assert np.all(np.isneginf(np.asarray(peaks)[0, heads - 1]))
+
+    sums, totals = jax.jit(ffi.owned_weighted_sum, static_argnums=3)(
+        jnp.asarray(w_owned), stored, owner, heads
+    )
+    weights = np.where(mine[:, :, None, :], w[:, None], 0.0)  # [B, K, M, S]
+    check_products(sums, "bkms,bsh->bkmh", weights, tokens)
+    np.testing.assert_allclose(totals, weights.sum(-1), rtol=1e-5, atol=1e-5 * length)
+    assert np.all(np.asarray(sums)[0, heads - 1] == 0) and np.all(np.asarray(totals)[0, -1] == 0)
+    with pytest.raises(ValueError, match="do not match"):
+        ffi.owned_scores(q, stored, owner[:, :-1] if length > 1 else owner[:0])
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_adakv_pool_is_read_by_each_slots_own_heads(dtype, monkeypatch):
+    """With attention_impl='native', an AdaKV layer's pool (one pool of slots for
+    every KV head) is read in the steps that do not score by the owned kernels,
+    each slot with its own KV head's queries, and decodes to the XLA path's
+    logits, keeping the same tokens (a 16-bit pool streamed on XLA's path, so
+    that its products are float32 ones there too)."""
+    monkeypatch.setattr(core, "STREAM_TOKENS", 8)
+    cfg = kvlab.load_config(f"{ROOT}/configs/gqa.py:tiny")
+    cfg.cache.dtype = dtype
+    cfg.cache.evict.update(method="adakv", budget=12, recent=2, interval=4)
+    cfg = kvlab.validate_config(cfg)
+    params = kvlab.init_params(cfg.model, jax.random.key(0))
+    tokens = random_tokens(cfg, (2, 40), 0)
+    runs = {}
+    for impl in ("xla", "native"):
+        cfg.model.attention_impl = impl
+        model = kvlab.Transformer(cfg.model)
+        cache = kvlab.init_cache(cfg.model, cfg.cache, batch_size=2, max_len=40)
+        step = jax.jit(lambda c, t: model.apply({"params": params}, t, cache=c))  # noqa: B023
+        text = str(jax.make_jaxpr(step)(cache, tokens[:, :1]))
+        assert text.count("kvlab_owned_scores") == (cfg.model.num_layers if impl == "native" else 0)
+        assert text.count("kvlab_owned_weighted_sum") == text.count("kvlab_owned_scores")
+        logits, positions = [], []
+        _, cache = step(cache, tokens[:, :24])
+        for t in range(24, 40):
+            out, cache = step(cache, tokens[:, t : t + 1])
+            logits.append(out)
+            positions.append([layer.positions for layer in cache.layers])
+        runs[impl] = logits, positions
+    np.testing.assert_allclose(runs["native"][0], runs["xla"][0], atol=1e-5, rtol=1e-4)
+    for xla, got in zip(runs["xla"][1], runs["native"][1], strict=True):
+        for a, b in zip(xla, got, strict=True):
+            np.testing.assert_array_equal(a, b)
 
 
 @needs_native

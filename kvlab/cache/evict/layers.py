@@ -36,7 +36,8 @@ share one pool of K x budget slots (E = 1), each slot tagged with its head
 pairs of the layer are kept, each head at least `adakv_floor` x budget (its
 `recent` tokens counting towards it, so the floor is always honoured). The
 pool costs exactly what K heads of `budget` slots cost; every query head
-reads the pool masked to its own KV head's slots.
+reads the pool masked to its own KV head's slots (the stored arrays come as
+`Pooled`, so a backend may read each slot with its own head's queries alone).
 
 Quantized tensors (cache.<prefix>_axis='token', residual 0) are stored per
 slot as codes and per-token scales, quantized as they are stored; a step's
@@ -92,6 +93,7 @@ from kvlab.cache.evict.stored import (
     tensor_width,
 )
 from kvlab.cache.placement import Placement, stored_end, write_tokens
+from kvlab.cache.protocols import Pooled
 from kvlab.cache.quant import PayloadReader, QuantizedLayer, dequantize_tokens, write_ring
 
 KEPT = 3.0e38  # priority of a token that must stay (recent); scores stay far below
@@ -184,6 +186,10 @@ class EvictingLayer:
         if not p.pooled:
             return [(stored, held[:, :, None, None, :]), (fresh, placement.fresh_mask)], pending
         # One pool: query head n reads the slots of KV head n // G.
+        owner = jnp.where(held, self.positions % p.kv_heads, -1)[:, 0]  # [B, S]
+        stored = tuple(
+            Pooled(x, owner, p.kv_heads) if isinstance(x, jax.Array) else x for x in stored
+        )
         blocks = [(stored, self._pool_mask(held, 1)), self._pooled(fresh, placement.fresh_mask)]
         return blocks, self._pool_tensors(pending)
 

@@ -16,6 +16,9 @@ lowered for TPU or CUDA, from any host, holds the reference path alone):
   arrays of at least ATTENTION_MIN_BYTES read by 2 to 16 queries per head,
   and keys pruned of channels as such arrays of their kept channels where
   they are whole vectors wide (`NativeChannels`, ThinK);
+- attention over a pool of slots owned by several KV heads (AdaKV's `Pooled`
+  block, `Backend.pooled`), each slot's products computed for its own head's
+  query heads alone (`owned_partial`) instead of every query head's masked;
   each block whole, up to one past the last slot any query sees, as one
   partial merged with the others';
 - the cache write of a 16-bit buffer in a one-device process, in place
@@ -43,14 +46,24 @@ from collections.abc import Iterator, Mapping
 
 import flax.linen as nn
 import jax.numpy as jnp
+from einops import rearrange
 from jax import Array
 
 from kvlab import backends
-from kvlab.attention.core import Attention, narrow, on_platforms, streamed_alone, tensors
+from kvlab.attention.core import (
+    MASKED,
+    Attention,
+    narrow,
+    on_platforms,
+    pooled,
+    streamed_alone,
+    tensors,
+    unpooled,
+)
 from kvlab.cache.evict import ChannelReader
 from kvlab.cache.paged import PagedPayloadReader, PagedReader
 from kvlab.cache.placement import scatter_tokens
-from kvlab.cache.protocols import Reader
+from kvlab.cache.protocols import Pooled, Reader
 from kvlab.cache.quant import PayloadReader, QuantizedTensor
 from kvlab.kernels.native import ffi
 from kvlab.layers import Embedding
@@ -247,6 +260,34 @@ def native_block(block, attention: Attention):
     return (parts if isinstance(k, tuple) else parts[0], swapped[id(v)], mask)
 
 
+def reads_owned(block, attention: Attention) -> bool:
+    """Whether the kernels read a pool's block (`Pooled` keys and values, one key
+    part) each slot with its own KV head's queries alone (`owned_partial`)."""
+    k, v, _ = block
+    if not (pooled(block) and isinstance(k, Pooled)) or len(attention.folded) != 1:
+        return False
+    rows = attention.shape[2] * attention.shape[3] // v.heads  # T x G per KV head
+    return all(ffi.reads_owned(x.array, rows) for x in (k, v))
+
+
+def owned_partial(block, attention: Attention):
+    """The partial of a pool's block with each slot's products computed for its
+    own KV head's query heads alone (ffi.owned_scores, owned_weighted_sum): the
+    reference's masked read of the pool does K times the products."""
+    k, v, _ = block
+    heads, owner = v.heads, v.owner
+    length = attention.shape[2]
+    q = rearrange(attention.folded[0], "B 1 (T K G) H -> B K (T G) H", T=length, K=heads)
+    scores, top = ffi.owned_scores(q, k.array[:, 0], owner)  # [B, M, S], [B, K, M]
+    peak = jnp.maximum(top * attention.scale, MASKED)  # a head of no slot: MASKED, as attend's
+    mine = jnp.clip(owner, 0, heads - 1)[:, None, :]
+    at = jnp.take_along_axis(rearrange(peak, "B K M -> B M K"), mine, axis=-1)  # [B, M, S]
+    weights = jnp.where(owner[:, None, :] >= 0, jnp.exp(scores * attention.scale - at), 0.0)
+    out, total = ffi.owned_weighted_sum(weights, v.array[:, 0], owner, heads)
+    as_pool = lambda x: rearrange(x, "B K (T G) -> B 1 T (K G) 1", T=length)  # noqa: E731
+    return as_pool(peak), as_pool(total), rearrange(out, "B K (T G) H -> B 1 (T K G) H", T=length)
+
+
 # ---------------------------------------------------------------------------
 # Projections and the embedding in 32-column panels
 
@@ -366,6 +407,15 @@ class Native(backends.Backend):
         swapped = native_block(block, attention)
         return on_platforms(
             lambda _: attention.whole(swapped), lambda: attention.partial(block), cpu=True
+        )
+
+    def pooled(self, block, attention: Attention):
+        if not (available() and reads_owned(block, attention)):
+            return None
+        return on_platforms(
+            lambda _: owned_partial(block, attention),
+            lambda: attention.partial(unpooled(block)),
+            cpu=True,
         )
 
     def write(self, buffer, new, slots, axis: int):

@@ -6,6 +6,9 @@ scores(q [..., M, H], k [..., S, H], limit) -> [..., M, S]      attention scores
 weighted_sum(w [..., M, S], v [..., S, H], limit) -> [..., M, H] attention output
 pool_scores(q, pool, pages, length, limit), pool_weighted_sum(w, pool, pages, limit)
                                     the same over page pools through block tables
+owned_scores(q, keys, owner), owned_weighted_sum(w, values, owner)
+                                    the same over a pool whose slots each belong to
+                                    one KV head (AdaKV's), read by its queries alone
 quant_scores(q, codes: Codes, limit), quant_weighted_sum(w, codes: Codes, limit)
                                     the same over quantized codes, read in place
 write_tokens(buffer, new, slots) -> buffer     a 16-bit cache write, in place
@@ -65,6 +68,8 @@ TARGETS = {
     "kvlab_panel_matmul": "KvlabPanelMatmul",
     "kvlab_scores": "KvlabScores",
     "kvlab_weighted_sum": "KvlabWeightedSum",
+    "kvlab_owned_scores": "KvlabOwnedScores",
+    "kvlab_owned_weighted_sum": "KvlabOwnedWeightedSum",
     "kvlab_quant_scores": "KvlabQuantScores",
     "kvlab_quant_weighted_sum": "KvlabQuantWeightedSum",
     "kvlab_write_tokens": "KvlabWriteTokens",
@@ -292,6 +297,57 @@ def pool_weighted_sum(w: jax.Array, pool: jax.Array, pages: jax.Array, limit) ->
     reads them)."""
     _check_pool(w, pool, pages, w.shape[-1], pool.shape[-1])
     return _pool_call("kvlab_weighted_sum", w, pool, pages, limit, (pool.shape[-1],))
+
+
+def reads_owned(x: jax.Array, rows: int) -> bool:
+    """Whether `owned_scores` and `owned_weighted_sum` take a pool's keys or
+    values `x` [B, S, H] (float32, bfloat16 or float16) read by `rows` queries
+    per KV head."""
+    return x.dtype in (jnp.float32, *HALF) and rows <= MAX_ROWS
+
+
+def _owned_call(target: str, a: jax.Array, x: jax.Array, owner: jax.Array, shapes: tuple):
+    results = tuple(jax.ShapeDtypeStruct(shape, jnp.float32) for shape in shapes)
+    call = jax.ffi.ffi_call(target, results, vmap_method="sequential")
+    return call(a.astype(jnp.float32), x, owner.astype(jnp.int32))
+
+
+def _check_owned(x: jax.Array, owner: jax.Array, rows: int, what: str) -> None:
+    _check_rows(rows)
+    if x.ndim != 3 or owner.shape != x.shape[:2]:
+        raise ValueError(
+            f"{what} {x.shape} and owners {owner.shape} do not match: [B, S, H] and [B, S]"
+        )
+
+
+def owned_scores(q: jax.Array, keys: jax.Array, owner: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(scores float32 [B, M, S], peaks float32 [B, K, M]) of queries [B, K, M, H]
+    over a pool of keys [B, S, H] whose slot s of row b belongs to KV head
+    owner[b, s] (int32 [B, S]; a value outside 0..K-1: to none): scores[b, m, s]
+    is q[b, owner[b, s], m] . keys[b, s] (0 for a slot of no head), peaks[b, k, m]
+    the largest of head k's (-inf where it owns no slot). Each slot is read by
+    its own head's M queries alone."""
+    batch, heads, rows, width = q.shape
+    _check_owned(keys, owner, rows, "keys")
+    if keys.shape[0] != batch or keys.shape[2] != width:
+        raise ValueError(f"queries {q.shape} and keys {keys.shape} do not match")
+    shapes = ((batch, rows, keys.shape[1]), (batch, heads, rows))
+    return _owned_call("kvlab_owned_scores", q, keys, owner, shapes)
+
+
+def owned_weighted_sum(
+    w: jax.Array, values: jax.Array, owner: jax.Array, heads: int
+) -> tuple[jax.Array, jax.Array]:
+    """(sums float32 [B, K, M, H], totals float32 [B, K, M]): for each KV head k
+    of `heads`, weights [B, M, S] over the pool's values [B, S, H] of the slots
+    it owns (`owned_scores`' owner), and the sum of those weights; the weights
+    of other slots are never read."""
+    batch, rows, length = w.shape
+    _check_owned(values, owner, rows, "values")
+    if values.shape[:2] != (batch, length):
+        raise ValueError(f"weights {w.shape} and values {values.shape} do not match")
+    shapes = ((batch, heads, rows, values.shape[2]), (batch, heads, rows))
+    return _owned_call("kvlab_owned_weighted_sum", w, values, owner, shapes)
 
 
 def writes_in_place(buffer: jax.Array) -> bool:

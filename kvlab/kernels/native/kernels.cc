@@ -16,6 +16,10 @@
 // (widened in registers), rows' own or page pools through block tables, each
 // slice's keys or values read once, up to a limit.
 //
+// KvlabOwnedScores and KvlabOwnedWeightedSum: the same two products over a pool whose
+// slots each belong to one KV head (AdaKV's), each slot read by its own head's queries
+// alone (below, "over a pool of owned slots").
+//
 // KvlabWriteTokens: the cache write, in place (XLA:CPU rewrites a whole 16-bit
 // buffer through float32 to update a few tokens of it).
 //
@@ -32,8 +36,10 @@
 #include <cstring>
 #include <memory>
 #include <string>
+#include <limits>
 #include <type_traits>
 #include <thread>
+#include <vector>
 
 #include "xla/ffi/api/ffi.h"
 
@@ -252,6 +258,24 @@ struct HalfRows {
 template <typename Rows>
 inline void Ahead(const Rows& rows, int64_t s, int64_t count, int64_t n) {
   if (s < n) Prefetch(rows.At(s), (std::min(s + count, n) - s) * rows.Bytes());
+}
+
+// A list of tokens of `rows`: token s is rows' token index[s].
+template <typename Rows>
+struct Gathered {
+  Rows rows;
+  const int32_t* index;
+  const void* At(int64_t s) const { return rows.At(index[s]); }
+  int64_t Bytes() const { return rows.Bytes(); }
+  inline __m512 operator()(int64_t s, int64_t h, __mmask16 mask) const {
+    return rows(index[s], h, mask);
+  }
+};
+
+// Prefetches listed tokens [s, s + count) below n, one token's bytes each.
+template <typename Rows>
+inline void Ahead(const Gathered<Rows>& g, int64_t s, int64_t count, int64_t n) {
+  for (int64_t i = s; i < std::min(s + count, n); ++i) Prefetch(g.At(i), g.Bytes());
 }
 
 // Tokens of `rows` in kAheadBytes, a multiple of `unit`.
@@ -491,6 +515,181 @@ ffi::Error Weighted(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> w, ffi::AnyBuffe
       });
     }
   });
+  return ffi::Error::Success();
+}
+
+// ---- Over a pool of owned slots: AdaKV's K heads share one pool of slots per row
+// (kvlab/cache/evict/layers.py), slot s of row b holding a token of KV head owner[b, s]
+// (any other value: no token). Only that head's M queries read the slot, so a slot costs
+// M products instead of the K x M a masked read of the pool costs. Each (row, head)'s
+// slots are listed in slot order and read through the list (Gathered), in segments of
+// about kChunkBytes spread over the threads; each segment's peaks and sums are combined
+// in segment order, so the results do not depend on the number of threads.
+
+// Each row's slots grouped by owner, in slot order: row b's slots of head k are
+// index[b * s_len + first[b * (K + 1) + k] ...] up to first[b * (K + 1) + k + 1]; and
+// the segments (row, head, begin, end) of at most `span` of them that the work is cut in.
+struct Owned {
+  std::vector<int32_t> index;
+  std::vector<int64_t> first;
+  struct Segment {
+    int64_t row, head, begin, end;
+  };
+  std::vector<Segment> segments;
+
+  Owned(const int32_t* owner, int64_t b_len, int64_t s_len, int64_t heads, int64_t span)
+      : index(b_len * s_len), first(b_len * (heads + 1)) {
+    for (int64_t b = 0; b < b_len; ++b) {
+      const int32_t* row = owner + b * s_len;
+      int64_t* starts = first.data() + b * (heads + 1);
+      std::vector<int64_t> count(heads + 1, 0);
+      for (int64_t s = 0; s < s_len; ++s)
+        if (row[s] >= 0 && row[s] < heads) ++count[row[s] + 1];
+      for (int64_t k = 0; k < heads; ++k) count[k + 1] += count[k];
+      std::copy(count.begin(), count.end(), starts);
+      for (int64_t s = 0; s < s_len; ++s)
+        if (row[s] >= 0 && row[s] < heads) index[b * s_len + count[row[s]]++] = s;
+      for (int64_t k = 0; k < heads; ++k)
+        for (int64_t j = starts[k]; j < starts[k + 1]; j += span)
+          segments.push_back({b, k, j, std::min(j + span, starts[k + 1])});
+    }
+  }
+};
+
+// Checks a pool of owned slots' operands: the stored tensor [B, S, H] and owner [B, S]
+// against a ([B, K, M, H] queries or [B, M, S] weights) and the outputs.
+ffi::Error ReadOwned(const char* name, const ffi::AnyBuffer& stored,
+                     const ffi::Buffer<ffi::S32>& owner, bool fits, Stored* rows) {
+  const auto sd = stored.dimensions(), od = owner.dimensions();
+  const ffi::DataType type = stored.element_type();
+  fits = fits && sd.size() == 3 && od.size() == 2 && od[0] == sd[0] && od[1] == sd[1];
+  if (!fits) {
+    return ffi::Error::InvalidArgument(
+        std::string(name) +
+        ": expects queries [B, K, M, H] (scores [B, M, S], peaks [B, K, M]) or weights "
+        "[B, M, S] (sums [B, K, M, H], totals [B, K, M]), keys or values [B, S, H] and "
+        "owners [B, S]");
+  }
+  if (type != ffi::DataType::F32 && type != ffi::DataType::BF16 && type != ffi::DataType::F16) {
+    return ffi::Error::InvalidArgument(std::string(name) +
+                                       ": stored tokens must be float32, bfloat16 or float16");
+  }
+  *rows = Stored{stored.untyped_data(), type, sd[1], sd[2]};
+  return ffi::Error::Success();
+}
+
+int64_t OwnedSpan(const Stored& rows) {
+  const int64_t bytes = rows.h_len * (rows.type == ffi::DataType::F32 ? 4 : 2);
+  return std::max<int64_t>(16, kChunkBytes / std::max<int64_t>(1, bytes));
+}
+
+// scores[b, m, s] = q[b, owner[b, s], m, :] . keys[b, s, :] (0 for a slot of no head) and
+// peaks[b, k, m] the largest of head k's (-inf where it owns no slot).
+ffi::Error OwnedScores(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k,
+                       ffi::Buffer<ffi::S32> owner, ffi::ResultBuffer<ffi::F32> out,
+                       ffi::ResultBuffer<ffi::F32> peaks) {
+  const auto qd = q.dimensions(), od = out->dimensions(), pd = peaks->dimensions();
+  const bool fits = qd.size() == 4 && od.size() == 3 && pd.size() == 3 && od[0] == qd[0] &&
+                    od[1] == qd[2] && pd[0] == qd[0] && pd[1] == qd[1] && pd[2] == qd[2] &&
+                    k.dimensions().size() == 3 && k.dimensions()[0] == qd[0] &&
+                    k.dimensions()[1] == od[2] && k.dimensions()[2] == qd[3];
+  Stored keys;
+  if (auto error = ReadOwned("kvlab owned_scores", k, owner, fits, &keys); error.failure()) {
+    return error;
+  }
+  const int64_t b_len = qd[0], heads = qd[1], m_len = qd[2], h_len = qd[3], s_len = keys.s_len;
+  const Owned owned(owner.typed_data(), b_len, s_len, heads, OwnedSpan(keys));
+  const int64_t items = owned.segments.size();
+  std::vector<float> top(std::max<int64_t>(1, items * m_len));
+  const float* qp = q.typed_data();
+  float* op = out->typed_data();
+  std::fill(op, op + b_len * m_len * s_len, 0.0f);
+  Parallel(pool, items, 1, [&](int64_t first, int64_t last) {
+    std::vector<float> local;
+    for (int64_t i = first; i < last; ++i) {
+      const Owned::Segment& seg = owned.segments[i];
+      const int32_t* index = owned.index.data() + seg.row * s_len + seg.begin;
+      const int64_t n = seg.end - seg.begin;
+      local.resize(m_len * n);
+      keys.Rows(seg.row * s_len * h_len, [&](const auto& rows) {
+        const Gathered<std::decay_t<decltype(rows)>> listed{rows, index};
+        ScoresKeys(qp + (seg.row * heads + seg.head) * m_len * h_len, h_len, listed,
+                   local.data(), n, m_len, n, h_len);
+      });
+      for (int64_t m = 0; m < m_len; ++m) {
+        float best = -std::numeric_limits<float>::infinity();
+        float* row = op + (seg.row * m_len + m) * s_len;
+        for (int64_t j = 0; j < n; ++j) {
+          row[index[j]] = local[m * n + j];
+          best = std::max(best, local[m * n + j]);
+        }
+        top[i * m_len + m] = best;
+      }
+    }
+  });
+  float* pp = peaks->typed_data();
+  std::fill(pp, pp + b_len * heads * m_len, -std::numeric_limits<float>::infinity());
+  for (int64_t i = 0; i < items; ++i) {
+    const Owned::Segment& seg = owned.segments[i];
+    float* peak = pp + (seg.row * heads + seg.head) * m_len;
+    for (int64_t m = 0; m < m_len; ++m) peak[m] = std::max(peak[m], top[i * m_len + m]);
+  }
+  return ffi::Error::Success();
+}
+
+// sums[b, k, m, :] = sum over head k's slots s of w[b, m, s] values[b, s, :], and
+// totals[b, k, m] the sum of those weights; weights of other slots are never read.
+ffi::Error OwnedWeighted(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> w, ffi::AnyBuffer v,
+                         ffi::Buffer<ffi::S32> owner, ffi::ResultBuffer<ffi::F32> out,
+                         ffi::ResultBuffer<ffi::F32> totals) {
+  const auto wd = w.dimensions(), od = out->dimensions(), td = totals->dimensions();
+  const bool fits = wd.size() == 3 && od.size() == 4 && td.size() == 3 && od[0] == wd[0] &&
+                    od[2] == wd[1] && td[0] == wd[0] && td[1] == od[1] && td[2] == wd[1] &&
+                    v.dimensions().size() == 3 && v.dimensions()[0] == wd[0] &&
+                    v.dimensions()[1] == wd[2] && v.dimensions()[2] == od[3];
+  Stored values;
+  if (auto error = ReadOwned("kvlab owned_weighted_sum", v, owner, fits, &values);
+      error.failure()) {
+    return error;
+  }
+  const int64_t b_len = wd[0], heads = od[1], m_len = wd[1], h_len = od[3], s_len = values.s_len;
+  const Owned owned(owner.typed_data(), b_len, s_len, heads, OwnedSpan(values));
+  const int64_t items = owned.segments.size();
+  const int64_t size = m_len * (h_len + 1);  // a segment's sums, then its totals
+  std::vector<float> partial(std::max<int64_t>(1, items * size));
+  const float* wp = w.typed_data();
+  Parallel(pool, items, 1, [&](int64_t first, int64_t last) {
+    std::vector<float> local;
+    for (int64_t i = first; i < last; ++i) {
+      const Owned::Segment& seg = owned.segments[i];
+      const int32_t* index = owned.index.data() + seg.row * s_len + seg.begin;
+      const int64_t n = seg.end - seg.begin;
+      float* sums = partial.data() + i * size;
+      local.resize(m_len * n);
+      for (int64_t m = 0; m < m_len; ++m) {
+        const float* row = wp + (seg.row * m_len + m) * s_len;
+        float total = 0.0f;
+        for (int64_t j = 0; j < n; ++j) total += local[m * n + j] = row[index[j]];
+        sums[m_len * h_len + m] = total;
+      }
+      values.Rows(seg.row * s_len * h_len, [&](const auto& rows) {
+        const Gathered<std::decay_t<decltype(rows)>> listed{rows, index};
+        WeightedRows(local.data(), n, listed, n, sums, m_len, h_len, false);
+      });
+    }
+  });
+  float* op = out->typed_data();
+  float* tp = totals->typed_data();
+  std::fill(op, op + b_len * heads * m_len * h_len, 0.0f);
+  std::fill(tp, tp + b_len * heads * m_len, 0.0f);
+  for (int64_t i = 0; i < items; ++i) {
+    const Owned::Segment& seg = owned.segments[i];
+    const float* sums = partial.data() + i * size;
+    float* o = op + (seg.row * heads + seg.head) * m_len * h_len;
+    float* t = tp + (seg.row * heads + seg.head) * m_len;
+    for (int64_t j = 0; j < m_len * h_len; ++j) o[j] += sums[j];
+    for (int64_t m = 0; m < m_len; ++m) t[m] += sums[m_len * h_len + m];
+  }
   return ffi::Error::Success();
 }
 
@@ -1266,6 +1465,18 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(KvlabPanelMatmul, PanelMatmul, KVLAB_BINARY_F32);
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(KvlabScores, Scores, KVLAB_STORED_BINDING);
 XLA_FFI_DEFINE_HANDLER_SYMBOL(KvlabWeightedSum, Weighted, KVLAB_STORED_BINDING);
+
+#define KVLAB_OWNED_BINDING                \
+  ffi::Ffi::Bind()                         \
+      .Ctx<ffi::ThreadPool>()              \
+      .Arg<ffi::Buffer<ffi::F32>>()        \
+      .Arg<ffi::AnyBuffer>()               \
+      .Arg<ffi::Buffer<ffi::S32>>()        \
+      .Ret<ffi::Buffer<ffi::F32>>()        \
+      .Ret<ffi::Buffer<ffi::F32>>()
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(KvlabOwnedScores, OwnedScores, KVLAB_OWNED_BINDING);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(KvlabOwnedWeightedSum, OwnedWeighted, KVLAB_OWNED_BINDING);
 XLA_FFI_DEFINE_HANDLER_SYMBOL(KvlabWriteTokens, WriteTokens,
                               ffi::Ffi::Bind()
                                   .Arg<ffi::AnyBuffer>()
