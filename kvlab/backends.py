@@ -70,6 +70,10 @@ class Backend:
         block (kvlab.cache.protocols.Pooled keys and values: each slot read by
         the query heads of its own KV head alone) in an unobserved step, or
         None (attend then reads the arrays under the block's mask).
+    readers(block, attention): the block with readers (kvlab.cache.protocols.
+        Reader) of the backend's in place of its keys and values, for a step
+        that observes attention (every block under one softmax, its weights
+        kept for the mass), or None (the reference's products).
     write(buffer, new, slots, axis): the buffer with the new tokens written
         (kvlab.cache.placement.write_tokens' contract), or None.
     scope(): a context around a model's forward (`kvlab.Transformer`).
@@ -93,6 +97,9 @@ class Backend:
         return None
 
     def pooled(self, block, attention) -> tuple | None:
+        return None
+
+    def readers(self, block, attention):
         return None
 
     def write(self, buffer, new, slots, axis: int):

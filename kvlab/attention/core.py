@@ -268,14 +268,14 @@ def _parts(x) -> tuple:
     return x if isinstance(x, tuple) else (x,)
 
 
-def _scores(q, k) -> Array:
+def scores_of(q, k) -> Array:
     """[B, K, M, H] queries against [B, K, S, H] keys (or a reader): float32 [B, K, M, S]."""
     if isinstance(k, Reader):
         return k.scores(q)
     return jnp.einsum("BKMH,BKSH->BKMS", q.astype(k.dtype), k, preferred_element_type=jnp.float32)
 
 
-def _weighted_sum(weights, v) -> Array:
+def weighted_sum_of(weights, v) -> Array:
     """[B, K, M, S] weights over [B, K, S, Hv] values (or a reader): float32 [B, K, M, Hv]."""
     if isinstance(v, Reader):
         return v.weighted_sum(weights)
@@ -382,7 +382,7 @@ class Attention:
     def scores(self, k, mask) -> Array:
         """[B, K, T, G, S] scaled scores of the queries over one block's keys, masked."""
         s = sum(
-            self._grouped(_scores(q_part, k_part), heads)
+            self._grouped(scores_of(q_part, k_part), heads)
             for q_part, k_part, heads in zip(self.folded, _parts(k), self.part_heads, strict=True)
         )
         mask = mask[:, None, :, None, :] if mask.ndim == 3 else mask
@@ -391,7 +391,7 @@ class Attention:
     def weighted(self, weights, v) -> Array:
         """[B, K, T, G, S] weights over a block's values: float32 [B, K, M, Hv]."""
         batch, kv_heads, length, groups = self.shape
-        return _weighted_sum(weights.reshape(batch, kv_heads, length * groups, -1), v)
+        return weighted_sum_of(weights.reshape(batch, kv_heads, length * groups, -1), v)
 
     def empty(self, width: int):
         """The partial of no keys (values `width` wide): merged with another, that one."""
@@ -518,7 +518,9 @@ def attend(
     (kvlab.backends; model.attention_impl) whose kernels compute the blocks
     it claims; "xla" is this function alone. A pool's block (`Pooled` keys and
     values, AdaKV) is read as the arrays it wraps under its mask, unless the
-    backend reads it with each slot's own query heads (`Backend.pooled`).
+    backend reads it with each slot's own query heads (`Backend.pooled`). With
+    `observe` every block goes under one softmax whose weights give the mass;
+    a backend may compute its products (`Backend.readers`).
     """
     queries = _parts(q)
     batch, length, num_heads, _ = queries[0].shape
@@ -549,6 +551,8 @@ def attend(
                 partials.append(partial)
                 blocks = [b for b in blocks if b is not block]
     blocks = [unpooled(block) for block in blocks]
+    if observe is not None:  # every block's weights are seen: the backend's products
+        blocks = [kernels.readers(block, attention) or block for block in blocks]
 
     def apart(block) -> bool:
         """Blocks attended on their own and merged after: long stored blocks

@@ -348,33 +348,49 @@ def test_pool_products_are_those_of_the_gathered_tokens(
 def test_owned_products_read_each_slot_with_its_own_heads_queries(
     batch, heads, rows, length, width, dtype, seed
 ):
-    """Over a pool of slots each owned by one KV head (AdaKV's), a slot's score
-    is its owner's queries' product and each head's sum runs over its own slots
-    alone; a slot of no head (-1, or a head past K) scores 0 and its weight,
-    here NaN, is never read; a head that owns nothing has peak -inf, sum 0."""
+    """Over a pool of slots each owned by one KV head (AdaKV's), each slot is read
+    by its owner's queries alone. The kernels list a row's slots by owner (head
+    0's in slot order, then head 1's, ...; a slot of no head, -1 or past K, is
+    not listed) and exchange the softmax's exponents and weights in that order:
+    a listed slot's exponent is its scaled product less its head's peak, -inf
+    past the listed ones, whose weights (here NaN) are never read; a head that
+    owns nothing has peak -inf and sums 0."""
     rng = np.random.default_rng(seed)
+    scale = float(rng.uniform(0.1, 2.0))
     owner = rng.integers(-2, heads + 1, (batch, length)).astype(np.int32)
     owner[0][owner[0] == heads - 1] = -1  # the last head of row 0 owns no slot
     stored = jnp.asarray(rng.standard_normal((batch, length, width)), dtype)
     tokens = np.asarray(stored.astype(jnp.float32), np.float64)
     q = rng.standard_normal((batch, heads, rows, width), np.float32)
+    order = [np.concatenate([np.flatnonzero(o == k) for k in range(heads)]) for o in owner]
+
+    exponents, peaks = jax.jit(ffi.owned_scores, static_argnums=3)(q, stored, owner, scale)
+    exponents, peaks = np.asarray(exponents, np.float64), np.asarray(peaks, np.float64)
+    by_head = scale * np.einsum("bkmh,bsh->bkms", q.astype(np.float64), tokens)
+    terms = scale * np.einsum("bkmh,bsh->bkms", np.abs(q.astype(np.float64)), np.abs(tokens))
+    mine = np.stack([owner == k for k in range(heads)], 1)[:, :, None, :]  # [B, K, 1, S]
+    top = np.where(mine, by_head, -np.inf).max(-1)  # [B, K, M]
+    held = np.isfinite(top)
+    np.testing.assert_array_equal(np.isneginf(peaks), ~held)
+    assert np.all(np.abs(peaks[held] - top[held]) <= 1e-5 * terms.max(-1)[held] + 1e-30)
+    assert np.all(np.isneginf(peaks[0, heads - 1]))
+    for b, slots in enumerate(order):
+        own = owner[b, slots]
+        want = by_head[b, own, :, slots].T - peaks[b, own].T  # [M, listed]
+        bound = 2e-5 * terms[b].max((0, 2)).max() + 1e-30
+        assert np.all(np.abs(exponents[b, :, : len(slots)] - want) <= bound)
+        assert np.all(np.isneginf(exponents[b, :, len(slots) :]))
+
     w = rng.standard_normal((batch, rows, length), np.float32)
-    mine = np.stack([owner == k for k in range(heads)], 1)  # [B, K, S]
-    w_owned = np.where(mine.any(1)[:, None, :], w, np.nan)
-
-    scores, peaks = jax.jit(ffi.owned_scores)(q, stored, owner)
-    by_head = np.einsum("bkmh,bsh->bkms", q.astype(np.float64), tokens)
-    want = np.where(mine[:, :, None, :], by_head, 0.0).sum(1)  # [B, M, S]
-    terms = np.einsum("bkmh,bsh->bkms", np.abs(q.astype(np.float64)), np.abs(tokens)).max(1)
-    assert np.all(np.abs(np.asarray(scores, np.float64) - want) <= 1e-5 * terms + 1e-30)
-    top = np.where(mine[:, :, None, :], np.asarray(scores)[:, None], -np.inf).max(-1)
-    np.testing.assert_array_equal(peaks, top)
-    assert np.all(np.isneginf(np.asarray(peaks)[0, heads - 1]))
-
+    listed = w.copy()
+    for b, slots in enumerate(order):
+        listed[b, :, len(slots) :] = np.nan
     sums, totals = jax.jit(ffi.owned_weighted_sum, static_argnums=3)(
-        jnp.asarray(w_owned), stored, owner, heads
+        jnp.asarray(listed), stored, owner, heads
     )
-    weights = np.where(mine[:, :, None, :], w[:, None], 0.0)  # [B, K, M, S]
+    weights = np.zeros((batch, heads, rows, length))  # each slot's weight, by head
+    for b, slots in enumerate(order):
+        weights[b, owner[b, slots], :, slots] = w[b, :, : len(slots)].T
     check_products(sums, "bkms,bsh->bkmh", weights, tokens)
     np.testing.assert_allclose(totals, weights.sum(-1), rtol=1e-5, atol=1e-5 * length)
     assert np.all(np.asarray(sums)[0, heads - 1] == 0) and np.all(np.asarray(totals)[0, -1] == 0)
@@ -383,29 +399,42 @@ def test_owned_products_read_each_slot_with_its_own_heads_queries(
 
 
 @needs_native
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_adakv_pool_is_read_by_each_slots_own_heads(dtype, monkeypatch):
-    """With attention_impl='native', an AdaKV layer's pool (one pool of slots for
-    every KV head) is read in the steps that do not score by the owned kernels,
-    each slot with its own KV head's queries, and decodes to the XLA path's
-    logits, keeping the same tokens (a 16-bit pool streamed on XLA's path, so
-    that its products are float32 ones there too)."""
+@pytest.mark.parametrize(
+    "config, method, dtype, interval",
+    [
+        ("gqa.py:tiny", "adakv", "float32", 4),
+        ("gqa.py:tiny", "adakv", "bfloat16", 4),  # 16 bits: streamed on XLA's path
+        ("gqa.py:tiny", "h2o", "float32", 1),  # observes every step
+        ("mla.py:tiny", "tova", "float32", 2),  # a latent, read as keys and values
+    ],
+)
+def test_evicting_caches_decode_alike_on_the_kernels(config, method, dtype, interval, monkeypatch):
+    """With attention_impl='native', an evicting cache decodes to the XLA path's
+    logits and keeps the same tokens: a step that observes attention (for the
+    mass a scorer reads) takes the kernels' products for float32 arrays
+    (Backend.readers), and AdaKV's pool (one pool of slots for every KV head)
+    is read in the other steps by the owned kernels, each slot with its own KV
+    head's queries (Backend.pooled; a 16-bit pool is streamed on XLA's path,
+    so that its products are float32 ones there too)."""
     monkeypatch.setattr(core, "STREAM_TOKENS", 8)
-    cfg = kvlab.load_config(f"{ROOT}/configs/gqa.py:tiny")
+    cfg = kvlab.load_config(f"{ROOT}/configs/{config}")
     cfg.cache.dtype = dtype
-    cfg.cache.evict.update(method="adakv", budget=12, recent=2, interval=4)
+    cfg.cache.evict.update(method=method, budget=12, recent=2, interval=interval)
     cfg = kvlab.validate_config(cfg)
     params = kvlab.init_params(cfg.model, jax.random.key(0))
     tokens = random_tokens(cfg, (2, 40), 0)
-    runs = {}
+    layers, runs = cfg.model.num_layers, {}
     for impl in ("xla", "native"):
         cfg.model.attention_impl = impl
         model = kvlab.Transformer(cfg.model)
         cache = kvlab.init_cache(cfg.model, cfg.cache, batch_size=2, max_len=40)
         step = jax.jit(lambda c, t: model.apply({"params": params}, t, cache=c))  # noqa: B023
         text = str(jax.make_jaxpr(step)(cache, tokens[:, :1]))
-        assert text.count("kvlab_owned_scores") == (cfg.model.num_layers if impl == "native" else 0)
-        assert text.count("kvlab_owned_weighted_sum") == text.count("kvlab_owned_scores")
+        owned = text.count("kvlab_owned_scores")
+        assert owned == text.count("kvlab_owned_weighted_sum")
+        assert owned == (layers if impl == "native" and method == "adakv" else 0)
+        if dtype == "float32":  # the observed step's products
+            assert (text.count("kvlab_scores") >= 2 * layers) == (impl == "native")
         logits, positions = [], []
         _, cache = step(cache, tokens[:, :24])
         for t in range(24, 40):

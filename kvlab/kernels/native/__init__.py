@@ -45,6 +45,7 @@ import math
 from collections.abc import Iterator, Mapping
 
 import flax.linen as nn
+import jax
 import jax.numpy as jnp
 from einops import rearrange
 from jax import Array
@@ -56,9 +57,11 @@ from kvlab.attention.core import (
     narrow,
     on_platforms,
     pooled,
+    scores_of,
     streamed_alone,
     tensors,
     unpooled,
+    weighted_sum_of,
 )
 from kvlab.cache.evict import ChannelReader
 from kvlab.cache.paged import PagedPayloadReader, PagedReader
@@ -215,6 +218,30 @@ class NativeChannels(ReadWhole):
         return self.reader.dequantize()
 
 
+@dataclasses.dataclass(frozen=True)
+class OnCpu(ReadWhole):
+    """float32 keys or values whose products are the kernels' (`NativeRows`)
+    where the program is lowered for the CPU and the reference's elsewhere:
+    read in a step that observes attention (`Native.readers`)."""
+
+    rows: NativeRows
+
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        return self.rows.shape
+
+    def scores(self, q: Array) -> Array:
+        reference = lambda: scores_of(q, self.rows.array)  # noqa: E731
+        return on_platforms(lambda _: self.rows.scores(q), reference, cpu=True)
+
+    def weighted_sum(self, w: Array) -> Array:
+        reference = lambda: weighted_sum_of(w, self.rows.array)  # noqa: E731
+        return on_platforms(lambda _: self.rows.weighted_sum(w), reference, cpu=True)
+
+    def dequantize(self) -> Array:
+        return self.rows.array
+
+
 def _read(x, limit, rows: int, long: bool):
     """What the kernels read `x` (a block's keys or values) through, `x` itself
     where XLA's product stays, or None where the block cannot be theirs."""
@@ -245,12 +272,17 @@ def _read(x, limit, rows: int, long: bool):
     return NativePayload(x, payload, limit) if ffi.reads(payload, rows) else None
 
 
+def _limit(mask) -> Array:
+    """One past the last slot any query sees."""
+    return jnp.max(jnp.where(mask, jnp.arange(1, mask.shape[-1] + 1), 0))
+
+
 def native_block(block, attention: Attention):
     """The block with what the kernels read swapped in (`_read`), or None when
     they read none of it or cannot read all of its stored data."""
     k, v, mask = block
     long = streamed_alone(block)  # where the reference's products are float32 ones too
-    limit = jnp.max(jnp.where(mask, jnp.arange(1, mask.shape[-1] + 1), 0))  # one past the last
+    limit = _limit(mask)
     swapped = {id(x): _read(x, limit, attention.rows, long) for x in tensors(block)}  # a latent
     if any(x is None for x in swapped.values()):  # is keys and values: swapped once
         return None
@@ -278,11 +310,9 @@ def owned_partial(block, attention: Attention):
     heads, owner = v.heads, v.owner
     length = attention.shape[2]
     q = rearrange(attention.folded[0], "B 1 (T K G) H -> B K (T G) H", T=length, K=heads)
-    scores, top = ffi.owned_scores(q, k.array[:, 0], owner)  # [B, M, S], [B, K, M]
-    peak = jnp.maximum(top * attention.scale, MASKED)  # a head of no slot: MASKED, as attend's
-    mine = jnp.clip(owner, 0, heads - 1)[:, None, :]
-    at = jnp.take_along_axis(rearrange(peak, "B K M -> B M K"), mine, axis=-1)  # [B, M, S]
-    weights = jnp.where(owner[:, None, :] >= 0, jnp.exp(scores * attention.scale - at), 0.0)
+    exponents, top = ffi.owned_scores(q, k.array[:, 0], owner, attention.scale)
+    peak = jnp.maximum(top, MASKED)  # a head of no slot: MASKED, as attend's
+    weights = jnp.exp(exponents)  # [B, M, S], the kernels' listed order: 0 past the slots
     out, total = ffi.owned_weighted_sum(weights, v.array[:, 0], owner, heads)
     as_pool = lambda x: rearrange(x, "B K (T G) -> B 1 T (K G) 1", T=length)  # noqa: E731
     return as_pool(peak), as_pool(total), rearrange(out, "B K (T G) H -> B 1 (T K G) H", T=length)
@@ -417,6 +447,26 @@ class Native(backends.Backend):
             lambda: attention.partial(unpooled(block)),
             cpu=True,
         )
+
+    def readers(self, block, attention: Attention):
+        """float32 arrays as `OnCpu` readers, at any size: in a step that observes
+        attention XLA:CPU hands each of the step's small products and
+        reductions to YNNPACK, at a cost of 0.4-3 ms each (a compression of
+        configs/gqa.py:small at 8k tokens took 54 ms against 14 for one that
+        reads no attention)."""
+        if not available() or attention.rows > ffi.MAX_ROWS:
+            return None
+        k, v, mask = block
+        limit = _limit(mask)
+
+        def swap(x):
+            if isinstance(x, jax.Array) and x.dtype == jnp.float32:
+                return OnCpu(NativeRows(x, limit))
+            return x
+
+        if not any(swap(x) is not x for x in tensors(block)):
+            return None
+        return (tuple(map(swap, k)) if isinstance(k, tuple) else swap(k), swap(v), mask)
 
     def write(self, buffer, new, slots, axis: int):
         if not (available() and ffi.writes_in_place(buffer)):

@@ -306,10 +306,10 @@ def reads_owned(x: jax.Array, rows: int) -> bool:
     return x.dtype in (jnp.float32, *HALF) and rows <= MAX_ROWS
 
 
-def _owned_call(target: str, a: jax.Array, x: jax.Array, owner: jax.Array, shapes: tuple):
+def _owned_call(target: str, a, x, owner, shapes: tuple, **attributes):
     results = tuple(jax.ShapeDtypeStruct(shape, jnp.float32) for shape in shapes)
     call = jax.ffi.ffi_call(target, results, vmap_method="sequential")
-    return call(a.astype(jnp.float32), x, owner.astype(jnp.int32))
+    return call(a.astype(jnp.float32), x, owner.astype(jnp.int32), **attributes)
 
 
 def _check_owned(x: jax.Array, owner: jax.Array, rows: int, what: str) -> None:
@@ -320,19 +320,23 @@ def _check_owned(x: jax.Array, owner: jax.Array, rows: int, what: str) -> None:
         )
 
 
-def owned_scores(q: jax.Array, keys: jax.Array, owner: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """(scores float32 [B, M, S], peaks float32 [B, K, M]) of queries [B, K, M, H]
-    over a pool of keys [B, S, H] whose slot s of row b belongs to KV head
-    owner[b, s] (int32 [B, S]; a value outside 0..K-1: to none): scores[b, m, s]
-    is q[b, owner[b, s], m] . keys[b, s] (0 for a slot of no head), peaks[b, k, m]
-    the largest of head k's (-inf where it owns no slot). Each slot is read by
-    its own head's M queries alone."""
+def owned_scores(
+    q: jax.Array, keys: jax.Array, owner: jax.Array, scale: float = 1.0
+) -> tuple[jax.Array, jax.Array]:
+    """Softmax exponents over a pool of keys [B, S, H] whose slot s of row b
+    belongs to KV head owner[b, s] (int32 [B, S]; a value outside 0..K-1: to
+    none), each slot read by its own head's queries [B, K, M, H] alone:
+    (exponents float32 [B, M, S], peaks float32 [B, K, M]). peaks[b, k, m] is the
+    largest of scale x q[b, k, m] . keys[b, s] over head k's slots (-inf where it
+    owns none). The exponents come in the listed order: row b's slots of head 0
+    in slot order, then head 1's, ...; the j-th listed slot's is its scaled
+    product less its head's peak, and -inf follows the listed slots."""
     batch, heads, rows, width = q.shape
     _check_owned(keys, owner, rows, "keys")
     if keys.shape[0] != batch or keys.shape[2] != width:
         raise ValueError(f"queries {q.shape} and keys {keys.shape} do not match")
     shapes = ((batch, rows, keys.shape[1]), (batch, heads, rows))
-    return _owned_call("kvlab_owned_scores", q, keys, owner, shapes)
+    return _owned_call("kvlab_owned_scores", q, keys, owner, shapes, scale=np.float32(scale))
 
 
 def owned_weighted_sum(
@@ -340,8 +344,8 @@ def owned_weighted_sum(
 ) -> tuple[jax.Array, jax.Array]:
     """(sums float32 [B, K, M, H], totals float32 [B, K, M]): for each KV head k
     of `heads`, weights [B, M, S] over the pool's values [B, S, H] of the slots
-    it owns (`owned_scores`' owner), and the sum of those weights; the weights
-    of other slots are never read."""
+    it owns, and the sum of those weights; the weights in `owned_scores`' listed
+    order (the same owner), those past a row's listed slots never read."""
     batch, rows, length = w.shape
     _check_owned(values, owner, rows, "values")
     if values.shape[:2] != (batch, length):

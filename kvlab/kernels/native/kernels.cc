@@ -526,35 +526,52 @@ ffi::Error Weighted(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> w, ffi::AnyBuffe
 // about kChunkBytes spread over the threads; each segment's peaks and sums are combined
 // in segment order, so the results do not depend on the number of threads.
 
-// Each row's slots grouped by owner, in slot order: row b's slots of head k are
-// index[b * s_len + first[b * (K + 1) + k] ...] up to first[b * (K + 1) + k + 1]; and
-// the segments (row, head, begin, end) of at most `span` of them that the work is cut in.
+// Each row's slots grouped by owner, in slot order (row b's slots of its heads, head by
+// head, from index[b * s_len]), and the segments (row, head, begin, end) of at most `span`
+// of them that the work is cut in. A thread's one Owned is reused from call to call, as
+// are its scratch buffers (Scratch): a decode step allocates nothing.
 struct Owned {
-  std::vector<int32_t> index;
-  std::vector<int64_t> first;
   struct Segment {
     int64_t row, head, begin, end;
   };
+  std::vector<int32_t> index;
+  std::vector<int64_t> count, listed;  // listed[b]: row b's slots of some head
   std::vector<Segment> segments;
 
-  Owned(const int32_t* owner, int64_t b_len, int64_t s_len, int64_t heads, int64_t span)
-      : index(b_len * s_len), first(b_len * (heads + 1)) {
+  void Build(const int32_t* owner, int64_t b_len, int64_t s_len, int64_t heads, int64_t span) {
+    index.resize(b_len * s_len);
+    listed.resize(b_len);
+    segments.clear();
     for (int64_t b = 0; b < b_len; ++b) {
       const int32_t* row = owner + b * s_len;
-      int64_t* starts = first.data() + b * (heads + 1);
-      std::vector<int64_t> count(heads + 1, 0);
+      count.assign(heads + 1, 0);
       for (int64_t s = 0; s < s_len; ++s)
         if (row[s] >= 0 && row[s] < heads) ++count[row[s] + 1];
       for (int64_t k = 0; k < heads; ++k) count[k + 1] += count[k];
-      std::copy(count.begin(), count.end(), starts);
+      listed[b] = count[heads];
+      for (int64_t k = 0; k < heads; ++k)
+        for (int64_t j = count[k]; j < count[k + 1]; j += span)
+          segments.push_back({b, k, j, std::min(j + span, count[k + 1])});
       for (int64_t s = 0; s < s_len; ++s)
         if (row[s] >= 0 && row[s] < heads) index[b * s_len + count[row[s]]++] = s;
-      for (int64_t k = 0; k < heads; ++k)
-        for (int64_t j = starts[k]; j < starts[k + 1]; j += span)
-          segments.push_back({b, k, j, std::min(j + span, starts[k + 1])});
     }
   }
 };
+
+// This thread's buffer number `which` of at least `size` floats, kept between calls.
+float* Buffer(int which, int64_t size) {
+  thread_local std::vector<float> buffers[1];
+  std::vector<float>& buffer = buffers[which];
+  if (static_cast<int64_t>(buffer.size()) < size) buffer.resize(size);
+  return buffer.data();
+}
+
+Owned& OwnedSlots(const int32_t* owner, int64_t b_len, int64_t s_len, int64_t heads,
+                  int64_t span) {
+  thread_local Owned owned;
+  owned.Build(owner, b_len, s_len, heads, span);
+  return owned;
+}
 
 // Checks a pool of owned slots' operands: the stored tensor [B, S, H] and owner [B, S]
 // against a ([B, K, M, H] queries or [B, M, S] weights) and the outputs.
@@ -583,10 +600,15 @@ int64_t OwnedSpan(const Stored& rows) {
   return std::max<int64_t>(16, kChunkBytes / std::max<int64_t>(1, bytes));
 }
 
-// scores[b, m, s] = q[b, owner[b, s], m, :] . keys[b, s, :] (0 for a slot of no head) and
-// peaks[b, k, m] the largest of head k's (-inf where it owns no slot).
+// Both kernels list each row's slots by owner (Owned: head 0's in slot order, then head
+// 1's, ...) and exchange the softmax's exponents and weights in that listed order, so a
+// slot's are read and written in place, never scattered to its slot.
+//
+// peaks[b, k, m]: the largest of scale x q[b, k, m, :] . keys[b, s, :] over head k's slots
+// s (-inf where it owns no slot); exponents[b, m, j]: for the j-th listed slot of row b,
+// that scaled product less its head's peak (-inf past the listed slots).
 ffi::Error OwnedScores(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k,
-                       ffi::Buffer<ffi::S32> owner, ffi::ResultBuffer<ffi::F32> out,
+                       ffi::Buffer<ffi::S32> owner, float scale, ffi::ResultBuffer<ffi::F32> out,
                        ffi::ResultBuffer<ffi::F32> peaks) {
   const auto qd = q.dimensions(), od = out->dimensions(), pd = peaks->dimensions();
   const bool fits = qd.size() == 4 && od.size() == 3 && pd.size() == 3 && od[0] == qd[0] &&
@@ -598,47 +620,69 @@ ffi::Error OwnedScores(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBu
     return error;
   }
   const int64_t b_len = qd[0], heads = qd[1], m_len = qd[2], h_len = qd[3], s_len = keys.s_len;
-  const Owned owned(owner.typed_data(), b_len, s_len, heads, OwnedSpan(keys));
+  const Owned& owned = OwnedSlots(owner.typed_data(), b_len, s_len, heads, OwnedSpan(keys));
   const int64_t items = owned.segments.size();
-  std::vector<float> top(std::max<int64_t>(1, items * m_len));
+  constexpr float kNone = -std::numeric_limits<float>::infinity();
+  float* top = Buffer(0, items * m_len);
   const float* qp = q.typed_data();
   float* op = out->typed_data();
-  std::fill(op, op + b_len * m_len * s_len, 0.0f);
+  // Each segment's scaled products, in place, and its largest.
   Parallel(pool, items, 1, [&](int64_t first, int64_t last) {
-    std::vector<float> local;
+    const __m512 factor = _mm512_set1_ps(scale);
     for (int64_t i = first; i < last; ++i) {
       const Owned::Segment& seg = owned.segments[i];
       const int32_t* index = owned.index.data() + seg.row * s_len + seg.begin;
       const int64_t n = seg.end - seg.begin;
-      local.resize(m_len * n);
+      float* listed = op + seg.row * m_len * s_len + seg.begin;
       keys.Rows(seg.row * s_len * h_len, [&](const auto& rows) {
-        const Gathered<std::decay_t<decltype(rows)>> listed{rows, index};
-        ScoresKeys(qp + (seg.row * heads + seg.head) * m_len * h_len, h_len, listed,
-                   local.data(), n, m_len, n, h_len);
+        const Gathered<std::decay_t<decltype(rows)>> slots{rows, index};
+        ScoresKeys(qp + (seg.row * heads + seg.head) * m_len * h_len, h_len, slots, listed,
+                   s_len, m_len, n, h_len);
       });
       for (int64_t m = 0; m < m_len; ++m) {
-        float best = -std::numeric_limits<float>::infinity();
-        float* row = op + (seg.row * m_len + m) * s_len;
-        for (int64_t j = 0; j < n; ++j) {
-          row[index[j]] = local[m * n + j];
-          best = std::max(best, local[m * n + j]);
+        float* row = listed + m * s_len;
+        __m512 best = _mm512_set1_ps(kNone);
+        for (int64_t j = 0; j < n; j += 16) {
+          const __mmask16 mask = Tail(n - j);
+          const __m512 x = _mm512_mul_ps(_mm512_maskz_loadu_ps(mask, row + j), factor);
+          _mm512_mask_storeu_ps(row + j, mask, x);
+          best = _mm512_mask_max_ps(best, mask, best, x);
         }
-        top[i * m_len + m] = best;
+        top[i * m_len + m] = _mm512_reduce_max_ps(best);
       }
     }
   });
   float* pp = peaks->typed_data();
-  std::fill(pp, pp + b_len * heads * m_len, -std::numeric_limits<float>::infinity());
+  std::fill(pp, pp + b_len * heads * m_len, kNone);
   for (int64_t i = 0; i < items; ++i) {
     const Owned::Segment& seg = owned.segments[i];
     float* peak = pp + (seg.row * heads + seg.head) * m_len;
     for (int64_t m = 0; m < m_len; ++m) peak[m] = std::max(peak[m], top[i * m_len + m]);
   }
+  // Less each head's peak; -inf past a row's listed slots.
+  for (int64_t b = 0; b < b_len; ++b)
+    for (int64_t m = 0; m < m_len; ++m) {
+      float* row = op + (b * m_len + m) * s_len;
+      std::fill(row + owned.listed[b], row + s_len, kNone);
+    }
+  for (const Owned::Segment& seg : owned.segments) {
+    const float* peak = pp + (seg.row * heads + seg.head) * m_len;
+    for (int64_t m = 0; m < m_len; ++m) {
+      float* row = op + (seg.row * m_len + m) * s_len;
+      const __m512 shift = _mm512_set1_ps(peak[m]);
+      for (int64_t j = seg.begin; j < seg.end; j += 16) {
+        const __mmask16 mask = Tail(seg.end - j);
+        const __m512 x = _mm512_maskz_loadu_ps(mask, row + j);
+        _mm512_mask_storeu_ps(row + j, mask, _mm512_sub_ps(x, shift));
+      }
+    }
+  }
   return ffi::Error::Success();
 }
 
-// sums[b, k, m, :] = sum over head k's slots s of w[b, m, s] values[b, s, :], and
-// totals[b, k, m] the sum of those weights; weights of other slots are never read.
+// sums[b, k, m, :] = sum over head k's slots s of w[b, m, j] values[b, s, :] and
+// totals[b, k, m] the sum of those weights, the weights in OwnedScores' listed order (slot s
+// the j-th listed of row b); weights past a row's listed slots are never read.
 ffi::Error OwnedWeighted(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> w, ffi::AnyBuffer v,
                          ffi::Buffer<ffi::S32> owner, ffi::ResultBuffer<ffi::F32> out,
                          ffi::ResultBuffer<ffi::F32> totals) {
@@ -653,28 +697,27 @@ ffi::Error OwnedWeighted(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> w, ffi::Any
     return error;
   }
   const int64_t b_len = wd[0], heads = od[1], m_len = wd[1], h_len = od[3], s_len = values.s_len;
-  const Owned owned(owner.typed_data(), b_len, s_len, heads, OwnedSpan(values));
+  const Owned& owned = OwnedSlots(owner.typed_data(), b_len, s_len, heads, OwnedSpan(values));
   const int64_t items = owned.segments.size();
   const int64_t size = m_len * (h_len + 1);  // a segment's sums, then its totals
-  std::vector<float> partial(std::max<int64_t>(1, items * size));
+  float* partial = Buffer(0, items * size);
   const float* wp = w.typed_data();
   Parallel(pool, items, 1, [&](int64_t first, int64_t last) {
-    std::vector<float> local;
     for (int64_t i = first; i < last; ++i) {
       const Owned::Segment& seg = owned.segments[i];
       const int32_t* index = owned.index.data() + seg.row * s_len + seg.begin;
       const int64_t n = seg.end - seg.begin;
-      float* sums = partial.data() + i * size;
-      local.resize(m_len * n);
+      const float* listed = wp + seg.row * m_len * s_len + seg.begin;
+      float* sums = partial + i * size;
       for (int64_t m = 0; m < m_len; ++m) {
-        const float* row = wp + (seg.row * m_len + m) * s_len;
+        const float* row = listed + m * s_len;
         float total = 0.0f;
-        for (int64_t j = 0; j < n; ++j) total += local[m * n + j] = row[index[j]];
+        for (int64_t j = 0; j < n; ++j) total += row[j];
         sums[m_len * h_len + m] = total;
       }
       values.Rows(seg.row * s_len * h_len, [&](const auto& rows) {
-        const Gathered<std::decay_t<decltype(rows)>> listed{rows, index};
-        WeightedRows(local.data(), n, listed, n, sums, m_len, h_len, false);
+        const Gathered<std::decay_t<decltype(rows)>> slots{rows, index};
+        WeightedRows(listed, s_len, slots, n, sums, m_len, h_len, false);
       });
     }
   });
@@ -684,7 +727,7 @@ ffi::Error OwnedWeighted(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> w, ffi::Any
   std::fill(tp, tp + b_len * heads * m_len, 0.0f);
   for (int64_t i = 0; i < items; ++i) {
     const Owned::Segment& seg = owned.segments[i];
-    const float* sums = partial.data() + i * size;
+    const float* sums = partial + i * size;
     float* o = op + (seg.row * heads + seg.head) * m_len * h_len;
     float* t = tp + (seg.row * heads + seg.head) * m_len;
     for (int64_t j = 0; j < m_len * h_len; ++j) o[j] += sums[j];
@@ -1466,17 +1509,23 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(KvlabPanelMatmul, PanelMatmul, KVLAB_BINARY_F32);
 XLA_FFI_DEFINE_HANDLER_SYMBOL(KvlabScores, Scores, KVLAB_STORED_BINDING);
 XLA_FFI_DEFINE_HANDLER_SYMBOL(KvlabWeightedSum, Weighted, KVLAB_STORED_BINDING);
 
-#define KVLAB_OWNED_BINDING                \
-  ffi::Ffi::Bind()                         \
-      .Ctx<ffi::ThreadPool>()              \
-      .Arg<ffi::Buffer<ffi::F32>>()        \
-      .Arg<ffi::AnyBuffer>()               \
-      .Arg<ffi::Buffer<ffi::S32>>()        \
-      .Ret<ffi::Buffer<ffi::F32>>()        \
-      .Ret<ffi::Buffer<ffi::F32>>()
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(KvlabOwnedScores, OwnedScores, KVLAB_OWNED_BINDING);
-XLA_FFI_DEFINE_HANDLER_SYMBOL(KvlabOwnedWeightedSum, OwnedWeighted, KVLAB_OWNED_BINDING);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(KvlabOwnedScores, OwnedScores,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Attr<float>("scale")
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(KvlabOwnedWeightedSum, OwnedWeighted,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(KvlabWriteTokens, WriteTokens,
                               ffi::Ffi::Bind()
                                   .Arg<ffi::AnyBuffer>()
