@@ -354,7 +354,8 @@ def test_owned_products_read_each_slot_with_its_own_heads_queries(
     not listed) and exchange the softmax's exponents and weights in that order:
     a listed slot's exponent is its scaled product less its head's peak, -inf
     past the listed ones, whose weights (here NaN) are never read; a head that
-    owns nothing has peak -inf and sums 0."""
+    owns nothing has peak -inf and sums 0. A listing that could not be the
+    pool's is refused before anything is read."""
     rng = np.random.default_rng(seed)
     scale = float(rng.uniform(0.1, 2.0))
     owner = rng.integers(-2, heads + 1, (batch, length)).astype(np.int32)
@@ -364,8 +365,14 @@ def test_owned_products_read_each_slot_with_its_own_heads_queries(
     q = rng.standard_normal((batch, heads, rows, width), np.float32)
     order = [np.concatenate([np.flatnonzero(o == k) for k in range(heads)]) for o in owner]
 
-    exponents, peaks = jax.jit(ffi.owned_scores, static_argnums=3)(q, stored, owner, scale)
+    exponents, peaks, listings = jax.jit(ffi.owned_scores, static_argnums=3)(
+        q, stored, owner, scale
+    )
     exponents, peaks = np.asarray(exponents, np.float64), np.asarray(peaks, np.float64)
+    for b, slots in enumerate(order):  # where each head's slots start, then the list
+        starts = np.cumsum([0, *(np.sum(owner[b] == k) for k in range(heads))])
+        np.testing.assert_array_equal(listings[b, : heads + 1], starts)
+        np.testing.assert_array_equal(listings[b, heads + 2 : heads + 2 + len(slots)], slots)
     by_head = scale * np.einsum("bkmh,bsh->bkms", q.astype(np.float64), tokens)
     terms = scale * np.einsum("bkmh,bsh->bkms", np.abs(q.astype(np.float64)), np.abs(tokens))
     mine = np.stack([owner == k for k in range(heads)], 1)[:, :, None, :]  # [B, K, 1, S]
@@ -386,7 +393,7 @@ def test_owned_products_read_each_slot_with_its_own_heads_queries(
     for b, slots in enumerate(order):
         listed[b, :, len(slots) :] = np.nan
     sums, totals = jax.jit(ffi.owned_weighted_sum, static_argnums=3)(
-        jnp.asarray(listed), stored, owner, heads
+        jnp.asarray(listed), stored, listings, heads
     )
     weights = np.zeros((batch, heads, rows, length))  # each slot's weight, by head
     for b, slots in enumerate(order):
@@ -396,6 +403,12 @@ def test_owned_products_read_each_slot_with_its_own_heads_queries(
     assert np.all(np.asarray(sums)[0, heads - 1] == 0) and np.all(np.asarray(totals)[0, -1] == 0)
     with pytest.raises(ValueError, match="do not match"):
         ffi.owned_scores(q, stored, owner[:, :-1] if length > 1 else owner[:0])
+    broken = np.asarray(listings).copy()
+    broken[0, heads + 2] = length  # a slot past the pool
+    if listings[0, heads] > 0:
+        with pytest.raises(Exception, match="not owned_scores' for this pool"):
+            sums = ffi.owned_weighted_sum(jnp.asarray(listed), stored, broken, heads)
+            jax.block_until_ready(sums)
 
 
 @needs_native

@@ -310,10 +310,10 @@ def owned_partial(block, attention: Attention):
     heads, owner = v.heads, v.owner
     length = attention.shape[2]
     q = rearrange(attention.folded[0], "B 1 (T K G) H -> B K (T G) H", T=length, K=heads)
-    exponents, top = ffi.owned_scores(q, k.array[:, 0], owner, attention.scale)
+    exponents, top, listings = ffi.owned_scores(q, k.array[:, 0], owner, attention.scale)
     peak = jnp.maximum(top, MASKED)  # a head of no slot: MASKED, as attend's
     weights = jnp.exp(exponents)  # [B, M, S], the kernels' listed order: 0 past the slots
-    out, total = ffi.owned_weighted_sum(weights, v.array[:, 0], owner, heads)
+    out, total = ffi.owned_weighted_sum(weights, v.array[:, 0], listings, heads)
     as_pool = lambda x: rearrange(x, "B K (T G) -> B 1 T (K G) 1", T=length)  # noqa: E731
     return as_pool(peak), as_pool(total), rearrange(out, "B K (T G) H -> B 1 (T K G) H", T=length)
 

@@ -306,52 +306,58 @@ def reads_owned(x: jax.Array, rows: int) -> bool:
     return x.dtype in (jnp.float32, *HALF) and rows <= MAX_ROWS
 
 
-def _owned_call(target: str, a, x, owner, shapes: tuple, **attributes):
-    results = tuple(jax.ShapeDtypeStruct(shape, jnp.float32) for shape in shapes)
-    call = jax.ffi.ffi_call(target, results, vmap_method="sequential")
-    return call(a.astype(jnp.float32), x, owner.astype(jnp.int32), **attributes)
-
-
-def _check_owned(x: jax.Array, owner: jax.Array, rows: int, what: str) -> None:
-    _check_rows(rows)
-    if x.ndim != 3 or owner.shape != x.shape[:2]:
-        raise ValueError(
-            f"{what} {x.shape} and owners {owner.shape} do not match: [B, S, H] and [B, S]"
-        )
-
-
 def owned_scores(
     q: jax.Array, keys: jax.Array, owner: jax.Array, scale: float = 1.0
-) -> tuple[jax.Array, jax.Array]:
+) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Softmax exponents over a pool of keys [B, S, H] whose slot s of row b
     belongs to KV head owner[b, s] (int32 [B, S]; a value outside 0..K-1: to
     none), each slot read by its own head's queries [B, K, M, H] alone:
-    (exponents float32 [B, M, S], peaks float32 [B, K, M]). peaks[b, k, m] is the
-    largest of scale x q[b, k, m] . keys[b, s] over head k's slots (-inf where it
-    owns none). The exponents come in the listed order: row b's slots of head 0
-    in slot order, then head 1's, ...; the j-th listed slot's is its scaled
-    product less its head's peak, and -inf follows the listed slots."""
+    (exponents float32 [B, M, S], peaks float32 [B, K, M], listings int32
+    [B, K + 2 + S]). Each row's slots are listed by owner: head 0's in slot
+    order, then head 1's, ..., then those of no head (the listing: where each
+    head's start, then the list). peaks[b, k, m] is the largest of
+    scale x q[b, k, m] . keys[b, s] over head k's slots (-inf where it owns
+    none); exponents[b, m, j], for the j-th listed slot of a head, is that
+    scaled product less the head's peak, and -inf past them."""
     batch, heads, rows, width = q.shape
-    _check_owned(keys, owner, rows, "keys")
-    if keys.shape[0] != batch or keys.shape[2] != width:
-        raise ValueError(f"queries {q.shape} and keys {keys.shape} do not match")
-    shapes = ((batch, rows, keys.shape[1]), (batch, heads, rows))
-    return _owned_call("kvlab_owned_scores", q, keys, owner, shapes, scale=np.float32(scale))
+    _check_rows(rows)
+    if keys.ndim != 3 or keys.shape[::2] != (batch, width) or owner.shape != keys.shape[:2]:
+        raise ValueError(
+            f"queries {q.shape}, keys {keys.shape} and owners {owner.shape} do not match: "
+            "[B, K, M, H], [B, S, H] and [B, S]"
+        )
+    length = keys.shape[1]
+    results = (
+        jax.ShapeDtypeStruct((batch, rows, length), jnp.float32),
+        jax.ShapeDtypeStruct((batch, heads, rows), jnp.float32),
+        jax.ShapeDtypeStruct((batch, heads + 2 + length), jnp.int32),
+    )
+    call = jax.ffi.ffi_call("kvlab_owned_scores", results, vmap_method="sequential")
+    return call(q.astype(jnp.float32), keys, owner.astype(jnp.int32), scale=np.float32(scale))
 
 
 def owned_weighted_sum(
-    w: jax.Array, values: jax.Array, owner: jax.Array, heads: int
+    w: jax.Array, values: jax.Array, listings: jax.Array, heads: int
 ) -> tuple[jax.Array, jax.Array]:
     """(sums float32 [B, K, M, H], totals float32 [B, K, M]): for each KV head k
     of `heads`, weights [B, M, S] over the pool's values [B, S, H] of the slots
-    it owns, and the sum of those weights; the weights in `owned_scores`' listed
-    order (the same owner), those past a row's listed slots never read."""
+    it owns, and the sum of those weights; the weights in the listed order of
+    `listings` (owned_scores' for the same pool: others are refused), those
+    past the slots of some head never read."""
     batch, rows, length = w.shape
-    _check_owned(values, owner, rows, "values")
-    if values.shape[:2] != (batch, length):
-        raise ValueError(f"weights {w.shape} and values {values.shape} do not match")
-    shapes = ((batch, heads, rows, values.shape[2]), (batch, heads, rows))
-    return _owned_call("kvlab_owned_weighted_sum", w, values, owner, shapes)
+    _check_rows(rows)
+    fits = values.shape[:2] == (batch, length) and listings.shape == (batch, heads + 2 + length)
+    if values.ndim != 3 or not fits:
+        raise ValueError(
+            f"weights {w.shape}, values {values.shape} and listings {listings.shape} do not "
+            f"match: [B, M, S], [B, S, H] and [B, K + 2 + S] with K = {heads}"
+        )
+    results = (
+        jax.ShapeDtypeStruct((batch, heads, rows, values.shape[2]), jnp.float32),
+        jax.ShapeDtypeStruct((batch, heads, rows), jnp.float32),
+    )
+    call = jax.ffi.ffi_call("kvlab_owned_weighted_sum", results, vmap_method="sequential")
+    return call(w.astype(jnp.float32), values, listings.astype(jnp.int32))
 
 
 def writes_in_place(buffer: jax.Array) -> bool:

@@ -526,67 +526,76 @@ ffi::Error Weighted(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> w, ffi::AnyBuffe
 // about kChunkBytes spread over the threads; each segment's peaks and sums are combined
 // in segment order, so the results do not depend on the number of threads.
 
-// Each row's slots grouped by owner, in slot order (row b's slots of its heads, head by
-// head, from index[b * s_len]), and the segments (row, head, begin, end) of at most `span`
-// of them that the work is cut in. A thread's one Owned is reused from call to call, as
-// are its scratch buffers (Scratch): a decode step allocates nothing.
-struct Owned {
-  struct Segment {
-    int64_t row, head, begin, end;
+// A row's listing, int32 [K + 2 + S]: where each head's slots start in the list (then
+// where the slots of no head start, and S), then the list: the row's slots grouped by
+// owner, each head's in slot order, the slots of no head last (never read). OwnedScores
+// writes it and OwnedWeighted reads it back.
+void List(const int32_t* owner, int64_t s_len, int64_t heads, int32_t* listing) {
+  // A counting sort into heads + 1 buckets, the last for slots of no head, without a
+  // branch per slot.
+  const auto bucket = [&](int64_t s) {
+    const uint32_t o = static_cast<uint32_t>(owner[s]);
+    return o < static_cast<uint32_t>(heads) ? static_cast<int64_t>(o) : heads;
   };
-  std::vector<int32_t> index;
-  std::vector<int64_t> count, listed;  // listed[b]: row b's slots of some head
-  std::vector<Segment> segments;
+  int32_t* starts = listing;
+  std::fill(starts, starts + heads + 2, 0);
+  for (int64_t s = 0; s < s_len; ++s) ++starts[bucket(s) + 1];
+  for (int64_t k = 0; k <= heads; ++k) starts[k + 1] += starts[k];
+  int32_t* list = listing + heads + 2;
+  thread_local std::vector<int32_t> next;
+  next.assign(starts, starts + heads + 1);
+  for (int64_t s = 0; s < s_len; ++s) list[next[bucket(s)]++] = static_cast<int32_t>(s);
+}
 
-  void Build(const int32_t* owner, int64_t b_len, int64_t s_len, int64_t heads, int64_t span) {
-    index.resize(b_len * s_len);
-    listed.resize(b_len);
-    segments.clear();
-    for (int64_t b = 0; b < b_len; ++b) {
-      const int32_t* row = owner + b * s_len;
-      count.assign(heads + 1, 0);
-      for (int64_t s = 0; s < s_len; ++s)
-        if (row[s] >= 0 && row[s] < heads) ++count[row[s] + 1];
-      for (int64_t k = 0; k < heads; ++k) count[k + 1] += count[k];
-      listed[b] = count[heads];
-      for (int64_t k = 0; k < heads; ++k)
-        for (int64_t j = count[k]; j < count[k + 1]; j += span)
-          segments.push_back({b, k, j, std::min(j + span, count[k + 1])});
-      for (int64_t s = 0; s < s_len; ++s)
-        if (row[s] >= 0 && row[s] < heads) index[b * s_len + count[row[s]]++] = s;
-    }
-  }
+// Whether a row's listing is one List could write: starts rising from 0 to S, the list
+// slots of the row.
+bool Listed(const int32_t* listing, int64_t s_len, int64_t heads) {
+  if (listing[0] != 0 || listing[heads + 1] != s_len) return false;
+  for (int64_t k = 0; k <= heads; ++k)
+    if (listing[k + 1] < listing[k]) return false;
+  const int32_t* list = listing + heads + 2;
+  for (int64_t j = 0; j < listing[heads]; ++j)
+    if (list[j] < 0 || list[j] >= s_len) return false;
+  return true;
+}
+
+// The work over a pool's listings [B, K + 2 + S], cut in segments (row, head, begin, end)
+// of at most `span` listed slots of one head (this thread's list, reused between calls).
+struct Segment {
+  int64_t row, head, begin, end;
 };
 
-// This thread's buffer number `which` of at least `size` floats, kept between calls.
-float* Buffer(int which, int64_t size) {
-  thread_local std::vector<float> buffers[1];
-  std::vector<float>& buffer = buffers[which];
+const std::vector<Segment>& Segments(const int32_t* listings, int64_t b_len, int64_t s_len,
+                                     int64_t heads, int64_t span) {
+  thread_local std::vector<Segment> segments;
+  segments.clear();
+  for (int64_t b = 0; b < b_len; ++b) {
+    const int32_t* starts = listings + b * (heads + 2 + s_len);
+    for (int64_t k = 0; k < heads; ++k)
+      for (int64_t j = starts[k]; j < starts[k + 1]; j += span)
+        segments.push_back({b, k, j, std::min<int64_t>(j + span, starts[k + 1])});
+  }
+  return segments;
+}
+
+// This thread's buffer of at least `size` floats, kept between calls.
+float* Buffer(int64_t size) {
+  thread_local std::vector<float> buffer;
   if (static_cast<int64_t>(buffer.size()) < size) buffer.resize(size);
   return buffer.data();
 }
 
-Owned& OwnedSlots(const int32_t* owner, int64_t b_len, int64_t s_len, int64_t heads,
-                  int64_t span) {
-  thread_local Owned owned;
-  owned.Build(owner, b_len, s_len, heads, span);
-  return owned;
-}
-
-// Checks a pool of owned slots' operands: the stored tensor [B, S, H] and owner [B, S]
-// against a ([B, K, M, H] queries or [B, M, S] weights) and the outputs.
-ffi::Error ReadOwned(const char* name, const ffi::AnyBuffer& stored,
-                     const ffi::Buffer<ffi::S32>& owner, bool fits, Stored* rows) {
-  const auto sd = stored.dimensions(), od = owner.dimensions();
-  const ffi::DataType type = stored.element_type();
-  fits = fits && sd.size() == 3 && od.size() == 2 && od[0] == sd[0] && od[1] == sd[1];
-  if (!fits) {
+// Checks a pool's stored tensor [B, S, H] (`fits`: and the other operands' shapes).
+ffi::Error ReadOwned(const char* name, const ffi::AnyBuffer& stored, bool fits, Stored* rows) {
+  const auto sd = stored.dimensions();
+  if (!fits || sd.size() != 3) {
     return ffi::Error::InvalidArgument(
         std::string(name) +
-        ": expects queries [B, K, M, H] (scores [B, M, S], peaks [B, K, M]) or weights "
-        "[B, M, S] (sums [B, K, M, H], totals [B, K, M]), keys or values [B, S, H] and "
-        "owners [B, S]");
+        ": expects queries [B, K, M, H], keys [B, S, H] and owners [B, S] (exponents "
+        "[B, M, S], peaks [B, K, M], listings [B, K + 2 + S]), or weights [B, M, S], values "
+        "[B, S, H] and listings (sums [B, K, M, H], totals [B, K, M])");
   }
+  const ffi::DataType type = stored.element_type();
   if (type != ffi::DataType::F32 && type != ffi::DataType::BF16 && type != ffi::DataType::F16) {
     return ffi::Error::InvalidArgument(std::string(name) +
                                        ": stored tokens must be float32, bfloat16 or float16");
@@ -600,38 +609,46 @@ int64_t OwnedSpan(const Stored& rows) {
   return std::max<int64_t>(16, kChunkBytes / std::max<int64_t>(1, bytes));
 }
 
-// Both kernels list each row's slots by owner (Owned: head 0's in slot order, then head
-// 1's, ...) and exchange the softmax's exponents and weights in that listed order, so a
-// slot's are read and written in place, never scattered to its slot.
+// OwnedScores lists each row's slots by owner (List) and gives the softmax's exponents in
+// that listed order; OwnedWeighted takes the listings back and the weights in the same
+// order, so a slot's exponent and weight are read and written in place, never scattered.
 //
-// peaks[b, k, m]: the largest of scale x q[b, k, m, :] . keys[b, s, :] over head k's slots
-// s (-inf where it owns no slot); exponents[b, m, j]: for the j-th listed slot of row b,
-// that scaled product less its head's peak (-inf past the listed slots).
+// listings[b]: row b's listing (List); peaks[b, k, m]: the largest of scale x
+// q[b, k, m, :] . keys[b, s, :] over head k's slots s (-inf where it owns no slot);
+// exponents[b, m, j]: for the j-th listed slot of row b, that scaled product less its
+// head's peak (-inf past the slots of some head).
 ffi::Error OwnedScores(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k,
                        ffi::Buffer<ffi::S32> owner, float scale, ffi::ResultBuffer<ffi::F32> out,
-                       ffi::ResultBuffer<ffi::F32> peaks) {
-  const auto qd = q.dimensions(), od = out->dimensions(), pd = peaks->dimensions();
-  const bool fits = qd.size() == 4 && od.size() == 3 && pd.size() == 3 && od[0] == qd[0] &&
-                    od[1] == qd[2] && pd[0] == qd[0] && pd[1] == qd[1] && pd[2] == qd[2] &&
-                    k.dimensions().size() == 3 && k.dimensions()[0] == qd[0] &&
-                    k.dimensions()[1] == od[2] && k.dimensions()[2] == qd[3];
+                       ffi::ResultBuffer<ffi::F32> peaks, ffi::ResultBuffer<ffi::S32> listings) {
+  const auto qd = q.dimensions(), kd = k.dimensions(), od = out->dimensions();
+  const auto pd = peaks->dimensions(), ld = listings->dimensions();
+  const auto wd = owner.dimensions();
+  const bool fits = qd.size() == 4 && kd.size() == 3 && od.size() == 3 && pd.size() == 3 &&
+                    ld.size() == 2 && wd.size() == 2 && kd[0] == qd[0] && kd[2] == qd[3] &&
+                    wd[0] == qd[0] && wd[1] == kd[1] && od[0] == qd[0] && od[1] == qd[2] &&
+                    od[2] == kd[1] && pd[0] == qd[0] && pd[1] == qd[1] && pd[2] == qd[2] &&
+                    ld[0] == qd[0] && ld[1] == qd[1] + 2 + kd[1];
   Stored keys;
-  if (auto error = ReadOwned("kvlab owned_scores", k, owner, fits, &keys); error.failure()) {
+  if (auto error = ReadOwned("kvlab owned_scores", k, fits, &keys); error.failure()) {
     return error;
   }
   const int64_t b_len = qd[0], heads = qd[1], m_len = qd[2], h_len = qd[3], s_len = keys.s_len;
-  const Owned& owned = OwnedSlots(owner.typed_data(), b_len, s_len, heads, OwnedSpan(keys));
-  const int64_t items = owned.segments.size();
+  const int64_t row_len = heads + 2 + s_len;
+  int32_t* lp = listings->typed_data();
+  for (int64_t b = 0; b < b_len; ++b)
+    List(owner.typed_data() + b * s_len, s_len, heads, lp + b * row_len);
+  const std::vector<Segment>& segments = Segments(lp, b_len, s_len, heads, OwnedSpan(keys));
+  const int64_t items = segments.size();
   constexpr float kNone = -std::numeric_limits<float>::infinity();
-  float* top = Buffer(0, items * m_len);
+  float* top = Buffer(items * m_len);
   const float* qp = q.typed_data();
   float* op = out->typed_data();
   // Each segment's scaled products, in place, and its largest.
   Parallel(pool, items, 1, [&](int64_t first, int64_t last) {
     const __m512 factor = _mm512_set1_ps(scale);
     for (int64_t i = first; i < last; ++i) {
-      const Owned::Segment& seg = owned.segments[i];
-      const int32_t* index = owned.index.data() + seg.row * s_len + seg.begin;
+      const Segment& seg = segments[i];
+      const int32_t* index = lp + seg.row * row_len + heads + 2 + seg.begin;
       const int64_t n = seg.end - seg.begin;
       float* listed = op + seg.row * m_len * s_len + seg.begin;
       keys.Rows(seg.row * s_len * h_len, [&](const auto& rows) {
@@ -655,17 +672,17 @@ ffi::Error OwnedScores(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBu
   float* pp = peaks->typed_data();
   std::fill(pp, pp + b_len * heads * m_len, kNone);
   for (int64_t i = 0; i < items; ++i) {
-    const Owned::Segment& seg = owned.segments[i];
+    const Segment& seg = segments[i];
     float* peak = pp + (seg.row * heads + seg.head) * m_len;
     for (int64_t m = 0; m < m_len; ++m) peak[m] = std::max(peak[m], top[i * m_len + m]);
   }
-  // Less each head's peak; -inf past a row's listed slots.
+  // Less each head's peak; -inf past a row's slots of some head.
   for (int64_t b = 0; b < b_len; ++b)
     for (int64_t m = 0; m < m_len; ++m) {
       float* row = op + (b * m_len + m) * s_len;
-      std::fill(row + owned.listed[b], row + s_len, kNone);
+      std::fill(row + lp[b * row_len + heads], row + s_len, kNone);
     }
-  for (const Owned::Segment& seg : owned.segments) {
+  for (const Segment& seg : segments) {
     const float* peak = pp + (seg.row * heads + seg.head) * m_len;
     for (int64_t m = 0; m < m_len; ++m) {
       float* row = op + (seg.row * m_len + m) * s_len;
@@ -680,40 +697,48 @@ ffi::Error OwnedScores(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBu
   return ffi::Error::Success();
 }
 
-// sums[b, k, m, :] = sum over head k's slots s of w[b, m, j] values[b, s, :] and
-// totals[b, k, m] the sum of those weights, the weights in OwnedScores' listed order (slot s
-// the j-th listed of row b); weights past a row's listed slots are never read.
+// sums[b, k, m, :] = sum over head k's slots s of w[b, m, j] values[b, s, :] and totals[b,
+// k, m] the sum of those weights, slot s the j-th listed of row b in `listings` (as
+// OwnedScores gives them); weights past the slots of some head are never read.
 ffi::Error OwnedWeighted(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> w, ffi::AnyBuffer v,
-                         ffi::Buffer<ffi::S32> owner, ffi::ResultBuffer<ffi::F32> out,
+                         ffi::Buffer<ffi::S32> listings, ffi::ResultBuffer<ffi::F32> out,
                          ffi::ResultBuffer<ffi::F32> totals) {
-  const auto wd = w.dimensions(), od = out->dimensions(), td = totals->dimensions();
-  const bool fits = wd.size() == 3 && od.size() == 4 && td.size() == 3 && od[0] == wd[0] &&
-                    od[2] == wd[1] && td[0] == wd[0] && td[1] == od[1] && td[2] == wd[1] &&
-                    v.dimensions().size() == 3 && v.dimensions()[0] == wd[0] &&
-                    v.dimensions()[1] == wd[2] && v.dimensions()[2] == od[3];
+  const auto wd = w.dimensions(), vd = v.dimensions(), od = out->dimensions();
+  const auto td = totals->dimensions(), ld = listings.dimensions();
+  const bool fits = wd.size() == 3 && vd.size() == 3 && od.size() == 4 && td.size() == 3 &&
+                    ld.size() == 2 && vd[0] == wd[0] && vd[1] == wd[2] && od[0] == wd[0] &&
+                    od[2] == wd[1] && od[3] == vd[2] && td[0] == wd[0] && td[1] == od[1] &&
+                    td[2] == wd[1] && ld[0] == wd[0] && ld[1] == od[1] + 2 + vd[1];
   Stored values;
-  if (auto error = ReadOwned("kvlab owned_weighted_sum", v, owner, fits, &values);
-      error.failure()) {
+  if (auto error = ReadOwned("kvlab owned_weighted_sum", v, fits, &values); error.failure()) {
     return error;
   }
   const int64_t b_len = wd[0], heads = od[1], m_len = wd[1], h_len = od[3], s_len = values.s_len;
-  const Owned& owned = OwnedSlots(owner.typed_data(), b_len, s_len, heads, OwnedSpan(values));
-  const int64_t items = owned.segments.size();
+  const int64_t row_len = heads + 2 + s_len;
+  const int32_t* lp = listings.typed_data();
+  for (int64_t b = 0; b < b_len; ++b)
+    if (!Listed(lp + b * row_len, s_len, heads)) {
+      return ffi::Error::InvalidArgument(
+          "kvlab owned_weighted_sum: the listings are not owned_scores' for this pool");
+    }
+  const std::vector<Segment>& segments = Segments(lp, b_len, s_len, heads, OwnedSpan(values));
+  const int64_t items = segments.size();
   const int64_t size = m_len * (h_len + 1);  // a segment's sums, then its totals
-  float* partial = Buffer(0, items * size);
+  float* partial = Buffer(items * size);
   const float* wp = w.typed_data();
   Parallel(pool, items, 1, [&](int64_t first, int64_t last) {
     for (int64_t i = first; i < last; ++i) {
-      const Owned::Segment& seg = owned.segments[i];
-      const int32_t* index = owned.index.data() + seg.row * s_len + seg.begin;
+      const Segment& seg = segments[i];
+      const int32_t* index = lp + seg.row * row_len + heads + 2 + seg.begin;
       const int64_t n = seg.end - seg.begin;
       const float* listed = wp + seg.row * m_len * s_len + seg.begin;
       float* sums = partial + i * size;
       for (int64_t m = 0; m < m_len; ++m) {
         const float* row = listed + m * s_len;
-        float total = 0.0f;
-        for (int64_t j = 0; j < n; ++j) total += row[j];
-        sums[m_len * h_len + m] = total;
+        __m512 total = _mm512_setzero_ps();
+        for (int64_t j = 0; j < n; j += 16)
+          total = _mm512_add_ps(total, _mm512_maskz_loadu_ps(Tail(n - j), row + j));
+        sums[m_len * h_len + m] = _mm512_reduce_add_ps(total);
       }
       values.Rows(seg.row * s_len * h_len, [&](const auto& rows) {
         const Gathered<std::decay_t<decltype(rows)>> slots{rows, index};
@@ -726,7 +751,7 @@ ffi::Error OwnedWeighted(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> w, ffi::Any
   std::fill(op, op + b_len * heads * m_len * h_len, 0.0f);
   std::fill(tp, tp + b_len * heads * m_len, 0.0f);
   for (int64_t i = 0; i < items; ++i) {
-    const Owned::Segment& seg = owned.segments[i];
+    const Segment& seg = segments[i];
     const float* sums = partial + i * size;
     float* o = op + (seg.row * heads + seg.head) * m_len * h_len;
     float* t = tp + (seg.row * heads + seg.head) * m_len;
@@ -1517,7 +1542,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(KvlabOwnedScores, OwnedScores,
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Attr<float>("scale")
                                   .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(KvlabOwnedWeightedSum, OwnedWeighted,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
