@@ -171,6 +171,19 @@ def test_every_program_exports_for_tpu_and_cuda(attention, cache, impl):
     assert_exports(program, arguments, kernel=impl == "pallas" and cache in STORED)
 
 
+@pytest.mark.parametrize("impl", IMPLS)
+def test_a_pool_and_an_observed_step_export_for_tpu_and_cuda(impl):
+    """AdaKV's pool over float32 caches: a prefill and a decode step at interval 4,
+    whose unobserved steps read the pool through Backend.pooled and whose observed
+    ones through Backend.readers (the native kernels on the CPU), hold none of
+    them lowered for TPU or CUDA."""
+    cfg = config("gqa", "snapkv", impl)
+    cfg.cache.dtype = "float32"
+    cfg.cache.evict.update(method="adakv", interval=4)
+    program, arguments = inference(kvlab.validate_config(cfg), loops=False)
+    assert_exports(program, arguments, kernel=False)
+
+
 @pytest.mark.parametrize("attention", ["gqa", "mla"])
 def test_a_compressing_prefill_exports_for_tpu_and_cuda(attention):
     """cache.evict.when='after_prefill': generate's prompt compresses (compress=True),
