@@ -294,9 +294,13 @@ def native_block(block, attention: Attention):
 
 def reads_owned(block, attention: Attention) -> bool:
     """Whether the kernels read a pool's block (`Pooled` keys and values, one key
-    part) each slot with its own KV head's queries alone (`owned_partial`)."""
+    part) each slot with its own KV head's queries alone (`owned_partial`): a
+    16-bit pool where the reference would stream it, its products float32
+    ones there as the kernels' are."""
     k, v, _ = block
     if not (pooled(block) and isinstance(k, Pooled)) or len(attention.folded) != 1:
+        return False
+    if narrow(v.array) and not streamed_alone(unpooled(block)):
         return False
     rows = attention.shape[2] * attention.shape[3] // v.heads  # T x G per KV head
     return all(ffi.reads_owned(x.array, rows) for x in (k, v))
