@@ -543,14 +543,14 @@ def attend(
     kernels = backends.get(impl)
     # A pool's slots that the backend reads with each slot's own query heads alone
     # (Backend.pooled): their partials, merged with the others' after.
-    partials = []
-    if observe is None:
-        for block in [b for b in blocks if pooled(b)]:
-            partial = kernels.pooled(block, attention)
-            if partial is not None:
-                partials.append(partial)
-                blocks = [b for b in blocks if b is not block]
-    blocks = [unpooled(block) for block in blocks]
+    partials, plain = [], []
+    for block in blocks:
+        partial = kernels.pooled(block, attention) if pooled(block) and observe is None else None
+        if partial is None:
+            plain.append(unpooled(block))
+        else:
+            partials.append(partial)
+    blocks = plain
     if observe is not None:  # every block's weights are seen: the backend's products
         blocks = [kernels.readers(block, attention) or block for block in blocks]
 
