@@ -311,12 +311,15 @@ def merge(a, b):
     return peak, a[1] * scale_a + b[1] * scale_b, out
 
 
-def unpooled(block):
-    """The block with a pool's `Pooled` keys and values as the arrays they wrap
-    (the mask says which query heads read which slot)."""
+def unpooled(block, query_heads: int):
+    """The block with a pool's `Pooled` keys and values as the arrays they wrap,
+    masked by their owners (which of `query_heads` reads which slot)."""
+    if not pooled(block):
+        return block
     plain = lambda x: x.array if isinstance(x, Pooled) else x  # noqa: E731
-    k, v, mask = block
-    return (tuple(map(plain, k)) if isinstance(k, tuple) else plain(k), plain(v), mask)
+    k, v, _ = block
+    keys = tuple(map(plain, k)) if isinstance(k, tuple) else plain(k)
+    return keys, plain(v), v.mask(query_heads)
 
 
 def pooled(block) -> bool:
@@ -364,6 +367,11 @@ class Attention:
     part_heads: tuple
     shape: tuple
     scale: float
+
+    @property
+    def query_heads(self) -> int:
+        """N: the query heads (K x G)."""
+        return self.shape[1] * self.shape[3]
 
     @property
     def rows(self) -> int:
@@ -525,7 +533,7 @@ def attend(
     queries = _parts(q)
     batch, length, num_heads, _ = queries[0].shape
     # [B, K, S, H] keys and values (arrays or readers)
-    first = unpooled(blocks[0])
+    first = unpooled(blocks[0], num_heads)
     num_kv_heads = first[1].shape[1]
     part_heads = tuple(part.shape[1] for part in _parts(first[0]))
     for heads in (num_kv_heads, *part_heads):
@@ -547,7 +555,7 @@ def attend(
     for block in blocks:
         partial = kernels.pooled(block, attention) if pooled(block) and observe is None else None
         if partial is None:
-            plain.append(unpooled(block))
+            plain.append(unpooled(block, num_heads))
         else:
             partials.append(partial)
     blocks = plain

@@ -24,6 +24,7 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any, Protocol, runtime_checkable
 
+import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
 from kvlab.cache.placement import Placement
@@ -66,14 +67,27 @@ class Reader(Protocol):
 class Pooled:
     """The keys or values [B, 1, S, W] (an array) of a pool whose slots each hold
     a token of one of `heads` KV heads (AdaKV, kvlab/cache/evict/layers.py): slot
-    s of row b belongs to KV head owner[b, s] (int32 [B, S]; -1: no token) and
-    only that head's query heads read it. The block's mask says the same, so
-    attention's reference reads `array` under it; a backend may read each slot
-    with its own head's queries alone (kvlab.backends.Backend.pooled)."""
+    s of row b belongs to KV head tags[b, s] mod `heads` (int32 [B, S], the
+    layer's position x heads + head; negative: no token), its `owner`, and only
+    that head's query heads read it. A pool's block has no mask (None): the
+    owners are its mask (`mask`), which attention's reference reads `array`
+    under; a backend may read each slot with its own head's queries alone
+    (kvlab.backends.Backend.pooled), without one."""
 
     array: Array
-    owner: Int[Array, "B S"]
+    tags: Int[Array, "B S"]
     heads: int
+
+    @property
+    def owner(self) -> Int[Array, "B S"]:
+        """Each slot's KV head, -1 where it holds no token."""
+        return jnp.where(self.tags >= 0, self.tags % self.heads, -1)
+
+    def mask(self, query_heads: int) -> Bool[Array, "B 1 1 N S"]:
+        """Which of `query_heads` (KV head n // G's, G = query_heads / heads)
+        reads which slot."""
+        group = jnp.arange(query_heads) // (query_heads // self.heads)
+        return self.owner[:, None, None, None, :] == group[:, None]
 
 
 class CacheLayer(Protocol):

@@ -349,24 +349,28 @@ def test_owned_products_read_each_slot_with_its_own_heads_queries(
     batch, heads, rows, length, width, dtype, seed
 ):
     """Over a pool of slots each owned by one KV head (AdaKV's), each slot is read
-    by its owner's queries alone. The kernels list a row's slots by owner (head
-    0's in slot order, then head 1's, ...; a slot of no head, -1 or past K, is
-    not listed) and exchange the softmax's exponents and weights in that order:
+    by its owner's queries alone, the owner its tag mod K (tags small and near
+    int32's limits). The kernels list a row's slots by owner (head 0's in slot
+    order, then head 1's, ...; a slot of no head, a negative tag, is not
+    listed) and exchange the softmax's exponents and weights in that order:
     a listed slot's exponent is its scaled product less its head's peak, -inf
     past the listed ones, whose weights (here NaN) are never read; a head that
     owns nothing has peak -inf and sums 0. A listing that could not be the
     pool's is refused before anything is read."""
     rng = np.random.default_rng(seed)
     scale = float(rng.uniform(0.1, 2.0))
-    owner = rng.integers(-2, heads + 1, (batch, length)).astype(np.int32)
-    owner[0][owner[0] == heads - 1] = -1  # the last head of row 0 owns no slot
+    small = rng.integers(-2, 4 * heads, (batch, length))
+    large = rng.integers(-(2**31), 2**31, (batch, length))
+    tags = np.where(rng.random((batch, length)) < 0.5, small, large).astype(np.int32)
+    tags[0][tags[0] % heads == heads - 1] = -1  # the last head of row 0 owns no slot
+    owner = np.where(tags >= 0, tags % heads, -1)
     stored = jnp.asarray(rng.standard_normal((batch, length, width)), dtype)
     tokens = np.asarray(stored.astype(jnp.float32), np.float64)
     q = rng.standard_normal((batch, heads, rows, width), np.float32)
     order = [np.concatenate([np.flatnonzero(o == k) for k in range(heads)]) for o in owner]
 
     exponents, peaks, listings = jax.jit(ffi.owned_scores, static_argnums=3)(
-        q, stored, owner, scale
+        q, stored, tags, scale
     )
     exponents, peaks = np.asarray(exponents, np.float64), np.asarray(peaks, np.float64)
     for b, slots in enumerate(order):  # where each head's slots start, then the list
@@ -402,7 +406,7 @@ def test_owned_products_read_each_slot_with_its_own_heads_queries(
     np.testing.assert_allclose(totals, weights.sum(-1), rtol=1e-5, atol=1e-5 * length)
     assert np.all(np.asarray(sums)[0, heads - 1] == 0) and np.all(np.asarray(totals)[0, -1] == 0)
     with pytest.raises(ValueError, match="do not match"):
-        ffi.owned_scores(q, stored, owner[:, :-1] if length > 1 else owner[:0])
+        ffi.owned_scores(q, stored, tags[:, :-1] if length > 1 else tags[:0])
     broken = np.asarray(listings).copy()
     broken[0, heads + 2] = length  # a slot past the pool
     if listings[0, heads] > 0:

@@ -185,12 +185,14 @@ class EvictingLayer:
         held = self.positions >= 0  # [B, E, S]
         if not p.pooled:
             return [(stored, held[:, :, None, None, :]), (fresh, placement.fresh_mask)], pending
-        # One pool: query head n reads the slots of KV head n // G.
-        owner = jnp.where(held, self.positions % p.kv_heads, -1)[:, 0]  # [B, S]
-        stored = tuple(
-            Pooled(x, owner, p.kv_heads) if isinstance(x, jax.Array) else x for x in stored
-        )
-        blocks = [(stored, self._pool_mask(held, 1)), self._pooled(fresh, placement.fresh_mask)]
+        # One pool: query head n reads the slots of KV head n // G (Pooled's owners
+        # are the mask of arrays; a reader's is the layer's).
+        if all(isinstance(x, jax.Array) for x in stored):
+            tags = self.positions[:, 0]  # [B, S]
+            stored_block = (tuple(Pooled(x, tags, p.kv_heads) for x in stored), None)
+        else:
+            stored_block = (stored, self._pool_mask(held, 1))
+        blocks = [stored_block, self._pooled(fresh, placement.fresh_mask)]
         return blocks, self._pool_tensors(pending)
 
     def _read_settling(self, fresh: tuple, placement: Placement):

@@ -300,7 +300,7 @@ def reads_owned(block, attention: Attention) -> bool:
     k, v, _ = block
     if not (pooled(block) and isinstance(k, Pooled)) or len(attention.folded) != 1:
         return False
-    if narrow(v.array) and not streamed_alone(unpooled(block)):
+    if narrow(v.array) and not streamed_alone(unpooled(block, attention.query_heads)):
         return False
     rows = attention.shape[2] * attention.shape[3] // v.heads  # T x G per KV head
     return all(ffi.reads_owned(x.array, rows) for x in (k, v))
@@ -311,10 +311,10 @@ def owned_partial(block, attention: Attention):
     own KV head's query heads alone (ffi.owned_scores, owned_weighted_sum): the
     reference's masked read of the pool does K times the products."""
     k, v, _ = block
-    heads, owner = v.heads, v.owner
+    heads = v.heads
     length = attention.shape[2]
     q = rearrange(attention.folded[0], "B 1 (T K G) H -> B K (T G) H", T=length, K=heads)
-    exponents, top, listings = ffi.owned_scores(q, k.array[:, 0], owner, attention.scale)
+    exponents, top, listings = ffi.owned_scores(q, k.array[:, 0], v.tags, attention.scale)
     peak = jnp.maximum(top, MASKED)  # a head of no slot: MASKED, as attend's
     weights = jnp.exp(exponents)  # [B, M, S], the kernels' listed order: 0 past the slots
     out, total = ffi.owned_weighted_sum(weights, v.array[:, 0], listings, heads)
@@ -448,7 +448,7 @@ class Native(backends.Backend):
             return None
         return on_platforms(
             lambda _: owned_partial(block, attention),
-            lambda: attention.partial(unpooled(block)),
+            lambda: attention.partial(unpooled(block, attention.query_heads)),
             cpu=True,
         )
 

@@ -6,7 +6,7 @@ scores(q [..., M, H], k [..., S, H], limit) -> [..., M, S]      attention scores
 weighted_sum(w [..., M, S], v [..., S, H], limit) -> [..., M, H] attention output
 pool_scores(q, pool, pages, length, limit), pool_weighted_sum(w, pool, pages, limit)
                                     the same over page pools through block tables
-owned_scores(q, keys, owner), owned_weighted_sum(w, values, owner)
+owned_scores(q, keys, tags), owned_weighted_sum(w, values, listings)
                                     the same over a pool whose slots each belong to
                                     one KV head (AdaKV's), read by its queries alone
 quant_scores(q, codes: Codes, limit), quant_weighted_sum(w, codes: Codes, limit)
@@ -307,11 +307,12 @@ def reads_owned(x: jax.Array, rows: int) -> bool:
 
 
 def owned_scores(
-    q: jax.Array, keys: jax.Array, owner: jax.Array, scale: float = 1.0
+    q: jax.Array, keys: jax.Array, tags: jax.Array, scale: float = 1.0
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Softmax exponents over a pool of keys [B, S, H] whose slot s of row b
-    belongs to KV head owner[b, s] (int32 [B, S]; a value outside 0..K-1: to
-    none), each slot read by its own head's queries [B, K, M, H] alone:
+    belongs to KV head tags[b, s] mod K (int32 [B, S], an evicting layer's
+    position x K + head, or the head itself; negative: to none), each slot
+    read by its own head's queries [B, K, M, H] alone:
     (exponents float32 [B, M, S], peaks float32 [B, K, M], listings int32
     [B, K + 2 + S]). Each row's slots are listed by owner: head 0's in slot
     order, then head 1's, ..., then those of no head (the listing: where each
@@ -321,9 +322,9 @@ def owned_scores(
     scaled product less the head's peak, and -inf past them."""
     batch, heads, rows, width = q.shape
     _check_rows(rows)
-    if keys.ndim != 3 or keys.shape[::2] != (batch, width) or owner.shape != keys.shape[:2]:
+    if keys.ndim != 3 or keys.shape[::2] != (batch, width) or tags.shape != keys.shape[:2]:
         raise ValueError(
-            f"queries {q.shape}, keys {keys.shape} and owners {owner.shape} do not match: "
+            f"queries {q.shape}, keys {keys.shape} and tags {tags.shape} do not match: "
             "[B, K, M, H], [B, S, H] and [B, S]"
         )
     length = keys.shape[1]
@@ -333,7 +334,7 @@ def owned_scores(
         jax.ShapeDtypeStruct((batch, heads + 2 + length), jnp.int32),
     )
     call = jax.ffi.ffi_call("kvlab_owned_scores", results, vmap_method="sequential")
-    return call(q.astype(jnp.float32), keys, owner.astype(jnp.int32), scale=np.float32(scale))
+    return call(q.astype(jnp.float32), keys, tags.astype(jnp.int32), scale=np.float32(scale))
 
 
 def owned_weighted_sum(

@@ -519,32 +519,64 @@ ffi::Error Weighted(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> w, ffi::AnyBuffe
 }
 
 // ---- Over a pool of owned slots: AdaKV's K heads share one pool of slots per row
-// (kvlab/cache/evict/layers.py), slot s of row b holding a token of KV head owner[b, s]
-// (any other value: no token). Only that head's M queries read the slot, so a slot costs
-// M products instead of the K x M a masked read of the pool costs. Each (row, head)'s
-// slots are listed in slot order and read through the list (Gathered), in segments of
-// about kChunkBytes spread over the threads; each segment's peaks and sums are combined
-// in segment order, so the results do not depend on the number of threads.
+// (kvlab/cache/evict/layers.py), slot s of row b holding a token of KV head tags[b, s]
+// mod K (the layer's tag: position x K + head; a negative tag: no token). Only that
+// head's M queries read the slot, so a slot costs M products instead of the K x M a
+// masked read of the pool costs. Each (row, head)'s slots are listed in slot order and
+// read through the list (Gathered), in segments of about kChunkBytes spread over the
+// threads; each segment's peaks and sums are combined in segment order, so the results
+// do not depend on the number of threads.
+
+// owner[s] = tags[s] mod heads, or heads where tags[s] < 0 (no head), for s < s_len:
+// a quotient in double precision (exact to within one for any int32), corrected.
+void Owners(const int32_t* tags, int64_t s_len, int64_t heads, int32_t* owner) {
+  const __m512d inverse = _mm512_set1_pd(1.0 / static_cast<double>(heads));
+  const __m512i count = _mm512_set1_epi32(static_cast<int32_t>(heads));
+  const __m512i zero = _mm512_setzero_si512();
+  for (int64_t s = 0; s < s_len; s += 16) {
+    const __mmask16 tail = Tail(s_len - s);
+    const __m512i tag = _mm512_maskz_loadu_epi32(tail, tags + s);
+    const auto quotient = [&](__m256i half) {
+      const __m512d x = _mm512_mul_pd(_mm512_cvtepi32_pd(half), inverse);
+      return _mm512_cvttpd_epi32(_mm512_roundscale_pd(x, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC));
+    };
+    const __m512i q = _mm512_inserti64x4(
+        _mm512_castsi256_si512(quotient(_mm512_castsi512_si256(tag))),
+        quotient(_mm512_extracti64x4_epi64(tag, 1)), 1);
+    __m512i r = _mm512_sub_epi32(tag, _mm512_mullo_epi32(q, count));
+    r = _mm512_mask_add_epi32(r, _mm512_cmplt_epi32_mask(r, zero), r, count);
+    r = _mm512_mask_sub_epi32(r, _mm512_cmpge_epi32_mask(r, count), r, count);
+    r = _mm512_mask_mov_epi32(r, _mm512_cmplt_epi32_mask(tag, zero), count);
+    _mm512_mask_storeu_epi32(owner + s, tail, r);
+  }
+}
 
 // A row's listing, int32 [K + 2 + S]: where each head's slots start in the list (then
 // where the slots of no head start, and S), then the list: the row's slots grouped by
 // owner, each head's in slot order, the slots of no head last (never read). OwnedScores
 // writes it and OwnedWeighted reads it back.
 void List(const int32_t* owner, int64_t s_len, int64_t heads, int32_t* listing) {
-  // A counting sort into heads + 1 buckets, the last for slots of no head, without a
-  // branch per slot.
-  const auto bucket = [&](int64_t s) {
-    const uint32_t o = static_cast<uint32_t>(owner[s]);
-    return o < static_cast<uint32_t>(heads) ? static_cast<int64_t>(o) : heads;
-  };
-  int32_t* starts = listing;
-  std::fill(starts, starts + heads + 2, 0);
-  for (int64_t s = 0; s < s_len; ++s) ++starts[bucket(s) + 1];
-  for (int64_t k = 0; k <= heads; ++k) starts[k + 1] += starts[k];
+  // One pass per bucket (heads + 1, the last for slots of no head: an owner at or past
+  // heads, compared unsigned), each slot's index stored where its bucket's mask holds (a
+  // compressing store): no counter that each slot's write waits on.
   int32_t* list = listing + heads + 2;
-  thread_local std::vector<int32_t> next;
-  next.assign(starts, starts + heads + 1);
-  for (int64_t s = 0; s < s_len; ++s) list[next[bucket(s)]++] = static_cast<int32_t>(s);
+  const __m512i lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const __m512i count = _mm512_set1_epi32(static_cast<int32_t>(heads));
+  int32_t at = 0;
+  for (int64_t k = 0; k <= heads; ++k) {
+    listing[k] = at;
+    const __m512i want = _mm512_set1_epi32(static_cast<int32_t>(k));
+    for (int64_t s = 0; s < s_len; s += 16) {
+      const __mmask16 tail = Tail(s_len - s);
+      const __m512i o = _mm512_maskz_loadu_epi32(tail, owner + s);
+      const __mmask16 mine = k < heads ? _mm512_mask_cmpeq_epi32_mask(tail, o, want)
+                                       : _mm512_mask_cmpge_epu32_mask(tail, o, count);
+      const __m512i index = _mm512_add_epi32(lanes, _mm512_set1_epi32(static_cast<int32_t>(s)));
+      _mm512_mask_compressstoreu_epi32(list + at, mine, index);
+      at += __builtin_popcount(mine);
+    }
+  }
+  listing[heads + 1] = at;
 }
 
 // Whether a row's listing is one List could write: starts rising from 0 to S, the list
@@ -591,7 +623,7 @@ ffi::Error ReadOwned(const char* name, const ffi::AnyBuffer& stored, bool fits, 
   if (!fits || sd.size() != 3) {
     return ffi::Error::InvalidArgument(
         std::string(name) +
-        ": expects queries [B, K, M, H], keys [B, S, H] and owners [B, S] (exponents "
+        ": expects queries [B, K, M, H], keys [B, S, H] and tags [B, S] (exponents "
         "[B, M, S], peaks [B, K, M], listings [B, K + 2 + S]), or weights [B, M, S], values "
         "[B, S, H] and listings (sums [B, K, M, H], totals [B, K, M])");
   }
@@ -618,11 +650,11 @@ int64_t OwnedSpan(const Stored& rows) {
 // exponents[b, m, j]: for the j-th listed slot of row b, that scaled product less its
 // head's peak (-inf past the slots of some head).
 ffi::Error OwnedScores(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k,
-                       ffi::Buffer<ffi::S32> owner, float scale, ffi::ResultBuffer<ffi::F32> out,
+                       ffi::Buffer<ffi::S32> tags, float scale, ffi::ResultBuffer<ffi::F32> out,
                        ffi::ResultBuffer<ffi::F32> peaks, ffi::ResultBuffer<ffi::S32> listings) {
   const auto qd = q.dimensions(), kd = k.dimensions(), od = out->dimensions();
   const auto pd = peaks->dimensions(), ld = listings->dimensions();
-  const auto wd = owner.dimensions();
+  const auto wd = tags.dimensions();
   const bool fits = qd.size() == 4 && kd.size() == 3 && od.size() == 3 && pd.size() == 3 &&
                     ld.size() == 2 && wd.size() == 2 && kd[0] == qd[0] && kd[2] == qd[3] &&
                     wd[0] == qd[0] && wd[1] == kd[1] && od[0] == qd[0] && od[1] == qd[2] &&
@@ -635,8 +667,12 @@ ffi::Error OwnedScores(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBu
   const int64_t b_len = qd[0], heads = qd[1], m_len = qd[2], h_len = qd[3], s_len = keys.s_len;
   const int64_t row_len = heads + 2 + s_len;
   int32_t* lp = listings->typed_data();
-  for (int64_t b = 0; b < b_len; ++b)
-    List(owner.typed_data() + b * s_len, s_len, heads, lp + b * row_len);
+  thread_local std::vector<int32_t> owners;
+  owners.resize(s_len);
+  for (int64_t b = 0; b < b_len; ++b) {
+    Owners(tags.typed_data() + b * s_len, s_len, heads, owners.data());
+    List(owners.data(), s_len, heads, lp + b * row_len);
+  }
   const std::vector<Segment>& segments = Segments(lp, b_len, s_len, heads, OwnedSpan(keys));
   const int64_t items = segments.size();
   constexpr float kNone = -std::numeric_limits<float>::infinity();
