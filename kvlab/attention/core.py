@@ -42,6 +42,7 @@ scores, the softmax and the sums are float32.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
@@ -56,6 +57,7 @@ from kvlab.cache.protocols import Pooled, Reader
 
 # A finite "minus infinity": a fully masked row gives a uniform softmax, not NaN.
 MASKED = -0.7 * float(jnp.finfo(jnp.float32).max)
+SUMMED_ROWS = 16  # the most query rows a mass is summed over by adds (_summed_rows)
 
 
 def ordered_after(tree, dependency: Array):
@@ -504,7 +506,18 @@ def _masses(weights, factor, total, observe, groups: int) -> list:
     query = (observe.astype(jnp.float32) / groups)[:, None, :, None, None]  # [B, 1, T, 1, 1]
     # A product and a sum over T and G, not an einsum: XLA:CPU made that a dot over
     # T with G summed apart, which cost more than the rest of a decode step.
-    return [(w * factor / total * query).sum((2, 3)) for w in weights]
+    return [_summed_rows(w * factor / total * query) for w in weights]
+
+
+def _summed_rows(x: Array) -> Array:
+    """x [B, K, T, G, S] summed over T and G: as a chain of adds where there are
+    few rows (XLA:CPU hands a reduction's fusion to YNNPACK, about 2 ms for a
+    pool's 16k keys), else a sum."""
+    b, k, t, g, s = x.shape
+    if t * g > SUMMED_ROWS:
+        return x.sum((2, 3))
+    rows = x.reshape(b, k, t * g, s)
+    return functools.reduce(jnp.add, [rows[:, :, i] for i in range(t * g)])
 
 
 def attend(

@@ -610,6 +610,17 @@ const std::vector<Segment>& Segments(const int32_t* listings, int64_t b_len, int
   return segments;
 }
 
+// Segments per unit of parallel work: about kChunkBytes of listed rows each, so a
+// pool smaller than that is read by the calling thread alone (waking a helper costs
+// more than a small pool's products).
+int64_t SegmentChunk(const std::vector<Segment>& segments, const Stored& rows) {
+  int64_t listed = 0;
+  for (const Segment& seg : segments) listed += seg.end - seg.begin;
+  const int64_t bytes = listed * rows.h_len * (rows.type == ffi::DataType::F32 ? 4 : 2);
+  const int64_t units = std::max<int64_t>(1, bytes / kChunkBytes);
+  return std::max<int64_t>(1, (static_cast<int64_t>(segments.size()) + units - 1) / units);
+}
+
 // This thread's buffer of at least `size` floats, kept between calls.
 float* Buffer(int64_t size) {
   thread_local std::vector<float> buffer;
@@ -680,7 +691,7 @@ ffi::Error OwnedScores(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBu
   const float* qp = q.typed_data();
   float* op = out->typed_data();
   // Each segment's scaled products, in place, and its largest.
-  Parallel(pool, items, 1, [&](int64_t first, int64_t last) {
+  Parallel(pool, items, SegmentChunk(segments, keys), [&](int64_t first, int64_t last) {
     const __m512 factor = _mm512_set1_ps(scale);
     for (int64_t i = first; i < last; ++i) {
       const Segment& seg = segments[i];
@@ -762,7 +773,7 @@ ffi::Error OwnedWeighted(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> w, ffi::Any
   const int64_t size = m_len * (h_len + 1);  // a segment's sums, then its totals
   float* partial = Buffer(items * size);
   const float* wp = w.typed_data();
-  Parallel(pool, items, 1, [&](int64_t first, int64_t last) {
+  Parallel(pool, items, SegmentChunk(segments, values), [&](int64_t first, int64_t last) {
     for (int64_t i = first; i < last; ++i) {
       const Segment& seg = segments[i];
       const int32_t* index = lp + seg.row * row_len + heads + 2 + seg.begin;
