@@ -118,7 +118,7 @@ def test_each_slot_carries_its_values_weight_weighed_as_it_arrived(
 
 def test_unknown_weights_are_weighed_afresh_with_the_same_choices():
     """reset_rows marks a started row's weights unknown (NaN) and leaves the others';
-    unknown weights are weighed at the next write with the same choices."""
+    unknown weights are weighed when next scored, with the same choices."""
     cfg = VARIANTS["gqa"]()
     tokens = random_tokens(cfg, (2, 9), seed=5)
     _, cache = run(cfg, evicting(cfg, "criticalkv:snapkv", budget=4), tokens)

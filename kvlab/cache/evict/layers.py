@@ -122,8 +122,8 @@ class EvictingLayer:
     buffer       a decoding layer's queries of the decode steps since each row last
                  compressed (buffer.QueryBuffer, Policy.buffers); None otherwise
     weights      float32[B, E, S] each slot's token's weight (Scorer.weigh, weighed
-                 as it arrived: CriticalKV's value norm; NaN: unknown, weighed at
-                 the next write) where Policy.weighs; None otherwise
+                 as it arrived: CriticalKV's value norm; NaN: unknown, weighed when
+                 next scored) where Policy.weighs; None otherwise
     """
 
     tensors: tuple
@@ -339,13 +339,13 @@ class EvictingLayer:
             limit = self._limit(placement.compress, placement, end)
         elif p.decodes:
             limit = self._limit(self._due(placement), placement, end)
-        weights = None
+        weights = known = None
         if p.weighs:  # every step: the new tokens' weights are carried from now on
-            weights = self._weights(pending, placement, candidates, valid, queries)
-        score = lambda: self._score(  # noqa: E731
-            pending, placement, candidates, valid, mass, queries, limit, weights
+            weights, known = self._weights(pending, placement, candidates, valid, queries)
+        score = lambda w: self._score(  # noqa: E731
+            pending, placement, candidates, valid, mass, queries, limit, w
         )
-        return self._decide(tags, candidates, score, end, limit=limit, weights=weights)
+        return self._decide(tags, candidates, score, end, limit=limit, weights=weights, known=known)
 
     def _limit(self, compress: Array, placement: Placement, end: Array) -> Array:
         """int32[B, 1, 1]: candidates a head keeps at most this step: the target in
@@ -361,28 +361,45 @@ class EvictingLayer:
         return jnp.where(rows, target, -1)
 
     def _decide(
-        self, tags: Array, candidates: Array, score, end: Array, span=1, limit=None, weights=None
+        self,
+        tags: Array,
+        candidates: Array,
+        score,
+        end: Array,
+        span=1,
+        limit=None,
+        weights=None,
+        known=None,
     ):
-        """`_keep`, scoring (`score()`: the scores and the priorities they rank by)
-        only in a step where some head of some row has
+        """`_keep`, scoring (`score(weights)`: the scores and the priorities they
+        rank by) only in a step where some head of some row has
         more candidates than slots, or is compressed (`limit`, `_limit`): otherwise
         the new ones take free slots and nothing is scored or sorted (a scorer that
         `keeps` a state is still scored, to add to it). The choices are the same;
         the fill, cache.evict.interval's steps between compressions and
-        after_prefill's steps after its compression cost no top-k."""
+        after_prefill's steps after its compression cost no top-k. `known()`:
+        the candidates' `weights` as a competition reads them (`_weights`),
+        computed only in a step that scores."""
         slots = self.positions.shape[2]
         overflow = jnp.any((candidates >= 0).sum(-1) > slots)
         if limit is not None:
             overflow = overflow | jnp.any(limit >= 0)
         if self.policy.keeps:
-            kept_score = score()
-            score = lambda: kept_score  # noqa: E731
+            if known is not None:  # scored every step
+                weights, known = known(), None
+            kept_score = score(weights)
+            score = lambda _: kept_score  # noqa: E731
             appended = kept_score[0]
         else:
             appended = jnp.zeros(candidates.shape, jnp.float32)
+
+        def competing():
+            read = weights if known is None else known()
+            return self._keep(tags, candidates, *score(read), end, span, limit=limit, weights=read)
+
         return jax.lax.cond(
             overflow,
-            lambda: self._keep(tags, candidates, *score(), end, span, limit=limit, weights=weights),
+            competing,
             lambda: self._keep(
                 tags, candidates, appended, appended, end, span, compete=False, weights=weights
             ),
@@ -574,25 +591,32 @@ class EvictingLayer:
             values=values,
         )
 
-    def _weights(self, pending, placement, candidates, valid, queries) -> Array:
-        """float32[B, E, C]: each candidate's weight (Policy.weighs): the slots'
-        carried ones, the step's new tokens' weighed now (NaN where the attention
-        offered no queries to weigh them by: weighed at a later write); a row
-        reset_rows started on prefix pages (NaN: unknown) has its slots weighed."""
+    def _weights(self, pending, placement, candidates, valid, queries):
+        """(weights, known): float32[B, E, C], each candidate's weight (Policy.weighs):
+        the slots' carried ones, the step's new tokens' weighed now (NaN where the
+        attention offered no queries to weigh them by); `known()` the same with
+        every candidate of unknown weight (NaN: such a token, or a slot of a row
+        reset_rows started on prefix pages) weighed, for a step that scores (None
+        without queries). A step that does not score carries the NaNs on."""
         scorer, slots = self.policy.scorer, self.positions.shape[2]
         if queries is None:
             fresh = jnp.full(candidates[..., slots:].shape, jnp.nan, jnp.float32)
-            return jnp.concatenate([self.weights, fresh], axis=-1)
+            return jnp.concatenate([self.weights, fresh], axis=-1), None
         c = self._candidates_of(
             candidates, valid, 1, None, *self._readers(pending, placement), placement, queries
         )
-        unknown = jnp.isnan(self.weights) & (self.positions >= 0)
-        held = jax.lax.cond(
-            jnp.any(unknown),
-            lambda: jnp.where(unknown, scorer.weigh(c)[..., :slots], self.weights),
-            lambda: self.weights,
-        )
-        return jnp.concatenate([held, scorer.weigh(self._fresh(c, pending, placement))], axis=-1)
+        fresh = scorer.weigh(self._fresh(c, pending, placement))
+        weights = jnp.concatenate([self.weights, fresh], axis=-1)
+
+        def known():
+            unknown = jnp.isnan(weights) & valid
+            return jax.lax.cond(
+                jnp.any(unknown),
+                lambda: jnp.where(unknown, scorer.weigh(c), weights),
+                lambda: weights,
+            )
+
+        return weights, known
 
     def _with_buffer(self, c: Candidates, placement: Placement, queries) -> Candidates:
         """`c` with a decoding layer's buffered queries of earlier decode steps beside
@@ -701,7 +725,7 @@ class EvictingLayer:
         if self.ring_scores is not None:  # h2o: added to every step
             settling, ring_scores = self._unsettled_mass(flush, placement, mass)
 
-        def score():  # other scorers' settling mass only in a step that scores
+        def score(_):  # other scorers' settling mass only in a step that scores
             unsettled = settling
             if unsettled is None and mass is not None:
                 unsettled = self._unsettled_mass(flush, placement, mass)[0]
@@ -870,7 +894,7 @@ def reset_rows(layer, starting: Array, lengths: Array):
     tokens in slot order (a request starting there on matched prefix pages) and
     nothing else: slot j holds position j (settling: group j, first position j x g)
     or nothing (-1), scores 0 (a remembered static score: NaN, scored at the next
-    write, Policy.remembers) and weights NaN (weighed at the next write). Other
+    write, Policy.remembers) and weights NaN (weighed when next scored). Other
     layers pass through."""
     if getattr(layer, "positions", None) is None:
         return layer
