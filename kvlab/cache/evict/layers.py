@@ -185,8 +185,9 @@ class EvictingLayer:
         held = self.positions >= 0  # [B, E, S]
         if not p.pooled:
             return [(stored, held[:, :, None, None, :]), (fresh, placement.fresh_mask)], pending
-        # One pool: query head n reads the slots of KV head n // G (Pooled's owners
-        # are the mask of arrays; a reader's is the layer's).
+        # One pool: query head n reads the slots of KV head n // G. Arrays come as
+        # Pooled, masked by their owners only where they are read so; readers
+        # under the layer's mask.
         if all(isinstance(x, jax.Array) for x in stored):
             tags = self.positions[:, 0]  # [B, S]
             stored_block = (tuple(Pooled(x, tags, p.kv_heads) for x in stored), None)
