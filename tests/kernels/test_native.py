@@ -369,9 +369,7 @@ def test_owned_products_read_each_slot_with_its_own_heads_queries(
     q = rng.standard_normal((batch, heads, rows, width), np.float32)
     order = [np.concatenate([np.flatnonzero(o == k) for k in range(heads)]) for o in owner]
 
-    exponents, peaks, listings = jax.jit(ffi.owned_scores, static_argnums=3)(
-        q, stored, tags, scale
-    )
+    exponents, peaks, listings = jax.jit(ffi.owned_scores, static_argnums=3)(q, stored, tags, scale)
     exponents, peaks = np.asarray(exponents, np.float64), np.asarray(peaks, np.float64)
     for b, slots in enumerate(order):  # where each head's slots start, then the list
         starts = np.cumsum([0, *(np.sum(owner[b] == k) for k in range(heads))])
