@@ -463,13 +463,6 @@ class EvictingLayer:
             # a candidate holding any of the `recent` latest positions stays
             recent = position + (span - 1) >= end - p.recent
             priority = jnp.where(valid & recent, KEPT, priority)
-        if p.floor:  # a head's recent tokens count towards its floor
-            floors = None
-            if limit is not None:  # a compressed row's floor is its target's share
-                share = jnp.floor(p.floor_share * (limit // p.kv_heads)).astype(jnp.int32)
-                floors = jnp.where(limit >= 0, share, p.floor)
-            floor = self._floor(priority, candidates, valid, floors) & (priority < KEPT)
-            priority = jnp.where(floor, FLOOR, priority)
         # The best stay: a head over its S slots drops its (count - S + spare)
         # lowest, at most T' + spare of them, so a top-k of that width (not S)
         # finds them; among equals the later candidate goes.
@@ -479,12 +472,36 @@ class EvictingLayer:
         if limit is not None:  # a compressed row may drop any of its candidates
             drop = jnp.where(limit >= 0, jnp.maximum(count - limit, 0), drop)
             width = candidates.shape[2]
-        lowest = jnp.where(valid, -priority, -jnp.inf)[..., ::-1]
-        _, worst = jax.lax.top_k(lowest, width)
-        worst = candidates.shape[2] - 1 - worst  # [B, E, width], lowest priority first
-        b = jnp.arange(worst.shape[0])[:, None, None]
-        e = jnp.arange(worst.shape[1])[None, :, None]
-        return jnp.zeros(candidates.shape, bool).at[b, e, worst].set(jnp.arange(width) < drop)
+        lowest = lambda priority: _lowest(valid, priority, drop, width)  # noqa: E731
+        if not p.floor:
+            return lowest(priority)
+        # adakv: each head's `floor` best stay first (its recent tokens count
+        # towards it). A head that keeps at least its floor without that keeps
+        # those best already (both choices rank by priority, the earlier first
+        # among equals), so the floors' top-k runs only where some head does not.
+        floors = None
+        if limit is not None:  # a compressed row's floor is its target's share
+            share = jnp.floor(p.floor_share * (limit // p.kv_heads)).astype(jnp.int32)
+            floors = jnp.where(limit >= 0, share, p.floor)
+        plain = lowest(priority)
+
+        def floored():
+            floor = self._floor(priority, candidates, valid, floors) & (priority < KEPT)
+            return lowest(jnp.where(floor, FLOOR, priority))
+
+        short = self._short_of_floor(plain, priority, candidates, valid, floors)
+        return jax.lax.cond(short, floored, lambda: plain)
+
+    def _short_of_floor(self, dropped, priority, candidates, valid, floors=None) -> Array:
+        """bool[]: whether some head of some row keeps fewer than its floor
+        (`_floor`: at most the candidates it ranks, of a priority above -inf)
+        when `dropped` [B, 1, C] go."""
+        p = self.policy
+        mine = (candidates % p.kv_heads) == jnp.arange(p.kv_heads)[None, :, None]  # [B, K, C]
+        ranked = valid & (priority > -jnp.inf)
+        kept = (ranked & ~dropped & mine).sum(-1)  # [B, K]
+        floor = p.floor if floors is None else floors[:, :, 0]  # [B, 1]
+        return jnp.any(kept < jnp.minimum(floor, (ranked & mine).sum(-1)))
 
     def _ring_slots(self, placement: Placement) -> Array:
         p = self.policy
@@ -850,6 +867,17 @@ def _free_slots(kept: Array, rank: Array) -> Array:
     free = jnp.cumsum(~kept, axis=-1)  # [B, E, S]
     find = jax.vmap(jax.vmap(lambda f, r: jnp.searchsorted(f, r, side="left")))
     return find(free, rank)
+
+
+def _lowest(valid: Array, priority: Array, drop: Array, width: int) -> Array:
+    """bool[B, E, C]: each head's `drop` [B, E, 1] lowest valid candidates by
+    `priority`, among equals the later first, found among the `width` lowest."""
+    lowest = jnp.where(valid, -priority, -jnp.inf)[..., ::-1]
+    _, worst = jax.lax.top_k(lowest, width)
+    worst = valid.shape[2] - 1 - worst  # [B, E, width], lowest priority first
+    b = jnp.arange(worst.shape[0])[:, None, None]
+    e = jnp.arange(worst.shape[1])[None, :, None]
+    return jnp.zeros(valid.shape, bool).at[b, e, worst].set(jnp.arange(width) < drop)
 
 
 def _observed_count(policy: Policy, placement: Placement) -> Array:
