@@ -455,9 +455,9 @@ class Native(backends.Backend):
     def readers(self, block, attention: Attention):
         """float32 arrays as `OnCpu` readers, at any size: in a step that observes
         attention XLA:CPU hands each of the step's small products and
-        reductions to YNNPACK, at a cost of 0.4-3 ms each (a compression of
-        configs/gqa.py:small at 8k tokens took 54 ms against 14 for one that
-        reads no attention)."""
+        reductions to YNNPACK, at a cost of 0.4-3 ms each in its first run (the
+        first compression of configs/gqa.py:small at 8k tokens took 54 ms
+        against 14 for one that reads no attention; docs/benchmarks.md)."""
         if not available() or attention.rows > ffi.MAX_ROWS:
             return None
         k, v, mask = block
