@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import functools
 import os
 import re
+import shutil
 import tempfile
 
 import jax
@@ -16,6 +18,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 import kvlab
+from kvlab.cache.evict.scorers import best
 from kvlab.config import evict_methods
 from kvlab.eval.calibrate import save_filters, save_patterns
 from kvlab.registry import SCORERS
@@ -28,10 +31,19 @@ MAX_LEN = 16
 
 
 @functools.cache
+def _artefacts() -> str:
+    """This test process's folder of calibrated artefacts, removed when it exits."""
+    folder = tempfile.mkdtemp(prefix="kvlab-test-artefacts-")
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
+    return folder
+
+
+@functools.cache
 def _artefact(method: str, shape: tuple) -> dict:
     """The options of a method calibrated offline, naming a file of random numbers of
     `shape` (qfilter's filters; duo_attention's head scores, its windows made small)."""
-    path = os.path.join(tempfile.mkdtemp(prefix="kvlab-test-artefact-"), f"{method}.npz")
+    name = f"{method}-{'x'.join(map(str, shape))}.npz"
+    path = os.path.join(_artefacts(), name)
     array = np.random.default_rng(0).normal(size=shape)
     if "patterns" in SCORERS.get(method).defaults:  # duo_attention, kvzip_head
         save_patterns(path, array)
@@ -462,6 +474,31 @@ def test_ranks_are_the_stable_argsort_of_the_argsort(values, rows):
     x = np.stack([np.roll(values, r) for r in range(rows)]).astype(np.float32)
     want = np.argsort(np.argsort(x, axis=-1, kind="stable"), axis=-1, kind="stable")
     np.testing.assert_array_equal(np.asarray(ranks(jnp.asarray(x))), want)
+
+
+EDGES = [0.0, -0.0, 1.0, -1.0, 1e-30, -1e-30, 1e-40, -1e-40, 3e38, -3e38]  # zeros, subnormals
+EDGES += [np.inf, -np.inf, np.nan]
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    x=st.lists(
+        st.one_of(st.sampled_from(EDGES), st.floats(width=32, allow_nan=False)),
+        min_size=4 * 24,
+        max_size=4 * 24,
+    ),
+    counts=st.lists(st.integers(-2, 27), min_size=4, max_size=4),
+)
+def test_best_is_the_stable_sorts_first_count(x, counts):
+    """scorers.best (no sort): each row's `count` largest, among equals the earlier
+    first, NaN below -inf, -0 equal to 0 and subnormals apart, as `ranks(-x) <
+    count` and a stable argsort have them; counts of none, some, every entry and past them."""
+    x = np.asarray(x, np.float32).reshape(4, 24)
+    count = np.asarray(counts, np.int32)[:, None]
+    order = np.argsort(-x, axis=-1, kind="stable")  # NaN last, -0 equal to 0
+    place = np.argsort(order, axis=-1, kind="stable")
+    got = np.asarray(jax.jit(best)(jnp.asarray(x), jnp.asarray(count)))
+    np.testing.assert_array_equal(got, place < count)
 
 
 @settings(max_examples=12, deadline=None)

@@ -26,7 +26,7 @@ import types
 import jax.numpy as jnp
 from jaxtyping import Array
 
-from kvlab.cache.evict.scorers import Candidates, Wrapper, always_kept, ranks
+from kvlab.cache.evict.scorers import Candidates, Wrapper, always_kept, best
 from kvlab.registry import WRAPPERS
 
 FIRST = 1.0e36  # the first stage's candidates: above every weighed priority
@@ -50,14 +50,13 @@ class CriticalKV(Wrapper):
     def priority(self, c: Candidates, priority: Array) -> Array:
         first = jnp.where(c.valid, priority, -jnp.inf)
         first = jnp.where(always_kept(c), jnp.inf, first)
-        rank = ranks(-first)  # 0: the best
         share = c.options["first_stage_ratio"]
         count = jnp.floor(c.keep * share).astype(jnp.int32)
         if share > 0:  # at least one, as kvpress
             count = jnp.maximum(count, 1)
         weight = self.weigh(c) if c.weights is None else c.weights
         weighed = (priority + c.options["epsilon"]) * weight
-        return jnp.where(c.valid & (rank < count), FIRST, weighed)
+        return jnp.where(c.valid & best(first, count), FIRST, weighed)
 
     def weigh(self, c: Candidates) -> Array:
         """float32[B, E, C]: |W_o^h v|_1 averaged over the KV head's query heads

@@ -852,14 +852,24 @@ class EvictingLayer:
 
 
 FEW_NEW = 16  # a step of at most this many candidates finds its free slots by a top-k
+FEWEST_NEW = 2  # ... and of at most this many by successive minima (a decode step's one)
 
 
 def _free_slots(kept: Array, rank: Array) -> Array:
     """int32[B, E, T']: the rank[..]-th (from 1) of the slots not `kept` [B, E, S],
-    lowest first. A decode step's few new tokens take the lowest free slots by a
-    top-k over the slots' indices; a long step's by their running count
-    (a cumulative sum over S costs far more than the top-k of a few)."""
+    lowest first. A decode step's one or two new tokens a head take the lowest free
+    slots by successive minima over the slots' indices (XLA:CPU's top-k of one
+    costs two to four of them), a few more by a top-k; a long step's by their
+    running count (a cumulative sum over S costs far more than the top-k of a few)."""
     slots, new = kept.shape[-1], rank.shape[-1]
+    if new <= FEWEST_NEW:
+        index = jnp.arange(slots, dtype=jnp.int32)
+        lowest = []
+        for _ in range(new):
+            lowest.append(jnp.min(jnp.where(kept, slots, index), axis=-1, keepdims=True))
+            kept = kept | (index == lowest[-1])
+        lowest = jnp.concatenate(lowest, axis=-1)
+        return jnp.take_along_axis(lowest, jnp.clip(rank - 1, 0, new - 1), -1)
     if new <= FEW_NEW:
         index = jnp.arange(slots, dtype=jnp.float32)  # exact: slots stay below 2**24
         _, lowest = jax.lax.top_k(jnp.where(kept, -jnp.inf, -index), min(new, slots))

@@ -74,6 +74,7 @@ import os
 import types
 from collections.abc import Callable, Mapping
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array
@@ -443,10 +444,9 @@ class Composed(Scorer):
     def priority(self, c: Candidates, score: Array) -> Array:
         first = jnp.where(c.valid, self.first.priority(c, score), -jnp.inf)
         first = jnp.where(always_kept(c), jnp.inf, first)
-        rank = ranks(-first)  # 0: the best
         staged = jnp.ceil(c.keep / c.options["share"]).astype(jnp.int32)
         second = self.second.priority(c, self.second.score(c))
-        return jnp.where(rank < staged, second, -jnp.inf)
+        return jnp.where(best(first, staged), second, -jnp.inf)
 
 
 def sets_layers(scorer: Scorer, layers: int, evict: Mapping, context: int) -> bool:
@@ -553,6 +553,33 @@ def ranks(x: Array) -> Array:
     order = jnp.argsort(x, axis=-1)
     place = jnp.broadcast_to(jnp.arange(x.shape[-1], dtype=jnp.int32), x.shape)
     return jnp.put_along_axis(jnp.zeros(x.shape, jnp.int32), order, place, axis=-1, inplace=False)
+
+
+def best(x: Array, count: Array) -> Array:
+    """bool: the `count` (broadcast against x[..., :1]) largest entries of x along
+    the last axis, among equals the earlier first, NaN below every number:
+    `ranks(-x) < count` without a sort (XLA:CPU's comparison sort of a head's
+    thousand candidates costs more than a decode step). The count-th largest is
+    found in order-preserving integer keys four bits at a time (eight passes,
+    each counting the entries at or above 15 candidates), and the entries equal
+    to it fill what the larger ones leave, in order."""
+    sign = np.uint32(1 << 31)
+    bits = jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.uint32)
+    bits = jnp.where(bits == sign, np.uint32(0), bits)  # -0 is 0, as the sort has it
+    key = jnp.where(bits >= sign, ~bits, bits | sign)  # by bits: subnormals kept apart
+    key = jnp.where(bits & ~sign > np.uint32(0x7F800000), np.uint32(0), key)  # NaN: lowest
+    count = jnp.asarray(count)
+    digits = jnp.arange(1, 16, dtype=jnp.uint32)
+    found = jnp.zeros((*x.shape[:-1], 1), jnp.uint32)  # the count-th largest key
+    for shift in range(28, -1, -4):
+        trial = found | (digits << shift)  # [..., 15]
+        at_least = (key[..., None, :] >= trial[..., None]).sum(-1)  # [..., 15]
+        accepted = (at_least >= count).sum(-1, keepdims=True)  # counts fall as digits rise
+        found = found | (accepted.astype(jnp.uint32) << shift)
+    larger = key > found
+    ties = key == found
+    room = count - larger.sum(-1, keepdims=True)
+    return larger | (ties & (jnp.cumsum(ties, axis=-1) <= room))
 
 
 def position_rank(c: Candidates) -> Array:
