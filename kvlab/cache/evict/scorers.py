@@ -560,22 +560,22 @@ def best(x: Array, count: Array) -> Array:
     the last axis, among equals the earlier first, NaN below every number:
     `ranks(-x) < count` without a sort (XLA:CPU's comparison sort of a head's
     thousand candidates costs more than a decode step). The count-th largest is
-    found in order-preserving integer keys four bits at a time (eight passes,
-    each counting the entries at or above 15 candidates), and the entries equal
-    to it fill what the larger ones leave, in order."""
+    found bit by bit in order-preserving integer keys (32 passes, each a count
+    of the entries at or above a trial; a pass per two or four bits, counting
+    against 3 or 15 trials, timed slower), and the entries equal to it fill what
+    the larger ones leave, in order."""
     sign = np.uint32(1 << 31)
     bits = jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.uint32)
     bits = jnp.where(bits == sign, np.uint32(0), bits)  # -0 is 0, as the sort has it
     key = jnp.where(bits >= sign, ~bits, bits | sign)  # by bits: subnormals kept apart
     key = jnp.where(bits & ~sign > np.uint32(0x7F800000), np.uint32(0), key)  # NaN: lowest
-    count = jnp.asarray(count)
-    digits = jnp.arange(1, 16, dtype=jnp.uint32)
-    found = jnp.zeros((*x.shape[:-1], 1), jnp.uint32)  # the count-th largest key
-    for shift in range(28, -1, -4):
-        trial = found | (digits << shift)  # [..., 15]
-        at_least = (key[..., None, :] >= trial[..., None]).sum(-1)  # [..., 15]
-        accepted = (at_least >= count).sum(-1, keepdims=True)  # counts fall as digits rise
-        found = found | (accepted.astype(jnp.uint32) << shift)
+
+    def settle(bit, found):  # found: the count-th largest key's bits above `bit`
+        trial = found | jnp.left_shift(np.uint32(1), (31 - bit).astype(jnp.uint32))
+        enough = (key >= trial).sum(-1, keepdims=True) >= count
+        return jnp.where(enough, trial, found)
+
+    found = jax.lax.fori_loop(0, 32, settle, jnp.zeros((*x.shape[:-1], 1), jnp.uint32))
     larger = key > found
     ties = key == found
     room = count - larger.sum(-1, keepdims=True)
