@@ -492,8 +492,8 @@ EDGES += [np.inf, -np.inf, np.nan]
 def test_best_is_the_stable_sorts_first_count(x, counts):
     """scorers.best (no sort): each row's `count` largest, among equals the earlier
     first, NaN below -inf, -0 equal to 0 and subnormals apart, as a stable argsort
-    has them (and `ranks(-x) < count`, but that XLA:CPU's negation flushes
-    subnormals to zero); counts of none, some, every entry and past them."""
+    has them (and `ranks(-x) < count`, but that XLA:CPU's sort takes subnormals
+    for zeros); counts of none, some, every entry and past them."""
     x = np.asarray(x, np.float32).reshape(4, 24)
     count = np.asarray(counts, np.int32)[:, None]
     order = np.argsort(-x, axis=-1, kind="stable")  # NaN last, -0 equal to 0

@@ -564,7 +564,7 @@ def best(x: Array, count: Array) -> Array:
     of the entries at or above a trial; a pass per two or four bits, counting
     against 3 or 15 trials, timed slower), and the entries equal to it fill what
     the larger ones leave, in order. Subnormal entries keep their order, where
-    `ranks(-x)` sees them as zeros (XLA:CPU flushes them)."""
+    `ranks(-x)` takes them for zeros (XLA:CPU's sort compares them so)."""
     sign = np.uint32(1 << 31)
     bits = jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.uint32)
     bits = jnp.where(bits == sign, np.uint32(0), bits)  # -0 is 0, as the sort has it
