@@ -18,6 +18,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 import kvlab
+from kvlab.cache.evict.layers import _free_slots
 from kvlab.cache.evict.scorers import best
 from kvlab.config import evict_methods
 from kvlab.eval.calibrate import save_filters, save_patterns
@@ -474,6 +475,42 @@ def test_ranks_are_the_stable_argsort_of_the_argsort(values, rows):
     x = np.stack([np.roll(values, r) for r in range(rows)]).astype(np.float32)
     want = np.argsort(np.argsort(x, axis=-1, kind="stable"), axis=-1, kind="stable")
     np.testing.assert_array_equal(np.asarray(ranks(jnp.asarray(x))), want)
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    seed=st.integers(0, 2**31 - 1),
+    held=st.floats(0.0, 1.0),
+    shape=st.sampled_from(
+        [(1, 1, 1, 1), (2, 3, 1600, 3), (1, 2, 8200, 16), (2, 2, 300, 5), (1, 2, 40, 20)]
+    ),
+)
+def test_new_tokens_take_the_lowest_free_slots_in_order(seed, held, shape):
+    """layers._free_slots, by whichever search a shape takes (minima, blocks of a
+    large pool, a top-k, a running count): the r-th kept new token of a head gets
+    the r-th lowest slot not kept, over slots held sparsely, densely, in runs or
+    all but a few."""
+    batch, heads, slots, new = shape
+    rng = np.random.default_rng(seed)
+    kept = rng.random((batch, heads, slots)) < held
+    if rng.random() < 0.3:  # a few free slots, far apart
+        kept = np.ones_like(kept)
+        kept[..., rng.integers(slots, size=rng.integers(1, 2 * new + 1))] = False
+    elif rng.random() < 0.5:  # runs of held slots, as a pool fills after a compression
+        kept = np.sort(kept, axis=-1)[..., ::-1] if rng.random() < 0.5 else kept
+        kept = np.roll(kept, rng.integers(slots), axis=-1)
+    kept_new = rng.random((batch, heads, new)) < 0.8
+    free = [[np.flatnonzero(~kept[b, e]) for e in range(heads)] for b in range(batch)]
+    for b in range(batch):  # no more kept new tokens than free slots
+        for e in range(heads):
+            extra = np.flatnonzero(kept_new[b, e])[len(free[b][e]) :]
+            kept_new[b, e, extra] = False
+    rank = np.cumsum(kept_new, axis=-1)
+    got = np.asarray(jax.jit(_free_slots)(jnp.asarray(kept), jnp.asarray(rank)))
+    for b in range(batch):
+        for e in range(heads):
+            for t in np.flatnonzero(kept_new[b, e]):
+                assert got[b, e, t] == free[b][e][rank[b, e, t] - 1], (b, e, t)
 
 
 EDGES = [0.0, -0.0, 1.0, -1.0, 1e-30, -1e-30, 1e-40, -1e-40, 3e38, -3e38]  # zeros, subnormals
