@@ -863,8 +863,8 @@ def _free_slots(kept: Array, rank: Array) -> Array:
     costs two to four of them), a few more by a top-k: in a large pool (AdaKV's K
     new tokens a step) a top-k of the first blocks of FREE_BLOCK slots that have a
     free one, then of their slots (a top-k over all of `mha.py:tiny`'s pool at 8k
-    took about 24 us a layer); a long step's by their running count (a cumulative sum over S
-    costs far more than the top-k of a few)."""
+    took about 24 us a layer); a long step's by their running count (a cumulative
+    sum over S costs far more than the top-k of a few)."""
     slots, new = kept.shape[-1], rank.shape[-1]
     if new <= FEWEST_NEW:
         index = jnp.arange(slots, dtype=jnp.int32)
