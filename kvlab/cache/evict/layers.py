@@ -866,6 +866,10 @@ def _free_slots(kept: Array, rank: Array) -> Array:
     took about 24 us a layer); a long step's by their running count (a cumulative
     sum over S costs far more than the top-k of a few)."""
     slots, new = kept.shape[-1], rank.shape[-1]
+    if new > FEW_NEW:
+        free = jnp.cumsum(~kept, axis=-1)  # [B, E, S]
+        find = jax.vmap(jax.vmap(lambda f, r: jnp.searchsorted(f, r, side="left")))
+        return find(free, rank)
     if new <= FEWEST_NEW:
         index = jnp.arange(slots, dtype=jnp.int32)
         lowest = []
@@ -873,8 +877,7 @@ def _free_slots(kept: Array, rank: Array) -> Array:
             lowest.append(jnp.min(jnp.where(kept, slots, index), axis=-1, keepdims=True))
             kept = kept | (index == lowest[-1])
         lowest = jnp.concatenate(lowest, axis=-1)
-        return jnp.take_along_axis(lowest, jnp.clip(rank - 1, 0, new - 1), -1)
-    if new <= FEW_NEW and slots >= 4 * new * FREE_BLOCK:
+    elif slots >= 4 * new * FREE_BLOCK:
         # The lowest `new` free slots lie in the first `new` blocks with a free one.
         blocks = -(-slots // FREE_BLOCK)
         padded = jnp.pad(
@@ -887,14 +890,10 @@ def _free_slots(kept: Array, rank: Array) -> Array:
         index = (first[..., None] * FREE_BLOCK + jnp.arange(FREE_BLOCK)).reshape(taken.shape)
         _, lowest = jax.lax.top_k(jnp.where(taken, -jnp.inf, -index.astype(jnp.float32)), new)
         lowest = jnp.take_along_axis(index, lowest, -1)
-        return jnp.take_along_axis(lowest, jnp.clip(rank - 1, 0, new - 1), -1)
-    if new <= FEW_NEW:
+    else:
         index = jnp.arange(slots, dtype=jnp.float32)  # exact: slots stay below 2**24
         _, lowest = jax.lax.top_k(jnp.where(kept, -jnp.inf, -index), min(new, slots))
-        return jnp.take_along_axis(lowest, jnp.clip(rank - 1, 0, lowest.shape[-1] - 1), -1)
-    free = jnp.cumsum(~kept, axis=-1)  # [B, E, S]
-    find = jax.vmap(jax.vmap(lambda f, r: jnp.searchsorted(f, r, side="left")))
-    return find(free, rank)
+    return jnp.take_along_axis(lowest, jnp.clip(rank - 1, 0, lowest.shape[-1] - 1), -1)
 
 
 def _lowest(valid: Array, priority: Array, drop: Array, width: int) -> Array:
