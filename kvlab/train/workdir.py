@@ -134,9 +134,11 @@ def _not_saved(
 
 
 # tensorstore's words for an OS failure, closing its message: '... Failed writing:
-# "<file>": Failed to write 7559 bytes to file 7: File too large [os_error_code='27']'.
+# "<file>": Failed to write 7559 bytes to file 7: File too large [os_error_code='27']',
+# at times with the spec it was opening between the two ('[tensorstore_spec='{\"driver\"
+# ...}']'), whose escaped quotes are no file.
 _TENSORSTORE_OS_ERROR = re.compile(r"\[os_error_code='(\d+)'\]")
-_QUOTED = re.compile(r'"([^"]+)"')
+_TENSORSTORE_FILE = re.compile(r'Failed writing: "([^"]+)"')
 
 
 def _innermost_line(error: BaseException) -> str:
@@ -161,7 +163,7 @@ def _os_reason(error: BaseException) -> tuple[int, str, str | None] | None:
             found = (error.errno, error.strerror or os.strerror(error.errno), filename)
         elif match := _TENSORSTORE_OS_ERROR.search(str(error)):
             code = int(match.group(1))
-            files = _QUOTED.findall(str(error)[: match.start()])
+            files = _TENSORSTORE_FILE.findall(str(error)[: match.start()])
             found = (code, os.strerror(code), files[-1] if files else None)
         error = error.__cause__ or error.__context__
     return found

@@ -28,6 +28,7 @@ from kvlab.train import (
     save,
     train,
 )
+from kvlab.train.workdir import _os_reason as workdir_reasons
 from tests.full_disk import file_size_limit, run_python
 from tests.helpers import run_config, write_corpus
 
@@ -360,6 +361,33 @@ def test_a_save_the_os_refuses_keeps_the_checkpoints_before(finished_run, tmp_pa
     assert sorted(os.listdir(checkpoints)) == ["2", "4", "6"]
     _, params = load_params(workdir)
     assert_trees_equal(params, state.params)
+
+
+# tensorstore's words for a write the OS refused, as orbax raises them: the file it
+# was writing, alone or followed by the spec it was opening (escaped quotes inside).
+_DATA = "/c/4.orbax-checkpoint-tmp/default.orbax-checkpoint-tmp/ocdbt.process_0/d/f7f0"
+_REFUSED = (
+    'OUT_OF_RANGE: Error writing "w0/0.0" in OCDBT database at local file "/c/4/": '
+    f'Failed writing: "{_DATA}": Failed to write 111520 bytes to file 4: File too large '
+    "[os_error_code='27']",
+    'OUT_OF_RANGE: Error opening "zarr" driver: Error writing "w8/.zarray" in OCDBT '
+    f'database at local file "/c/4/": Failed writing: "{_DATA}": Failed to write 111521 '
+    'bytes to file 15: File too large [tensorstore_spec=\'{\\"create\\":true,'
+    '\\"dtype\\":\\"float32\\",\\"store_data_equal_to_fill_value\\":true}\'] '
+    "[os_error_code='27']",
+)
+
+
+@pytest.mark.parametrize("message", _REFUSED)
+def test_the_file_tensorstore_was_writing_is_the_one_named(message):
+    """The file is the one after 'Failed writing:', never a quoted word of the spec
+    that may follow it; without one, no file is named."""
+    wrapped = RuntimeError("save failed")
+    wrapped.__cause__ = ValueError(message)
+    assert workdir_reasons(wrapped) == (errno.EFBIG, "File too large", _DATA)
+    unnamed = ValueError(message.replace(f'Failed writing: "{_DATA}": ', ""))
+    assert workdir_reasons(unnamed) == (errno.EFBIG, "File too large", None)
+    assert workdir_reasons(ValueError(message.replace("os_error_code", "code"))) is None
 
 
 def test_a_metrics_line_the_disk_refuses_names_the_file(finished_run, tmp_path):
