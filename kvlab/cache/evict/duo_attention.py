@@ -84,7 +84,11 @@ class DuoAttention(Scorer):
                 f"{retrieval.shape} [layers, KV heads], not for cache layer {c.layer} of "
                 f"{c.kv_heads} KV heads: calibrate them for this model"
             )
-        streaming = ~jnp.asarray(retrieval[c.layer])[c.heads]  # [B, E, C]
+        # [B, E, C]: a compare per streaming head (fused), not a lookup per candidate
+        # (XLA:CPU's gather of one flag per candidate of a pool is a pass of its own).
+        streaming = jnp.zeros(c.heads.shape, bool)
+        for head in np.flatnonzero(~retrieval[c.layer]):
+            streaming = streaming | (c.heads == head)
         sinks = c.positions < options["sink_size"]
         latest = c.positions + (c.group - 1) >= c.end - options["recent_size"]
         rank = jnp.where(streaming, jnp.where(latest, 2.0, 0.0), 1.0)
