@@ -22,9 +22,14 @@ entry "bf16" is the 16-bit cache in bfloat16 (cache.dtype).
 each eviction policy keeping that share of the context (cache.evict,
 kvlab/cache/evict/; a third field is cache.evict.interval; a method under
 wrappers keeps its colons, chunkkv:knorm:0.5), against the config's own cache.
+A calibrated method (qfilter, duo_attention, kvzip_head: kvlab.eval.calibrate's
+SCORER_ARTEFACTS) is calibrated first on the benchmark's own random weights over
+random tokens, into a temporary folder: its speed follows from what it keeps,
+not from what it learned.
 """
 
 import json
+import tempfile
 
 import jax
 from absl import flags
@@ -32,8 +37,10 @@ from ml_collections import config_flags
 
 import kvlab
 from kvlab import backends, cli
+from kvlab.cache.evict.scorers import base_scorers
 from kvlab.config import cached_prefixes
 from kvlab.eval import speed
+from kvlab.eval.calibrate import SCORER_ARTEFACTS, calibrate_scorers, with_artefacts
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/gqa.py:tiny", "kvlab config file.")
 _LENGTHS = flags.DEFINE_list("lengths", ["128", "256", "512", "1024", "2048"], "Context lengths.")
@@ -139,7 +146,8 @@ def bench_caches(cfg, model, params, lengths, caches, key, batch, steps, repeats
     variants = {}
     for name, fields in caches.items():
         variant = cfg.copy_and_resolve_references()
-        variant.cache.update(fields)
+        with variant.cache.evict.options.unlocked():  # a method's options are its own
+            variant.cache.update(fields)
         variants[name] = (kvlab.validate_config(variant), model)
     rows = []
     first = next(iter(caches))
@@ -187,9 +195,13 @@ def bench_bit_widths(cfg, model, params, lengths, bit_widths, batch, steps, repe
     return bench_caches(cfg, model, params, lengths, caches, "bits", batch, steps, repeats)
 
 
-def bench_evictions(cfg, model, params, lengths, policies, batch, steps, repeats) -> list[dict]:
+def bench_evictions(
+    cfg, model, params, lengths, policies, batch, steps, repeats, calibration
+) -> list[dict]:
     """(e) Decode tokens/s through eviction policies ('method:ratio', or
-    'method:ratio:interval' for cache.evict.interval), against the full cache."""
+    'method:ratio:interval' for cache.evict.interval), against the full cache;
+    `calibration`: the (model config, params) a calibrated method's artefact is
+    computed from (the weights before decode_params' layout)."""
     caches = {"full": {}}
     for policy in policies:
         # The method may hold wrappers ('chunkkv:knorm'): the numbers are the last fields.
@@ -206,13 +218,27 @@ def bench_evictions(cfg, model, params, lengths, policies, batch, steps, repeats
                 "e.g. snapkv:0.5, snapkv:0.5:32 or chunkkv:knorm:0.5"
             )
         caches[policy] = {"evict": {"method": method, "ratio": share, "interval": interval}}
-    return bench_caches(cfg, model, params, lengths, caches, "evict", batch, steps, repeats)
+    scorers = [s for p in policies for s in base_scorers(caches[p]["evict"]["method"])]
+    with tempfile.TemporaryDirectory(prefix="kvlab-bench-") as folder:
+        if set(scorers) & set(SCORER_ARTEFACTS):
+            model_cfg, weights = calibration
+            vocab = model_cfg.vocab_size
+            encode = lambda text: [b % vocab for b in text.encode()]  # noqa: E731
+            tokens = speed.random_prompt(vocab, 8, 512)
+            calibrate_scorers(scorers, folder, model_cfg, weights, encode, tokens)
+            for fields in list(caches.values())[1:]:
+                fields["evict"]["options"] = {}
+                with_artefacts(
+                    fields["evict"]["options"], base_scorers(fields["evict"]["method"]), folder
+                )
+        return bench_caches(cfg, model, params, lengths, caches, "evict", batch, steps, repeats)
 
 
 def main(argv):
     del argv
     cfg = kvlab.validate_config(_CONFIG.value)
     params = kvlab.init_params(cfg.model, jax.random.key(0))
+    calibration = (cfg.model, params)
     layout = "separate"
     if _FUSE.value:
         cfg.model, params, layout = cli.decode_params(
@@ -269,6 +295,7 @@ def main(argv):
             _BATCH.value,
             _STEPS.value,
             _REPEATS.value,
+            calibration,
         )
     if _JSON.value:
         print(json.dumps(result, indent=2))

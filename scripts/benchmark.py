@@ -49,14 +49,7 @@ from kvlab.cache.evict.duo_attention import needed_budget
 from kvlab.cache.evict.scorers import base_scorers
 from kvlab.data.ruler import RULER_TASKS, read_records, ruler_records
 from kvlab.eval.benchmark import benchmark_cache, context_width, run_benchmark
-from kvlab.eval.calibrate import (
-    calibration_tokens,
-    duo_patterns,
-    kvzip_heads,
-    q_filters,
-    save_filters,
-    save_patterns,
-)
+from kvlab.eval.calibrate import SCORER_ARTEFACTS, calibrate_scorers, with_artefacts
 from kvlab.files import write_atomic
 
 _MODEL = flags.DEFINE_string("model", "smollm2", "smollm2, gguf:FILE or hf:DIR.")
@@ -144,17 +137,12 @@ def main(argv):
         raise ValueError(f"--tasks={unknown} are not RULER tasks here: choose from {RULER_TASKS}")
     cfg, params, tokenizer = cli.load_model(_MODEL.value)
     cfg.cache.dtype = _CACHE_DTYPE.value
-    calibrated = [m for m in _METHODS.value if set(base_scorers(m)) & set(CALIBRATED)]
+    calibrated = [m for m in _METHODS.value if set(base_scorers(m)) & set(SCORER_ARTEFACTS)]
     for method in _METHODS.value:  # every name checked before anything compiles
         if method not in calibrated:
             kvlab.validate_config(_with(cfg, method_cache(cfg, method, 0.5)))
-    for name in dict.fromkeys(s for m in calibrated for s in base_scorers(m) if s in CALIBRATED):
-        file, calibrate, save = CALIBRATED[name]
-        if not os.path.exists(os.path.join(_OUT.value, file)):  # stored with the run
-            os.makedirs(_OUT.value, exist_ok=True)
-            tokens = calibration_tokens(tokenizer.encode)
-            found = calibrate(cfg.model, params, tokens, tokenizer.encode)
-            save(os.path.join(_OUT.value, file), found)
+    scorers = [s for m in calibrated for s in base_scorers(m)]
+    calibrate_scorers(scorers, _OUT.value, cfg.model, params, tokenizer.encode)  # with the run
     for method in calibrated:
         kvlab.validate_config(_with(cfg, method_cache(cfg, method, 0.5)))
     if _RECORDS.value:
@@ -241,17 +229,6 @@ def resumed(out: str, wanted: dict) -> list[dict]:
     return rows
 
 
-# Methods calibrated offline: their file in --out, how it is computed from (model
-# config, params, calibration tokens, the tokenizer's encode) and written.
-CALIBRATED = {
-    "qfilter": ("qfilters.npz", lambda m, p, tokens, _: q_filters(m, p, tokens), save_filters),
-    "duo_attention": (
-        "duo_patterns.npz",
-        lambda m, p, tokens, _: duo_patterns(m, p, tokens),
-        save_patterns,
-    ),
-    "kvzip_head": ("kvzip_heads.npz", kvzip_heads, save_patterns),
-}
 HEAD_LEVEL = ("duo_attention", "kvzip_head")  # streaming heads, the ratio their share
 
 
@@ -261,13 +238,10 @@ def method_cache(cfg, method: str, kept: float, width: int = 0):
     their heads, the budget what they need for contexts of up to `width` tokens,
     default --length)."""
     cache = benchmark_cache(cfg.cache, method, kept, 0, not _KVLAB.value)
-    if "qfilter" in base_scorers(method):
-        cache.evict.options.filters = os.path.join(_OUT.value, CALIBRATED["qfilter"][0])
+    with_artefacts(cache.evict.options, base_scorers(method), _OUT.value)
     if base_scorers(method)[0] in HEAD_LEVEL and len(base_scorers(method)) == 1:
-        path = os.path.join(_OUT.value, CALIBRATED[base_scorers(method)[0]][0])
-        options = dict(patterns=path, head_ratio=1 - kept)
-        cache.evict.options.update(options)
-        if os.path.exists(options["patterns"]):  # checked again once calibrated
+        cache.evict.options.head_ratio = 1 - kept
+        if os.path.exists(cache.evict.options.patterns):  # checked again once calibrated
             layers = kvlab.cache.topology.num_cache_layers(cfg.model)
             width = width or _LENGTH.value
             cache.evict.budget = needed_budget(cache.evict.options, layers, width)

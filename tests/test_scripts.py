@@ -194,6 +194,27 @@ def test_bench_decode_reports_speedup_roofline_and_latent_paths():
     assert evictions["window:0.5", 64]["bytes_vs_first"] == pytest.approx(0.5, abs=0.01)
 
 
+def test_bench_decode_times_calibrated_methods_on_its_own_artefacts(tmp_path):
+    """qfilter and duo_attention read artefacts calibrated on the benchmark's own
+    weights, in a temporary folder that is gone when it ends."""
+    result = run_script(
+        "scripts/bench_decode.py",
+        "--lengths=32",
+        "--steps=2",
+        "--repeats=1",
+        "--probe_mib=16",
+        "--evict=qfilter:0.5,duo_attention:0.5",
+        "--json",
+        env={**os.environ, "TMPDIR": str(tmp_path)},
+    )
+    rows = {row["evict"]: row for row in json.loads(result.stdout)["evictions"]}
+    assert list(rows) == ["full", "qfilter:0.5", "duo_attention:0.5"]
+    for policy in ("qfilter:0.5", "duo_attention:0.5"):
+        assert rows[policy]["tokens_per_s"] > 0
+        assert 0.4 < rows[policy]["bytes_vs_first"] < 0.7
+    assert not list(tmp_path.glob("kvlab-bench-*"))
+
+
 PROBE = ["--config", "configs/kv_kivi2.py:tiny", "--seq_len=128", "--chunk=32"]
 
 

@@ -7,6 +7,8 @@
     save_patterns("runs/x/duo.npz", patterns)        # cache.evict.options.patterns
     heads = kvzip_heads(model_cfg, params, tokens, tokenizer.encode)  # kvzip_head's
     save_patterns("runs/x/kvzip_heads.npz", heads)   # patterns
+    calibrate_scorers(["qfilter"], "runs/x", model_cfg, params, tokenizer.encode)  # each
+    with_artefacts(cfg.cache.evict.options, ["qfilter"], "runs/x")  # by SCORER_ARTEFACTS
     books = codebooks(cfg.model, cfg.cache, params, tokens)  # the 'codebook' format's levels
     save_codebooks("runs/x/codebooks.npz", books)    # cache.codebooks
     ranges = scales(cfg.model, cfg.cache, params, tokens, per="head")  # axis 'calibrated'
@@ -34,7 +36,7 @@ from __future__ import annotations
 import dataclasses
 import io
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, MutableMapping, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -517,3 +519,63 @@ def _save_arrays(
     buffer = io.BytesIO()
     np.savez(buffer, **arrays)
     write_atomic(path, buffer.getvalue())
+
+
+@dataclasses.dataclass(frozen=True)
+class ScorerArtefact:
+    """What a calibrated eviction scorer (Scorer.calibrated) reads: its file's name in
+    a run's folder, the cache.evict.options field that names the file, and how it
+    is computed from (model config, params, calibration tokens, the tokenizer's
+    encode) and written."""
+
+    file: str
+    option: str
+    compute: Callable
+    save: Callable
+
+
+# The calibrated scorers' artefacts by scorer name; a scorer of one's own that reads
+# an artefact adds its entry, and scripts/benchmark.py and bench_decode.py compute it.
+SCORER_ARTEFACTS = {
+    "qfilter": ScorerArtefact(
+        "qfilters.npz", "filters", lambda m, p, tokens, _: q_filters(m, p, tokens), save_filters
+    ),
+    "duo_attention": ScorerArtefact(
+        "duo_patterns.npz",
+        "patterns",
+        lambda m, p, tokens, _: duo_patterns(m, p, tokens),
+        save_patterns,
+    ),
+    "kvzip_head": ScorerArtefact("kvzip_heads.npz", "patterns", kvzip_heads, save_patterns),
+}
+
+
+def calibrate_scorers(
+    names: Sequence[str],
+    folder: str | os.PathLike,
+    model_cfg: Mapping,
+    params,
+    encode: Callable[[str], Sequence[int]],
+    tokens: np.ndarray | None = None,
+) -> None:
+    """Writes into `folder` the artefact (SCORER_ARTEFACTS) of each scorer of `names`
+    that reads one and finds no file there yet, computed over `tokens` (default:
+    calibration_tokens(encode), the standard library's training files)."""
+    for name in dict.fromkeys(n for n in names if n in SCORER_ARTEFACTS):
+        artefact = SCORER_ARTEFACTS[name]
+        path = os.path.join(folder, artefact.file)
+        if os.path.exists(path):
+            continue
+        os.makedirs(folder, exist_ok=True)
+        if tokens is None:
+            tokens = calibration_tokens(encode)
+        artefact.save(path, artefact.compute(model_cfg, params, tokens, encode))
+
+
+def with_artefacts(options: MutableMapping, names: Sequence[str], folder) -> None:
+    """Points `options` (cache.evict.options) at `folder`'s artefact of each scorer of
+    `names` that reads one (calibrate_scorers writes them)."""
+    for name in names:
+        if name in SCORER_ARTEFACTS:
+            artefact = SCORER_ARTEFACTS[name]
+            options[artefact.option] = os.path.join(os.fspath(folder), artefact.file)
