@@ -405,12 +405,14 @@ def test_owned_products_read_each_slot_with_its_own_heads_queries(
     assert np.all(np.asarray(sums)[0, heads - 1] == 0) and np.all(np.asarray(totals)[0, -1] == 0)
     with pytest.raises(ValueError, match="do not match"):
         ffi.owned_scores(q, stored, tags[:, :-1] if length > 1 else tags[:0])
-    broken = np.asarray(listings).copy()
-    broken[0, heads + 2] = length  # a slot past the pool
-    if listings[0, heads] > 0:
-        with pytest.raises(Exception, match="not owned_scores' for this pool"):
-            sums = ffi.owned_weighted_sum(jnp.asarray(listed), stored, broken, heads)
-            jax.block_until_ready(sums)
+    listed_count = int(listings[0, heads])
+    for at, slot in ((0, length), (listed_count - 1, -1)):  # past the pool; negative, last
+        broken = np.asarray(listings).copy()
+        broken[0, heads + 2 + at] = slot
+        if listed_count > 0:
+            with pytest.raises(Exception, match="not owned_scores' for this pool"):
+                sums = ffi.owned_weighted_sum(jnp.asarray(listed), stored, broken, heads)
+                jax.block_until_ready(sums)
 
 
 @needs_native

@@ -580,15 +580,21 @@ void List(const int32_t* owner, int64_t s_len, int64_t heads, int32_t* listing) 
 }
 
 // Whether a row's listing is one List could write: starts rising from 0 to S, the list
-// slots of the row.
+// slots of the row (16 at a time, compared unsigned: a negative one is past S; a scalar
+// loop cost about 3 us a call over a 4k-slot pool, a decode step's tenth on mha.py:tiny).
 bool Listed(const int32_t* listing, int64_t s_len, int64_t heads) {
   if (listing[0] != 0 || listing[heads + 1] != s_len) return false;
   for (int64_t k = 0; k <= heads; ++k)
     if (listing[k + 1] < listing[k]) return false;
   const int32_t* list = listing + heads + 2;
-  for (int64_t j = 0; j < listing[heads]; ++j)
-    if (list[j] < 0 || list[j] >= s_len) return false;
-  return true;
+  const __m512i bound = _mm512_set1_epi32(static_cast<int32_t>(s_len));
+  __mmask16 outside = 0;
+  for (int64_t j = 0; j < listing[heads]; j += 16) {
+    const __mmask16 tail = Tail(listing[heads] - j);
+    const __m512i slot = _mm512_maskz_loadu_epi32(tail, list + j);
+    outside |= _mm512_mask_cmpge_epu32_mask(tail, slot, bound);
+  }
+  return outside == 0;
 }
 
 // The work over a pool's listings [B, K + 2 + S], cut in segments (row, head, begin, end)
