@@ -227,10 +227,9 @@ def bench_evictions(
             tokens = speed.random_prompt(vocab, 8, 512)
             calibrate_scorers(scorers, folder, model_cfg, weights, encode, tokens)
             for fields in list(caches.values())[1:]:
-                fields["evict"]["options"] = {}
-                with_artefacts(
-                    fields["evict"]["options"], base_scorers(fields["evict"]["method"]), folder
-                )
+                evict = fields["evict"]
+                evict["options"] = {}
+                with_artefacts(evict["options"], base_scorers(evict["method"]), folder)
         return bench_caches(cfg, model, params, lengths, caches, "evict", batch, steps, repeats)
 
 

@@ -7,8 +7,9 @@
     save_patterns("runs/x/duo.npz", patterns)        # cache.evict.options.patterns
     heads = kvzip_heads(model_cfg, params, tokens, tokenizer.encode)  # kvzip_head's
     save_patterns("runs/x/kvzip_heads.npz", heads)   # patterns
-    calibrate_scorers(["qfilter"], "runs/x", model_cfg, params, tokenizer.encode)  # each
-    with_artefacts(cfg.cache.evict.options, ["qfilter"], "runs/x")  # by SCORER_ARTEFACTS
+    # or, for any scorers of SCORER_ARTEFACTS: their missing files, then their options
+    calibrate_scorers(["qfilter"], "runs/x", model_cfg, params, tokenizer.encode)
+    with_artefacts(cfg.cache.evict.options, ["qfilter"], "runs/x")  # options.filters
     books = codebooks(cfg.model, cfg.cache, params, tokens)  # the 'codebook' format's levels
     save_codebooks("runs/x/codebooks.npz", books)    # cache.codebooks
     ranges = scales(cfg.model, cfg.cache, params, tokens, per="head")  # axis 'calibrated'
