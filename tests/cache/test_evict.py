@@ -466,15 +466,26 @@ def test_snapkv_after_one_prefill_keeps_the_top_pooled_tokens():
 
 
 @settings(max_examples=20, deadline=None)
-@given(values=st.lists(st.integers(-3, 3), min_size=1, max_size=24), rows=st.integers(1, 3))
-def test_ranks_are_the_stable_argsort_of_the_argsort(values, rows):
-    """scorers.ranks (one sort and a scatter): each entry's place in ascending order,
-    among equals the earlier first, over rows of few distinct values (ties)."""
-    from kvlab.cache.evict.scorers import ranks
+@given(
+    values=st.lists(
+        st.one_of(st.integers(-3, 3), st.sampled_from([-0.0, np.inf, -np.inf, np.nan])),
+        min_size=1,
+        max_size=24,
+    ),
+    rows=st.integers(1, 3),
+    longer=st.booleans(),
+)
+def test_ranks_are_the_stable_argsort_of_the_argsort(values, rows, longer):
+    """scorers.ranks, rows up to PAIRWISE_RANKS by pairs, longer ones by a sort:
+    each entry's place in ascending order, among equals the earlier first (NaN
+    last, -0 equal to 0), over rows of few distinct values (ties)."""
+    from kvlab.cache.evict.scorers import PAIRWISE_RANKS, ranks
 
+    if longer:  # past the pairwise rows' length: the sort
+        values = (values * (PAIRWISE_RANKS // len(values) + 1))[: PAIRWISE_RANKS + 5]
     x = np.stack([np.roll(values, r) for r in range(rows)]).astype(np.float32)
     want = np.argsort(np.argsort(x, axis=-1, kind="stable"), axis=-1, kind="stable")
-    np.testing.assert_array_equal(np.asarray(ranks(jnp.asarray(x))), want)
+    np.testing.assert_array_equal(np.asarray(jax.jit(ranks)(jnp.asarray(x))), want)
 
 
 @settings(max_examples=30, deadline=None)
