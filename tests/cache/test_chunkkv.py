@@ -3,10 +3,17 @@ definition (arXiv:2502.00299, as kvpress's ChunkKVPress selects): the scorer's
 scores are averaged over chunks of consecutive positions and over the KV heads,
 and the best chunks stay whole in every head."""
 
+import dataclasses
+
+import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import kvlab
+from kvlab.cache.evict.chunkkv import ChunkKV
+from kvlab.cache.evict.scorers import Candidates
 from tests.cache.test_evict import assert_composes, evicting, layer0_keys, run
 from tests.helpers import VARIANTS, build, random_tokens
 
@@ -71,3 +78,47 @@ def test_bad_compositions_are_refused_naming_the_field(method, options, message)
     cfg = VARIANTS["gqa"]()
     with pytest.raises(ValueError, match=message):
         kvlab.init_cache(cfg.model, evicting(cfg, method, budget=8, options=options), 1, 32)
+
+
+@settings(max_examples=12, deadline=None)
+@given(
+    shape=st.sampled_from([(1, 2, 9), (2, 1, 30), (2, 3, 17)]),
+    chunk_length=st.sampled_from([1, 3, 20]),
+    seed=st.integers(0, 2**16),
+)
+def test_chunk_means_are_the_definitions_with_or_without_max_len(shape, chunk_length, seed):
+    """ChunkKV.priority: each counted candidate's priority is the mean over its
+    row's counted candidates of the same chunk (position // chunk_length), an
+    uncounted one's its own; summed by chunk number below max_len, or by the
+    chunks' sorted order without it, alike."""
+    rng = np.random.default_rng(seed)
+    max_len = 64
+    positions = rng.integers(0, max_len, shape)
+    valid = rng.random(shape) < 0.8
+    priority = rng.standard_normal(shape).astype(np.float32)
+    c = Candidates(
+        tags=jnp.asarray(np.where(valid, positions, -1)),
+        valid=jnp.asarray(valid),
+        positions=jnp.asarray(np.where(valid, positions, -1)),
+        heads=jnp.asarray(np.broadcast_to(np.arange(shape[1])[:, None], shape)),
+        held=0,
+        group=1,
+        mass=None,
+        state=None,
+        keys=lambda: None,
+        kernel=1,
+        seed=0,
+        layer=0,
+        kv_heads=shape[1],
+        max_len=max_len,
+        options={"chunk_length": chunk_length},
+    )
+    chunks = positions // chunk_length
+    want = priority.copy()
+    for b in range(shape[0]):
+        for e, i in zip(*np.nonzero(valid[b]), strict=True):
+            same = valid[b] & (chunks[b] == chunks[b, e, i])
+            want[b, e, i] = priority[b][same].mean()
+    for max_len_given in (max_len, 0):
+        got = ChunkKV().priority(dataclasses.replace(c, max_len=max_len_given), priority)
+        np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-6)

@@ -41,20 +41,24 @@ class ChunkKV(Wrapper):
 
     def priority(self, c: Candidates, priority: Array) -> Array:
         counted = c.valid & ~always_kept(c)
-        batch = priority.shape[0]
-        chunk = jnp.where(counted, c.positions // c.options["chunk_length"], -1).reshape(batch, -1)
-        # Chunks as ids 0.. in sorted order, so their sums scatter into C x E places.
-        order = jnp.argsort(chunk, axis=-1)
-        ordered = jnp.take_along_axis(chunk, order, axis=-1)
-        starts = jnp.concatenate(
-            [jnp.ones((batch, 1), bool), ordered[:, 1:] != ordered[:, :-1]], axis=-1
-        )
+        batch, length = priority.shape[0], c.options["chunk_length"]
+        chunk = jnp.where(counted, c.positions // length, -1).reshape(batch, -1)
         rows = jnp.arange(batch)[:, None]
-        ids = jnp.zeros_like(order).at[rows, order].set(jnp.cumsum(starts, axis=-1) - 1)
+        if c.max_len:  # chunk numbers stay below max_len / chunk_length: sums by number
+            places = -(-c.max_len // length) + 1  # the last: candidates not counted
+            ids = jnp.where(chunk >= 0, chunk, places - 1)
+        else:  # chunks as ids 0.. in sorted order, so their sums scatter into C x E places
+            order = jnp.argsort(chunk, axis=-1)
+            ordered = jnp.take_along_axis(chunk, order, axis=-1)
+            starts = jnp.concatenate(
+                [jnp.ones((batch, 1), bool), ordered[:, 1:] != ordered[:, :-1]], axis=-1
+            )
+            ids = jnp.zeros_like(order).at[rows, order].set(jnp.cumsum(starts, axis=-1) - 1)
+            places = chunk.shape[-1]
         weight = counted.reshape(batch, -1).astype(jnp.float32)
         scored = jnp.where(counted, priority, 0.0).reshape(batch, -1)
-        total = jnp.zeros(weight.shape).at[rows, ids].add(scored)
-        tokens = jnp.zeros(weight.shape).at[rows, ids].add(weight)
+        total = jnp.zeros((batch, places)).at[rows, ids].add(scored)
+        tokens = jnp.zeros((batch, places)).at[rows, ids].add(weight)
         mean = jnp.take_along_axis(total / jnp.maximum(tokens, 1.0), ids, axis=-1)
         return jnp.where(counted, mean.reshape(priority.shape), priority)
 
