@@ -5,7 +5,6 @@ and the best chunks stay whole in every head."""
 
 import dataclasses
 
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -13,8 +12,7 @@ from hypothesis import strategies as st
 
 import kvlab
 from kvlab.cache.evict.chunkkv import ChunkKV
-from kvlab.cache.evict.scorers import Candidates
-from tests.cache.test_evict import assert_composes, evicting, layer0_keys, run
+from tests.cache.test_evict import assert_composes, bare_candidates, evicting, layer0_keys, run
 from tests.helpers import VARIANTS, build, random_tokens
 
 
@@ -96,22 +94,9 @@ def test_chunk_means_are_the_definitions_with_or_without_max_len(shape, chunk_le
     positions = rng.integers(0, max_len, shape)
     valid = rng.random(shape) < 0.8
     priority = rng.standard_normal(shape).astype(np.float32)
-    c = Candidates(
-        tags=jnp.asarray(np.where(valid, positions, -1)),
-        valid=jnp.asarray(valid),
-        positions=jnp.asarray(np.where(valid, positions, -1)),
-        heads=jnp.asarray(np.broadcast_to(np.arange(shape[1])[:, None], shape)),
-        held=0,
-        group=1,
-        mass=None,
-        state=None,
-        keys=lambda: None,
-        kernel=1,
-        seed=0,
-        layer=0,
-        kv_heads=shape[1],
-        max_len=max_len,
-        options={"chunk_length": chunk_length},
+    heads = np.broadcast_to(np.arange(shape[1])[:, None], shape)
+    c = bare_candidates(
+        positions, valid, heads, shape[1], max_len=max_len, options={"chunk_length": chunk_length}
     )
     chunks = positions // chunk_length
     want = priority.copy()

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 import kvlab
 from kvlab.cache.evict.layers import _free_slots
-from kvlab.cache.evict.scorers import best
+from kvlab.cache.evict.scorers import Candidates, best
 from kvlab.config import evict_methods
 from kvlab.eval.calibrate import save_filters, save_patterns
 from kvlab.registry import SCORERS
@@ -550,6 +550,23 @@ def test_best_is_the_stable_sorts_first_count(x, counts):
     np.testing.assert_array_equal(got, place < count)
 
 
+def bare_candidates(positions, valid, heads, kv_heads: int, **fields) -> Candidates:
+    """One step's candidates [B, E, C] as a scorer's own test builds them: the valid
+    positions (the others -1) as their tags, each candidate's KV head, and `fields`;
+    what the scorer under test does not read left empty."""
+    positions = jnp.asarray(np.where(valid, positions, -1))
+    empty = dict(held=0, group=1, mass=None, state=None, keys=lambda: None, kernel=1, seed=0)
+    return Candidates(
+        tags=positions,
+        valid=jnp.asarray(valid),
+        positions=positions,
+        heads=jnp.asarray(heads),
+        layer=0,
+        kv_heads=kv_heads,
+        **(empty | fields),
+    )
+
+
 @settings(max_examples=12, deadline=None)
 @given(
     heads=st.sampled_from([(2, 1), (1, 3), (1, 1)]),  # (storage heads, KV heads): a pool
@@ -561,7 +578,7 @@ def test_candidates_rank_by_position_per_kv_head_valid_ones_first(heads, count, 
     """scorers.position_rank (a count over marked positions) against the definition:
     per storage head, the valid candidates by (KV head, position) 0 .. n - 1, then
     the others in candidate order."""
-    from kvlab.cache.evict.scorers import Candidates, position_rank
+    from kvlab.cache.evict.scorers import position_rank
 
     storage, kv_heads = heads
     rng = np.random.default_rng(seed)
@@ -572,21 +589,8 @@ def test_candidates_rank_by_position_per_kv_head_valid_ones_first(heads, count, 
     )
     valid = rng.random(shape) < 0.7
     per_storage = np.broadcast_to(np.arange(storage)[:, None], shape)
-    c = Candidates(
-        tags=jnp.asarray(np.where(valid, positions, -1)),
-        valid=jnp.asarray(valid),
-        positions=jnp.asarray(np.where(valid, positions, -1)),
-        heads=jnp.asarray(owner if storage == 1 else per_storage),
-        held=0,
-        group=1,
-        mass=None,
-        state=None,
-        keys=lambda: None,
-        kernel=1,
-        seed=0,
-        layer=0,
-        kv_heads=kv_heads,
-        max_len=max_len,
+    c = bare_candidates(
+        positions, valid, owner if storage == 1 else per_storage, kv_heads, max_len=max_len
     )
     rank = np.asarray(position_rank(c))
     key = np.where(valid, np.asarray(c.heads) * max_len + positions, 10**6 + np.arange(count))

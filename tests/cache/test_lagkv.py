@@ -9,8 +9,7 @@ import pytest
 
 import kvlab
 from kvlab.cache.evict.lagkv import LagKV
-from kvlab.cache.evict.scorers import Candidates
-from tests.cache.test_evict import evicting, kivi, layer0_keys, layer0_values, run
+from tests.cache.test_evict import bare_candidates, evicting, kivi, layer0_keys, layer0_values, run
 from tests.helpers import VARIANTS, build, random_tokens
 
 
@@ -135,20 +134,12 @@ def test_its_scores_are_finite_where_a_reference_channel_is_constant():
     by zero there): the scores stay finite and in [0, 1]."""
     keys = jnp.asarray(np.random.default_rng(0).normal(size=(1, 1, 18, 1, 4)), jnp.float32)
     keys = keys.at[..., 0].set(1.0)  # a constant channel
-    c = Candidates(
-        tags=jnp.arange(18)[None, None],
-        valid=jnp.ones((1, 1, 18), bool),
-        positions=jnp.arange(18)[None, None],
-        heads=jnp.zeros((1, 1, 18), jnp.int32),
-        held=0,
-        group=1,
-        mass=None,
-        state=None,
+    c = bare_candidates(
+        np.arange(18)[None, None],
+        np.ones((1, 1, 18), bool),
+        np.zeros((1, 1, 18), np.int32),
+        1,
         keys=lambda: keys,
-        kernel=1,
-        seed=0,
-        layer=0,
-        kv_heads=1,
         values=lambda: keys,
         end=jnp.full((1, 1, 1), 18),
         options={"lag_size": 4, "sink_tokens": 2, "cross_scoring": False},
