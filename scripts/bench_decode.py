@@ -20,7 +20,8 @@ each width (the config's axes, groups and residual), against the first; an
 entry "bf16" is the 16-bit cache in bfloat16 (cache.dtype).
 (e) With --evict=snapkv:0.5,window:0.25,snapkv:0.5:32: decode tokens/s with
 each eviction policy keeping that share of the context (cache.evict,
-kvlab/cache/evict/; a third field is cache.evict.interval; a method under
+kvlab/cache/evict/; a third field is cache.evict.interval, the method's own
+without it; a method under
 wrappers keeps its colons, chunkkv:knorm:0.5), against the config's own cache.
 A calibrated method (qfilter, duo_attention, kvzip_head: kvlab.eval.calibrate's
 SCORER_ARTEFACTS) is calibrated first on the benchmark's own random weights over
@@ -63,7 +64,7 @@ _EVICT = flags.DEFINE_list(
     "evict",
     [],
     "Also time decode through these eviction policies, method:ratio[:interval] "
-    "(e.g. snapkv:0.5, snapkv:0.5:32).",
+    "(e.g. snapkv:0.5, snapkv:0.5:32; without an interval, the method's own).",
 )
 _PREFILL_CHUNK = flags.DEFINE_integer("prefill_chunk", 512, "Prompt tokens per prefill call.")
 _PROBE_MIB = flags.DEFINE_integer(
@@ -199,7 +200,7 @@ def bench_evictions(
     cfg, model, params, lengths, policies, batch, steps, repeats, calibration
 ) -> list[dict]:
     """(e) Decode tokens/s through eviction policies ('method:ratio', or
-    'method:ratio:interval' for cache.evict.interval), against the full cache;
+    'method:ratio:interval' for cache.evict.interval, 0 without), against the full cache;
     `calibration`: the (model config, params) a calibrated method's artefact is
     computed from (the weights before decode_params' layout)."""
     caches = {"full": {}}
@@ -209,7 +210,7 @@ def bench_evictions(
         numbers = 2 if len(fields) > 2 and fields[-1].isdigit() else 1
         method, (ratio, *rest) = ":".join(fields[:-numbers]), fields[-numbers:]
         try:
-            share, interval = float(ratio), int(rest[0]) if rest else 1
+            share, interval = float(ratio), int(rest[0]) if rest else 0
         except ValueError:
             share = float("nan")
         if share != share or not method:

@@ -321,13 +321,17 @@ def _kept_label(model_cfg: Mapping, evict_cfg: Mapping) -> str:
         for name, value in evict.scorer_options(scorer, evict_cfg)
         if value != scorer.defaults[name]
     ]
-    if evict_cfg["interval"] > 1:
-        details.append(f"interval {evict_cfg['interval']}")
+    interval = evict_cfg["interval"]
+    if not interval:  # the method's own (evict.method_interval)
+        batched = not scorer.stepwise and evict_cfg["when"] != "after_prefill"
+        interval = f"budget/{evict.BATCH_SHARE} up to {evict.BATCH_STEPS}" if batched else 1
+    if interval != 1:
+        details.append(f"interval {interval}")
     if evict_cfg["when"] == "after_prefill":
         kept = kept.replace("of the tokens", "of the context") + " after its prefill"
         details.append(f"headroom {evict_cfg['headroom']}")
     if evict_cfg["when"] == "decoding":
-        kept += f" every {evict_cfg['interval']} decode steps"
+        kept += f" every {interval} decode steps"
         if scorer.observes == "all" and not scorer.keeps and model_cfg["attention"] != "mla":
             details.append(f"buffering {evict_cfg['obs_window']} queries")  # evict.QueryBuffer
         details = [d for d in details if not d.startswith("interval ")]

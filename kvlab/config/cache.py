@@ -140,7 +140,7 @@ def _validate_evict(cache: Mapping) -> None:
         check_int(section, evict, name)
     for name in ("recent", "seed"):
         check_int(section, evict, name, minimum=0)
-    check_int(section, evict, "interval")
+    check_int(section, evict, "interval", minimum=0)
     if evict["interval"] > 1 and evict["method"] in UNSCORED_METHODS:
         fail(
             f"{section}.interval",

@@ -277,8 +277,10 @@ def base_config(variant: str = "tiny") -> ml_collections.ConfigDict:
             # scored methods: a head that overflows evicts interval - 1 tokens more than
             # the step needs, so the next interval - 1 steps append unscored; 1 = every
             # step keeps the best budget. when='decoding': the decode steps between
-            # compressions (kvpress's DecodingPress compression_interval)
-            interval=1,
+            # compressions (kvpress's DecodingPress compression_interval). 0 = the
+            # method's own: 1 where its definition evicts every step (h2o, tova,
+            # duo_attention), else budget/16 tokens, at most 64 (policy.method_interval)
+            interval=0,
             # when scored methods evict: 'every_step' (every step's write keeps the budget),
             # 'after_prefill' (kvpress's protocol: the step given compress=True, e.g.
             # the prompt's prefill, keeps the best budget of the context, floor(ratio x its

@@ -147,8 +147,13 @@ def test_cache_label_examples():
     assert kvlab.cache.cache_label(kivi.model, kivi.cache) == (
         "K2V2 (k int per channel, v int per token; groups of 16, bfloat16 scales; residual 32 "
         "in float32), dense, snapkv keeping 25% of the tokens per KV head (recent 8, "
-        "observation window 8, pooling 5)"
+        "observation window 8, pooling 5, interval budget/16 up to 64)"
     )
+    kivi.cache.evict.update(method="h2o", interval=1)  # h2o's own interval: the same label
+    by_step = kvlab.cache.cache_label(kivi.model, kivi.cache)
+    kivi.cache.evict.interval = 0
+    assert kvlab.cache.cache_label(kivi.model, kivi.cache) == by_step
+    assert by_step.endswith("h2o keeping 25% of the tokens per KV head (recent 8)")
     mla = mla_config()
     mla.model.sliding_window = 16
     assert kvlab.cache.cache_label(mla.model, mla.cache) == (

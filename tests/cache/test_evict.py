@@ -793,6 +793,67 @@ def test_an_interval_evicts_every_few_steps_leaving_room_for_the_next_ones():
         assert np.asarray(cache.layers[0].stored(cache.lengths)).max() <= 6
 
 
+@settings(max_examples=30, deadline=None)
+@given(
+    method=st.sampled_from(METHODS),
+    storage=st.sampled_from(["16", "kivi"]),
+    budget=st.integers(1, 2000),
+    recent=st.integers(0, 40),
+    floor=st.sampled_from([0.0, 0.2, 1.0]),
+    when=st.sampled_from(["every_step", "after_prefill", "decoding"]),
+)
+@example(method="snapkv", storage="16", budget=1024, recent=8, floor=0.0, when="every_step")
+@example(method="adakv", storage="16", budget=100, recent=8, floor=1.0, when="every_step")
+@example(method="snapkv", storage="kivi", budget=300, recent=8, floor=0.0, when="every_step")
+def test_the_default_interval_is_the_methods_own_as_far_as_the_layer_allows(
+    method, storage, budget, recent, floor, when
+):
+    """cache.evict.interval=0 (the default) is 1 for a method whose definition
+    evicts at every step (Scorer.stepwise: h2o, tova, duo_attention) and for a
+    compression after prefill; else each layer's budget/16 tokens, at most 64
+    (decoding: that many steps), or fewer where the spare slots would eat what the
+    layer always keeps (recent, AdaKV's floor): then the most it allows, one group
+    more being refused. It never refuses a config interval 1 builds; set
+    explicitly, the interval a layer chose builds it alike."""
+    cfg = VARIANTS["gqa"]()
+    fields = dict(budget=budget, recent=recent, adakv_floor=floor, when=when, interval=0)
+    make = (
+        functools.partial(kivi, cfg, method, 8)
+        if storage == "kivi"
+        else functools.partial(evicting, cfg, method)
+    )
+    plan = functools.partial(kvlab.cache.evict.policies, cfg.model, max_len=4096)
+    try:
+        chosen = plan(make(**fields))
+    except ValueError as refused:  # refused whatever the interval, never for its own
+        assert "cache.evict" in str(refused) or "cache.residual" in str(refused)
+        with pytest.raises(ValueError):
+            plan(make(**{**fields, "interval": 1}))
+        return
+    scorer = kvlab.cache.evict.scorer_of(method)
+    if scorer is None:  # a window
+        assert {p.interval for p in chosen} == {1}
+        return
+    batched = not scorer.stepwise and when != "after_prefill"
+    for policy in chosen:
+        batch = max(1, min(64, policy.budget // 16))
+        if not batched:
+            assert policy.interval == 1
+        elif when == "decoding":
+            assert policy.interval == batch
+        else:
+            assert 1 <= policy.interval <= batch
+    least = min(chosen, key=lambda p: p.interval)
+    explicit = plan(make(**{**fields, "interval": least.interval}))
+    for policy, alike in zip(chosen, explicit, strict=True):
+        assert (policy == alike) == (policy.interval == least.interval)
+    g = least.granularity
+    below = least.interval < max(1, min(64, least.budget // 16)) - g + 1
+    if batched and when == "every_step" and below:
+        with pytest.raises(ValueError, match=r"cache\.evict\.interval="):
+            plan(make(**{**fields, "interval": least.interval + g}))
+
+
 @settings(max_examples=8, deadline=None)
 @given(
     budget=st.integers(3, 7),

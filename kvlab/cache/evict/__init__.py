@@ -17,6 +17,8 @@ from kvlab.cache.evict.buffer import QueryBuffer
 from kvlab.cache.evict.layers import EvictingLayer, init_layer, reset_rows
 from kvlab.cache.evict.paged import PagedEvictingLayer, copy_pages, init_paged_layer
 from kvlab.cache.evict.policy import (
+    BATCH_SHARE,
+    BATCH_STEPS,
     MAX_SCORED_LEN,
     RING_METHODS,
     Policy,
@@ -37,6 +39,8 @@ from kvlab.cache.evict.scorers import Candidates, Channels, Scorer, Wrapper
 from kvlab.cache.evict.stored import ChannelReader, PrunedKeys
 
 __all__ = [
+    "BATCH_SHARE",
+    "BATCH_STEPS",
     "MAX_SCORED_LEN",
     "RING_METHODS",
     "Candidates",

@@ -51,7 +51,7 @@ class DuoAttention(Scorer):
     """Sinks, then streaming heads' latest, then retrieval heads' tokens, then the
     rest, each newest first."""
 
-    name, pooled, calibrated = "duo_attention", True, True
+    name, pooled, calibrated, stepwise = "duo_attention", True, True, True
     attention_kinds = ("gqa",)
     prefix_unsafe = "its heads share one pool, so a prefix's tokens are not in slot order"
     defaults = types.MappingProxyType(

@@ -41,6 +41,9 @@ from kvlab.config import cached_tensors, layer_sections
 
 RING_METHODS = ("window", "sinks")
 MAX_SCORED_LEN = 2**24 - 2**16  # positions (and a step's tokens) stay below 2**24: sort keys
+# cache.evict.interval=0 (the method's own) for a method defined by one compression:
+# batches of a BATCH_SHARE-th of the layer's budget, at most BATCH_STEPS tokens
+BATCH_SHARE, BATCH_STEPS = 16, 64
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,7 +67,7 @@ class Policy:
     granularity: int = 1  # g: tokens that settle, and are kept or evicted, together
     span: int = 0  # window methods: R, the latest positions a query sees after the sinks
     interval: int = 1  # scored: a full head evicts down to leave interval - 1 tokens free
-    #                    (decoding: the decode steps between compressions)
+    #                    (decoding: the decode steps between compressions; method_interval)
     when: str = "every_step"  # cache.evict.when
     budget: int = 0  # after_prefill, decoding: the most tokens a head keeps of a compressed row
     ratio: float = 0.0  # after_prefill with cache.evict.budget 0: the share of it kept
@@ -367,10 +370,11 @@ def _policies(model_cfg: Mapping, cache_cfg: Mapping, max_len: int) -> tuple[Pol
         ratios = layer_ratios(evict, shares)
     out = []
     for i, budget in enumerate(layer_budgets(model_cfg, cache_cfg, max_len)):
+        interval = method_interval(scorer, evict, budget)
         if compresses:  # the compressed context and the tokens after it
             units = min(budget + evict["headroom"], max_len)
         elif decodes:  # a prompt stored whole, and the steps until it is compressed
-            units = min(budget + evict["headroom"] + evict["interval"] - 1, max_len)
+            units = min(budget + evict["headroom"] + interval - 1, max_len)
         elif not settles:
             units = budget
         elif method in RING_METHODS:
@@ -395,7 +399,7 @@ def _policies(model_cfg: Mapping, cache_cfg: Mapping, max_len: int) -> tuple[Pol
                 residual=residual if settles else 0,
                 granularity=g if settles else 1,
                 span=budget - sinks if method in RING_METHODS else 0,
-                interval=evict["interval"] if scorer is not None else 1,
+                interval=interval,
                 when=evict["when"] if compresses or decodes else "every_step",
                 budget=budget,
                 ratio=(shared or 0.0) if ratios is None else ratios[i],
@@ -405,6 +409,10 @@ def _policies(model_cfg: Mapping, cache_cfg: Mapping, max_len: int) -> tuple[Pol
                 key_channels=key_channels,
             )
         )
+        if not evict["interval"] and not out[-1].decodes:  # the method's own, as the layer allows
+            out[-1] = dataclasses.replace(
+                out[-1], interval=max(1, min(interval, _most_interval(out[-1], evict)))
+            )
         _check_interval(out[-1], evict)
     shared = topology.num_cache_layers(model_cfg) < model_cfg["num_layers"]
     if out and out[0].buffers and shared:
@@ -459,22 +467,51 @@ def _check_compression(method: str, evict: Mapping, settles: bool) -> None:
         )
 
 
+def method_interval(scorer: Scorer | None, evict: Mapping, budget: int) -> int:
+    """A layer's interval (before `_most_interval` bounds the method's own):
+    cache.evict.interval, or where it is 0 (the default) the method's own, 1 for
+    a window, a compression after prefill or a scorer whose definition evicts at
+    every step (`Scorer.stepwise`); else a batch: budget / BATCH_SHARE tokens, at
+    most BATCH_STEPS. A method defined by one compression (SnapKV, KNorm, ...)
+    then scores once per batch instead of once per step (kvpress batches its
+    DecodingPress by 512 steps), and a head between compressions holds at least
+    budget - interval + 1 of its budget's tokens."""
+    if evict["interval"]:
+        return evict["interval"]
+    if scorer is None or scorer.stepwise or evict["when"] == "after_prefill":
+        return 1
+    return max(1, min(BATCH_STEPS, budget // BATCH_SHARE))
+
+
+def _most_interval(policy: Policy, evict: Mapping) -> int:
+    """The largest interval whose spare slots leave a head what the layer always
+    keeps (its recent tokens, AdaKV's floor): the bound `_check_interval` names."""
+    units, always = _units_kept_always(policy, evict)
+    return (units - always) * policy.granularity + 1
+
+
+def _units_kept_always(policy: Policy, evict: Mapping) -> tuple[int, int]:
+    """(slots per head, of which always kept: the recent tokens' and the floor)."""
+    g = policy.granularity
+    units = policy.slots // policy.kv_heads if policy.pooled else policy.slots
+    always = evict["recent"] if g == 1 else -(-evict["recent"] // g) + 1
+    return units, max(always, policy.floor)
+
+
 def _check_interval(policy: Policy, evict: Mapping) -> None:
     """Refuses an interval whose spare slots would have to come out of what the
     layer always keeps (its recent tokens, AdaKV's floors)."""
     if policy.interval == 1 or policy.decodes:
         return
-    g = policy.granularity
-    units = policy.slots // policy.kv_heads if policy.pooled else policy.slots
-    always = evict["recent"] if g == 1 else -(-evict["recent"] // g) + 1
-    always = max(always, policy.floor)
-    spare = (policy.interval - 1) // g
+    units, always = _units_kept_always(policy, evict)
+    spare = (policy.interval - 1) // policy.granularity
     if spare + always > units:
         raise ValueError(
             f"cache.evict.interval={policy.interval} frees {spare} slot(s) of layer "
             f"{policy.layer}'s {units} per head beyond each step's need, but {always} always "
-            f"stay (cache.evict.recent={evict['recent']}, adakv_floor, cache.group_size={g}): "
-            f"set cache.evict.interval to at most {(units - always) * g + 1}, or a larger budget"
+            f"stay (cache.evict.recent={evict['recent']}, adakv_floor, "
+            f"cache.group_size={policy.granularity}): set cache.evict.interval to at most "
+            f"{_most_interval(policy, evict)}, or a larger budget"
         )
 
 

@@ -43,6 +43,10 @@ bytes, the cache's label, the eviction sweep's grid):
     prefix_unsafe why shared prompt pages cannot stand for its state (None: they can)
     attention_kinds  the model.attention kinds it can score (expected_attention
                   needs the queries before RoPE, which only 'gqa' offers)
+    stepwise      its definition evicts at every step (h2o, tova, duo_attention's
+                  sliding windows): cache.evict.interval=0, the method's own, is 1
+                  for it; other scorers, defined by one compression, evict in
+                  batches (policy.method_interval)
     calibrated    it reads an artefact computed offline for the model (qfilter's
                   filters, named in its options), so sweeps of freshly trained
                   models leave it out
@@ -211,6 +215,7 @@ class Scorer:
     weighs: bool = False
     prefix_unsafe: str | None = None
     attention_kinds: tuple[str, ...] = ("gqa", "mla")
+    stepwise: bool = False
     calibrated: bool = False
     fields: tuple[str, ...] = ("recent",)
     defaults: Mapping = NO_OPTIONS
@@ -305,6 +310,7 @@ class Wrapped(Scorer):
         self.observes = scorer.observes or wrapper.observes
         self.peaks, self.keeps, self.pooled = scorer.peaks, scorer.keeps, scorer.pooled
         self.static = scorer.static  # a wrapper turns priorities, never the scores
+        self.stepwise = scorer.stepwise
         # one weight per slot: where several levels weigh, each weighs its candidates
         self.weighers = int(wrapper.weighs) + getattr(scorer, "weighers", int(scorer.weighs))
         self.weighs = self.weighers == 1
@@ -400,6 +406,7 @@ class Composed(Scorer):
             k for k in first.attention_kinds if k in second.attention_kinds
         )
         self.calibrated = first.calibrated or second.calibrated
+        self.stepwise = first.stepwise or second.stepwise
         self.fields = tuple(dict.fromkeys((*first.fields, *second.fields)))
         self.defaults = types.MappingProxyType(
             {**first.defaults, **second.defaults, **COMPOSED_OPTIONS}
@@ -648,7 +655,7 @@ class H2O(Scorer):
     that sum over the number of queries that saw it (kvpress's
     ObservedAttentionPress; a group of g tokens: its sum over its tokens' counts)."""
 
-    name, observes, keeps = "h2o", "all", True
+    name, observes, keeps, stepwise = "h2o", "all", True, True
     prefix_unsafe = "the attention a cached prefix's tokens accumulated is not in its pages"
     defaults = types.MappingProxyType({"average": False})
 

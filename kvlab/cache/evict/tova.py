@@ -25,6 +25,7 @@ class Tova(Scorer):
     """The last query's attention, the mean over the layer's heads."""
 
     name, observes = "tova", "last"
+    stepwise = True  # its definition evicts at every step (the default interval: 1)
 
     def score(self, c: Candidates) -> Array:
         # Each KV head's mass is the mean over its query heads; the groups are
