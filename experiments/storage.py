@@ -134,10 +134,11 @@ RECIPES = {
     "xKV pairs k64 v96 per prompt 8-bit": (dict(XKV_PER_PROMPT, k_bits=8, v_bits=8),
                                            "the same, codes at 8 bits per token"),
     "KIVI-4 + snapkv 50%": (dict(KIVI, k_bits=4, v_bits=4, evict=dict(method="snapkv",
-                                                                      ratio=0.5)),
+                                                                      ratio=0.5, interval=1)),
                             "KIVI-4 keeping half the tokens (SnapKV, every step)"),
 }  # fmt: skip
-# At matched bytes: each of these stores and SnapKV (every step) keeps the most
+# At matched bytes: each of these stores and SnapKV (every step: cache.evict.interval=1,
+# the whole budget held, not the default batches) keeps the most
 # tokens whose cache costs at most a share of the bfloat16 cache's bytes per token
 # (`matched_budget`), so the rows of one share cost the same. KIVI's bfloat16
 # ring of 32 tokens alone is 6.25% of 512 tokens' bytes, and KVQuant's keys
@@ -155,7 +156,7 @@ MATCHED = {
 for _name, (_fields, _shares) in MATCHED.items():
     for _share in _shares:
         RECIPES[f"{_name} + snapkv at {_share:.4g}"] = (
-            dict(_fields, evict=dict(method="snapkv", share=_share)),
+            dict(_fields, evict=dict(method="snapkv", share=_share, interval=1)),
             f"{_name}, SnapKV keeping what fits {_share:.2%} of the bfloat16 cache's bytes",
         )
 

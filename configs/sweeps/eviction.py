@@ -143,8 +143,8 @@ def get_grid(cfg):
         "L2R16": {"cache.latent_bits": 2},
     }
 
-    def evict(method, ratio):
-        return {"cache.evict.method": method, "cache.evict.ratio": ratio}
+    def evict(method, ratio):  # every step (interval 1): each cache holds its whole budget
+        return {"cache.evict.method": method, "cache.evict.ratio": ratio, "cache.evict.interval": 1}
 
     caches = {"16bit": {}, **quantized}
     for method in METHODS:
