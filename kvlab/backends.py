@@ -11,7 +11,9 @@ run on any platform. A `Backend` may take over parts of them: `partial`
 computes the softmax partial of one block of stored tokens (its peak, sum and
 weighted sum, merged with the others' as flash-decoding merges them), `pooled`
 the same for a pool of slots owned by several KV heads (AdaKV's), `write`
-writes new tokens into a cache buffer, and `scope` wraps a model's forward
+writes new tokens into a cache buffer, `top_k_last` finds an evicting layer's
+few lowest-priority candidates (kvlab.cache.evict.top_k_last the reference),
+and `scope` wraps a model's forward
 (a plug-in may intercept the model's modules there, e.g. projections whose
 weights it stores in a layout of its own). Each returns None (or does
 nothing) for what it declines, and the reference runs instead, so a backend
@@ -76,6 +78,10 @@ class Backend:
         kept for the mass), or None (the reference's products).
     write(buffer, new, slots, axis): the buffer with the new tokens written
         (kvlab.cache.placement.write_tokens' contract), or None.
+    top_k_last(x, k): int32 [..., k], the indices of the k largest of float32
+        x [..., C] in XLA's total order, among equals the later first
+        (kvlab.cache.evict.top_k_last's contract: the candidates an evicting
+        layer drops), or None.
     scope(): a context around a model's forward (`kvlab.Transformer`).
     decode_params(params): the weights in the backend's own layout for decode
         (the same function, read faster by its kernels; one way), or as given.
@@ -103,6 +109,9 @@ class Backend:
         return None
 
     def write(self, buffer, new, slots, axis: int):
+        return None
+
+    def top_k_last(self, x, k: int):
         return None
 
     @contextlib.contextmanager

@@ -495,12 +495,13 @@ def test_ranks_are_the_stable_argsort_of_the_argsort(values, rows, longer):
     shape=st.sampled_from(
         [(1, 1, 1, 1), (2, 3, 1600, 3), (1, 2, 8200, 16), (2, 2, 300, 5), (1, 2, 40, 20)]
     ),
+    backend=st.sampled_from(["xla", "native"]),
 )
-def test_new_tokens_take_the_lowest_free_slots_in_order(seed, held, shape):
+def test_new_tokens_take_the_lowest_free_slots_in_order(seed, held, shape, backend):
     """layers._free_slots, by whichever search a shape takes (minima, blocks of a
-    large pool, a top-k, a running count): the r-th kept new token of a head gets
-    the r-th lowest slot not kept, over slots held sparsely, densely, in runs or
-    all but a few."""
+    large pool, a top-k, the native backend's one pass, a running count): the
+    r-th kept new token of a head gets the r-th lowest slot not kept, over slots
+    held sparsely, densely, in runs or all but a few."""
     batch, heads, slots, new = shape
     rng = np.random.default_rng(seed)
     kept = rng.random((batch, heads, slots)) < held
@@ -517,7 +518,9 @@ def test_new_tokens_take_the_lowest_free_slots_in_order(seed, held, shape):
             extra = np.flatnonzero(kept_new[b, e])[len(free[b][e]) :]
             kept_new[b, e, extra] = False
     rank = np.cumsum(kept_new, axis=-1)
-    got = np.asarray(jax.jit(_free_slots)(jnp.asarray(kept), jnp.asarray(rank)))
+    with kvlab.backends.running(kvlab.backends.get(backend)):  # traced under it
+        find = jax.jit(lambda kept, rank: _free_slots(kept, rank))
+        got = np.asarray(find(jnp.asarray(kept), jnp.asarray(rank)))
     for b in range(batch):
         for e in range(heads):
             for t in np.flatnonzero(kept_new[b, e]):

@@ -33,7 +33,7 @@ needs_native = pytest.mark.skipif(
     not native.available(),
     reason=f"kvlab.kernels.native unavailable: {native.unavailable_reason()}",
 )
-PRODUCTS = [target for target in ffi.TARGETS if target != "kvlab_write_tokens"]
+PRODUCTS = [t for t in ffi.TARGETS if t not in ("kvlab_write_tokens", "kvlab_top_k_last")]
 
 
 def reference(x, kernel):
@@ -452,6 +452,8 @@ def test_evicting_caches_decode_alike_on_the_kernels(config, method, dtype, inte
         assert owned == (layers if impl == "native" and method == "adakv" else 0)
         if dtype == "float32":  # the observed step's products
             assert (text.count("kvlab_scores") >= 2 * layers) == (impl == "native")
+        # a decode step's few drops a head: the kernel's one pass (Backend.top_k_last)
+        assert (text.count("kvlab_top_k_last") >= layers) == (impl == "native")
         logits, positions = [], []
         _, cache = step(cache, tokens[:, :24])
         for t in range(24, 40):
@@ -463,6 +465,60 @@ def test_evicting_caches_decode_alike_on_the_kernels(config, method, dtype, inte
     for xla, got in zip(runs["xla"][1], runs["native"][1], strict=True):
         for a, b in zip(xla, got, strict=True):
             np.testing.assert_array_equal(a, b)
+
+
+SPECIAL = np.array(
+    [0.0, -0.0, 1.0, -1.0, 2.0, np.inf, -np.inf, np.nan, -np.nan, 1e-45, -1e-45], np.float32
+)
+
+
+@needs_native
+@settings(max_examples=60)
+@given(
+    rows=st.integers(1, 3),
+    length=st.integers(1, 70),
+    data=st.data(),
+    kind=st.sampled_from(["special", "ties", "normal"]),
+    seed=st.integers(0, 2**16),
+)
+def test_top_k_last_is_the_top_k_of_the_reversed_row(rows, length, data, kind, seed):
+    """The kernel's indices are exactly those of XLA's top-k of each reversed row
+    (kvlab.cache.evict.top_k_last): XLA's total order of floats (NaN above +inf,
+    +0 above -0, a negative NaN lowest), among equals the later index first, in
+    rows shorter and longer than its blocks of 16 whatever k."""
+    k = data.draw(st.integers(1, length))
+    rng = np.random.default_rng(seed)
+    if kind == "special":
+        x = rng.choice(SPECIAL, (rows, length))
+        x[rng.random((rows, length)) < 0.2] = -np.float32(np.nan)  # sign bit set
+    elif kind == "ties":
+        x = rng.integers(0, 4, (rows, length)).astype(np.float32)
+    else:
+        x = rng.normal(size=(rows, length)).astype(np.float32)
+    x = jnp.asarray(x, jnp.float32)
+    got = jax.jit(lambda x: ffi.top_k_last(x, k))(x)
+    np.testing.assert_array_equal(got, kvlab.cache.evict.top_k_last(x, k))
+
+
+@needs_native
+def test_the_backend_takes_a_few_of_a_float32_row_and_declines_the_rest():
+    """Backend.top_k_last: the kernel for float32 rows and k <= TOP_FEW (a decode
+    step's drops), None (XLA's top-k) for more or other types; refused by the
+    call itself for k outside 1..C."""
+    backend = kvlab.backends.get("native")
+    x = jnp.arange(40, dtype=jnp.float32).reshape(2, 20)
+    kernel = lambda k: (
+        "kvlab_top_k_last"
+        in str(  # noqa: E731
+            jax.make_jaxpr(lambda x: backend.top_k_last(x, k))(x)
+        )
+    )
+    assert kernel(1) and kernel(native.TOP_FEW)
+    assert backend.top_k_last(x, native.TOP_FEW + 1) is None
+    assert backend.top_k_last(x.astype(jnp.bfloat16), 2) is None
+    for k in (0, 21):
+        with pytest.raises(ValueError, match="top_k_last takes"):
+            ffi.top_k_last(x, k)
 
 
 @needs_native

@@ -14,7 +14,7 @@ a scorer is added.
 """
 
 from kvlab.cache.evict.buffer import QueryBuffer
-from kvlab.cache.evict.layers import EvictingLayer, init_layer, reset_rows
+from kvlab.cache.evict.layers import EvictingLayer, init_layer, reset_rows, top_k_last
 from kvlab.cache.evict.paged import PagedEvictingLayer, copy_pages, init_paged_layer
 from kvlab.cache.evict.policy import (
     BATCH_SHARE,
@@ -68,5 +68,6 @@ __all__ = [
     "scorer_options",
     "storage_heads",
     "stored_tokens",
+    "top_k_last",
     "window_groups",
 ]

@@ -65,6 +65,7 @@ from einops import rearrange
 from flax import struct
 from jaxtyping import Array, Float, Int
 
+from kvlab import backends
 from kvlab.cache.evict.buffer import QueryBuffer, empty_buffer
 from kvlab.cache.evict.policy import (
     Policy,
@@ -863,14 +864,19 @@ def _free_slots(kept: Array, rank: Array) -> Array:
     costs two to four of them), a few more by a top-k: in a large pool (AdaKV's K
     new tokens a step) a top-k of the first blocks of FREE_BLOCK slots that have a
     free one, then of their slots (a top-k over all of `mha.py:tiny`'s pool at 8k
-    took about 24 us a layer); a long step's by their running count (a cumulative
+    took about 24 us a layer), or the backend's one pass where it has one
+    (Backend.top_k_last); a long step's by their running count (a cumulative
     sum over S costs far more than the top-k of a few)."""
     slots, new = kept.shape[-1], rank.shape[-1]
     if new > FEW_NEW:
         free = jnp.cumsum(~kept, axis=-1)  # [B, E, S]
         find = jax.vmap(jax.vmap(lambda f, r: jnp.searchsorted(f, r, side="left")))
         return find(free, rank)
-    if new <= FEWEST_NEW:
+    order = jnp.where(kept, -jnp.inf, -jnp.arange(slots, dtype=jnp.float32))  # exact: < 2**24
+    few = backends.writer().top_k_last(order, min(new, slots)) if new > FEWEST_NEW else None
+    if few is not None:  # the backend's one pass (distinct indices: no ties to break)
+        lowest = few
+    elif new <= FEWEST_NEW:
         index = jnp.arange(slots, dtype=jnp.int32)
         lowest = []
         for _ in range(new):
@@ -891,20 +897,29 @@ def _free_slots(kept: Array, rank: Array) -> Array:
         _, lowest = jax.lax.top_k(jnp.where(taken, -jnp.inf, -index.astype(jnp.float32)), new)
         lowest = jnp.take_along_axis(index, lowest, -1)
     else:
-        index = jnp.arange(slots, dtype=jnp.float32)  # exact: slots stay below 2**24
-        _, lowest = jax.lax.top_k(jnp.where(kept, -jnp.inf, -index), min(new, slots))
+        _, lowest = jax.lax.top_k(order, min(new, slots))
     return jnp.take_along_axis(lowest, jnp.clip(rank - 1, 0, lowest.shape[-1] - 1), -1)
 
 
 def _lowest(valid: Array, priority: Array, drop: Array, width: int) -> Array:
     """bool[B, E, C]: each head's `drop` [B, E, 1] lowest valid candidates by
-    `priority`, among equals the later first, found among the `width` lowest."""
-    lowest = jnp.where(valid, -priority, -jnp.inf)[..., ::-1]
-    _, worst = jax.lax.top_k(lowest, width)
-    worst = valid.shape[2] - 1 - worst  # [B, E, width], lowest priority first
+    `priority`, among equals the later first, found among the `width` lowest
+    (by the backend's kernel where it has one: Backend.top_k_last)."""
+    lowest = jnp.where(valid, -priority, -jnp.inf)
+    worst = backends.writer().top_k_last(lowest, width)
+    if worst is None:
+        worst = top_k_last(lowest, width)  # [B, E, width], lowest priority first
     b = jnp.arange(worst.shape[0])[:, None, None]
     e = jnp.arange(worst.shape[1])[None, :, None]
     return jnp.zeros(valid.shape, bool).at[b, e, worst].set(jnp.arange(width) < drop)
+
+
+def top_k_last(x: Array, k: int) -> Array:
+    """int32[..., k]: the indices of the k largest of x [..., C] in XLA's total
+    order (NaN above +inf, +0 above -0), among equals the later first: a top-k
+    of the reversed row (Backend.top_k_last's reference)."""
+    _, index = jax.lax.top_k(x[..., ::-1], k)
+    return x.shape[-1] - 1 - index
 
 
 def _observed_count(policy: Policy, placement: Placement) -> Array:

@@ -23,6 +23,8 @@ lowered for TPU or CUDA, from any host, holds the reference path alone):
   partial merged with the others';
 - the cache write of a 16-bit buffer in a one-device process, in place
   (XLA:CPU updates such a buffer through a float32 copy of all of it);
+- an evicting layer's few drops of a step (`Backend.top_k_last`, up to
+  TOP_FEW of them a head): one pass over each head's candidates;
 - with `panel_projections(params)`, every projection whose output width is a
   multiple of 32, and a tied embedding table, as 32-column panels read by
   one kernel call each (XLA:CPU runs a one-row product on one core and
@@ -63,7 +65,7 @@ from kvlab.attention.core import (
     unpooled,
     weighted_sum_of,
 )
-from kvlab.cache.evict import ChannelReader
+from kvlab.cache.evict import ChannelReader, top_k_last
 from kvlab.cache.paged import PagedPayloadReader, PagedReader
 from kvlab.cache.placement import scatter_tokens
 from kvlab.cache.protocols import Pooled, Reader
@@ -76,6 +78,7 @@ READS = ("int", "fp8")  # the storage formats (kvlab/cache/formats) the kernels 
 _UNAVAILABLE = ffi.load()  # built and registered here, never while a program is traced
 
 
+TOP_FEW = 16  # top_k_last's k it takes: more (a compression's) go to XLA's top-k
 LANES = 16  # float32 numbers of a vector: keys of another width are read masked, a key at a time
 
 
@@ -480,6 +483,13 @@ class Native(backends.Backend):
             lambda: scatter_tokens(buffer, new, slots, axis),
             cpu=True,
         )
+
+    def top_k_last(self, x, k: int):
+        """A few (at most TOP_FEW: a decode step's drops) by one pass over each
+        row (XLA:CPU's top-k of a reversed row costs about five times more)."""
+        if not (available() and x.dtype == jnp.float32 and 0 < k <= min(TOP_FEW, x.shape[-1])):
+            return None
+        return on_platforms(lambda _: ffi.top_k_last(x, k), lambda: top_k_last(x, k), cpu=True)
 
     @contextlib.contextmanager
     def scope(self) -> Iterator[None]:

@@ -12,6 +12,7 @@ owned_scores(q, keys, tags), owned_weighted_sum(w, values, listings)
 quant_scores(q, codes: Codes, limit), quant_weighted_sum(w, codes: Codes, limit)
                                     the same over quantized codes, read in place
 write_tokens(buffer, new, slots) -> buffer     a 16-bit cache write, in place
+top_k_last(x [..., C], k) -> int32 [..., k]    the k largest, among equals the later first
 
 Each function here is the kernel's call alone (`jax.ffi.ffi_call` of a
 target registered for the CPU): which operands it takes, and on which
@@ -73,6 +74,7 @@ TARGETS = {
     "kvlab_quant_scores": "KvlabQuantScores",
     "kvlab_quant_weighted_sum": "KvlabQuantWeightedSum",
     "kvlab_write_tokens": "KvlabWriteTokens",
+    "kvlab_top_k_last": "KvlabTopKLast",
 }
 FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-mavx512f", "-mfma", "-w")
 
@@ -393,6 +395,21 @@ def write_tokens(buffer: jax.Array, new: jax.Array, slots: jax.Array) -> jax.Arr
         "kvlab_write_tokens", result, vmap_method="sequential", input_output_aliases={0: 0}
     )
     return call(buffer, new.astype(buffer.dtype), slots.astype(jnp.int32))
+
+
+def top_k_last(x: jax.Array, k: int) -> jax.Array:
+    """int32 [..., k]: the indices of the k largest of float32 x [..., C] in XLA's
+    total order (NaN above +inf, +0 above -0), among equals the later first: the
+    indices into x of jax.lax.top_k(x[..., ::-1], k). One pass over each row,
+    for a few of them (an evicting layer's drops in a step)."""
+    if x.dtype != jnp.float32 or not 0 < k <= x.shape[-1]:
+        raise ValueError(
+            f"top_k_last takes float32 [..., C] and 0 < k <= C; got {x.dtype} {x.shape} and k={k}"
+        )
+    rows = math.prod(x.shape[:-1])
+    result = jax.ShapeDtypeStruct((rows, k), jnp.int32)
+    call = jax.ffi.ffi_call("kvlab_top_k_last", result, vmap_method="sequential")
+    return call(x.reshape(rows, x.shape[-1])).reshape(*x.shape[:-1], k)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -26,6 +26,9 @@
 // KvlabQuantScores and KvlabQuantWeightedSum: the same over a quantized cache's
 // packed codes, a row's own or page pools (below, "over a quantized payload").
 //
+// KvlabTopKLast: the indices of each row's few largest numbers, among equals the
+// later first (an evicting layer's lowest-priority candidates), in one pass.
+//
 // Work is split into chunks of about kChunkBytes on XLA's intra-op thread pool;
 // the calling thread works too, and a call of one chunk never leaves it.
 #include <immintrin.h>
@@ -847,6 +850,55 @@ ffi::Error WriteTokens(ffi::AnyBuffer buffer, ffi::AnyBuffer fresh, ffi::Buffer<
   return ffi::Error::Success();
 }
 
+// ---- A top-k of a few, among equals the later first: out[r, i] is the index of row r's
+// i-th largest of x[r, :] in XLA's total order of floats (a NaN above +inf, +0 above -0,
+// a negative NaN below -inf: the order of the signed integer below), among equal
+// numbers the later index first, as jax.lax.top_k of the reversed row. The row is read
+// once from its end in blocks of 16, a block whose largest key does not beat the k-th
+// best so far skipped with one compare; the best k are kept sorted by insertion.
+
+inline int32_t OrderKey(int32_t bits) { return bits ^ ((bits >> 31) & 0x7FFFFFFF); }
+
+ffi::Error TopKLast(ffi::Buffer<ffi::F32> x, ffi::Result<ffi::Buffer<ffi::S32>> out) {
+  const auto xd = x.dimensions(), od = out->dimensions();
+  if (xd.size() != 2 || od.size() != 2 || od[0] != xd[0] || od[1] > xd[1]) {
+    return ffi::Error::InvalidArgument(
+        "kvlab top_k_last: expects x [R, C] and out [R, k] with k <= C");
+  }
+  const int64_t rows = xd[0], length = xd[1], k = od[1];
+  if (k == 0) return ffi::Error::Success();
+  std::vector<int32_t> best(k), where(k);
+  for (int64_t r = 0; r < rows; ++r) {
+    const int32_t* row = reinterpret_cast<const int32_t*>(x.typed_data() + r * length);
+    int64_t held = 0;
+    auto consider = [&](int64_t j) {
+      const int32_t key = OrderKey(row[j]);
+      if (held == k && key <= best[k - 1]) return;
+      int64_t at = held < k ? held++ : k - 1;
+      for (; at > 0 && best[at - 1] < key; --at) {  // stops at an equal key: the later first
+        best[at] = best[at - 1];
+        where[at] = where[at - 1];
+      }
+      best[at] = key;
+      where[at] = static_cast<int32_t>(j);
+    };
+    int64_t j = length;
+    const __m512i magnitude = _mm512_set1_epi32(0x7FFFFFFF);
+    for (; j >= 16; j -= 16) {
+      if (held == k) {
+        const __m512i bits = _mm512_loadu_si512(row + j - 16);
+        const __m512i keys =
+            _mm512_xor_si512(bits, _mm512_and_si512(_mm512_srai_epi32(bits, 31), magnitude));
+        if (_mm512_reduce_max_epi32(keys) <= best[k - 1]) continue;
+      }
+      for (int64_t i = j - 1; i >= j - 16; --i) consider(i);
+    }
+    for (int64_t i = j - 1; i >= 0; --i) consider(i);
+    std::memcpy(out->typed_data() + r * k, where.data(), k * sizeof(int32_t));
+  }
+  return ffi::Error::Success();
+}
+
 // ---- The same two products over a quantized payload (kvlab/cache/quant.py's layout):
 // codes uint8[P, S, H * bits / 8], value j of a byte in bits j*bits.., and scales and zero
 // points [P, S, H / group] (token axis: a token's channels share one) or [P, S / group, H]
@@ -1611,6 +1663,11 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(KvlabWriteTokens, WriteTokens,
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::AnyBuffer>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(KvlabTopKLast, TopKLast,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>());
 
 #define KVLAB_QUANT_BINDING                \
   ffi::Ffi::Bind()                         \
