@@ -478,14 +478,15 @@ SPECIAL = np.array(
     rows=st.integers(1, 3),
     length=st.integers(1, 70),
     data=st.data(),
-    kind=st.sampled_from(["special", "ties", "normal"]),
+    kind=st.sampled_from(["special", "ties", "normal", "mostly_equal"]),
     seed=st.integers(0, 2**16),
 )
 def test_top_k_last_is_the_top_k_of_the_reversed_row(rows, length, data, kind, seed):
     """The kernel's indices are exactly those of XLA's top-k of each reversed row
     (kvlab.cache.evict.top_k_last): XLA's total order of floats (NaN above +inf,
     +0 above -0, a negative NaN lowest), among equals the later index first, in
-    rows shorter and longer than its blocks of 16 whatever k."""
+    rows shorter and longer than its blocks of 16 whatever k, with runs of equal
+    numbers as long as the row."""
     k = data.draw(st.integers(1, length))
     rng = np.random.default_rng(seed)
     if kind == "special":
@@ -493,6 +494,9 @@ def test_top_k_last_is_the_top_k_of_the_reversed_row(rows, length, data, kind, s
         x[rng.random((rows, length)) < 0.2] = -np.float32(np.nan)  # sign bit set
     elif kind == "ties":
         x = rng.integers(0, 4, (rows, length)).astype(np.float32)
+    elif kind == "mostly_equal":  # a full pool's slots (-inf) and a few free ones
+        x = np.full((rows, length), -np.inf, np.float32)
+        x[rng.random((rows, length)) < 0.05] = -rng.integers(0, length, 1)
     else:
         x = rng.normal(size=(rows, length)).astype(np.float32)
     x = jnp.asarray(x, jnp.float32)

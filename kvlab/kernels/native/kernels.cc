@@ -37,6 +37,7 @@
 #include <atomic>
 #include <cstdint>
 #include <cstring>
+#include <functional>
 #include <memory>
 #include <string>
 #include <limits>
@@ -853,11 +854,23 @@ ffi::Error WriteTokens(ffi::AnyBuffer buffer, ffi::AnyBuffer fresh, ffi::Buffer<
 // ---- A top-k of a few, among equals the later first: out[r, i] is the index of row r's
 // i-th largest of x[r, :] in XLA's total order of floats (a NaN above +inf, +0 above -0,
 // a negative NaN below -inf: the order of the signed integer below), among equal
-// numbers the later index first, as jax.lax.top_k of the reversed row. The row is read
-// once from its end in blocks of 16, a block whose largest key does not beat the k-th
-// best so far skipped with one compare; the best k are kept sorted by insertion.
+// numbers the later index first, as jax.lax.top_k of the reversed row. A first pass
+// takes the largest key of each block of 16; the k-th largest of those bounds the
+// answer from below (k blocks hold a key at least as large), so the second pass skips
+// every block whose largest key is below it or does not beat the k-th best so far, in
+// any order of the row. The best k are kept sorted by insertion, a later equal one
+// first. Keys equal to the k-th best do not enter (long runs of equal keys, the slots
+// an empty or a full pool fills with -inf, cost one compare each), so the last places,
+// those of the k-th best key, are then given to its latest occurrences, read from the
+// row's end.
 
 inline int32_t OrderKey(int32_t bits) { return bits ^ ((bits >> 31) & 0x7FFFFFFF); }
+
+inline __m512i OrderKeys(const int32_t* at) {
+  const __m512i bits = _mm512_loadu_si512(at);
+  return _mm512_xor_si512(
+      bits, _mm512_and_si512(_mm512_srai_epi32(bits, 31), _mm512_set1_epi32(0x7FFFFFFF)));
+}
 
 ffi::Error TopKLast(ffi::Buffer<ffi::F32> x, ffi::Result<ffi::Buffer<ffi::S32>> out) {
   const auto xd = x.dimensions(), od = out->dimensions();
@@ -867,33 +880,51 @@ ffi::Error TopKLast(ffi::Buffer<ffi::F32> x, ffi::Result<ffi::Buffer<ffi::S32>> 
   }
   const int64_t rows = xd[0], length = xd[1], k = od[1];
   if (k == 0) return ffi::Error::Success();
-  std::vector<int32_t> best(k), where(k);
+  const int64_t blocks = length / 16;
+  std::vector<int32_t> best(k), where(k), peaks(blocks), order(blocks);
   for (int64_t r = 0; r < rows; ++r) {
     const int32_t* row = reinterpret_cast<const int32_t*>(x.typed_data() + r * length);
+    for (int64_t b = 0; b < blocks; ++b) peaks[b] = _mm512_reduce_max_epi32(OrderKeys(row + 16 * b));
+    int32_t bound = std::numeric_limits<int32_t>::min();
+    if (blocks >= k) {
+      order = peaks;
+      std::nth_element(order.begin(), order.begin() + (k - 1), order.end(), std::greater<>());
+      bound = order[k - 1];
+    }
     int64_t held = 0;
     auto consider = [&](int64_t j) {
       const int32_t key = OrderKey(row[j]);
       if (held == k && key <= best[k - 1]) return;
       int64_t at = held < k ? held++ : k - 1;
-      for (; at > 0 && best[at - 1] < key; --at) {  // stops at an equal key: the later first
+      for (; at > 0 && best[at - 1] <= key; --at) {  // past equal keys: the later first
         best[at] = best[at - 1];
         where[at] = where[at - 1];
       }
       best[at] = key;
       where[at] = static_cast<int32_t>(j);
     };
-    int64_t j = length;
-    const __m512i magnitude = _mm512_set1_epi32(0x7FFFFFFF);
-    for (; j >= 16; j -= 16) {
-      if (held == k) {
-        const __m512i bits = _mm512_loadu_si512(row + j - 16);
-        const __m512i keys =
-            _mm512_xor_si512(bits, _mm512_and_si512(_mm512_srai_epi32(bits, 31), magnitude));
-        if (_mm512_reduce_max_epi32(keys) <= best[k - 1]) continue;
-      }
-      for (int64_t i = j - 1; i >= j - 16; --i) consider(i);
+    int64_t j = 0;
+    for (; j + 16 <= length; j += 16) {
+      const int32_t peak = peaks[j / 16];
+      if (peak < bound || (held == k && peak <= best[k - 1])) continue;
+      for (int64_t i = j; i < j + 16; ++i) consider(i);
     }
-    for (int64_t i = j - 1; i >= 0; --i) consider(i);
+    for (; j < length; ++j) consider(j);
+    // The places of the k-th best key go to its latest occurrences, latest first.
+    const int32_t last = best[k - 1];
+    int64_t fill = 0;
+    while (best[fill] > last) ++fill;
+    const __m512i wanted = _mm512_set1_epi32(last);
+    for (j = length; fill < k && j > 0;) {
+      if (j >= 16 && !_mm512_cmpeq_epi32_mask(OrderKeys(row + j - 16), wanted)) {
+        j -= 16;
+        continue;
+      }
+      for (const int64_t stop = j >= 16 ? j - 16 : 0; j > stop && fill < k;) {
+        --j;
+        if (OrderKey(row[j]) == last) where[fill++] = static_cast<int32_t>(j);
+      }
+    }
     std::memcpy(out->typed_data() + r * k, where.data(), k * sizeof(int32_t));
   }
   return ffi::Error::Success();
