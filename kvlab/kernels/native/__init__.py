@@ -24,7 +24,8 @@ lowered for TPU or CUDA, from any host, holds the reference path alone):
 - the cache write of a 16-bit buffer in a one-device process, in place
   (XLA:CPU updates such a buffer through a float32 copy of all of it);
 - an evicting layer's few drops of a step (`Backend.top_k_last`, up to
-  TOP_FEW of them a head): one pass over each head's candidates;
+  TOP_FEW of them a head): the blocks of each head's candidates that can
+  hold them;
 - with `panel_projections(params)`, every projection whose output width is a
   multiple of 32, and a tied embedding table, as 32-column panels read by
   one kernel call each (XLA:CPU runs a one-row product on one core and
@@ -485,8 +486,9 @@ class Native(backends.Backend):
         )
 
     def top_k_last(self, x, k: int):
-        """A few (at most TOP_FEW: a decode step's drops) by one pass over each
-        row (XLA:CPU's top-k of a reversed row costs about five times more)."""
+        """A few (at most TOP_FEW: a decode step's drops) by the kernel, which
+        reads only the blocks of a row that can hold them (XLA:CPU's top-k of a
+        reversed row costs three to fifteen times more; docs/backends.md)."""
         if not (available() and x.dtype == jnp.float32 and 0 < k <= min(TOP_FEW, x.shape[-1])):
             return None
         return on_platforms(lambda _: ffi.top_k_last(x, k), lambda: top_k_last(x, k), cpu=True)

@@ -400,8 +400,9 @@ def write_tokens(buffer: jax.Array, new: jax.Array, slots: jax.Array) -> jax.Arr
 def top_k_last(x: jax.Array, k: int) -> jax.Array:
     """int32 [..., k]: the indices of the k largest of float32 x [..., C] in XLA's
     total order (NaN above +inf, +0 above -0), among equals the later first: the
-    indices into x of jax.lax.top_k(x[..., ::-1], k). One pass over each row,
-    for a few of them (an evicting layer's drops in a step)."""
+    indices into x of jax.lax.top_k(x[..., ::-1], k). Each row's blocks of 16
+    that cannot hold them are skipped (kernels.cc), for a few of them (an
+    evicting layer's drops in a step)."""
     if x.dtype != jnp.float32 or not 0 < k <= x.shape[-1]:
         raise ValueError(
             f"top_k_last takes float32 [..., C] and 0 < k <= C; got {x.dtype} {x.shape} and k={k}"

@@ -27,7 +27,8 @@
 // packed codes, a row's own or page pools (below, "over a quantized payload").
 //
 // KvlabTopKLast: the indices of each row's few largest numbers, among equals the
-// later first (an evicting layer's lowest-priority candidates), in one pass.
+// later first (an evicting layer's lowest-priority candidates), reading only the
+// blocks of the row that can hold them.
 //
 // Work is split into chunks of about kChunkBytes on XLA's intra-op thread pool;
 // the calling thread works too, and a call of one chunk never leaves it.
