@@ -864,7 +864,7 @@ def _free_slots(kept: Array, rank: Array) -> Array:
     costs two to four of them), a few more by a top-k: in a large pool (AdaKV's K
     new tokens a step) a top-k of the first blocks of FREE_BLOCK slots that have a
     free one, then of their slots (a top-k over all of `mha.py:tiny`'s pool at 8k
-    took about 24 us a layer), or the backend's one pass where it has one
+    took about 24 us a layer), or the backend's kernel where it has one
     (Backend.top_k_last); a long step's by their running count (a cumulative
     sum over S costs far more than the top-k of a few)."""
     slots, new = kept.shape[-1], rank.shape[-1]
@@ -874,7 +874,7 @@ def _free_slots(kept: Array, rank: Array) -> Array:
         return find(free, rank)
     order = jnp.where(kept, -jnp.inf, -jnp.arange(slots, dtype=jnp.float32))  # exact: < 2**24
     few = backends.writer().top_k_last(order, min(new, slots)) if new > FEWEST_NEW else None
-    if few is not None:  # the backend's one pass (distinct indices: no ties to break)
+    if few is not None:  # the backend's kernel (distinct indices: no ties to break)
         lowest = few
     elif new <= FEWEST_NEW:
         index = jnp.arange(slots, dtype=jnp.int32)
