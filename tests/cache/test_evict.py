@@ -499,7 +499,7 @@ def test_ranks_are_the_stable_argsort_of_the_argsort(values, rows, longer):
 )
 def test_new_tokens_take_the_lowest_free_slots_in_order(seed, held, shape, backend):
     """layers._free_slots, by whichever search a shape takes (minima, blocks of a
-    large pool, a top-k, the native backend's one pass, a running count): the
+    large pool, a top-k, the native backend's kernel, a running count): the
     r-th kept new token of a head gets the r-th lowest slot not kept, over slots
     held sparsely, densely, in runs or all but a few."""
     batch, heads, slots, new = shape
