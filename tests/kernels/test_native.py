@@ -452,7 +452,7 @@ def test_evicting_caches_decode_alike_on_the_kernels(config, method, dtype, inte
         assert owned == (layers if impl == "native" and method == "adakv" else 0)
         if dtype == "float32":  # the observed step's products
             assert (text.count("kvlab_scores") >= 2 * layers) == (impl == "native")
-        # a decode step's few drops a head: the kernel's one pass (Backend.top_k_last)
+        # a decode step's few drops a head: the kernel (Backend.top_k_last)
         assert (text.count("kvlab_top_k_last") >= layers) == (impl == "native")
         logits, positions = [], []
         _, cache = step(cache, tokens[:, :24])
