@@ -3,6 +3,7 @@ hands them the blocks and writes it takes, and the build is cached and safe."""
 
 import dataclasses
 import os
+import re
 import subprocess
 import sys
 
@@ -114,6 +115,52 @@ def test_a_failing_or_missing_compiler_is_reported(tmp_path, monkeypatch):
     monkeypatch.setenv("CXX", "kvlab-no-such-compiler")
     with pytest.raises(FileNotFoundError, match=r"no C\+\+ compiler 'kvlab-no-such-compiler'"):
         ffi.build(tmp_path)
+
+
+@pytest.mark.parametrize(
+    "cpu, wanted, chosen",
+    [
+        ({"avx512f", "avx2", "fma", "f16c"}, None, "AVX-512F"),
+        ({"avx512f", "avx2", "fma", "f16c"}, "AVX2", "AVX2"),
+        ({"avx2", "fma", "f16c"}, None, "AVX2"),
+        ({"avx2", "fma", "f16c"}, "AVX-512F", "KVLAB_NATIVE_ISA=AVX-512F: this CPU has no avx512f"),
+        ({"avx2", "fma"}, None, "this CPU has neither AVX-512F nor AVX2 with FMA and F16C"),
+        ({"avx512f", "fma"}, "SSE4", "KVLAB_NATIVE_ISA='SSE4' is none of AVX-512F, AVX2"),
+    ],
+)
+def test_the_kernels_are_built_for_the_best_instruction_set_the_cpu_has(
+    cpu, wanted, chosen, monkeypatch
+):
+    """AVX-512F where the CPU has it, else AVX2 with FMA and F16C (avx2.h), or the
+    one KVLAB_NATIVE_ISA names; a reason where there is none, never a build that
+    would fault on the first call."""
+    monkeypatch.setattr(ffi, "_cpu_flags", lambda: cpu)
+    monkeypatch.setenv("KVLAB_NATIVE_ISA", wanted or "")
+    if chosen not in ("AVX-512F", "AVX2"):
+        with pytest.raises(LookupError, match=f"^{re.escape(chosen)}$"):
+            ffi.isa()
+        return
+    name, flags = ffi.isa()
+    assert name == chosen and ("-mavx512f" in flags) == (chosen == "AVX-512F")
+
+
+@pytest.mark.skipif(
+    not native.available() or ffi.isa()[0] != "AVX-512F",
+    reason="the AVX2 build is what test_native runs where AVX-512F is missing",
+)
+def test_the_avx2_build_computes_what_the_avx512_build_computes():
+    """On a CPU with AVX-512F this file tests the AVX-512 build; the AVX2 one
+    (avx2.h in place of the AVX-512 intrinsics) is tested here, in a process of
+    its own, by the kernels' property tests over every product and the top-k."""
+    tests = (
+        "attention_products_are_the_einsums or owned_products or pool_products"
+        " or quantized_products or top_k_last_is_the_top_k"
+    )
+    env = {**os.environ, "KVLAB_NATIVE_ISA": "AVX2", "KVLAB_HYPOTHESIS_EXAMPLES": "4"}
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:xdist", __file__, "-k", tests]
+    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout[-3000:]
+    assert " passed" in done.stdout and "skipped" not in done.stdout, done.stdout[-1000:]
 
 
 def test_without_the_kernels_the_panel_layout_runs_on_xla():

@@ -34,7 +34,7 @@ lowered for TPU or CUDA, from any host, holds the reference path alone):
   intercepted (`flax.linen.intercept_methods`) while a forward runs under
   this backend (`scope`). The conversion is one way and for one device.
 
-Without the kernels (no C++ compiler, a CPU without AVX-512F, or
+Without the kernels (no C++ compiler, an x86-64 CPU without AVX-512F or AVX2, or
 KVLAB_NATIVE=0; `unavailable_reason()` says which) the backend declines
 everything and the model runs the reference path; a panel tree then runs
 XLA's product over the panels.

@@ -34,9 +34,10 @@ read). XLA:CPU also updates a 16-bit buffer through a float32 copy of all of
 it, so `write_tokens` writes a 16-bit cache's new tokens in place.
 
 The source is built with the system C++ compiler (`$CXX`, else `c++`) for
-x86-64 CPUs with AVX-512F the first time a process loads it, into
+the best instruction set of ISAS the CPU has (AVX-512F; else AVX2 with FMA and
+F16C, through avx2.h) the first time a process loads it, into
 `$KVLAB_NATIVE_CACHE` (default ~/.cache/kvlab/native), named by a hash of the
-source, the flags and the jax and jaxlib versions, and written there
+sources, the flags and the jax and jaxlib versions, and written there
 atomically. Without a compiler, on another CPU, or with KVLAB_NATIVE=0, load()
 says why and nothing is registered.
 """
@@ -76,7 +77,13 @@ TARGETS = {
     "kvlab_write_tokens": "KvlabWriteTokens",
     "kvlab_top_k_last": "KvlabTopKLast",
 }
-FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-mavx512f", "-mfma", "-w")
+HEADER = SOURCE.with_name("avx2.h")  # the AVX-512F intrinsics it uses, on AVX2
+FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-w")
+# Instruction sets, best first: the CPU flags (/proc/cpuinfo) each needs, and its own flags.
+ISAS = (
+    ("AVX-512F", {"avx512f", "fma"}, ("-mavx512f", "-mfma")),
+    ("AVX2", {"avx2", "fma", "f16c"}, ("-mavx2", "-mfma", "-mf16c")),
+)
 
 
 def _cpu_flags() -> set[str]:
@@ -95,18 +102,40 @@ def _cache_dir() -> Path:
     return Path(os.environ.get("KVLAB_NATIVE_CACHE") or default)
 
 
-def build(directory: Path | None = None) -> Path:
+def isa() -> tuple[str, tuple[str, ...]]:
+    """The instruction set the kernels are built for here (its name and compiler
+    flags): the best of ISAS this CPU has, or the one $KVLAB_NATIVE_ISA names (to
+    test the AVX2 build on a CPU that has AVX-512F too). Raises LookupError
+    saying why there is none."""
+    wanted = os.environ.get("KVLAB_NATIVE_ISA") or None
+    named = [isa for isa in ISAS if wanted in (None, isa[0])]
+    if not named:
+        known = ", ".join(name for name, _, _ in ISAS)
+        raise LookupError(f"KVLAB_NATIVE_ISA={wanted!r} is none of {known}")
+    have = _cpu_flags()
+    for name, needs, flags in named:
+        if needs <= have:
+            return name, flags
+    if wanted is not None:
+        missing = ", ".join(sorted(named[0][1] - have))
+        raise LookupError(f"KVLAB_NATIVE_ISA={wanted}: this CPU has no {missing}")
+    raise LookupError("this CPU has neither AVX-512F nor AVX2 with FMA and F16C")
+
+
+def build(directory: Path | None = None, flags: tuple[str, ...] | None = None) -> Path:
     """The compiled library's path in `directory` (default the cache), compiling it
-    there first if it is missing. Raises RuntimeError with the compiler's output
-    when the build fails, FileNotFoundError when there is no compiler."""
+    there first if it is missing, for an instruction set's `flags` (ISAS; default
+    `isa()`'s). Raises RuntimeError with the compiler's
+    output when the build fails, FileNotFoundError when there is no compiler."""
     compiler = os.environ.get("CXX") or "c++"
     if shutil.which(compiler) is None:
         raise FileNotFoundError(f"no C++ compiler {compiler!r} on PATH (set CXX to one)")
     include = jax.ffi.include_dir()
-    source = SOURCE.read_bytes()
+    source = SOURCE.read_bytes() + HEADER.read_bytes()
     versions = (jax.__version__, importlib.metadata.version("jaxlib"))  # the FFI headers' ABI
+    flags = (*FLAGS, *(isa()[1] if flags is None else flags))
     key = hashlib.sha256(
-        source + " ".join((compiler, *FLAGS, *versions, include)).encode()
+        source + " ".join((compiler, *flags, *versions, include)).encode()
     ).hexdigest()[:16]
     directory = Path(directory) if directory is not None else _cache_dir()
     library = directory / f"kernels-{key}.so"
@@ -119,7 +148,7 @@ def build(directory: Path | None = None) -> Path:
     handle, partial = tempfile.mkstemp(dir=directory, prefix=".kernels-", suffix=".so")
     os.close(handle)
     try:
-        command = [compiler, *FLAGS, f"-I{include}", str(SOURCE), "-o", partial]
+        command = [compiler, *flags, f"-I{include}", str(SOURCE), "-o", partial]
         done = subprocess.run(command, capture_output=True, text=True)
         if done.returncode != 0:
             raise RuntimeError(
@@ -140,8 +169,10 @@ def load() -> str | None:
         return "KVLAB_NATIVE=0"
     if platform.machine().lower() not in ("x86_64", "amd64"):
         return f"the kernels are written for x86-64, not {platform.machine()}"
-    if "avx512f" not in _cpu_flags():
-        return "this CPU has no AVX-512F"
+    try:
+        isa()
+    except LookupError as error:
+        return str(error)
     try:
         path = build()
         try:

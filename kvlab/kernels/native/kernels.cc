@@ -1,5 +1,6 @@
 // kvlab's CPU decode kernels (AVX-512F, float32), called through XLA's FFI
-// (kvlab/native/__init__.py builds this file and registers them).
+// (kvlab/kernels/native/ffi.py builds this file and registers them). Built without
+// AVX-512F (a CPU with AVX2, FMA and F16C alone), avx2.h computes the same intrinsics.
 //
 // KvlabPanelMatmul: y[M, N] = x[M, K] @ W, with W stored as 32-column panels
 // P[N / 32, K, 32] (P[b, k, j] = W[k, 32 b + j]): each panel is one contiguous
@@ -33,6 +34,9 @@
 // Work is split into chunks of about kChunkBytes on XLA's intra-op thread pool;
 // the calling thread works too, and a call of one chunk never leaves it.
 #include <immintrin.h>
+#ifndef __AVX512F__
+#include "avx2.h"  // the AVX-512F intrinsics below, on AVX2 (ffi.py builds for the CPU)
+#endif
 
 #include <algorithm>
 #include <atomic>
@@ -182,6 +186,7 @@ ffi::Error PanelMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
 
 inline __mmask16 Tail(int64_t n) { return n >= 16 ? 0xFFFF : (__mmask16)((1u << n) - 1); }
 
+#ifdef __AVX512F__
 // Lane indices folding two vectors of 16 / `group` keys' partial sums (groups of `group`
 // lanes) into one vector of twice the keys with half the partials each: FOLD[level][0]
 // takes each group's first half, FOLD[level][1] its second; their sum is the fold.
@@ -221,6 +226,23 @@ __attribute__((always_inline)) inline __m512 Totals(__m512* acc) {
   FoldLevel<3, 2>(acc);
   return acc[0];
 }
+#else
+// 8 vectors of 8 partial sums -> their 8 totals, in order: pairwise sums within each
+// 128-bit half, then the halves' sums added.
+inline __m256 Totals8(const __m256* v) {
+  const __m256 a = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+  const __m256 b = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
+}
+
+// 16 vectors of partial sums -> one vector of their 16 totals, in order.
+__attribute__((always_inline)) inline __m512 Totals(__m512* acc) {
+  __m256 half[16];
+#pragma GCC unroll 16
+  for (int i = 0; i < 16; ++i) half[i] = _mm256_add_ps(acc[i].lo, acc[i].hi);
+  return {Totals8(half), Totals8(half + 8)};
+}
+#endif
 
 // Keys and values as float32 rows: numbers h.. of token s (zero past the mask).
 struct FloatRows {
@@ -295,6 +317,7 @@ void ScoresKeys(const float* q, int64_t ldq, const Keys& keys, float* out, int64
                 int64_t m_len, int64_t n, int64_t h_len) {
   const int64_t ahead = AheadTokens(keys, 16);
   int64_t s = 0;
+#ifdef __AVX512F__
   for (; s + 16 <= n; s += 16) {  // 16 keys at a time, stored as one vector per query
     Ahead(keys, s + ahead, 16, n);
     for (int64_t m = 0; m < m_len; ++m) {
@@ -311,6 +334,27 @@ void ScoresKeys(const float* q, int64_t ldq, const Keys& keys, float* out, int64
       _mm512_storeu_ps(out + m * ldo + s, Totals(acc));
     }
   }
+#else
+  for (; s + 8 <= n; s += 8) {  // 8 keys at a time: 16 ymm registers hold half as many sums
+    Ahead(keys, s + ahead, 8, n);
+    for (int64_t m = 0; m < m_len; ++m) {
+      const float* query = q + m * ldq;
+      __m256 acc[8];
+#pragma GCC unroll 8
+      for (int i = 0; i < 8; ++i) acc[i] = _mm256_setzero_ps();
+      for (int64_t h = 0; h < h_len; h += 16) {
+        const __mmask16 mask = Tail(h_len - h);
+        const __m512 qh = _mm512_maskz_loadu_ps(mask, query + h);
+#pragma GCC unroll 8
+        for (int i = 0; i < 8; ++i) {
+          const __m512 key = keys(s + i, h, mask);
+          acc[i] = _mm256_fmadd_ps(qh.hi, key.hi, _mm256_fmadd_ps(qh.lo, key.lo, acc[i]));
+        }
+      }
+      _mm256_storeu_ps(out + m * ldo + s, Totals8(acc));
+    }
+  }
+#endif
   for (; s < n; ++s) {  // the last n % 16 keys one by one
     for (int64_t m = 0; m < m_len; ++m) {
       const float* query = q + m * ldq;
@@ -324,49 +368,74 @@ void ScoresKeys(const float* q, int64_t ldq, const Keys& keys, float* out, int64
   }
 }
 
-// out[r, h0 : h0 + 64] (+)= sum_s w[r * ldw + s] values(s)[h0 : h0 + 64] for r < R, s < n.
-template <int R, typename Values>
+// A weighted sum's tiles: V vectors of 16 output columns (as many as the head needs, up
+// to kTileVectors) for R query rows, sized so that their sums stay in registers (32 zmm
+// with AVX-512; avx2.h's vectors take two of AVX2's 16 ymm each).
+#ifdef __AVX512F__
+constexpr int kTileVectors = 4;
+constexpr int TileRows(int) { return 4; }
+#else
+constexpr int kTileVectors = 2;
+constexpr int TileRows(int vectors) { return vectors == 1 ? 4 : 2; }
+#endif
+
+// out[r, h0 : h0 + 16 V] (+)= sum_s w[r * ldw + s] values(s)[h0 : h0 + 16 V] for r < R, s < n.
+template <int R, int V, typename Values>
 void WeightedTile(const float* w, int64_t ldw, const Values& values, int64_t n, float* out,
                   int64_t h_len, int64_t h0, bool accumulate) {
-  constexpr int kVectors = 4;  // 64 output columns per pass
-  __m512 acc[R][kVectors];
-  __mmask16 mask[kVectors];
-  for (int j = 0; j < kVectors; ++j) mask[j] = Tail(std::max<int64_t>(0, h_len - h0 - 16 * j));
+  __m512 acc[R][V];
+  __mmask16 mask[V];
+  for (int j = 0; j < V; ++j) mask[j] = Tail(std::max<int64_t>(0, h_len - h0 - 16 * j));
   for (int r = 0; r < R; ++r)
-    for (int j = 0; j < kVectors; ++j)
+    for (int j = 0; j < V; ++j)
       acc[r][j] = accumulate ? _mm512_maskz_loadu_ps(mask[j], out + r * h_len + h0 + 16 * j)
                              : _mm512_setzero_ps();
   const int64_t ahead = AheadTokens(values, 1);
   for (int64_t s = 0; s < n; ++s) {
     Ahead(values, s + ahead, 1, n);
-    __m512 row[kVectors];
-    for (int j = 0; j < kVectors; ++j)
-      row[j] = mask[j] ? values(s, h0 + 16 * j, mask[j]) : _mm512_setzero_ps();
+    __m512 row[V];
+    for (int j = 0; j < V; ++j) row[j] = values(s, h0 + 16 * j, mask[j]);
 #pragma GCC unroll 4
     for (int r = 0; r < R; ++r) {
       const __m512 b = _mm512_set1_ps(w[r * ldw + s]);
-      for (int j = 0; j < kVectors; ++j) acc[r][j] = _mm512_fmadd_ps(b, row[j], acc[r][j]);
+      for (int j = 0; j < V; ++j) acc[r][j] = _mm512_fmadd_ps(b, row[j], acc[r][j]);
     }
   }
   for (int r = 0; r < R; ++r)
-    for (int j = 0; j < kVectors; ++j)
+    for (int j = 0; j < V; ++j)
       _mm512_mask_storeu_ps(out + r * h_len + h0 + 16 * j, mask[j], acc[r][j]);
+}
+
+// WeightedRows' columns h0 .. h0 + 16 V, TileRows(V) query rows at a time.
+template <int V, typename Values>
+void WeightedColumns(const float* w, int64_t ldw, const Values& values, int64_t n, float* out,
+                     int64_t m_len, int64_t h_len, int64_t h0, bool accumulate) {
+  constexpr int kRows = TileRows(V);
+  for (int64_t m = 0; m < m_len; m += kRows) {
+    const float* wm = w + m * ldw;
+    float* om = out + m * h_len;
+    const int64_t rows = std::min<int64_t>(kRows, m_len - m);
+    if (rows == kRows) WeightedTile<kRows, V>(wm, ldw, values, n, om, h_len, h0, accumulate);
+    else if (rows == 1) WeightedTile<1, V>(wm, ldw, values, n, om, h_len, h0, accumulate);
+    else if (rows == 2) WeightedTile<2, V>(wm, ldw, values, n, om, h_len, h0, accumulate);
+    else WeightedTile<3, V>(wm, ldw, values, n, om, h_len, h0, accumulate);
+  }
 }
 
 // out[m, :] (+)= sum_s w[m * ldw + s] values(s) for m < m_len, s < n (h_len columns).
 template <typename Values>
 void WeightedRows(const float* w, int64_t ldw, const Values& values, int64_t n, float* out,
                   int64_t m_len, int64_t h_len, bool accumulate) {
-  for (int64_t h0 = 0; h0 < h_len; h0 += 64) {
-    for (int64_t m = 0; m < m_len; m += 4) {
-      const float* wm = w + m * ldw;
-      float* om = out + m * h_len;
-      switch (std::min<int64_t>(4, m_len - m)) {
-        case 1: WeightedTile<1>(wm, ldw, values, n, om, h_len, h0, accumulate); break;
-        case 2: WeightedTile<2>(wm, ldw, values, n, om, h_len, h0, accumulate); break;
-        case 3: WeightedTile<3>(wm, ldw, values, n, om, h_len, h0, accumulate); break;
-        default: WeightedTile<4>(wm, ldw, values, n, om, h_len, h0, accumulate); break;
-      }
+  for (int64_t h0 = 0; h0 < h_len; h0 += 16 * kTileVectors) {
+    const auto columns = [&](auto vectors) {
+      WeightedColumns<decltype(vectors)::value>(w, ldw, values, n, out, m_len, h_len, h0,
+                                                accumulate);
+    };
+    switch (std::min<int64_t>(kTileVectors, (h_len - h0 + 15) / 16)) {
+      case 1: columns(std::integral_constant<int, 1>{}); break;
+      case 2: columns(std::integral_constant<int, 2>{}); break;
+      case 3: columns(std::integral_constant<int, 3>{}); break;
+      default: columns(std::integral_constant<int, kTileVectors>{}); break;
     }
   }
 }
