@@ -128,7 +128,9 @@ def test_later_tokens_read_alike_whatever_the_chunks():
     np.testing.assert_allclose(np.concatenate(steps, 1), together, atol=2e-5, rtol=0)
     for a, b, before in zip(after.layers, single.layers, cache.layers, strict=True):
         np.testing.assert_array_equal(a.tensors[0].channels, before.tensors[0].channels)
-        np.testing.assert_allclose(a.tensors[0].kept, b.tensors[0].kept, atol=1e-6)
+        # one token's key projection and five tokens' run in different matrix
+        # routines, whose float32 sums round differently (a few parts in 1e6)
+        np.testing.assert_allclose(a.tensors[0].kept, b.tensors[0].kept, rtol=1e-5, atol=1e-6)
 
 
 def test_pruning_nothing_is_the_scorer_alone_and_more_costs_more():
