@@ -230,6 +230,24 @@ def check_attention_products(slices, rows, length, width, seed, dtype, seen):
 
 
 @needs_native
+@given(
+    length=st.integers(1, 40),
+    width=st.sampled_from([8, 16, 24, 64]),
+    dtype=st.sampled_from([jnp.float32, jnp.bfloat16]),
+    seed=st.integers(0, 2**16),
+)
+def test_a_key_scores_alike_alone_and_in_a_block(length, width, dtype, seed):
+    """The kernel sums keys a block at a time and a row's last few one by one:
+    each in the same order, so a key's score does not depend on how many keys
+    follow it (a cache's scores do not change as it grows)."""
+    rng = np.random.default_rng(seed)
+    q = jnp.asarray(rng.normal(size=(1, 2, 3, width)), jnp.float32)
+    k = jnp.asarray(rng.normal(size=(1, 2, 48, width)), dtype)
+    whole = np.asarray(ffi.scores(q, k))
+    np.testing.assert_array_equal(np.asarray(ffi.scores(q, k[:, :, :length])), whole[..., :length])
+
+
+@needs_native
 def test_a_decode_step_runs_on_the_kernels(monkeypatch):
     """With panels and attention_impl='native', a decode step's products are the
     kernels' (not silently XLA's; attention's from ATTENTION_MIN_BYTES of cache,

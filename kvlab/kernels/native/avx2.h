@@ -5,10 +5,11 @@
 // A 512-bit vector is a pair of 256-bit ones (lanes 0-7, then 8-15) and a 16-bit mask
 // an integer, as AVX-512 has them; each function computes what the AVX-512 intrinsic
 // of its name computes (Intel's intrinsics guide), lane for lane. Masked loads and
-// stores are AVX2's, which touch no memory in the lanes masked off. The horizontal
-// reductions fold in the order GCC's AVX-512 headers fold (the upper half onto the
-// lower, then 128, 64 and 32 bits), so they give the AVX-512 build's numbers; the
-// lane permutations are written out lane by lane (the quantized kernels' unpacking:
+// stores are AVX2's, which touch no memory in the lanes masked off. A sum over lanes
+// adds lanes i and i + 8, then the 8 in kernels.cc's Totals8 order (Total8), so a
+// product summed alone (the last keys of a row) rounds as one summed in a block does;
+// the AVX-512 build sums in another order, equal within float32 rounding. The lane
+// permutations are written out lane by lane (the quantized kernels' unpacking:
 // correct, slower than AVX-512's single instruction). Names are macros over kv512_*
 // functions, defined after <immintrin.h>, whose own AVX-512 declarations they shadow.
 #pragma once
@@ -74,13 +75,14 @@ inline F mask_blend_ps(Mask k, F a, F b) {  // b where k is set
   return {_mm256_blendv_ps(a.lo, b.lo, _mm256_castsi256_ps(Lanes(k, 0))),
           _mm256_blendv_ps(a.hi, b.hi, _mm256_castsi256_ps(Lanes(k, 8)))};
 }
-inline float reduce_add_ps(F a) {
-  const __m256 x = _mm256_add_ps(a.hi, a.lo);
-  __m128 y = _mm_add_ps(_mm256_extractf128_ps(x, 1), _mm256_castps256_ps128(x));
-  y = _mm_add_ps(y, _mm_shuffle_ps(y, y, _MM_SHUFFLE(1, 0, 3, 2)));
-  y = _mm_add_ps(y, _mm_shuffle_ps(y, y, _MM_SHUFFLE(0, 1, 0, 1)));
-  return _mm_cvtss_f32(y);
+// The sum of 8 lanes as ((0 + 1) + (2 + 3)) + ((4 + 5) + (6 + 7)): the order of
+// kernels.cc's Totals8, so a sum reduced alone equals the same sum reduced among others.
+inline float Total8(__m256 v) {
+  const __m256 pairs = _mm256_hadd_ps(v, v);
+  const __m256 quads = _mm256_hadd_ps(pairs, pairs);
+  return _mm_cvtss_f32(_mm_add_ss(_mm256_castps256_ps128(quads), _mm256_extractf128_ps(quads, 1)));
 }
+inline float reduce_add_ps(F a) { return Total8(_mm256_add_ps(a.lo, a.hi)); }
 inline float reduce_max_ps(F a) {
   const __m256 x = _mm256_max_ps(a.hi, a.lo);
   __m128 y = _mm_max_ps(_mm256_extractf128_ps(x, 1), _mm256_castps256_ps128(x));

@@ -228,7 +228,7 @@ __attribute__((always_inline)) inline __m512 Totals(__m512* acc) {
 }
 #else
 // 8 vectors of 8 partial sums -> their 8 totals, in order: pairwise sums within each
-// 128-bit half, then the halves' sums added.
+// 128-bit half, then the halves' sums added (avx2.h's Total8 sums one vector so).
 inline __m256 Totals8(const __m256* v) {
   const __m256 a = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
   const __m256 b = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
@@ -352,6 +352,18 @@ void ScoresKeys(const float* q, int64_t ldq, const Keys& keys, float* out, int64
         }
       }
       _mm256_storeu_ps(out + m * ldo + s, Totals8(acc));
+    }
+  }
+  for (; s < n; ++s) {  // the last n % 8 keys one by one, each summed as in a block
+    for (int64_t m = 0; m < m_len; ++m) {
+      const float* query = q + m * ldq;
+      __m256 acc = _mm256_setzero_ps();
+      for (int64_t h = 0; h < h_len; h += 16) {
+        const __mmask16 mask = Tail(h_len - h);
+        const __m512 qh = _mm512_maskz_loadu_ps(mask, query + h), key = keys(s, h, mask);
+        acc = _mm256_fmadd_ps(qh.hi, key.hi, _mm256_fmadd_ps(qh.lo, key.lo, acc));
+      }
+      out[m * ldo + s] = kv512::Total8(acc);
     }
   }
 #endif
