@@ -125,8 +125,8 @@ def isa() -> tuple[str, tuple[str, ...]]:
 def build(directory: Path | None = None, flags: tuple[str, ...] | None = None) -> Path:
     """The compiled library's path in `directory` (default the cache), compiling it
     there first if it is missing, for an instruction set's `flags` (ISAS; default
-    `isa()`'s). Raises RuntimeError with the compiler's
-    output when the build fails, FileNotFoundError when there is no compiler."""
+    `isa()`'s). Raises RuntimeError with the compiler's output when the build
+    fails, FileNotFoundError when there is no compiler."""
     compiler = os.environ.get("CXX") or "c++"
     if shutil.which(compiler) is None:
         raise FileNotFoundError(f"no C++ compiler {compiler!r} on PATH (set CXX to one)")
