@@ -334,6 +334,17 @@ void ScoresKeys(const float* q, int64_t ldq, const Keys& keys, float* out, int64
       _mm512_storeu_ps(out + m * ldo + s, Totals(acc));
     }
   }
+  for (; s < n; ++s) {  // the last n % 16 keys one by one
+    for (int64_t m = 0; m < m_len; ++m) {
+      const float* query = q + m * ldq;
+      __m512 acc = _mm512_setzero_ps();
+      for (int64_t h = 0; h < h_len; h += 16) {
+        const __mmask16 mask = Tail(h_len - h);
+        acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(mask, query + h), keys(s, h, mask), acc);
+      }
+      out[m * ldo + s] = _mm512_reduce_add_ps(acc);
+    }
+  }
 #else
   for (; s + 8 <= n; s += 8) {  // 8 keys at a time: 16 ymm registers hold half as many sums
     Ahead(keys, s + ahead, 8, n);
@@ -367,17 +378,6 @@ void ScoresKeys(const float* q, int64_t ldq, const Keys& keys, float* out, int64
     }
   }
 #endif
-  for (; s < n; ++s) {  // the last n % 16 keys one by one
-    for (int64_t m = 0; m < m_len; ++m) {
-      const float* query = q + m * ldq;
-      __m512 acc = _mm512_setzero_ps();
-      for (int64_t h = 0; h < h_len; h += 16) {
-        const __mmask16 mask = Tail(h_len - h);
-        acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(mask, query + h), keys(s, h, mask), acc);
-      }
-      out[m * ldo + s] = _mm512_reduce_add_ps(acc);
-    }
-  }
 }
 
 // A weighted sum's tiles: V vectors of 16 output columns (as many as the head needs, up
