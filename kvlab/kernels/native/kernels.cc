@@ -48,6 +48,7 @@
 #include <limits>
 #include <type_traits>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "xla/ffi/api/ffi.h"
@@ -57,7 +58,11 @@ namespace ffi = xla::ffi;
 namespace {
 
 constexpr int64_t kPanel = 32;               // columns per panel: two zmm of floats
-constexpr int64_t kRows = 8;                 // rows per register tile
+#ifdef __AVX512F__
+constexpr int64_t kRows = 8;  // rows per register tile: 16 of 32 zmm hold their sums
+#else
+constexpr int64_t kRows = 2;  // avx2.h's vectors take two ymm: 8 of 16 hold the sums
+#endif
 constexpr int64_t kChunkBytes = 512 * 1024;  // weight bytes per unit of parallel work
 
 // Stored keys and values are read with software prefetches about kAheadBytes ahead (the
@@ -67,6 +72,19 @@ constexpr int64_t kChunkBytes = 512 * 1024;  // weight bytes per unit of paralle
 // them and 25-36 GB/s with them, float32 17 and 20 GB/s. Codes are prefetched a few lines
 // at a time as they are read (a burst per block of 64 tokens gained nothing).
 constexpr int64_t kAheadBytes = 4096;
+
+// body(i) for i = 0 .. N - 1 as N calls with constant i: a register tile's sums
+// indexed by i then stay in registers. (GCC keeps an array indexed by a loop counter
+// in memory too, and on AVX2, where avx2.h's vectors are structs, it stores every
+// sum back there each step.)
+template <typename Body, int... I>
+inline __attribute__((always_inline)) void Each(Body&& body, std::integer_sequence<int, I...>) {
+  (body(std::integral_constant<int, I>{}), ...);
+}
+template <int N, typename Body>
+inline __attribute__((always_inline)) void Unrolled(Body&& body) {
+  Each(body, std::make_integer_sequence<int, N>{});
+}
 
 inline void Prefetch(const void* from, int64_t bytes) {
   const char* line = static_cast<const char*>(from);
@@ -91,23 +109,22 @@ template <int R>
 inline void Tile(const float* x, int64_t ldx, const float* panel, int64_t k_len, float* y,
                  int64_t ldy) {
   __m512 lo[R], hi[R];
-  for (int r = 0; r < R; ++r) lo[r] = hi[r] = _mm512_setzero_ps();
+  Unrolled<R>([&](auto r) { lo[r] = hi[r] = _mm512_setzero_ps(); });
   for (int64_t k = 0; k < k_len; ++k) {
     const float* w = panel + k * kPanel;
     _mm_prefetch(reinterpret_cast<const char*>(w + kPanelAhead * kPanel), _MM_HINT_T1);
     _mm_prefetch(reinterpret_cast<const char*>(w + kPanelAhead * kPanel + 16), _MM_HINT_T1);
     const __m512 w_lo = _mm512_loadu_ps(w), w_hi = _mm512_loadu_ps(w + 16);
-#pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) {
+    Unrolled<R>([&](auto r) {
       const __m512 b = _mm512_set1_ps(x[r * ldx + k]);
       lo[r] = _mm512_fmadd_ps(b, w_lo, lo[r]);
       hi[r] = _mm512_fmadd_ps(b, w_hi, hi[r]);
-    }
+    });
   }
-  for (int r = 0; r < R; ++r) {
+  Unrolled<R>([&](auto r) {
     _mm512_storeu_ps(y + r * ldy, lo[r]);
     _mm512_storeu_ps(y + r * ldy + 16, hi[r]);
-  }
+  });
 }
 
 // Panels [first, last) for all M rows.
@@ -120,13 +137,15 @@ void Panels(const float* x, int64_t m_len, int64_t k_len, const float* panels, i
       float* ym = y + m * n_len + b * kPanel;
       switch (std::min(kRows, m_len - m)) {
         case 1: Tile<1>(xm, k_len, panel, k_len, ym, n_len); break;
+#ifdef __AVX512F__
         case 2: Tile<2>(xm, k_len, panel, k_len, ym, n_len); break;
         case 3: Tile<3>(xm, k_len, panel, k_len, ym, n_len); break;
         case 4: Tile<4>(xm, k_len, panel, k_len, ym, n_len); break;
         case 5: Tile<5>(xm, k_len, panel, k_len, ym, n_len); break;
         case 6: Tile<6>(xm, k_len, panel, k_len, ym, n_len); break;
         case 7: Tile<7>(xm, k_len, panel, k_len, ym, n_len); break;
-        default: Tile<8>(xm, k_len, panel, k_len, ym, n_len); break;
+#endif
+        default: Tile<kRows>(xm, k_len, panel, k_len, ym, n_len); break;
       }
     }
   }
@@ -397,25 +416,28 @@ void WeightedTile(const float* w, int64_t ldw, const Values& values, int64_t n, 
                   int64_t h_len, int64_t h0, bool accumulate) {
   __m512 acc[R][V];
   __mmask16 mask[V];
-  for (int j = 0; j < V; ++j) mask[j] = Tail(std::max<int64_t>(0, h_len - h0 - 16 * j));
-  for (int r = 0; r < R; ++r)
-    for (int j = 0; j < V; ++j)
+  Unrolled<V>([&](auto j) { mask[j] = Tail(std::max<int64_t>(0, h_len - h0 - 16 * j)); });
+  Unrolled<R>([&](auto r) {
+    Unrolled<V>([&](auto j) {
       acc[r][j] = accumulate ? _mm512_maskz_loadu_ps(mask[j], out + r * h_len + h0 + 16 * j)
                              : _mm512_setzero_ps();
+    });
+  });
   const int64_t ahead = AheadTokens(values, 1);
   for (int64_t s = 0; s < n; ++s) {
     Ahead(values, s + ahead, 1, n);
     __m512 row[V];
-    for (int j = 0; j < V; ++j) row[j] = values(s, h0 + 16 * j, mask[j]);
-#pragma GCC unroll 4
-    for (int r = 0; r < R; ++r) {
+    Unrolled<V>([&](auto j) { row[j] = values(s, h0 + 16 * j, mask[j]); });
+    Unrolled<R>([&](auto r) {
       const __m512 b = _mm512_set1_ps(w[r * ldw + s]);
-      for (int j = 0; j < V; ++j) acc[r][j] = _mm512_fmadd_ps(b, row[j], acc[r][j]);
-    }
+      Unrolled<V>([&](auto j) { acc[r][j] = _mm512_fmadd_ps(b, row[j], acc[r][j]); });
+    });
   }
-  for (int r = 0; r < R; ++r)
-    for (int j = 0; j < V; ++j)
+  Unrolled<R>([&](auto r) {
+    Unrolled<V>([&](auto j) {
       _mm512_mask_storeu_ps(out + r * h_len + h0 + 16 * j, mask[j], acc[r][j]);
+    });
+  });
 }
 
 // WeightedRows' columns h0 .. h0 + 16 V, TileRows(V) query rows at a time.
