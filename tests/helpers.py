@@ -19,6 +19,15 @@ import kvlab
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
+def native_attention_at_any_size(monkeypatch) -> None:
+    """The native kernels take attention's float32 products over a cache of any size
+    (ffi.ATTENTION_MIN_BYTES is the backend's speed choice, per build)."""
+    from kvlab.kernels.native import ffi
+
+    at_any_size = {name: dict.fromkeys(ffi.PRODUCTS, 0) for name, _, _ in ffi.ISAS}
+    monkeypatch.setattr(ffi, "ATTENTION_MIN_BYTES", at_any_size)
+
+
 def flags_with_devices(count: int) -> str:
     """This run's XLA flags (tests/conftest.py's) with `count` host CPU devices
     forced: a child process's, compiled as the tests compile."""

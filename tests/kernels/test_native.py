@@ -2,6 +2,7 @@
 hands them the blocks and writes it takes, and the build is cached and safe."""
 
 import dataclasses
+import functools
 import os
 import re
 import subprocess
@@ -23,6 +24,7 @@ from tests.attention.test_stream import decode_logits
 from tests.helpers import (
     ROOT,
     TOLERANCE,
+    native_attention_at_any_size,
     random_tokens,
     run_in_chunks,
     small_model_configs,
@@ -266,7 +268,7 @@ def test_a_decode_step_runs_on_the_kernels(monkeypatch):
 
     layers = cfg.model.num_layers
     assert calls(1)["kvlab_scores"] == 0  # 64 slots: far below ATTENTION_MIN_BYTES
-    monkeypatch.setattr(ffi, "ATTENTION_MIN_BYTES", 0)
+    native_attention_at_any_size(monkeypatch)
     step = calls(1)
     assert step["kvlab_scores"] == step["kvlab_weighted_sum"] == 2 * layers  # cache, new token
     paths = [p for p, _ in jax.tree_util.tree_leaves_with_path(params)]
@@ -274,6 +276,40 @@ def test_a_decode_step_runs_on_the_kernels(monkeypatch):
     assert panelled > layers and step["kvlab_panel_matmul"] == panelled  # each once
     prompt = {target: 0 for target in ffi.TARGETS} | {"kvlab_panel_matmul": panelled}
     assert calls(32) == prompt
+
+
+@needs_native
+@pytest.mark.parametrize("config", ["gqa.py:tiny", "mla.py:tiny"])
+@pytest.mark.parametrize("scores, weighted_sum", [(0, 1 << 40), (1 << 40, 0)])
+def test_each_product_takes_the_kernels_from_its_own_size(
+    monkeypatch, config, scores, weighted_sum
+):
+    """ATTENTION_MIN_BYTES is per product: keys reach the scores kernel and values
+    the weighted-sum kernel each from its own size, a latent (keys and values at
+    once) from both; a block read partly by the kernels and partly by XLA gives
+    the XLA path's logits."""
+    cfg = kvlab.load_config(f"{ROOT}/configs/{config}")
+    cfg.model.attention_impl = "native"
+    params = kvlab.init_params(cfg.model, jax.random.key(0))
+    tokens = random_tokens(cfg, (2, 9), seed=3)
+    cache = kvlab.init_cache(cfg.model, cfg.cache, batch_size=2, max_len=16)
+    _, cache = kvlab.Transformer(cfg.model).apply({"params": params}, tokens[:, :8], cache=cache)
+    least = {name: {"scores": scores, "weighted_sum": weighted_sum} for name, _, _ in ffi.ISAS}
+    monkeypatch.setattr(ffi, "ATTENTION_MIN_BYTES", least)
+
+    def step(impl):
+        model_cfg = cfg.model.copy_and_resolve_references()
+        model_cfg.attention_impl = impl
+        apply = functools.partial(kvlab.Transformer(model_cfg).apply, {"params": params})
+        text = str(jax.make_jaxpr(apply)(tokens[:, 8:], cache=cache))
+        return {t: text.count(t) for t in PRODUCTS}, apply(tokens[:, 8:], cache=cache)[0]
+
+    (calls, got), (_, want) = step("native"), step("xla")
+    layers, latent = cfg.model.num_layers, cfg.model.attention == "mla"
+    # each layer's cache block and its new token; a latent's rope keys are keys alone
+    assert calls["kvlab_scores"] == (2 * layers if scores == 0 else 0)
+    assert calls["kvlab_weighted_sum"] == (2 * layers if weighted_sum == 0 and not latent else 0)
+    assert max_diff(got, want) <= TOLERANCE
 
 
 @needs_native
@@ -855,7 +891,7 @@ def test_native_kernels_give_the_xla_logits(config, cache, stream_tokens, monkey
     16-bit, windowed, latent and quantized caches (rows' own or paged) to the
     XLA path's logits;
     where the kernels are unavailable it is the XLA path."""
-    monkeypatch.setattr(ffi, "ATTENTION_MIN_BYTES", 0)
+    native_attention_at_any_size(monkeypatch)
     cfg = kvlab.load_config(f"{ROOT}/configs/{config}")
     if "window" in cache:
         cfg.model.sliding_window = cache.pop("window")
@@ -947,7 +983,7 @@ def test_panel_projections_compute_the_same_model(cfg, option, seed):
     assert max_diff(got, want) <= TOLERANCE
     cache = kvlab.init_cache(cfg.model, cfg.cache, batch_size=2, max_len=16)
     with pytest.MonkeyPatch.context() as patch:  # attention's kernels for any cache size
-        patch.setattr(ffi, "ATTENTION_MIN_BYTES", 0)
+        native_attention_at_any_size(patch)
         stepwise, _ = run_in_chunks(native_apply, panels, cache, tokens, [4, 1, 4])
     assert max_diff(stepwise, want) <= TOLERANCE
 

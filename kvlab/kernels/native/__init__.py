@@ -13,7 +13,8 @@ lowered for TPU or CUDA, from any host, holds the reference path alone):
   tokens dequantized at a time in the core's caches), float page pools
   through their block tables (`NativePool`), bfloat16/float16 arrays long
   enough to be streamed (`NativeRows`, widened in registers) and float32
-  arrays of at least ATTENTION_MIN_BYTES read by 2 to 16 queries per head,
+  arrays of at least ATTENTION_MIN_BYTES (per build and product) read by 2
+  to 16 queries per head,
   and keys pruned of channels as such arrays of their kept channels where
   they are whole vectors wide (`NativeChannels`, ThinK);
 - attention over a pool of slots owned by several KV heads (AdaKV's `Pooled`
@@ -246,9 +247,10 @@ class OnCpu(ReadWhole):
         return self.rows.array
 
 
-def _read(x, limit, rows: int, long: bool):
-    """What the kernels read `x` (a block's keys or values) through, `x` itself
-    where XLA's product stays, or None where the block cannot be theirs."""
+def _read(x, limit, rows: int, long: bool, products: tuple[str, ...]):
+    """What the kernels read `x` (a block's keys or values, for `products`: ffi.PRODUCTS)
+    through, `x` itself where XLA's product stays, or None where the block cannot be
+    theirs."""
     spec = x.tensor.spec if isinstance(x, (PayloadReader, PagedPayloadReader)) else None
     if spec is not None and (spec.format not in READS or not spec.grouped_codes):
         return None  # codes the kernels do not dequantize: the reference reads them
@@ -265,14 +267,14 @@ def _read(x, limit, rows: int, long: bool):
     elif isinstance(x, ChannelReader):  # its kept channels, as an array of keys
         if x.keys.kept.shape[-1] % LANES:  # a key each product would read masked
             return x
-        inner = _read(x.keys.kept, limit, rows, long)
+        inner = _read(x.keys.kept, limit, rows, long, products)
         return NativeChannels(x, inner) if isinstance(inner, NativeRows) else x
     elif isinstance(x, Reader):
         return None
     elif narrow(x):  # a long 16-bit array, widened in registers as the reference widens it
         return NativeRows(x, limit) if long and rows <= ffi.MAX_ROWS else x
     else:
-        return NativeRows(x, limit) if ffi.takes_attention(x, rows) else x
+        return NativeRows(x, limit) if ffi.takes_attention(x, rows, products) else x
     return NativePayload(x, payload, limit) if ffi.reads(payload, rows) else None
 
 
@@ -287,8 +289,11 @@ def native_block(block, attention: Attention):
     k, v, mask = block
     long = streamed_alone(block)  # where the reference's products are float32 ones too
     limit = _limit(mask)
-    swapped = {id(x): _read(x, limit, attention.rows, long) for x in tensors(block)}  # a latent
-    if any(x is None for x in swapped.values()):  # is keys and values: swapped once
+    keys = {id(x) for x in tensors(block)[:-1]}
+    products = lambda x: ("scores",) * (id(x) in keys) + ("weighted_sum",) * (x is v)  # noqa: E731
+    # a latent is keys and values: swapped once, for both products
+    swapped = {id(x): _read(x, limit, attention.rows, long, products(x)) for x in tensors(block)}
+    if any(x is None for x in swapped.values()):
         return None
     if all(swapped[id(x)] is x for x in tensors(block)):
         return None

@@ -170,7 +170,7 @@ def load() -> str | None:
     if platform.machine().lower() not in ("x86_64", "amd64"):
         return f"the kernels are written for x86-64, not {platform.machine()}"
     try:
-        isa()
+        _built()
     except LookupError as error:
         return str(error)
     try:
@@ -186,6 +186,12 @@ def load() -> str | None:
         capsule = jax.ffi.pycapsule(getattr(library, symbol))
         jax.ffi.register_ffi_target(target, capsule, platform="cpu")
     return None
+
+
+@functools.cache
+def _built() -> str:
+    """The name of the instruction set the kernels are built for in this process."""
+    return isa()[0]
 
 
 def available() -> bool:
@@ -212,12 +218,20 @@ def panel_einsum(x: jax.Array, panels: jax.Array) -> jax.Array:
     return jnp.einsum("mk,bkj->mbj", x, panels).reshape(rows, count * PANEL)
 
 
-# Attention's products over a float32 cache take the kernels from 2 query rows
-# and 1 MiB of keys or values up (work for both threads at 512 KiB each): a
-# single query row is XLA's fused product, at memory speed; a smaller cache
-# stays in XLA's multithreaded one. A 16-bit cache takes them at any size: XLA:CPU
-# computes 16-bit products through float32 copies, several times slower.
-ATTENTION_MIN_BYTES = 1 << 20
+# Attention's products over a float32 cache take the kernels from 2 query rows and
+# ATTENTION_MIN_BYTES of keys (`scores`) or values (`weighted_sum`) up, per build: a
+# single query row is XLA's fused product, at memory speed; below the threshold
+# XLA's multithreaded product is as fast or faster. AVX-512F (2-core Xeons): both
+# from 1 MiB (work for both threads at 512 KiB each). AVX2 (a 2-core EPYC, best of
+# interleaved calls, 2 KV heads of 16 or 64 numbers, 2 to 8 rows): the scores
+# 1.1-2.5x XLA's from 512 KiB; the weighted sums 0.6-0.9x below 1 MiB and 0.8-1.25x
+# at 1-2 MiB, so from 2 MiB. A 16-bit cache takes them at any size: XLA:CPU computes
+# 16-bit products through float32 copies, several times slower.
+PRODUCTS = ("scores", "weighted_sum")
+ATTENTION_MIN_BYTES = {
+    "AVX-512F": {"scores": 1 << 20, "weighted_sum": 1 << 20},
+    "AVX2": {"scores": 512 << 10, "weighted_sum": 2 << 20},
+}
 HALF = (jnp.bfloat16, jnp.float16)  # 16-bit storage the kernels widen as they read
 
 
@@ -229,15 +243,17 @@ def _check_rows(rows: int) -> None:
         )
 
 
-def takes_attention(b: jax.Array, rows: int) -> bool:
-    """Whether `scores` and `weighted_sum` take keys or values `b` read by `rows`
-    float32 queries per slice where they beat XLA's product: 16-bit `b` at any
-    size, float32 from 2 rows and ATTENTION_MIN_BYTES."""
+def takes_attention(b: jax.Array, rows: int, products: tuple[str, ...] = PRODUCTS) -> bool:
+    """Whether the kernels' `products` (`scores` of keys, `weighted_sum` of values,
+    both of a latent) take `b` read by `rows` float32 queries per slice where they
+    beat XLA's: 16-bit `b` at any size, float32 from 2 rows and each product's
+    ATTENTION_MIN_BYTES for the build loaded here."""
     if rows > MAX_ROWS:
         return False
     if b.dtype in HALF:
         return True
-    return b.dtype == jnp.float32 and rows >= 2 and b.size * 4 >= ATTENTION_MIN_BYTES
+    least = ATTENTION_MIN_BYTES[_built()]
+    return b.dtype == jnp.float32 and rows >= 2 and b.size * 4 >= max(least[p] for p in products)
 
 
 def _per_slice(target: str, a: jax.Array, b: jax.Array, limit, out: tuple) -> jax.Array:

@@ -16,7 +16,6 @@ import pytest
 import kvlab
 import kvlab.kernels.native as native
 from kvlab.checkpoints.hf import config_from_hf
-from kvlab.kernels.native import ffi
 from tests.checkpoints.hf.helpers import (
     ALL,
     FIXTURES,
@@ -26,7 +25,7 @@ from tests.checkpoints.hf.helpers import (
     smaller_vocabulary,
     word_tokenizer,
 )
-from tests.helpers import TOLERANCE, run_in_chunks
+from tests.helpers import TOLERANCE, native_attention_at_any_size, run_in_chunks
 
 
 @pytest.mark.parametrize("name", ALL)
@@ -82,7 +81,7 @@ def test_native_kernels_decode_transformers_logits_and_tokens(name, loaded, monk
     projections in 32-column panels, attention_impl='native', its kernels here
     for any cache size): token by token transformers' logits, and its greedy
     tokens."""
-    monkeypatch.setattr(ffi, "ATTENTION_MIN_BYTES", 0)
+    native_attention_at_any_size(monkeypatch)
     cfg, params = loaded(name)
     model_cfg = cfg.model.copy_and_resolve_references()
     model_cfg.attention_impl = "native"
