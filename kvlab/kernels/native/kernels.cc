@@ -424,14 +424,30 @@ void WeightedTile(const float* w, int64_t ldw, const Values& values, int64_t n, 
     });
   });
   const int64_t ahead = AheadTokens(values, 1);
-  for (int64_t s = 0; s < n; ++s) {
-    Ahead(values, s + ahead, 1, n);
+  const auto add = [&](__m512(&sums)[R][V], int64_t s) {  // sums += token s's terms
     __m512 row[V];
     Unrolled<V>([&](auto j) { row[j] = values(s, h0 + 16 * j, mask[j]); });
     Unrolled<R>([&](auto r) {
       const __m512 b = _mm512_set1_ps(w[r * ldw + s]);
-      Unrolled<V>([&](auto j) { acc[r][j] = _mm512_fmadd_ps(b, row[j], acc[r][j]); });
+      Unrolled<V>([&](auto j) { sums[r][j] = _mm512_fmadd_ps(b, row[j], sums[r][j]); });
     });
+  };
+  int64_t s = 0;
+  if constexpr (R * V <= 2) {  // so few sums that each waits on its last FMA: two
+    __m512 odd[R][V];          // chains each, the even tokens' and the odd ones'
+    Unrolled<R>([&](auto r) { Unrolled<V>([&](auto j) { odd[r][j] = _mm512_setzero_ps(); }); });
+    for (; s + 2 <= n; s += 2) {
+      Ahead(values, s + ahead, 2, n);
+      add(acc, s);
+      add(odd, s + 1);
+    }
+    Unrolled<R>([&](auto r) {
+      Unrolled<V>([&](auto j) { acc[r][j] = _mm512_add_ps(acc[r][j], odd[r][j]); });
+    });
+  }
+  for (; s < n; ++s) {
+    Ahead(values, s + ahead, 1, n);
+    add(acc, s);
   }
   Unrolled<R>([&](auto r) {
     Unrolled<V>([&](auto j) {
