@@ -263,7 +263,11 @@ class Engine:
         paged = [p for p, (_, c) in zip(plan, sections, strict=True) if c["kind"] == "paged"]
         self.evicting = paged[0] is not None  # one kind's layers: all evict or none
         self.row_slots = max(p.rows for p in paged) if self.evicting else self.max_len
-        self.evicts_after = min(p.rows for p in paged) if self.evicting else self.max_len
+        # a pool fills a row per KV head of each token
+        self.token_rows = max(p.token_rows for p in paged) if self.evicting else 1
+        self.evicts_after = (
+            min(p.rows // p.token_rows for p in paged) if self.evicting else self.max_len
+        )
         self.num_pages = pool_size(cache_cfg, self.max_slots, self.row_slots)
         self.stats = EngineStats()
         self._reset()
@@ -280,6 +284,7 @@ class Engine:
             prefix_caching=self.cache_cfg["prefix_caching"],
             end_token=self.end_token,
             row_slots=self.row_slots if self.evicting else None,
+            token_rows=self.token_rows,
             evicts_after=self.evicts_after if self.evicting else None,
         )
         pool_cfg = dict(self.cache_cfg, num_pages=self.num_pages)

@@ -160,9 +160,9 @@ class Scheduler:
       prefill_chunk: prompt tokens a slot feeds per step.
       prefix_caching: reuse and register cached full pages.
       end_token: a request finishes after emitting it (kept in its output).
-      row_slots: the most tokens a slot's cache stores (an evicting cache's
+      row_slots: the most token rows a slot's cache stores (an evicting cache's
         budget, kvlab/cache/evict/); default max_len. A request then holds
-        pages for min(its tokens, row_slots), and a preempted request replays
+        pages for min(its tokens x token_rows, row_slots), and a preempted request replays
         its generated tokens one per step, as it first fed them, so it keeps
         the tokens it kept before.
       evicts_after: tokens a slot holds before its cache first overwrites a
@@ -171,6 +171,7 @@ class Scheduler:
         and before a step that may overwrite slots it trades every cached or
         shared page for a private copy (Step.copies): cached pages are never
         written, and the prefix chain keeps holding what it names.
+      token_rows: the rows each token fills (an evicting pool's: one per KV head).
     """
 
     def __init__(
@@ -184,6 +185,7 @@ class Scheduler:
         end_token: int | None = None,
         row_slots: int | None = None,
         evicts_after: int | None = None,
+        token_rows: int = 1,
     ):
         self.pages = pages
         self.page_size = pages.page_size
@@ -195,6 +197,7 @@ class Scheduler:
         self.evicting = row_slots is not None
         self.row_slots = self.max_len if row_slots is None else check_count("row_slots", row_slots)
         self.evicts_after = self.row_slots if evicts_after is None else evicts_after
+        self.token_rows = check_count("token_rows", token_rows)
         self.pages_per_slot = pages_for(self.row_slots, self.page_size)
         if self.pages_per_slot > pages.num_pages:
             held = (
@@ -367,9 +370,12 @@ class Scheduler:
         lacking = 0
         for request in requests:
             fed = len(request.tokens) - 1 + min(steps, self._tokens_left(request))
-            end = min(fed, self.row_slots)
-            lacking += max(0, pages_for(end, self.page_size) - len(request.pages))
+            lacking += max(0, pages_for(self._rows(fed), self.page_size) - len(request.pages))
         return lacking
+
+    def _rows(self, tokens: int) -> int:
+        """The rows a slot's cache fills holding `tokens`."""
+        return min(tokens * self.token_rows, self.row_slots)
 
     def _tokens_left(self, request: Request) -> int:
         """Tokens the request may still emit (it may end sooner, with end_token)."""
@@ -384,7 +390,7 @@ class Scheduler:
             request = self.waiting[0]
             context = request.tokens  # the prompt and, after preemption, what it generated
             matched = self.pages.match(context) if self.prefix_caching else []
-            needed = pages_for(min(len(context), self.row_slots), self.page_size)
+            needed = pages_for(self._rows(len(context)), self.page_size)
             try:
                 fresh = self.pages.allocate(needed - len(matched))
             except OutOfPages:
@@ -420,7 +426,7 @@ class Scheduler:
     def _give_pages(self, request: Request, feed: int) -> None:
         """Pages for the request's next `feed` tokens, preempting the youngest
         running request (maybe this one) while the pool has none."""
-        end = min(request.cached + feed, self.row_slots)
+        end = self._rows(request.cached + feed)
         while request.slot >= 0 and pages_for(end, self.page_size) > len(request.pages):
             try:
                 request.pages += self.pages.allocate(1)

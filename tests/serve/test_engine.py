@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 import kvlab
+from kvlab.cache.evict import scorer_of
 from tests.helpers import build, count_compiles, mla_config, tiny_config
 
 NEW = 6
@@ -115,8 +116,9 @@ def test_first_positions_kept_give_every_request_what_it_gets_alone():
         ("snapkv", {}),
         ("tova", dict(KIVI, k_axis="token", k_transform="hadamard")),
         ("think:snapkv", {}),
+        ("adakv", {}),
     ],
-    ids=["snapkv", "tova_rotated_4_bit", "think_snapkv"],
+    ids=["snapkv", "tova_rotated_4_bit", "think_snapkv", "adakv"],
 )
 def test_evicting_at_half_the_context_gives_every_request_what_it_gets_alone(method, storage):
     """Evicting in a shared pool: each slot keeps 12 of up to 24 tokens (3 pages
@@ -124,13 +126,16 @@ def test_evicting_at_half_the_context_gives_every_request_what_it_gets_alone(met
     it gets alone in the engine with the same policy (its generated tokens are
     replayed one by one after a preemption). Also TOVA over keys rotated before
     4-bit storage (the methods added through registries, docs/adding-a-method.md),
-    and keys pruned of half their channels (ThinK: chosen per slot's request)."""
-    cfg = engine_config(False, num_pages=7, num_kv_heads=2)
+    and keys pruned of half their channels (ThinK: chosen per slot's request).
+    A pool of both heads' slots (AdaKV) fills 2 rows a token: 2 x 12 rows, 6
+    pages a slot, in a pool of twice the pages."""
+    share = 2 if scorer_of(method).pooled else 1
+    cfg = engine_config(False, num_pages=7 * share, num_kv_heads=2)
     cfg.cache.update(page_size=4, **storage)
     cfg.cache.evict.update(method=method, ratio=0.5, recent=2, obs_window=4)
     _, params, _ = build(cfg)
     engine = kvlab.Engine(cfg.model, cfg.cache, params, max_slots=3, max_len=24, prefill_chunk=8)
-    assert engine.scheduler.pages_per_slot == 3
+    assert engine.scheduler.pages_per_slot == 3 * share
     rng = np.random.default_rng(2)
     prompts = [rng.integers(0, 256, int(n)).tolist() for n in rng.integers(3, 18, 7)]
     outputs = engine.generate(prompts, max_new_tokens=NEW)
@@ -140,7 +145,7 @@ def test_evicting_at_half_the_context_gives_every_request_what_it_gets_alone(met
     assert outputs == [alone.generate([p], max_new_tokens=NEW)[0] for p in prompts]
     assert engine.stats.calls < engine.stats.steps  # decode loops, alone one step per call
     assert engine.stats.preemptions > 0
-    assert engine.pages.num_free == 7
+    assert engine.pages.num_free == 7 * share
     assert max(len(p) for p in prompts) + NEW > 12  # some requests evicted
 
 

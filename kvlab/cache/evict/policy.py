@@ -193,6 +193,12 @@ class Policy:
         return self.slots * self.granularity
 
     @property
+    def token_rows(self) -> int:
+        """Rows each token fills: one per KV head in a pool (each head's copy in a
+        slot of its own), else one."""
+        return self.kv_heads if self.pooled else 1
+
+    @property
     def layout(self) -> Layout:
         """The quantized layout whose settled(n) rule says when tokens leave the ring."""
         return Layout(self.max_len, self.residual, self.granularity)
