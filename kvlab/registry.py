@@ -89,6 +89,7 @@ SCORERS = Registry(
         "duo_attention": "kvlab.cache.evict.duo_attention",
         "kvzip": "kvlab.cache.evict.kvzip",
         "kvzip_head": "kvlab.cache.evict.kvzip_head",
+        "fast_kvzip": "kvlab.cache.evict.fast_kvzip",
     },
     group="kvlab.scorers",
 )

@@ -23,7 +23,7 @@ each eviction policy keeping that share of the context (cache.evict,
 kvlab/cache/evict/; a third field is cache.evict.interval, the method's own
 without it; a method under
 wrappers keeps its colons, chunkkv:knorm:0.5), against the config's own cache.
-A calibrated method (qfilter, duo_attention, kvzip_head: kvlab.eval.calibrate's
+A calibrated method (qfilter, duo_attention, kvzip_head, fast_kvzip: kvlab.eval.calibrate's
 SCORER_ARTEFACTS) is calibrated first on the benchmark's own random weights over
 random tokens, into a temporary folder: its speed follows from what it keeps,
 not from what it learned.

@@ -13,8 +13,9 @@ it (compression_ratio 1 - kept); kvlab compresses it with the method's kvpress
 preset (kvlab.eval.benchmark.kvpress_evict) after one prefill. Prints, per
 method, one JSON line: the Jaccard index of the two kept sets over every layer
 and KV head (min and mean), and for think (kvpress's ComposedPress of the
-scorer's press and ThinKPress) the same of the key channels kept. Q-Filters are calibrated by kvlab
-(kvlab.eval.calibrate) and handed to kvpress's press. tests/test_kvpress_live.py
+scorer's press and ThinKPress) the same of the key channels kept. Q-Filters and
+Fast KVzip's gates are calibrated by kvlab (kvlab.eval.calibrate) and handed to
+kvpress's press. tests/test_kvpress_live.py
 holds the same comparison, exact, on a small random model. With --decoding N,
 kvpress's DecodingPress over each method's press against kvlab's
 cache.evict.when='decoding' instead: the context's first half prefilled, the
@@ -39,13 +40,20 @@ import torch
 import transformers
 from absl import flags
 from kvpress.presses.base_press import is_prefilling
+from kvpress.presses.fastkvzip_press import FastKVzipGate
 
 import kvlab
 from kvlab import cli
 from kvlab.cache.evict import PrunedKeys, scorer_of
 from kvlab.data.ruler import RULER_TASKS, ruler_record
 from kvlab.eval.benchmark import benchmark_cache, kvpress_decoding
-from kvlab.eval.calibrate import calibration_tokens, q_filters, save_filters
+from kvlab.eval.calibrate import (
+    calibration_tokens,
+    fast_kvzip_gates,
+    q_filters,
+    save_filters,
+    save_gates,
+)
 
 _MODEL = flags.DEFINE_string("model", "smollm2", "smollm2, gguf:FILE or hf:DIR.")
 _METHODS = flags.DEFINE_list("methods", ["knorm", "snapkv", "expected_attention"], "Methods.")
@@ -233,8 +241,34 @@ def qfilter_press(ratio: float, filters: np.ndarray):
     return press
 
 
-def default_press(method: str, ratio: float, filters: np.ndarray | None = None):
-    """kvpress's press for a kvlab method at kvpress's defaults (compression_ratio `ratio`)."""
+def fast_kvzip_press(ratio: float, gates: dict):
+    """kvpress's FastKVzipPress (layerwise: each layer its share) holding kvlab's
+    gates (fast_kvzip.GATE_ARRAYS; it would fetch its authors' for a few named
+    models from a hub) as its torch modules."""
+    press = kvpress.FastKVzipPress(ratio, layerwise=True)
+    layers, width, heads, groups, d = gates["q_kernel"].shape
+    press.gates = []
+    for layer in range(layers):
+        gate = FastKVzipGate(
+            layer, width, heads, groups, torch.float32, d, gates["sink_keys"].shape[2]
+        )
+        state = {
+            "q_proj.weight": gates["q_kernel"][layer].reshape(width, -1).T,
+            "q_proj.bias": gates["q_bias"][layer].reshape(-1),
+            "k_proj.weight": gates["k_kernel"][layer].reshape(width, -1).T,
+            "q_norm.weight": gates["q_norm"][layer],
+            "k_norm.weight": gates["k_norm"][layer],
+            "k_base": gates["sink_keys"][layer][:, None],
+            "b": gates["bias"][layer][:, None],
+        }
+        gate.load_state_dict({k: torch.tensor(np.asarray(v, np.float32)) for k, v in state.items()})
+        press.gates.append(gate)
+    return press
+
+
+def default_press(method: str, ratio: float, filters=None, gates=None):
+    """kvpress's press for a kvlab method at kvpress's defaults (compression_ratio
+    `ratio`; qfilter's `filters` and fast_kvzip's `gates` kvlab's calibration)."""
     base = {
         "knorm": kvpress.KnormPress,
         "keydiff": kvpress.KeyDiffPress,
@@ -252,6 +286,8 @@ def default_press(method: str, ratio: float, filters: np.ndarray | None = None):
         press = kvpress.AdaKVPress(kvpress.SnapKVPress(ratio))
     elif scorer == "kvzip":  # each layer its share (kvlab's layers hold static slots)
         press = kvpress.KVzipPress(ratio, layerwise=True)
+    elif scorer == "fast_kvzip":
+        press = fast_kvzip_press(ratio, gates)
     else:
         press = base[scorer](ratio)
     for wrapper in reversed(wrappers):
@@ -273,6 +309,7 @@ def main(argv):
         kvlab.save_hf(cfg, params, folder, tokenizer)
         models = {}
         filters, path = None, os.path.join(folder, "qfilters.npz")
+        gates, gates_path = None, os.path.join(folder, "fast_kvzip_gates.npz")
 
         def model(attention: str):
             if attention not in models:
@@ -284,7 +321,7 @@ def main(argv):
         def compressed_agreement(method: str, row: dict) -> list[float]:
             """Jaccard per layer and KV head of the tokens each keeps after one
             compression (think: the channels' too, into `row`)."""
-            nonlocal filters
+            nonlocal filters, gates
             fields = {}
             if method.split(":")[-1] == "qfilter":
                 if filters is None:
@@ -292,8 +329,14 @@ def main(argv):
                     filters = q_filters(cfg.model, params, tokens)
                     save_filters(path, filters)
                 fields = dict(options={"filters": path})
+            if method.split(":")[-1] == "fast_kvzip":
+                if gates is None:
+                    tokens = calibration_tokens(tokenizer.encode)
+                    gates = fast_kvzip_gates(cfg.model, params, tokens, tokenizer.encode)
+                    save_gates(gates_path, gates)
+                fields = dict(options={"gates": gates_path})
             attention = "eager" if method == "h2o" else "sdpa"  # observed attention needs eager
-            press = default_press(method, 1 - _KEPT.value, filters)
+            press = default_press(method, 1 - _KEPT.value, filters, gates)
             theirs = kvpress_kept(model(attention), press, ids)
             ours = kvlab_kept(cfg, params, method, _KEPT.value, ids, tokenizer.encode, **fields)
             if "think" in method.split("+")[0].split(":")[:-1]:  # and the channels kept

@@ -29,7 +29,7 @@ import kvlab
 from kvlab.cache.evict import scorer_of
 from kvlab.config import evict_methods, frozen
 from kvlab.eval import perplexity
-from kvlab.eval.calibrate import save_filters, save_patterns
+from kvlab.eval.calibrate import init_gates, save_filters, save_gates, save_patterns
 from kvlab.serve import engine
 from kvlab.train import init_state, train_step
 from tests.helpers import ROOT
@@ -214,6 +214,11 @@ def test_every_scorer_compresses_a_prefill_that_exports_for_tpu_and_cuda(method,
     if method == "duo_attention":  # its calibrated head scores, [layers, KV heads]
         save_patterns(tmp_path / "patterns.npz", np.ones((cfg.model.num_layers, 2)))
         cfg.cache.evict.options = {"patterns": str(tmp_path / "patterns.npz"), "recent_size": 4}
+    if method == "fast_kvzip":  # its gates, fitted offline (untrained here)
+        m = cfg.model
+        gates = init_gates(m.num_layers, m.embed_dim, m.num_kv_heads, m.num_heads // m.num_kv_heads)
+        save_gates(tmp_path / "gates.npz", gates)
+        cfg.cache.evict.options = {"gates": str(tmp_path / "gates.npz")}
     if method == "pyramidkv":  # per-layer budgets are fixed: a budget, not a share
         cfg.cache.evict.update(budget=12, ratio=1.0)
     cfg = kvlab.validate_config(cfg)

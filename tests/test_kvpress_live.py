@@ -22,7 +22,14 @@ import numpy as np
 import pytest
 
 import kvlab
-from kvlab.eval.calibrate import duo_patterns, q_filters, save_filters, save_patterns
+from kvlab.eval.calibrate import (
+    duo_patterns,
+    init_gates,
+    q_filters,
+    save_filters,
+    save_gates,
+    save_patterns,
+)
 from tests.helpers import ROOT
 
 torch = pytest.importorskip("torch")
@@ -225,6 +232,30 @@ def test_kvzip_keeps_kvpress_tokens(model, tmp_path):
     assert sum(len(head) for head in theirs[0]) == LENGTH * cfg.model.num_kv_heads // 2
     ours = agreement().kvlab_kept(cfg, params, "kvzip", KEPT, prompt(), tokenizer.encode)
     assert_same("kvzip", ours, theirs)
+
+
+def test_fast_kvzip_keeps_kvpress_tokens(model, tmp_path):
+    """FastKVzipPress (layerwise) holding kvlab's gates as its torch modules (random
+    ones: untrained projections, random sink keys and bias) scores each token from
+    its attention input as kvlab does: both keep the same half of every layer's
+    tokens over its heads together, the first 4 and the last 2 (2% of 100) first."""
+    cfg, params, load = model
+    m = cfg.model
+    gates = init_gates(m.num_layers, m.embed_dim, m.num_kv_heads, m.num_heads // m.num_kv_heads)
+    gates = {name: np.asarray(array) for name, array in gates.items()}
+    rng = np.random.default_rng(4)
+    gates["sink_keys"] = rng.normal(size=gates["sink_keys"].shape)
+    gates["bias"] = rng.normal(size=gates["bias"].shape)
+    path = str(tmp_path / "gates.npz")
+    save_gates(path, gates)
+    theirs = agreement().kvpress_kept(
+        load("sdpa"), agreement().fast_kvzip_press(1 - KEPT, gates), prompt()
+    )
+    assert sum(len(head) for head in theirs[0]) == LENGTH * m.num_kv_heads // 2
+    ours = agreement().kvlab_kept(
+        cfg, params, "fast_kvzip", KEPT, prompt(), options={"gates": path}
+    )
+    assert_same("fast_kvzip", ours, theirs)
 
 
 def test_decoding_press_keeps_kvpress_tokens(model):

@@ -84,12 +84,15 @@ class Queries(NamedTuple):
     [B, Q])` what RoPE at `positions` and the transform make of raw vectors (None
     where positions do not enter that tensor's products: a latent);
     `output_norms(v [B, K, X, Wv] as stored)` float32[B, K, G, X], the L1 norm of
-    each query head's output projection of each value (None: not offered)."""
+    each query head's output projection of each value (None: not offered);
+    `hidden` [B, T, D] the attention's input (the step's tokens' hidden states
+    after the layer's norm, what its projections read; None: not offered)."""
 
     meet: Array
     raw: Array | None = None
     rotate: Callable | None = None
     output_norms: Callable | None = None
+    hidden: Array | None = None
 
 
 class Observed(NamedTuple):
@@ -98,7 +101,7 @@ class Observed(NamedTuple):
     vectors float32[B, K, Q, W] (`Queries.meet`), weights float32[B, Q] (1 where the
     layer observes), positions int32[B, Q], groups G; raw float32[B, K, Q, W] and
     rotate as `Queries`' (None unless every attention offered them); output_norms
-    the first attention's (a cross-layer run's producer)."""
+    and hidden the first attention's (a cross-layer run's producer)."""
 
     vectors: Array
     weights: Array
@@ -107,6 +110,7 @@ class Observed(NamedTuple):
     raw: Array | None = None
     rotate: Callable | None = None
     output_norms: Callable | None = None
+    hidden: Array | None = None
 
 
 Keys = Float[Array, "B K S H"] | tuple[Float[Array, "B K S _"], ...]
@@ -166,6 +170,7 @@ class Read:
             raw=raw,
             rotate=rotate if raw is not None else None,
             output_norms=self.queries[0].output_norms,
+            hidden=self.queries[0].hidden,
         )
 
     def commit(self, after: Array):

@@ -125,7 +125,7 @@ class GroupedQueryAttention(nn.Module):
             return jax.lax.map(norm, per_head.swapaxes(0, 1)).transpose(1, 2, 0, 3)
 
         def queries():  # for scorers (kvlab.attention.core.Queries)
-            return Queries(by_kv_head(q), by_kv_head(raw), rotate, output_norms)
+            return Queries(by_kv_head(q), by_kv_head(raw), rotate, output_norms, x)
 
         out, layer = through_layer(
             layer, fresh, placement, attention, self.commits, queries=queries

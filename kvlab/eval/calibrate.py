@@ -7,6 +7,8 @@
     save_patterns("runs/x/duo.npz", patterns)        # cache.evict.options.patterns
     heads = kvzip_heads(model_cfg, params, tokens, tokenizer.encode)  # kvzip_head's
     save_patterns("runs/x/kvzip_heads.npz", heads)   # patterns
+    gates = fast_kvzip_gates(model_cfg, params, tokens, tokenizer.encode)  # fast_kvzip's
+    save_gates("runs/x/fast_kvzip_gates.npz", gates)  # gates
     # or, for any scorers of SCORER_ARTEFACTS: their missing files, then their options
     calibrate_scorers(["qfilter"], "runs/x", model_cfg, params, tokenizer.encode)
     with_artefacts(cfg.cache.evict.options, ["qfilter"], "runs/x")  # options.filters
@@ -29,7 +31,10 @@ it positively), gives the filter -v; a KV head's filter is the mean of its
 query heads'. DuoAttention's patterns (arXiv:2410.10819,
 kvlab/cache/evict/duo_attention.py) are kvpress's on-the-fly estimate
 (`duo_patterns`); KVzip's head-level variant scores the heads by the context's
-reconstruction (`kvzip_heads`). A cross-layer cache layer takes its producing layer's queries.
+reconstruction (`kvzip_heads`), and Fast KVzip's gates (arXiv:2601.17668,
+kvlab/cache/evict/fast_kvzip.py) are fitted to the contexts' KVzip scores
+(`fast_kvzip_gates`, `save_gates`). A cross-layer cache layer takes its
+producing layer's queries.
 """
 
 from __future__ import annotations
@@ -43,8 +48,10 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
+import optax
 
 from kvlab.cache import topology
+from kvlab.cache.evict.fast_kvzip import GATE_ARRAYS, gate_scores
 from kvlab.cache.evict.kvzip import KVzip
 from kvlab.cache.factory import init_cache
 from kvlab.cache.formats import normal_float
@@ -84,7 +91,7 @@ def q_filters(model_cfg: Mapping, params, tokens: np.ndarray, samples: int = 409
     positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
     groups = model_cfg["num_heads"] // model_cfg["num_kv_heads"]
     filters = []
-    for query, _ in _projections(model_cfg, params, tokens, "Q-Filters"):
+    for query, _, _ in _projections(model_cfg, params, tokens, "Q-Filters"):
         query = apply_rope(query, positions, model_cfg["rope_theta"], model_cfg["rope_scaling"])
         stacked = np.asarray(query, np.float64).reshape(-1, *query.shape[2:])  # [B x T, N, H]
         stacked = stacked[np.linspace(0, len(stacked) - 1, min(samples, len(stacked))).astype(int)]
@@ -108,7 +115,7 @@ def duo_patterns(model_cfg: Mapping, params, tokens: np.ndarray, length: int = 5
     rope = lambda x: apply_rope(x, positions, model_cfg["rope_theta"], model_cfg["rope_scaling"])  # noqa: E731
     groups = model_cfg["num_heads"] // model_cfg["num_kv_heads"]
     scores = []
-    for query, key in _projections(model_cfg, params, tokens, "DuoAttention's patterns"):
+    for query, key, _ in _projections(model_cfg, params, tokens, "DuoAttention's patterns"):
         mean = (
             lambda x: jnp.broadcast_to(  # noqa: E731
                 x.astype(jnp.float32).mean(1, keepdims=True), (x.shape[0], length, *x.shape[2:])
@@ -129,12 +136,26 @@ def kvzip_heads(
     sinks: int = 4,
 ) -> np.ndarray:
     """float32[cache layers, K]: KVzip's head-level scores (arXiv:2505.23416, the
-    head-level eviction of its section 3; kvlab/cache/evict/kvzip_head.py). Each row
-    of `tokens` is a context, fed with its probes after it (KVzip's request to
-    repeat it and the context again: kvzip.probe_tokens with `encode`); a token's
-    KVzip score is the largest probability any probe query of its KV head's group
-    gives it, and a head's score the largest of its context tokens' (the first
-    `sinks` apart, which every head keeps), averaged over the rows."""
+    head-level eviction of its section 3; kvlab/cache/evict/kvzip_head.py): a
+    head's score is the largest of its context tokens' KVzip scores
+    (`kvzip_scores`; the first `sinks` apart, which every head keeps),
+    averaged over the rows of `tokens`."""
+    scores = kvzip_scores(model_cfg, params, tokens, encode, "KVzip's head scores")
+    return np.asarray([s[:, :, sinks:].max(-1).mean(0) for s, _ in scores], np.float32)
+
+
+def kvzip_scores(
+    model_cfg: Mapping,
+    params,
+    tokens: np.ndarray,
+    encode: Callable[[str], Sequence[int]],
+    what: str = "KVzip's scores",
+):
+    """Per cache layer: each context token's KVzip score float32[B, K, T] and the
+    layer's attention input over the context [B, T, D]. Each row of `tokens`
+    [B, T] is a context, fed with its probes after it (KVzip's request to repeat
+    it and the context again: kvzip.probe_tokens with `encode`); a token's score
+    is the largest probability any probe query of its KV head's group gives it."""
     rows, context = tokens.shape
     fed = np.asarray(
         [[*row, *KVzip().probe_tokens(encode, row.tolist())] for row in tokens], np.int32
@@ -146,24 +167,139 @@ def kvzip_heads(
     causal = np.tril(np.ones((fed.shape[1], fed.shape[1]), bool))[probe]  # [P, T]
 
     @jax.jit
-    def peak(q, k):  # one row's [P, N, H] probes and [T, K, H] keys -> [K]
+    def peak(q, k):  # one row's [P, N, H] probes and [T', K, H] keys -> [K, T]
         logits = jnp.einsum("pnh,tnh->npt", q, jnp.repeat(k, groups, axis=1))
         logits = jnp.where(causal, logits * q.shape[-1] ** -0.5, -jnp.inf)
-        mass = jax.nn.softmax(logits, axis=-1)[..., sinks:context]  # [N, P, C]
-        return mass.max((1, 2)).reshape(-1, groups).max(-1)
+        mass = jax.nn.softmax(logits, axis=-1)[..., :context].max(1)  # [N, T]
+        return mass.reshape(-1, groups, context).max(1)
 
-    scores = []
-    for query, key in _projections(model_cfg, params, fed, "KVzip's head scores"):
+    for query, key, hidden in _projections(model_cfg, params, fed, what):
         q = rope(query.astype(jnp.float32))[:, probe]  # [B, P, N, H]
-        k = rope(key.astype(jnp.float32))  # [B, T, K, H]
-        # a row at a time: the probabilities of a row are [N, P, T]
-        scores.append(np.mean([np.asarray(peak(q[b], k[b])) for b in range(rows)], axis=0))
-    return np.asarray(scores, np.float32)
+        k = rope(key.astype(jnp.float32))  # [B, T', K, H]
+        # a row at a time: the probabilities of a row are [N, P, T']
+        scores = np.stack([np.asarray(peak(q[b], k[b])) for b in range(rows)])
+        yield scores, np.asarray(hidden[:, :context], np.float32)
+
+
+GATE_STEPS = 1000  # the reference's 5000 fit its 30 times more tokens
+GATE_BATCH = 1000  # the reference's batch of tokens
+
+
+def fast_kvzip_gates(
+    model_cfg: Mapping,
+    params,
+    tokens: np.ndarray,
+    encode: Callable[[str], Sequence[int]],
+    steps: int = GATE_STEPS,
+    width: int = 16,
+    sink_keys: int = 16,
+    seed: int = 0,
+) -> dict[str, np.ndarray]:
+    """Fast KVzip's gates (arXiv:2601.17668; kvlab/cache/evict/fast_kvzip.py), one per
+    cache layer, fitted to the KVzip scores of `tokens`' contexts (`kvzip_scores`)
+    from each token's attention input, as the reference fits them: the gates of
+    `init_gates`, binary cross-entropy per token (averaged, summed over the KV
+    heads and the layers), batches of GATE_BATCH tokens drawn afresh each pass
+    over them, SGD with momentum 0.9 at learning rate 0.2 under its schedule
+    (`gate_schedule`) for `steps` steps; every 100th token held out
+    (`gate_loss` on it says how well the gates predict unseen tokens)."""
+    hidden, targets = gate_data(model_cfg, params, tokens, encode)
+    train = (np.arange(hidden.shape[1]) + 1) % 100 != 0
+    hidden, targets = hidden[:, train], targets[:, :, train]
+    gates = init_gates(
+        len(hidden),
+        hidden.shape[-1],
+        model_cfg["num_kv_heads"],
+        model_cfg["num_heads"] // model_cfg["num_kv_heads"],
+        width,
+        sink_keys,
+        seed,
+    )
+    optimizer = optax.sgd(gate_schedule(steps), momentum=0.9)
+
+    @jax.jit
+    def step(gates, state, x, y):
+        grads = jax.grad(gate_loss)(gates, x, y)
+        updates, state = optimizer.update(grads, state, gates)
+        return optax.apply_updates(gates, updates), state
+
+    state = optimizer.init(gates)
+    rng = np.random.default_rng(seed)
+    count = hidden.shape[1]
+    batch = min(GATE_BATCH, count)
+    order = rng.permutation(count)
+    for i in range(steps):
+        split = i % (count // batch)
+        if split == 0 and i:
+            order = rng.permutation(count)
+        chosen = order[split * batch : (split + 1) * batch]
+        gates, state = step(gates, state, hidden[:, chosen], targets[:, :, chosen])
+    return {name: np.asarray(array, np.float32) for name, array in gates.items()}
+
+
+def gate_data(model_cfg: Mapping, params, tokens: np.ndarray, encode) -> tuple:
+    """(float32[L, N, D] each cache layer's attention input, float32[L, K, N] its KVzip
+    scores) over the N = B x T tokens of `tokens`' contexts (`kvzip_scores`)."""
+    pairs = list(kvzip_scores(model_cfg, params, tokens, encode, "Fast KVzip's gates"))
+    hidden = np.stack([x.reshape(-1, x.shape[-1]) for _, x in pairs])
+    targets = np.stack([s.transpose(1, 0, 2).reshape(s.shape[1], -1) for s, _ in pairs])
+    return hidden, targets
+
+
+def init_gates(
+    layers: int, width: int, kv_heads: int, groups: int, d: int = 16, sinks: int = 16, seed=0
+) -> dict:
+    """Untrained gates (fast_kvzip.GATE_ARRAYS), initialized as the reference's
+    torch modules are: projections uniform in +-1/sqrt(width), norms 1, the sink
+    keys and the bias 0."""
+    keys = jax.random.split(jax.random.key(seed), 3)
+    bound = 1.0 / np.sqrt(width)
+    uniform = lambda key, shape: jax.random.uniform(key, shape, jnp.float32, -bound, bound)  # noqa: E731
+    return {
+        "q_kernel": uniform(keys[0], (layers, width, kv_heads, groups, d)),
+        "q_bias": uniform(keys[1], (layers, kv_heads, groups, d)),
+        "k_kernel": uniform(keys[2], (layers, width, kv_heads, d)),
+        "q_norm": jnp.ones((layers, d)),
+        "k_norm": jnp.ones((layers, d)),
+        "sink_keys": jnp.zeros((layers, kv_heads, sinks, d)),
+        "bias": jnp.zeros((layers, kv_heads, groups)),
+    }
+
+
+def gate_loss(gates: Mapping, hidden, targets):
+    """The gates' binary cross-entropy against KVzip's scores: `hidden` [L, N, D],
+    `targets` [L, K, N]; per layer and head the mean over the tokens, summed (the
+    reference's; its logs floored at -100 as torch's)."""
+    predicted = jax.vmap(gate_scores)(gates, hidden)  # [L, K, N]
+    log = lambda x: jnp.maximum(jnp.log(x), -100.0)  # noqa: E731
+    bce = -(targets * log(predicted) + (1 - targets) * log(1 - predicted))
+    return bce.mean(-1).sum()
+
+
+def gate_schedule(steps: int) -> Callable:
+    """The reference's learning rate over `steps`: 0.2 x (0.01 x step) in the first
+    1% of the steps, 0.2 to half of them, then 0.1, then 0.05 from three quarters."""
+
+    def rate(count):
+        scale = jnp.where(
+            count < 0.01 * steps,
+            0.01 * count,
+            jnp.where(count < 0.5 * steps, 1.0, jnp.where(count < 0.75 * steps, 0.5, 0.25)),
+        )
+        return 0.2 * scale
+
+    return rate
+
+
+# The modules whose outputs _projections reads (capturing every module's outputs
+# of 8 rows of 1,040 tokens held 12 GB for SmolLM2-135M).
+_CAPTURED = frozenset(("query", "key", "query_norm", "key_norm", "attention_norm"))
 
 
 def _projections(model_cfg: Mapping, params, tokens: np.ndarray, what: str):
     """Per cache layer, its producing layer's queries and keys before RoPE (after the
-    query and key norms where the model has them), [B, T, N, H] and [B, T, K, H]."""
+    query and key norms where the model has them), [B, T, N, H] and [B, T, K, H],
+    and its attention's input [B, T, D] (after the layer's norm)."""
     if model_cfg["attention"] != "gqa":
         raise ValueError(
             f"model.attention={model_cfg['attention']!r}: {what} are per KV head, "
@@ -171,7 +307,10 @@ def _projections(model_cfg: Mapping, params, tokens: np.ndarray, what: str):
         )
     tokens = jnp.asarray(tokens, jnp.int32)
     _, state = Transformer(model_cfg).apply(
-        {"params": params}, tokens, capture_intermediates=True, mutable=["intermediates"]
+        {"params": params},
+        tokens,
+        capture_intermediates=lambda module, method: module.name in _CAPTURED,
+        mutable=["intermediates"],
     )
     seen = -1
     for layer, cache_layer in enumerate(topology.cache_layers(model_cfg)):
@@ -185,7 +324,7 @@ def _projections(model_cfg: Mapping, params, tokens: np.ndarray, what: str):
             )
         query = attention.get("query_norm", attention["query"])["__call__"][0]
         key = attention.get("key_norm", attention["key"])["__call__"][0]
-        yield query, key
+        yield query, key, state["intermediates"][f"block_{layer}"]["attention_norm"]["__call__"][0]
 
 
 def _stored(model_cfg: Mapping, cache_cfg: Mapping, params, tokens: np.ndarray, what: str):
@@ -499,6 +638,15 @@ def save_patterns(path: str | os.PathLike, patterns: np.ndarray) -> None:
     _save_arrays(path, {"patterns": patterns}, "DuoAttention's patterns", "[layers, K]")
 
 
+def save_gates(path: str | os.PathLike, gates: Mapping[str, np.ndarray]) -> None:
+    """Writes Fast KVzip's `gates` (fast_kvzip.GATE_ARRAYS) where
+    cache.evict.options.gates reads them, atomically."""
+    missing = sorted(set(GATE_ARRAYS) - set(gates))
+    if missing:
+        raise ValueError(f"Fast KVzip's gates miss {missing}: pass fast_kvzip_gates' arrays")
+    _save_arrays(path, gates, "Fast KVzip's gates", tuple(GATE_ARRAYS.values()))
+
+
 def _save_arrays(
     path: str | os.PathLike,
     arrays: Mapping,
@@ -548,6 +696,7 @@ SCORER_ARTEFACTS = {
         save_patterns,
     ),
     "kvzip_head": ScorerArtefact("kvzip_heads.npz", "patterns", kvzip_heads, save_patterns),
+    "fast_kvzip": ScorerArtefact("fast_kvzip_gates.npz", "gates", fast_kvzip_gates, save_gates),
 }
 
 

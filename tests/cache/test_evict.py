@@ -21,7 +21,7 @@ import kvlab
 from kvlab.cache.evict.layers import _free_slots
 from kvlab.cache.evict.scorers import Candidates, best
 from kvlab.config import evict_methods
-from kvlab.eval.calibrate import save_filters, save_patterns
+from kvlab.eval.calibrate import init_gates, save_filters, save_gates, save_patterns
 from kvlab.registry import SCORERS
 from kvlab.rope import apply_rope
 from tests.helpers import VARIANTS, build, random_tokens, run_in_chunks
@@ -49,6 +49,9 @@ def _artefact(method: str, shape: tuple) -> dict:
     if "patterns" in SCORERS.get(method).defaults:  # duo_attention, kvzip_head
         save_patterns(path, array)
         return {"patterns": path, "sink_size": 2, "recent_size": 4}
+    if "gates" in SCORERS.get(method).defaults:  # fast_kvzip: shape (layers, D, K, G)
+        save_gates(path, init_gates(*shape, d=4, sinks=2, seed=1))
+        return {"gates": path}
     save_filters(path, array)
     return {"filters": path}
 
@@ -64,9 +67,13 @@ def evicting(cfg, method, bits=16, **fields):
         model = cfg.model
         width = model.mla.kv_rank if model.attention == "mla" else model.head_dim
         shape = (kvlab.cache.topology.num_cache_layers(model), model.num_kv_heads)
-        fields["options"] = dict(
-            _artefact(base, shape if "patterns" in SCORERS.get(base).defaults else (*shape, width))
-        )
+        defaults = SCORERS.get(base).defaults
+        if "gates" in defaults:
+            groups = model.num_heads // model.num_kv_heads
+            shape = (shape[0], model.embed_dim, model.num_kv_heads, groups)
+        elif "patterns" not in defaults:
+            shape = (*shape, width)
+        fields["options"] = dict(_artefact(base, shape))
     cache.evict.update({"method": method, "recent": 2, **fields})
     if bits != 16:
         for prefix in kvlab.config.cached_prefixes(cfg.model):

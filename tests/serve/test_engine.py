@@ -12,6 +12,7 @@ import pytest
 
 import kvlab
 from kvlab.cache.evict import scorer_of
+from kvlab.eval.calibrate import init_gates, save_gates
 from tests.helpers import build, count_compiles, mla_config, tiny_config
 
 NEW = 6
@@ -117,22 +118,31 @@ def test_first_positions_kept_give_every_request_what_it_gets_alone():
         ("tova", dict(KIVI, k_axis="token", k_transform="hadamard")),
         ("think:snapkv", {}),
         ("adakv", {}),
+        ("fast_kvzip", {}),
     ],
-    ids=["snapkv", "tova_rotated_4_bit", "think_snapkv", "adakv"],
+    ids=["snapkv", "tova_rotated_4_bit", "think_snapkv", "adakv", "fast_kvzip"],
 )
-def test_evicting_at_half_the_context_gives_every_request_what_it_gets_alone(method, storage):
+def test_evicting_at_half_the_context_gives_every_request_what_it_gets_alone(
+    method, storage, tmp_path
+):
     """Evicting in a shared pool: each slot keeps 12 of up to 24 tokens (3 pages
     of 4, not 6), the pool of 7 pages preempts, and every request gets the output
     it gets alone in the engine with the same policy (its generated tokens are
     replayed one by one after a preemption). Also TOVA over keys rotated before
     4-bit storage (the methods added through registries, docs/adding-a-method.md),
     and keys pruned of half their channels (ThinK: chosen per slot's request).
-    A pool of both heads' slots (AdaKV) fills 2 rows a token: 2 x 12 rows, 6
+    A pool of both heads' slots (AdaKV; Fast KVzip's gates scoring each token
+    from its hidden state as it comes) fills 2 rows a token: 2 x 12 rows, 6
     pages a slot, in a pool of twice the pages."""
     share = 2 if scorer_of(method).pooled else 1
     cfg = engine_config(False, num_pages=7 * share, num_kv_heads=2)
     cfg.cache.update(page_size=4, **storage)
     cfg.cache.evict.update(method=method, ratio=0.5, recent=2, obs_window=4)
+    if method == "fast_kvzip":
+        m = cfg.model
+        gates = init_gates(m.num_layers, m.embed_dim, 2, m.num_heads // 2, d=4, sinks=2, seed=3)
+        save_gates(tmp_path / "gates.npz", gates)
+        cfg.cache.evict.options = {"gates": str(tmp_path / "gates.npz")}
     _, params, _ = build(cfg)
     engine = kvlab.Engine(cfg.model, cfg.cache, params, max_slots=3, max_len=24, prefill_chunk=8)
     assert engine.scheduler.pages_per_slot == 3 * share

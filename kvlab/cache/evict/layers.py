@@ -698,6 +698,7 @@ class EvictingLayer:
             values=values,
             keep=keep,
             output_norms=None if queries is None else queries.output_norms,
+            hidden=None if queries is None else queries.hidden,
             key_transform=placement.transforms[0] if placement.transforms else None,
             max_len=p.max_len,
             end=self._end(placement)[:, None, None],

@@ -364,6 +364,13 @@ def _policies(model_cfg: Mapping, cache_cfg: Mapping, max_len: int) -> tuple[Pol
             f"cache.evict.method={method!r} scores a context by the probes fed after it "
             "in the step that compresses it: set cache.evict.when='after_prefill'"
         )
+    if scorer is not None and scorer.reads_hidden and settles:
+        raise ValueError(
+            f"cache.evict.method={method!r} scores each token by its hidden state as it "
+            "arrives, and this quantized layout settles tokens in groups later "
+            "(cache.residual > 0 or per-channel scales): set cache.residual=0 and "
+            "cache.<prefix>_axis='token', or another method"
+        )
     options = () if scorer is None else scorer_options(scorer, evict)
     key_channels = _key_channels(scorer, model_cfg, cache_cfg, dict(options), pooled, settles)
     if compresses or decodes:

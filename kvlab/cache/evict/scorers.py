@@ -35,6 +35,10 @@ bytes, the cache's label, the eviction sweep's grid):
                   `keeps`, counted the same) and scores only the step's new tokens
     pooled        a layer's K heads share one pool of K x budget slots, each head at
                   least cache.evict.adakv_floor x budget (adakv)
+    reads_hidden  it reads the step's tokens' hidden states (`Candidates.hidden`:
+                  fast_kvzip's gate), which only the step that brings a token has, so
+                  it `keeps` each token's score and refuses layouts that settle tokens
+                  in groups later
     weighs        its priority reads a weight per token that is a function of the
                   token alone (CriticalKV's value norm): a layer storing tokens one by
                   one weighs each as it arrives (`weigh`) and carries the weight per
@@ -67,8 +71,8 @@ scores (wrappers nest: 'a:b:snapkv'). It turns the scorer's priorities into its
 own and adds its options; the scorer's state, observations and layout stay.
 
 Built in here: h2o, snapkv, pyramidkv, adakv, knorm, random; beside, a file
-each: tova, keydiff, lagkv, expected_attention, qfilter, duo_attention
-(scorers), chunkkv, criticalkv, per_layer and think (wrappers).
+each: tova, keydiff, lagkv, expected_attention, qfilter, duo_attention, kvzip,
+kvzip_head, fast_kvzip (scorers), chunkkv, criticalkv, per_layer and think (wrappers).
 """
 
 from __future__ import annotations
@@ -142,6 +146,10 @@ class Candidates:
     options    the scorer's options (its `defaults` with cache.evict.options over them)
     weights    float32[B, E, C] | None   each candidate's `Scorer.weigh`, carried per
                slot by a layer of a scorer that `weighs` (None elsewhere: weigh them)
+    hidden     float32[B, T, D] | None   the step's T tokens' hidden states as the
+               (producing) attention read them, for a scorer that observes
+               (`reads_hidden`: the new candidates are these tokens, in order per
+               storage head; a pool's head-major); None when not offered
     """
 
     tags: Array
@@ -173,6 +181,7 @@ class Candidates:
     recent: int = 0
     options: Mapping = dataclasses.field(default_factory=dict)
     weights: Array | None = None
+    hidden: Array | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -212,6 +221,7 @@ class Scorer:
     keeps: bool = False
     static: bool = False
     pooled: bool = False
+    reads_hidden: bool = False
     weighs: bool = False
     prefix_unsafe: str | None = None
     attention_kinds: tuple[str, ...] = ("gqa", "mla")
@@ -309,6 +319,7 @@ class Wrapped(Scorer):
         self.name = f"{wrapper.name}:{scorer.name}"
         self.observes = scorer.observes or wrapper.observes
         self.peaks, self.keeps, self.pooled = scorer.peaks, scorer.keeps, scorer.pooled
+        self.reads_hidden = scorer.reads_hidden
         self.static = scorer.static  # a wrapper turns priorities, never the scores
         self.stepwise = scorer.stepwise
         # one weight per slot: where several levels weigh, each weighs its candidates
