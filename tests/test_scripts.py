@@ -195,21 +195,21 @@ def test_bench_decode_reports_speedup_roofline_and_latent_paths():
 
 
 def test_bench_decode_times_calibrated_methods_on_its_own_artefacts(tmp_path):
-    """qfilter and duo_attention read artefacts calibrated on the benchmark's own
-    weights, in a temporary folder that is gone when it ends."""
+    """qfilter, duo_attention and fast_kvzip read artefacts calibrated on the
+    benchmark's own weights, in a temporary folder that is gone when it ends."""
     result = run_script(
         "scripts/bench_decode.py",
         "--lengths=32",
         "--steps=2",
         "--repeats=1",
         "--probe_mib=16",
-        "--evict=qfilter:0.5,duo_attention:0.5",
+        "--evict=qfilter:0.5,duo_attention:0.5,fast_kvzip:0.5",
         "--json",
         env={**os.environ, "TMPDIR": str(tmp_path)},
     )
     rows = {row["evict"]: row for row in json.loads(result.stdout)["evictions"]}
-    assert list(rows) == ["full", "qfilter:0.5", "duo_attention:0.5"]
-    for policy in ("qfilter:0.5", "duo_attention:0.5"):
+    assert list(rows) == ["full", "qfilter:0.5", "duo_attention:0.5", "fast_kvzip:0.5"]
+    for policy in ("qfilter:0.5", "duo_attention:0.5", "fast_kvzip:0.5"):
         assert rows[policy]["tokens_per_s"] > 0
         assert 0.4 < rows[policy]["bytes_vs_first"] < 0.7
     assert not list(tmp_path.glob("kvlab-bench-*"))
