@@ -20,7 +20,8 @@ window of 64 kept and averaged pooling, TOVA's last token kept, H2O averaged as
 ObservedAttentionPress, AdaKV's alpha 0.2); docs/references.md lists what
 still differs. Q-Filters read filters calibrated for the model: set
 cache.evict.options.filters; DuoAttention its heads' scores,
-cache.evict.options.patterns (both from kvlab.eval.calibrate).
+cache.evict.options.patterns; Fast KVzip its gates, cache.evict.options.gates
+(each from kvlab.eval.calibrate).
 """
 
 from kvlab.config import base_config
