@@ -560,6 +560,25 @@ def test_best_is_the_stable_sorts_first_count(x, counts):
     np.testing.assert_array_equal(got, place < count)
 
 
+@settings(max_examples=25, deadline=None)
+@given(
+    shape=st.tuples(st.integers(1, 3), st.sampled_from([0, 1, 2, 7, 64, 65, 1000])),
+    seed=st.integers(0, 2**16),
+    as_bool=st.booleans(),
+)
+def test_running_count_is_the_cumulative_sum(shape, seed, as_bool):
+    """scorers.running_count (a parallel prefix) equals the cumulative sum along the
+    last axis, exactly, for bools and integers of either sign, over rows of no,
+    one, an odd and a power-of-two number of entries."""
+    from kvlab.cache.evict.scorers import running_count
+
+    x = np.random.default_rng(seed).integers(-50, 50, shape).astype(np.int32)
+    x = x > 0 if as_bool else x
+    got = np.asarray(running_count(jnp.asarray(x)))
+    assert got.dtype == np.int32
+    np.testing.assert_array_equal(got, np.cumsum(x, axis=-1, dtype=np.int64))
+
+
 def bare_candidates(positions, valid, heads, kv_heads: int, **fields) -> Candidates:
     """One step's candidates [B, E, C] as a scorer's own test builds them: the valid
     positions (the others -1) as their tags, each candidate's KV head, and `fields`;

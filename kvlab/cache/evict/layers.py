@@ -81,7 +81,7 @@ from kvlab.cache.evict.policy import (
     steps_since,
     stored_tokens,
 )
-from kvlab.cache.evict.scorers import Candidates, Channels
+from kvlab.cache.evict.scorers import Candidates, Channels, running_count
 from kvlab.cache.evict.stored import (
     PrunedKeys,
     as_pending,
@@ -870,7 +870,7 @@ def _free_slots(kept: Array, rank: Array) -> Array:
     sum over S costs far more than the top-k of a few)."""
     slots, new = kept.shape[-1], rank.shape[-1]
     if new > FEW_NEW:
-        free = jnp.cumsum(~kept, axis=-1)  # [B, E, S]
+        free = running_count(~kept)  # [B, E, S]
         find = jax.vmap(jax.vmap(lambda f, r: jnp.searchsorted(f, r, side="left")))
         return find(free, rank)
     order = jnp.where(kept, -jnp.inf, -jnp.arange(slots, dtype=jnp.float32))  # exact: < 2**24

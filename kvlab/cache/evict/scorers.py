@@ -568,6 +568,15 @@ def position_order(rank: Array) -> Array:
 PAIRWISE_RANKS = 256  # rows at most this long are ranked by comparing every pair
 
 
+def running_count(x: Array) -> Array:
+    """int32: the running sum of integer or bool `x` along its last axis, by a
+    parallel prefix (jax.lax.associative_scan; exact for integers): XLA:CPU
+    lowers jnp.cumsum to a reduce-window that costs about four times more over
+    a row of 12k (position_rank's marks over max_len at 8k tokens: 400 against
+    104 us a layer)."""
+    return jax.lax.associative_scan(jnp.add, x.astype(jnp.int32), axis=x.ndim - 1)
+
+
 def ranks(x: Array) -> Array:
     """int32: each entry's place along the last axis in ascending order, among equals
     the earlier first (argsort of the argsort; NaN last, -0 equal to 0). A row of
@@ -611,7 +620,7 @@ def best(x: Array, count: Array) -> Array:
     larger = key > found
     ties = key == found
     room = count - larger.sum(-1, keepdims=True)
-    return larger | (ties & (jnp.cumsum(ties, axis=-1) <= room))
+    return larger | (ties & (running_count(ties) <= room))
 
 
 def position_rank(c: Candidates) -> Array:
@@ -631,7 +640,7 @@ def position_rank(c: Candidates) -> Array:
     b = jnp.arange(key.shape[0])[:, None, None]
     e = jnp.arange(key.shape[1])[None, :, None]
     marks = jnp.zeros((*key.shape[:2], span + count), jnp.int32).at[b, e, key].set(1)
-    return jnp.take_along_axis(jnp.cumsum(marks, axis=-1) - 1, key, axis=-1)
+    return jnp.take_along_axis(running_count(marks) - 1, key, axis=-1)
 
 
 def read_artefact(path: str, key: str, shape: str, option: str, fix: str) -> np.ndarray:
