@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 import kvlab
 from kvlab.cache.evict.layers import _free_slots
-from kvlab.cache.evict.scorers import Candidates, best
+from kvlab.cache.evict.scorers import Candidates, best, running_count
 from kvlab.config import evict_methods
 from kvlab.eval.calibrate import init_gates, save_filters, save_gates, save_patterns
 from kvlab.registry import SCORERS
@@ -570,8 +570,6 @@ def test_running_count_is_the_cumulative_sum(shape, seed, as_bool):
     """scorers.running_count (a parallel prefix) equals the cumulative sum along the
     last axis, exactly, for bools and integers of either sign, over rows of no,
     one, an odd and a power-of-two number of entries."""
-    from kvlab.cache.evict.scorers import running_count
-
     x = np.random.default_rng(seed).integers(-50, 50, shape).astype(np.int32)
     x = x > 0 if as_bool else x
     got = np.asarray(running_count(jnp.asarray(x)))
