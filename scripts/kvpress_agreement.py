@@ -242,11 +242,11 @@ def qfilter_press(ratio: float, filters: np.ndarray):
     return press
 
 
-def fast_kvzip_press(ratio: float, gates: dict):
-    """kvpress's FastKVzipPress (layerwise: each layer its share) holding kvlab's
-    gates (fast_kvzip.GATE_ARRAYS; it would fetch its authors' for a few named
-    models from a hub) as its torch modules."""
-    press = kvpress.FastKVzipPress(ratio, layerwise=True)
+def fast_kvzip_press(ratio: float, gates: dict, layerwise: bool = True):
+    """kvpress's FastKVzipPress (`layerwise`: each layer its share; False: all layers'
+    tokens ranked together) holding kvlab's gates (fast_kvzip.GATE_ARRAYS; it would
+    fetch its authors' for a few named models from a hub) as its torch modules."""
+    press = kvpress.FastKVzipPress(ratio, layerwise=layerwise)
     layers, width, heads, groups, d = gates["q_kernel"].shape
     press.gates = []
     for layer in range(layers):
@@ -335,7 +335,9 @@ def main(argv):
                     tokens = calibration_tokens(tokenizer.encode)
                     gates = fast_kvzip_gates(cfg.model, params, tokens, tokenizer.encode)
                     save_gates(gates_path, gates)
-                fields = dict(options={"gates": gates_path})
+                # each layer its share, as the press here (layerwise=False's split is
+                # the calibration's: tests/test_kvpress_live.py checks how it nests)
+                fields = dict(options={"gates": gates_path, "layerwise": True})
             attention = "eager" if method == "h2o" else "sdpa"  # observed attention needs eager
             press = default_press(method, 1 - _KEPT.value, filters, gates)
             theirs = kvpress_kept(model(attention), press, ids)

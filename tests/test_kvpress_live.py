@@ -24,6 +24,7 @@ import pytest
 import kvlab
 from kvlab.eval.calibrate import (
     duo_patterns,
+    fast_kvzip_calibration,
     init_gates,
     q_filters,
     save_filters,
@@ -253,9 +254,40 @@ def test_fast_kvzip_keeps_kvpress_tokens(model, tmp_path):
     )
     assert sum(len(head) for head in theirs[0]) == LENGTH * m.num_kv_heads // 2
     ours = agreement().kvlab_kept(
-        cfg, params, "fast_kvzip", KEPT, prompt(), options={"gates": path}
+        cfg, params, "fast_kvzip", KEPT, prompt(), options={"gates": path, "layerwise": True}
     )
     assert_same("fast_kvzip", ours, theirs)
+
+
+def test_fast_kvzip_across_layers_keeps_kvpress_tokens(model, tmp_path):
+    """FastKVzipPress(layerwise=False) ranks all layers' tokens together; kvlab's
+    layerwise=False gives each layer the share that ranking gave the calibration
+    contexts, here the prompt itself (calibrate.fast_kvzip_calibration): every
+    layer keeps the best of its tokens on both sides, kvlab to its KV heads'
+    slots, so the sets nest and differ by under 2 x K tokens; the layers' counts
+    are unequal."""
+    cfg, params, load = model
+    m = cfg.model
+    gates = init_gates(m.num_layers, m.embed_dim, m.num_kv_heads, m.num_heads // m.num_kv_heads)
+    gates = {name: np.asarray(array) for name, array in gates.items()}
+    rng = np.random.default_rng(5)
+    gates["sink_keys"] = rng.normal(size=gates["sink_keys"].shape)
+    gates["bias"] = rng.normal(size=gates["bias"].shape)
+    press = agreement().fast_kvzip_press(1 - KEPT, gates, layerwise=False)
+    theirs = agreement().kvpress_kept(load("sdpa"), press, prompt())
+    gates["calibration"] = fast_kvzip_calibration(m, params, gates, prompt())
+    path = str(tmp_path / "gates.npz")
+    save_gates(path, gates)
+    options = {"gates": path, "layerwise": False}
+    ours = agreement().kvlab_kept(cfg, params, "fast_kvzip", KEPT, prompt(), options=options)
+    heads = m.num_kv_heads
+    counts = []
+    for layer, (mine, peer) in enumerate(zip(ours, theirs, strict=True)):
+        a = {(h, p) for h, kept in enumerate(mine) for p in kept}
+        b = {(h, p) for h, kept in enumerate(peer) for p in kept}
+        assert a <= b and len(b - a) < 2 * heads, (layer, sorted(a - b), sorted(b - a))
+        counts.append(len(b))
+    assert len(set(counts)) > 1, counts
 
 
 def test_decoding_press_keeps_kvpress_tokens(model):

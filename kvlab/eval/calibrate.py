@@ -51,7 +51,7 @@ import numpy as np
 import optax
 
 from kvlab.cache import topology
-from kvlab.cache.evict.fast_kvzip import GATE_ARRAYS, gate_scores
+from kvlab.cache.evict.fast_kvzip import CALIBRATION, GATE_ARRAYS, gate_scores
 from kvlab.cache.evict.kvzip import KVzip
 from kvlab.cache.factory import init_cache
 from kvlab.cache.formats import normal_float
@@ -232,7 +232,32 @@ def fast_kvzip_gates(
             order = rng.permutation(count)
         chosen = order[split * batch : (split + 1) * batch]
         gates, state = step(gates, state, hidden[:, chosen], targets[:, :, chosen])
-    return {name: np.asarray(array, np.float32) for name, array in gates.items()}
+    fitted = {name: np.asarray(array, np.float32) for name, array in gates.items()}
+    return {**fitted, "calibration": _gate_calibration(fitted, hidden, len(tokens))}
+
+
+def fast_kvzip_calibration(
+    model_cfg: Mapping, params, gates: Mapping, tokens: np.ndarray
+) -> np.ndarray:
+    """float32[cache layers, R, K, T]: `gates`' scores (fast_kvzip.gate_scores) of the
+    R contexts of `tokens` [R, T], from each token's attention input: what a gates
+    file holds as 'calibration' (fast_kvzip_gates writes its own contexts'), from
+    which option layerwise=False takes each layer's share."""
+    hidden = np.stack(
+        [
+            np.asarray(x, np.float32).reshape(-1, x.shape[-1])
+            for *_, x in _projections(model_cfg, params, tokens, "Fast KVzip's calibration")
+        ]
+    )
+    return _gate_calibration(gates, hidden, len(tokens))
+
+
+def _gate_calibration(gates: Mapping, hidden: np.ndarray, rows: int) -> np.ndarray:
+    """[L, R, K, T]: the gates' scores of `hidden` [L, R x T, D] (R contexts)."""
+    arrays = {name: jnp.asarray(gates[name]) for name in GATE_ARRAYS}
+    scores = np.asarray(jax.jit(jax.vmap(gate_scores))(arrays, jnp.asarray(hidden)))
+    layers, heads, _ = scores.shape
+    return scores.reshape(layers, heads, rows, -1).transpose(0, 2, 1, 3).astype(np.float32)
 
 
 def gate_data(model_cfg: Mapping, params, tokens: np.ndarray, encode) -> tuple:
@@ -637,12 +662,16 @@ def save_patterns(path: str | os.PathLike, patterns: np.ndarray) -> None:
 
 
 def save_gates(path: str | os.PathLike, gates: Mapping[str, np.ndarray]) -> None:
-    """Writes Fast KVzip's `gates` (fast_kvzip.GATE_ARRAYS) where
-    cache.evict.options.gates reads them, atomically."""
+    """Writes Fast KVzip's `gates` (fast_kvzip.GATE_ARRAYS, and 'calibration' where
+    given: fast_kvzip_calibration) where cache.evict.options.gates reads them,
+    atomically."""
     missing = sorted(set(GATE_ARRAYS) - set(gates))
     if missing:
         raise ValueError(f"Fast KVzip's gates miss {missing}: pass fast_kvzip_gates' arrays")
-    _save_arrays(path, gates, "Fast KVzip's gates", tuple(GATE_ARRAYS.values()))
+    unknown = sorted(set(gates) - set(GATE_ARRAYS) - {"calibration"})
+    if unknown:
+        raise ValueError(f"Fast KVzip's gates hold no arrays {unknown}: pass fast_kvzip_gates'")
+    _save_arrays(path, gates, "Fast KVzip's gates", (*GATE_ARRAYS.values(), CALIBRATION))
 
 
 def _save_arrays(

@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import kvlab
-from kvlab.cache.evict.fast_kvzip import GATE_ARRAYS, gate_scores
+from kvlab.cache.evict.fast_kvzip import GATE_ARRAYS, gate_scores, global_shares
 from kvlab.eval import calibrate
 from tests.cache.test_after_prefill import kept
 from tests.cache.test_evict import evicting
@@ -144,6 +144,94 @@ def test_a_compressed_context_keeps_each_layers_best_gate_scores(ratio, tmp_path
     assert kvlab.cache_bytes(cfg.model, cache_cfg, 1, MAX_LEN) == kvlab.tree_bytes(cache)
 
 
+@settings(max_examples=40, deadline=None)
+@given(
+    layers=st.integers(1, 4),
+    rows=st.integers(1, 3),
+    heads=st.integers(1, 3),
+    length=st.integers(1, 12),
+    keep=st.floats(0.0, 1.0),
+    seed=st.integers(0, 99),
+)
+def test_global_shares_are_each_layers_part_of_all_layers_best(
+    layers, rows, heads, length, keep, seed
+):
+    """global_shares over distinct random scores: a layer's kept tokens in each
+    context are its scores at or above the context's cut (kvpress's
+    layerwise=False prunes the int(n x (1 - keep)) lowest of all n), their mean
+    count over the mean layer's; so the shares average 1 and no layer is asked
+    for more than its tokens (keep x share <= 1)."""
+    rng = np.random.default_rng(seed)
+    scores = rng.permutation(layers * rows * heads * length).reshape(layers, rows, heads, length)
+    scores = scores.astype(np.float64)
+    shares = global_shares(scores, keep)
+    kept = np.zeros(layers)
+    for row in range(rows):
+        every = np.sort(scores[:, row].ravel())
+        pruned = int(every.size * (1 - keep))
+        cut = every[pruned] if pruned < every.size else np.inf
+        kept += (scores[:, row] >= cut).sum((1, 2)) / rows
+    if kept.sum() == 0:  # nothing kept anywhere: every layer alike
+        kept[:] = 1
+    np.testing.assert_allclose(shares, kept / kept.mean())
+    assert abs(shares.mean() - 1) < 1e-9
+    assert (keep * shares <= 1 + 1e-9).all()
+
+
+@pytest.mark.parametrize("ratio", [0.5, 0.25])
+def test_unequal_layer_shares_follow_the_calibrated_contexts_ranking(ratio, tmp_path):
+    """layerwise=False, the gates' calibration being the compressed context's own
+    scores (calibrate.fast_kvzip_calibration): each layer keeps its best tokens
+    over its heads together, as many as all layers' best ranked together put in
+    it (kvpress's layerwise=False), to the slots of its KV heads (fewer by under
+    2 x K); the layers keep unequal counts."""
+    cfg = VARIANTS["gqa"]()
+    m = cfg.model
+    _, params, apply = build(cfg)
+    context = np.random.default_rng(1).permutation(m.vocab_size)[:CONTEXT]
+    gates = random_gates(m.num_layers, m.embed_dim, m.num_kv_heads, m.num_heads // m.num_kv_heads)
+    gates["calibration"] = calibrate.fast_kvzip_calibration(m, params, gates, context[None])
+    calibrate.save_gates(tmp_path / "gates.npz", gates)
+    options = {
+        "gates": str(tmp_path / "gates.npz"),
+        "sinks": 2,
+        "window_ratio": 0.1,
+        "layerwise": False,
+    }
+    cache_cfg = evicting(
+        cfg,
+        "fast_kvzip",
+        when="after_prefill",
+        ratio=ratio,
+        headroom=HEADROOM,
+        recent=0,
+        options=options,
+    )
+    cache = kvlab.init_cache(m, cache_cfg, 1, MAX_LEN)
+    _, cache = apply({"params": params}, context[None], cache=cache, compress=True)
+    stored = dict(np.load(tmp_path / "gates.npz"))
+    scores = []
+    for layer, hidden in enumerate(attention_inputs(cfg, params, context)):
+        score = kvpress_gate({k: v[layer] for k, v in stored.items()}, hidden)  # [K, T]
+        score[:, :2] = score[:, CONTEXT - 4 :] = 2.0  # the sinks, the last 10% of 40
+        scores.append(score)
+    every = np.sort(np.concatenate([s.ravel() for s in scores]))
+    cut = every[int(every.size * (1 - ratio))]  # kvpress's: the lowest pruned, the rest kept
+    heads = m.num_kv_heads
+    counts = []
+    for layer, score in enumerate(scores):
+        got = kept(cache.layers[layer])[0]
+        count = sum(len(head) for head in got)
+        order = np.argsort(-score.reshape(-1), kind="stable")
+        head, position = np.divmod(order[:count], CONTEXT)
+        assert got == [sorted(position[head == h].tolist()) for h in range(heads)], layer
+        ranked_together = int((score >= cut).sum())
+        assert 0 <= ranked_together - count < 2 * heads, (layer, ranked_together, count)
+        counts.append(count)
+    assert len(set(counts)) > 1, counts
+    assert kvlab.cache_bytes(m, cache_cfg, 1, MAX_LEN) == kvlab.tree_bytes(cache)
+
+
 def test_each_slot_carries_its_tokens_score_from_its_arrival(tmp_path):
     """Evicting every few steps as tokens come (cache.evict.when='every_step'), in
     pages: each kept slot's carried score is its token's gate score, from the
@@ -205,7 +293,14 @@ def test_fitted_gates_predict_kvzip_scores_better_than_untrained_ones(tmp_path):
     calibrate.with_artefacts(options, ["fast_kvzip"], tmp_path)
     assert options == {"gates": str(tmp_path / "fast_kvzip_gates.npz")}
     written = dict(np.load(options["gates"]))
-    assert written.keys() == GATE_ARRAYS.keys()
+    assert written.keys() == {*GATE_ARRAYS, "calibration"}
+    # the fitted gates' scores of the calibration contexts, for layerwise=False's shares
+    np.testing.assert_allclose(
+        written["calibration"],
+        calibrate.fast_kvzip_calibration(m, params, written, contexts),
+        rtol=1e-5,
+        atol=1e-6,
+    )
     cache_cfg = evicting(
         cfg, "fast_kvzip", when="after_prefill", ratio=0.5, headroom=HEADROOM, options=options
     )
@@ -233,9 +328,18 @@ def test_what_it_cannot_score_is_refused_naming_the_field(tmp_path):
         ({"gates": path, "window_ratio": 1.0}, r"options.window_ratio=1.0"),
         ({"gates": path, "sinks": -1}, r"options.sinks=-1"),
         ({"gates": str(tmp_path / "none.npz")}, r"options.gates=.*names no file"),
+        ({"gates": path, "layerwise": "no"}, r"options.layerwise='no' is not of its default"),
+        ({"gates": path, "layerwise": False}, r"no .npz file with an array 'calibration'"),
     ):
         with pytest.raises(ValueError, match=message):
             kvlab.init_cache(cfg.model, evicting(cfg, "fast_kvzip", options=options), 1, 32)
+    m = cfg.model
+    deeper = random_gates(m.num_layers + 1, m.embed_dim, m.num_kv_heads, 2)
+    deeper["calibration"] = np.zeros((m.num_layers + 1, 1, m.num_kv_heads, 5))
+    calibrate.save_gates(tmp_path / "deeper.npz", deeper)
+    deep = {"gates": str(tmp_path / "deeper.npz"), "layerwise": False}
+    with pytest.raises(ValueError, match=rf"scores of {m.num_layers + 1} layer.*calibrate them"):
+        kvlab.init_cache(m, evicting(cfg, "fast_kvzip", ratio=0.5, options=deep), 1, 32)
     _, params, apply = build(cfg)
     wide = VARIANTS["gqa"]()
     wide.model.embed_dim *= 2

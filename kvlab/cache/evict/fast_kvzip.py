@@ -28,17 +28,26 @@ scorer `keeps` it: four bytes a slot, in the cache's bytes). The first `sinks`
 positions (kvpress's n_sink, 4) and the last `window_ratio` of a row's tokens
 (kvpress's window_ratio, 0.02 of the context, read when the row competes) rank
 above every score and stay. A layer's tokens are chosen over all its KV heads
-together (one pool, as kvzip's: kvpress's `layerwise=True`). The gates read
-hidden states, which only the step that brings a token has: a quantized layout
-whose tokens settle in groups later is refused, and grouped-query attention
-only (the gate scores per KV head).
+together (one pool, as kvzip's). The gates read hidden states, which only the
+step that brings a token has: a quantized layout whose tokens settle in groups
+later is refused, and grouped-query attention only (the gate scores per KV head).
 
-Differences from kvpress's FastKVzipPress: kvpress ranks a whole model's
-tokens together by default (`layerwise=False`), kvlab each layer's (its layers
-hold static slots); kvpress downloads the authors' gates for a few models,
-kvlab fits them for any model on the standard library's text (a fit of the
-same architecture, not those weights). The reference's training adds b twice
-where its inference adds it once; kvlab trains and scores with one.
+Option `layerwise` (default True, kvpress's `layerwise=True`): every layer keeps
+the same share. False: the layers keep unequal shares at the same bytes, the
+shares kvpress's default (`layerwise=False`) gives when it ranks a whole model's
+tokens together, measured on the calibration text: the gates file holds the
+fitted gates' scores of its contexts (`calibration`, [L, R, K, T]), and a
+layer's share is the mean over those R contexts of its tokens among the best
+of all layers' at the kept ratio (`global_shares`), the sinks and window first.
+
+Differences from kvpress's FastKVzipPress: with `layerwise=False` kvpress
+splits each context anew by its own scores; kvlab's layers hold static slots,
+so the split is the calibration contexts' (the same per-layer counts for a
+context that was calibrated on, nested sets otherwise: a layer's tokens are its
+best either way). kvpress downloads the authors' gates for a few models, kvlab
+fits them for any model on the standard library's text (a fit of the same
+architecture, not those weights). The reference's training adds b twice where
+its inference adds it once; kvlab trains and scores with one.
 """
 
 from __future__ import annotations
@@ -71,6 +80,9 @@ GATE_ARRAYS = types.MappingProxyType(
         "bias": "[L, K, G]",
     }
 )
+# The gates' scores of the calibration contexts (layerwise=False's shares): L cache
+# layers, R contexts, K KV heads, T tokens each.
+CALIBRATION = "[L, R, K, T]"
 NORM_EPS = 1e-6  # the gate's RMSNorm (kvpress's Qwen3RMSNorm default)
 
 
@@ -100,7 +112,9 @@ class FastKVzip(Scorer):
     attention_kinds = ("gqa",)
     reads_hidden = True
     prefix_unsafe = "the gate's scores of a cached prefix's tokens are not in its pages"
-    defaults = types.MappingProxyType({"gates": "", "sinks": 4, "window_ratio": 0.02})
+    defaults = types.MappingProxyType(
+        {"gates": "", "sinks": 4, "window_ratio": 0.02, "layerwise": True}
+    )
 
     @property
     def reads_mass(self) -> bool:
@@ -117,7 +131,25 @@ class FastKVzip(Scorer):
                 f"{field}.window_ratio={ratio!r} is no share of a row's tokens: set a "
                 "number in [0, 1)"
             )
-        read_gates(options["gates"])
+        gates = read_gates(options["gates"])
+        if not options["layerwise"]:
+            calibration_scores(options["gates"], gates)
+
+    def shares(self, layers: int, evict: Mapping, context: int) -> tuple[float, ...] | None:
+        options = {**self.defaults, **dict(evict["options"].items())}
+        if options["layerwise"]:
+            return None
+        path = options["gates"]
+        scores = calibration_scores(path, read_gates(path))
+        if scores.shape[0] != layers:
+            raise ValueError(
+                f"cache.evict.options.gates={path!r} holds the calibration's scores of "
+                f"{scores.shape[0]} layer(s), for a model of {layers} cache layer(s): "
+                "calibrate them for this model"
+            )
+        keep = evict["budget"] / context if evict["budget"] else evict["ratio"]
+        first = protected(scores.shape[-1], options["sinks"], options["window_ratio"])
+        return tuple(float(s) for s in global_shares(np.where(first, 2.0, scores), keep))
 
     def score(self, c: Candidates) -> Array:
         if c.hidden is None or c.group != 1:
@@ -162,6 +194,44 @@ def read_gates(path: str) -> dict[str, np.ndarray]:
             f"{gates['q_kernel'].shape} [L, D, K, G, d]: {wrong}; {FIX}"
         )
     return gates
+
+
+def calibration_scores(path: str, gates: Mapping) -> np.ndarray:
+    """The gates file's scores of its calibration contexts ([L, R, K, T], CALIBRATION),
+    checked against its gates' layers and KV heads."""
+    fix = "calibrate the gates anew (kvlab.eval.calibrate.fast_kvzip_gates writes them)"
+    scores = read_artefact(path, "calibration", CALIBRATION, "gates", fix)
+    layers, _, heads = gates["q_kernel"].shape[:3]
+    if scores.shape[0] != layers or scores.shape[2] != heads:
+        raise ValueError(
+            f"cache.evict.options.gates={path!r} holds calibration scores {scores.shape} "
+            f"{CALIBRATION} for gates of {layers} layer(s) and {heads} KV head(s): {fix}"
+        )
+    return scores
+
+
+def protected(length: int, sinks: int, window_ratio: float) -> np.ndarray:
+    """bool[length]: the positions of a `length`-token context that rank first (the
+    first `sinks` and the last floor(length x window_ratio), as `priority`)."""
+    positions = np.arange(length)
+    return (positions < sinks) | (positions >= length - math.floor(length * window_ratio))
+
+
+def global_shares(scores: np.ndarray, keep: float) -> np.ndarray:
+    """float64[L]: each layer's share of the kept tokens over the mean (mean 1) when
+    each context of `scores` [L, R, K, T] keeps the best `keep` of all its layers'
+    tokens together (kvpress's FastKVzipPress(layerwise=False): it prunes the
+    int(L K T x (1 - keep)) lowest, ties by position in the layers' order), averaged
+    over the R contexts. 1 everywhere when nothing is pruned, or nothing kept."""
+    layers, rows, heads, length = scores.shape
+    flat = scores.transpose(1, 0, 2, 3).reshape(rows, -1)
+    pruned = int(flat.shape[1] * (1.0 - min(keep, 1.0)))
+    if pruned == 0:
+        return np.ones(layers)
+    lowest = np.argsort(flat, axis=1, kind="stable")[:, :pruned]
+    per_layer = np.stack([np.bincount(r // (heads * length), minlength=layers) for r in lowest])
+    kept = heads * length - per_layer.mean(0)
+    return kept / kept.mean() if kept.any() else np.ones(layers)
 
 
 def layer_gates(gates: Mapping, layer: int, path: str, kv_heads: int, width: int) -> dict:
