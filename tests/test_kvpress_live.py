@@ -26,9 +26,11 @@ from kvlab.eval.calibrate import (
     duo_patterns,
     fast_kvzip_calibration,
     init_gates,
+    kvzip_calibration,
     q_filters,
     save_filters,
     save_gates,
+    save_kvzip_scores,
     save_patterns,
 )
 from tests.helpers import ROOT
@@ -146,6 +148,20 @@ def assert_same(method, ours, theirs):
             )
 
 
+def assert_nested(method, ours, theirs, heads: int):
+    """Per layer, kvlab keeps a subset of kvpress's tokens (over the layer's heads
+    together) short of it by under 2 x `heads`: both keep the layer's best, kvpress
+    as many as all layers' tokens ranked together give it, kvlab that count to
+    its heads' slots; the layers keep unequal counts."""
+    counts = []
+    for layer, (mine, peer) in enumerate(zip(ours, theirs, strict=True)):
+        a = {(h, p) for h, kept in enumerate(mine) for p in kept}
+        b = {(h, p) for h, kept in enumerate(peer) for p in kept}
+        assert a <= b and len(b - a) < 2 * heads, (method, layer, sorted(a - b), sorted(b - a))
+        counts.append(len(b))
+    assert len(set(counts)) > 1, (method, counts)
+
+
 def test_think_keeps_kvpress_tokens_and_channels(model):
     """ComposedPress([SnapKVPress, ThinKPress(0.5)]) is think:snapkv: the same
     tokens, and in every layer and KV head the same half of the key channels
@@ -206,11 +222,15 @@ def test_duo_attention_keeps_kvpress_tokens(model, tmp_path):
     assert_same("duo_attention", ours, theirs)
 
 
-def test_kvzip_keeps_kvpress_tokens(model, tmp_path):
-    """KVzipPress (layerwise: each layer its share) reads the model folder's tokenizer
-    for its request to repeat the context: with a byte-level one of the model's 256
-    ids (no chat template) it repeats the plain context, as kvlab's probes do, and
-    both keep the same half of every layer's tokens over its heads together."""
+@pytest.mark.parametrize("layerwise", [True, False])
+def test_kvzip_keeps_kvpress_tokens(model, tmp_path, layerwise):
+    """KVzipPress reads the model folder's tokenizer for its request to repeat the
+    context: with a byte-level one of the model's 256 ids (no chat template) it
+    repeats the plain context, as kvlab's probes do. layerwise (each layer its
+    share): both keep the same half of every layer's tokens over its heads
+    together. Not layerwise (all layers' tokens ranked together; kvlab's shares
+    calibrated on the prompt itself, calibrate.kvzip_calibration): nested sets
+    (`assert_nested`)."""
     tokenizers = pytest.importorskip("tokenizers")
     cfg, params, _ = model
     backend = tokenizers.Tokenizer(tokenizers.models.BPE())
@@ -228,11 +248,21 @@ def test_kvzip_keeps_kvpress_tokens(model, tmp_path):
     hf = transformers.AutoModelForCausalLM.from_pretrained(
         folder, dtype=torch.float32, attn_implementation="sdpa"
     ).eval()
-    press = kvpress.KVzipPress(1 - KEPT, layerwise=True)
+    press = kvpress.KVzipPress(1 - KEPT, layerwise=layerwise)
     theirs = agreement().kvpress_kept(hf, press, prompt())
-    assert sum(len(head) for head in theirs[0]) == LENGTH * cfg.model.num_kv_heads // 2
-    ours = agreement().kvlab_kept(cfg, params, "kvzip", KEPT, prompt(), tokenizer.encode)
-    assert_same("kvzip", ours, theirs)
+    options = {"layerwise": layerwise}
+    if not layerwise:
+        options["scores"] = str(tmp_path / "scores.npz")
+        scores = kvzip_calibration(cfg.model, params, prompt(), tokenizer.encode)
+        save_kvzip_scores(options["scores"], scores)
+    ours = agreement().kvlab_kept(
+        cfg, params, "kvzip", KEPT, prompt(), tokenizer.encode, options=options
+    )
+    if layerwise:
+        assert sum(len(head) for head in theirs[0]) == LENGTH * cfg.model.num_kv_heads // 2
+        assert_same("kvzip", ours, theirs)
+    else:
+        assert_nested("kvzip", ours, theirs, cfg.model.num_kv_heads)
 
 
 def test_fast_kvzip_keeps_kvpress_tokens(model, tmp_path):
@@ -280,14 +310,7 @@ def test_fast_kvzip_across_layers_keeps_kvpress_tokens(model, tmp_path):
     save_gates(path, gates)
     options = {"gates": path, "layerwise": False}
     ours = agreement().kvlab_kept(cfg, params, "fast_kvzip", KEPT, prompt(), options=options)
-    heads = m.num_kv_heads
-    counts = []
-    for layer, (mine, peer) in enumerate(zip(ours, theirs, strict=True)):
-        a = {(h, p) for h, kept in enumerate(mine) for p in kept}
-        b = {(h, p) for h, kept in enumerate(peer) for p in kept}
-        assert a <= b and len(b - a) < 2 * heads, (layer, sorted(a - b), sorted(b - a))
-        counts.append(len(b))
-    assert len(set(counts)) > 1, counts
+    assert_nested("fast_kvzip", ours, theirs, m.num_kv_heads)
 
 
 def test_decoding_press_keeps_kvpress_tokens(model):

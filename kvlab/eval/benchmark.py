@@ -51,9 +51,9 @@ from kvlab.model import Transformer
 # padded with the maximum), SnapKV's observation window of 64 queries and average
 # pooling over 5 with the window itself kept, AdaKV's safeguard alpha 0.20, PyramidKV's
 # beta 20, H2O as ObservedAttentionPress (attention averaged over the queries that saw
-# a token), FastKVzipPress ranking all layers' tokens together (layerwise=False: the
-# calibration contexts' shares, fast_kvzip.global_shares). A wrapper ('chunkkv:knorm')
-# takes its scorer's.
+# a token), KVzipPress and FastKVzipPress ranking all layers' tokens together
+# (layerwise=False: the calibration contexts' shares, scorers.global_shares). A wrapper
+# ('chunkkv:knorm') takes its scorer's.
 _WINDOW = dict(obs_window=64, kernel=5, recent=64, options={"pooling": "mean"})
 DECODING_BUFFER = 256  # DecodingPress's hidden_states_buffer_size
 KVPRESS_DEFAULTS = {
@@ -63,6 +63,7 @@ KVPRESS_DEFAULTS = {
     "snapkv": _WINDOW,
     "pyramidkv": dict(_WINDOW, pyramid_beta=20.0),
     "adakv": dict(_WINDOW, adakv_floor=0.2),
+    "kvzip": dict(options={"layerwise": False}),
     "fast_kvzip": dict(options={"layerwise": False}),
 }
 

@@ -51,8 +51,9 @@ import numpy as np
 import optax
 
 from kvlab.cache import topology
-from kvlab.cache.evict.fast_kvzip import CALIBRATION, GATE_ARRAYS, gate_scores
+from kvlab.cache.evict.fast_kvzip import GATE_ARRAYS, gate_scores
 from kvlab.cache.evict.kvzip import KVzip
+from kvlab.cache.evict.scorers import CALIBRATION
 from kvlab.cache.factory import init_cache
 from kvlab.cache.formats import normal_float
 from kvlab.cache.quant.storage import (
@@ -142,6 +143,16 @@ def kvzip_heads(
     averaged over the rows of `tokens`."""
     scores = kvzip_scores(model_cfg, params, tokens, encode, "KVzip's head scores")
     return np.asarray([s[:, :, sinks:].max(-1).mean(0) for s, _ in scores], np.float32)
+
+
+def kvzip_calibration(
+    model_cfg: Mapping, params, tokens: np.ndarray, encode: Callable[[str], Sequence[int]]
+) -> np.ndarray:
+    """float32[cache layers, R, K, T]: the KVzip scores of the R contexts of `tokens`
+    [R, T] (`kvzip_scores`), from which kvzip's option layerwise=False takes each
+    layer's share (save_kvzip_scores writes them where options.scores reads them)."""
+    scores = kvzip_scores(model_cfg, params, tokens, encode, "KVzip's calibration")
+    return np.stack([s for s, _ in scores]).astype(np.float32)
 
 
 def kvzip_scores(
@@ -661,6 +672,12 @@ def save_patterns(path: str | os.PathLike, patterns: np.ndarray) -> None:
     _save_arrays(path, {"patterns": patterns}, "DuoAttention's patterns", "[layers, K]")
 
 
+def save_kvzip_scores(path: str | os.PathLike, scores: np.ndarray) -> None:
+    """Writes the calibration contexts' KVzip `scores` [L, R, K, T] (kvzip_calibration)
+    where kvzip's cache.evict.options.scores reads them, atomically."""
+    _save_arrays(path, {"calibration": scores}, "KVzip's calibration scores", CALIBRATION)
+
+
 def save_gates(path: str | os.PathLike, gates: Mapping[str, np.ndarray]) -> None:
     """Writes Fast KVzip's `gates` (fast_kvzip.GATE_ARRAYS, and 'calibration' where
     given: fast_kvzip_calibration) where cache.evict.options.gates reads them,
@@ -724,6 +741,8 @@ SCORER_ARTEFACTS = {
     ),
     "kvzip_head": ScorerArtefact("kvzip_heads.npz", "patterns", kvzip_heads, save_patterns),
     "fast_kvzip": ScorerArtefact("fast_kvzip_gates.npz", "gates", fast_kvzip_gates, save_gates),
+    # read by option layerwise=False alone (the kvpress preset's)
+    "kvzip": ScorerArtefact("kvzip_scores.npz", "scores", kvzip_calibration, save_kvzip_scores),
 }
 
 

@@ -10,6 +10,7 @@ import pytest
 
 import kvlab
 from kvlab.cache.evict.duo_attention import needed_budget
+from kvlab.eval import calibrate
 from kvlab.registry import SCORERS
 from tests.cache.test_after_prefill import kept
 from tests.cache.test_duo_attention import _rope
@@ -173,6 +174,56 @@ def test_it_is_refused_where_no_step_compresses_and_for_a_bad_sink_count():
     bad = evicting(cfg, "kvzip", when="after_prefill", ratio=0.5, options={"sinks": -1})
     with pytest.raises(ValueError, match=r"options.sinks=-1"):
         kvlab.init_cache(cfg.model, bad, 1, MAX_LEN)
+
+
+@pytest.mark.parametrize("ratio", [0.5, 0.25])
+def test_unequal_layer_shares_follow_the_calibrated_contexts_ranking(ratio, tmp_path):
+    """layerwise=False, calibrated on the compressed context itself
+    (calibrate.kvzip_calibration, which scores as the compressing step does): each
+    layer keeps its best tokens over its heads together, as many as all layers'
+    tokens ranked together put in it (kvpress's layerwise=False), to its KV
+    heads' slots (fewer by under 2 x K); the layers keep unequal counts; no
+    calibration file, or one of another depth, is refused naming the option."""
+    cfg = VARIANTS["gqa"]()
+    context = random_tokens(cfg, (CONTEXT,), seed=1)
+    _, params, _ = build(cfg)
+    scores = calibrate.kvzip_calibration(cfg.model, params, context[None], encode)
+    heads = cfg.model.num_kv_heads
+    assert scores.shape == (cfg.model.num_layers, 1, heads, CONTEXT)
+    calibrate.save_kvzip_scores(tmp_path / "scores.npz", scores)
+    options = {"layerwise": False, "scores": str(tmp_path / "scores.npz")}
+    cache, cache_cfg, _ = compressed(cfg, [context], ratio, recent=0, options=options)
+    ranked = np.where(np.arange(CONTEXT) < 4, 2.0, scores[:, 0])  # [L, K, T], sinks first
+    every = np.sort(ranked.ravel())
+    cut = every[int(every.size * (1 - ratio))]  # kvpress's: the lowest pruned, the rest kept
+    counts = []
+    for layer, score in enumerate(ranked):
+        got = kept(cache.layers[layer])[0]
+        count = sum(len(head) for head in got)
+        order = np.argsort(-score.reshape(-1), kind="stable")
+        best = score.reshape(-1)[order]
+        assert best[count - 1] - best[count] > 1e-5  # no tie at the cut
+        head, position = np.divmod(order[:count], CONTEXT)
+        assert got == [sorted(position[head == h].tolist()) for h in range(heads)], layer
+        ranked_together = int((score >= cut).sum())
+        assert 0 <= ranked_together - count < 2 * heads, (layer, ranked_together, count)
+        counts.append(count)
+    assert len(set(counts)) > 1, counts
+    assert kvlab.cache_bytes(cfg.model, cache_cfg, 1, MAX_LEN) == kvlab.tree_bytes(cache)
+    for scores_file, message in (
+        ("", r"options.scores='' names no file"),
+        (str(tmp_path / "deeper.npz"), r"KVzip scores of 3 layer\(s\), for a model of 2"),
+    ):
+        calibrate.save_kvzip_scores(tmp_path / "deeper.npz", np.zeros((3, 1, heads, 5)))
+        bad = evicting(
+            cfg,
+            "kvzip",
+            when="after_prefill",
+            ratio=0.5,
+            options={"layerwise": False, "scores": scores_file},
+        )
+        with pytest.raises(ValueError, match=message):
+            kvlab.init_cache(cfg.model, bad, 1, MAX_LEN)
 
 
 def test_generate_feeds_each_rows_probes_after_its_prompt():

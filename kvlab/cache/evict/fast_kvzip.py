@@ -60,7 +60,13 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array
 
-from kvlab.cache.evict.scorers import Candidates, Scorer, read_artefact
+from kvlab.cache.evict.scorers import (
+    CALIBRATION,
+    Candidates,
+    Scorer,
+    global_shares,
+    read_artefact,
+)
 from kvlab.registry import SCORERS
 
 FIX = (
@@ -80,9 +86,6 @@ GATE_ARRAYS = types.MappingProxyType(
         "bias": "[L, K, G]",
     }
 )
-# The gates' scores of the calibration contexts (layerwise=False's shares): L cache
-# layers, R contexts, K KV heads, T tokens each.
-CALIBRATION = "[L, R, K, T]"
 NORM_EPS = 1e-6  # the gate's RMSNorm (kvpress's Qwen3RMSNorm default)
 
 
@@ -215,23 +218,6 @@ def protected(length: int, sinks: int, window_ratio: float) -> np.ndarray:
     first `sinks` and the last floor(length x window_ratio), as `priority`)."""
     positions = np.arange(length)
     return (positions < sinks) | (positions >= length - math.floor(length * window_ratio))
-
-
-def global_shares(scores: np.ndarray, keep: float) -> np.ndarray:
-    """float64[L]: each layer's share of the kept tokens over the mean (mean 1) when
-    each context of `scores` [L, R, K, T] keeps the best `keep` of all its layers'
-    tokens together (kvpress's FastKVzipPress(layerwise=False): it prunes the
-    int(L K T x (1 - keep)) lowest, ties by position in the layers' order), averaged
-    over the R contexts. 1 everywhere when nothing is pruned, or nothing kept."""
-    layers, rows, heads, length = scores.shape
-    flat = scores.transpose(1, 0, 2, 3).reshape(rows, -1)
-    pruned = int(flat.shape[1] * (1.0 - min(keep, 1.0)))
-    if pruned == 0:
-        return np.ones(layers)
-    lowest = np.argsort(flat, axis=1, kind="stable")[:, :pruned]
-    per_layer = np.stack([np.bincount(r // (heads * length), minlength=layers) for r in lowest])
-    kept = heads * length - per_layer.mean(0)
-    return kept / kept.mean() if kept.any() else np.ones(layers)
 
 
 def layer_gates(gates: Mapping, layer: int, path: str, kv_heads: int, width: int) -> dict:

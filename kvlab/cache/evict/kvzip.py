@@ -17,9 +17,16 @@ they stay (kvpress 0.5.5's n_sink). The tokens a layer keeps are chosen over all
 its KV heads together (one pool per layer, as AdaKV's without a floor: kvpress's
 `layerwise=True`), so heads keep unequal shares at the bytes of a uniform budget.
 
-Differences from kvpress's KVzipPress, by design: kvpress (`layerwise=False`, its
-default) ranks a whole model's tokens together, so layers keep unequal shares;
-kvlab's layers hold static slots, so each layer keeps its share. kvpress repeats
+Option `layerwise` (default True, kvpress's `layerwise=True`): every layer keeps
+the same share. False (the kvpress preset's): the layers keep unequal shares at
+the same bytes, the shares all layers' tokens ranked together gave the
+calibration contexts (`options.scores`: an .npz whose 'calibration' [L, R, K, T]
+holds their KVzip scores, kvlab.eval.calibrate.kvzip_calibration;
+scorers.global_shares), the sinks first.
+
+Differences from kvpress's KVzipPress, by design: with `layerwise=False` (its
+default) kvpress splits each context anew by its own scores; kvlab's layers
+hold static slots, so the split is the calibration contexts'. kvpress repeats
 a context longer than 2,048 tokens a chunk at a time, each chunk's probes
 scoring that chunk; kvlab repeats it whole in one step (the same scores for a
 context up to 2,048 tokens). kvpress's pipeline wraps the context in the
@@ -33,9 +40,16 @@ import types
 from collections.abc import Callable, Mapping
 
 import jax.numpy as jnp
+import numpy as np
 from jaxtyping import Array
 
-from kvlab.cache.evict.scorers import Candidates, Scorer
+from kvlab.cache.evict.scorers import (
+    CALIBRATION,
+    Candidates,
+    Scorer,
+    global_shares,
+    read_artefact,
+)
 from kvlab.registry import SCORERS
 
 REPEAT = "\n\nRepeat the previous context exactly."
@@ -47,7 +61,7 @@ class KVzip(Scorer):
 
     name, observes, peaks, pooled = "kvzip", "probes", True, True
     prefix_unsafe = "its heads share one pool, so a prefix's tokens are not in slot order"
-    defaults = types.MappingProxyType({"sinks": 4})
+    defaults = types.MappingProxyType({"sinks": 4, "layerwise": True, "scores": ""})
 
     def check(self, options: Mapping, field: str) -> None:
         sinks = options["sinks"]
@@ -55,6 +69,23 @@ class KVzip(Scorer):
             raise ValueError(
                 f"{field}.sinks={sinks!r} is no count of first tokens: set an int >= 0"
             )
+        if not options["layerwise"]:
+            read_calibration(options["scores"])
+
+    def shares(self, layers: int, evict: Mapping, context: int) -> tuple[float, ...] | None:
+        options = {**self.defaults, **dict(evict["options"].items())}
+        if options["layerwise"]:
+            return None
+        scores = read_calibration(options["scores"])
+        if scores.shape[0] != layers:
+            raise ValueError(
+                f"cache.evict.options.scores={options['scores']!r} holds the KVzip scores of "
+                f"{scores.shape[0]} layer(s), for a model of {layers} cache layer(s): "
+                f"{FIX}"
+            )
+        keep = evict["budget"] / context if evict["budget"] else evict["ratio"]
+        first = np.arange(scores.shape[-1]) < options["sinks"]
+        return tuple(float(s) for s in global_shares(np.where(first, 2.0, scores), keep))
 
     def probe_tokens(self, encode: Callable[[str], list], context: list) -> list:
         return [*encode(REPEAT), *encode(SUFFIX), *context]
@@ -64,6 +95,18 @@ class KVzip(Scorer):
         # headroom) has no scores: the sinks stay, then the earlier tokens.
         peak = 0.0 if c.mass is None else c.mass.max(-1)  # [B, E, C]: a group's best
         return jnp.where(c.positions < c.options["sinks"], 2.0, peak)
+
+
+FIX = (
+    "write the calibration contexts' KVzip scores there with "
+    "kvlab.eval.calibrate.save_kvzip_scores(path, kvzip_calibration(...)) "
+    "(scripts/benchmark.py does for --methods kvzip), or set options.layerwise=True"
+)
+
+
+def read_calibration(path: str) -> np.ndarray:
+    """The KVzip scores [L, R, K, T] of the calibration contexts at `path`."""
+    return read_artefact(path, "calibration", CALIBRATION, "scores", FIX)
 
 
 SCORERS.register(KVzip())

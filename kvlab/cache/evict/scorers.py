@@ -660,6 +660,30 @@ def read_artefact(path: str, key: str, shape: str, option: str, fix: str) -> np.
     return array
 
 
+# Scores of calibration contexts per layer, for `global_shares` (an artefact's array
+# 'calibration'): L cache layers, R contexts, K KV heads, T tokens each.
+CALIBRATION = "[L, R, K, T]"
+
+
+def global_shares(scores: np.ndarray, keep: float) -> np.ndarray:
+    """float64[L]: each layer's share of the kept tokens over the mean (mean 1) when
+    each context of `scores` [L, R, K, T] keeps the best `keep` of all its layers'
+    tokens together (kvpress's KVzipPress and FastKVzipPress with layerwise=False:
+    they prune the int(L K T x (1 - keep)) lowest, ties here by position in the
+    layers' order), averaged over the R contexts: Scorer.shares for a method whose
+    layers keep unequal shares at the bytes of a uniform budget, measured offline.
+    1 everywhere when nothing is pruned, or nothing kept."""
+    layers, rows, heads, length = scores.shape
+    flat = scores.transpose(1, 0, 2, 3).reshape(rows, -1)
+    pruned = int(flat.shape[1] * (1.0 - min(keep, 1.0)))
+    if pruned == 0:
+        return np.ones(layers)
+    lowest = np.argsort(flat, axis=1, kind="stable")[:, :pruned]
+    per_layer = np.stack([np.bincount(r // (heads * length), minlength=layers) for r in lowest])
+    kept = heads * length - per_layer.mean(0)
+    return kept / kept.mean() if kept.any() else np.ones(layers)
+
+
 def hash01(x: Array) -> Array:
     """A pseudo-random float in [0, 1) per uint32 (a murmur3 finaliser)."""
     x = x.astype(jnp.uint32)
