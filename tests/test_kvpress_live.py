@@ -265,6 +265,17 @@ def test_kvzip_keeps_kvpress_tokens(model, tmp_path, layerwise):
         assert_nested("kvzip", ours, theirs, cfg.model.num_kv_heads)
 
 
+def random_gates(m, seed: int) -> dict:
+    """Fast KVzip's gates for model config `m`: untrained projections, random sink
+    keys and bias."""
+    gates = init_gates(m.num_layers, m.embed_dim, m.num_kv_heads, m.num_heads // m.num_kv_heads)
+    gates = {name: np.asarray(array) for name, array in gates.items()}
+    rng = np.random.default_rng(seed)
+    gates["sink_keys"] = rng.normal(size=gates["sink_keys"].shape)
+    gates["bias"] = rng.normal(size=gates["bias"].shape)
+    return gates
+
+
 def test_fast_kvzip_keeps_kvpress_tokens(model, tmp_path):
     """FastKVzipPress (layerwise) holding kvlab's gates as its torch modules (random
     ones: untrained projections, random sink keys and bias) scores each token from
@@ -272,11 +283,7 @@ def test_fast_kvzip_keeps_kvpress_tokens(model, tmp_path):
     tokens over its heads together, the first 4 and the last 2 (2% of 100) first."""
     cfg, params, load = model
     m = cfg.model
-    gates = init_gates(m.num_layers, m.embed_dim, m.num_kv_heads, m.num_heads // m.num_kv_heads)
-    gates = {name: np.asarray(array) for name, array in gates.items()}
-    rng = np.random.default_rng(4)
-    gates["sink_keys"] = rng.normal(size=gates["sink_keys"].shape)
-    gates["bias"] = rng.normal(size=gates["bias"].shape)
+    gates = random_gates(m, 4)
     path = str(tmp_path / "gates.npz")
     save_gates(path, gates)
     theirs = agreement().kvpress_kept(
@@ -298,11 +305,7 @@ def test_fast_kvzip_across_layers_keeps_kvpress_tokens(model, tmp_path):
     are unequal."""
     cfg, params, load = model
     m = cfg.model
-    gates = init_gates(m.num_layers, m.embed_dim, m.num_kv_heads, m.num_heads // m.num_kv_heads)
-    gates = {name: np.asarray(array) for name, array in gates.items()}
-    rng = np.random.default_rng(5)
-    gates["sink_keys"] = rng.normal(size=gates["sink_keys"].shape)
-    gates["bias"] = rng.normal(size=gates["bias"].shape)
+    gates = random_gates(m, 5)
     press = agreement().fast_kvzip_press(1 - KEPT, gates, layerwise=False)
     theirs = agreement().kvpress_kept(load("sdpa"), press, prompt())
     gates["calibration"] = fast_kvzip_calibration(m, params, gates, prompt())

@@ -16,6 +16,7 @@ from kvlab.cache.evict.fast_kvzip import GATE_ARRAYS, gate_scores, global_shares
 from kvlab.eval import calibrate
 from tests.cache.test_after_prefill import kept
 from tests.cache.test_evict import evicting
+from tests.cache.test_kvzip import assert_ranked_together
 from tests.helpers import VARIANTS, build, random_tokens
 
 CONTEXT, MAX_LEN, HEADROOM = 40, 64, 8
@@ -215,20 +216,7 @@ def test_unequal_layer_shares_follow_the_calibrated_contexts_ranking(ratio, tmp_
         score = kvpress_gate({k: v[layer] for k, v in stored.items()}, hidden)  # [K, T]
         score[:, :2] = score[:, CONTEXT - 4 :] = 2.0  # the sinks, the last 10% of 40
         scores.append(score)
-    every = np.sort(np.concatenate([s.ravel() for s in scores]))
-    cut = every[int(every.size * (1 - ratio))]  # kvpress's: the lowest pruned, the rest kept
-    heads = m.num_kv_heads
-    counts = []
-    for layer, score in enumerate(scores):
-        got = kept(cache.layers[layer])[0]
-        count = sum(len(head) for head in got)
-        order = np.argsort(-score.reshape(-1), kind="stable")
-        head, position = np.divmod(order[:count], CONTEXT)
-        assert got == [sorted(position[head == h].tolist()) for h in range(heads)], layer
-        ranked_together = int((score >= cut).sum())
-        assert 0 <= ranked_together - count < 2 * heads, (layer, ranked_together, count)
-        counts.append(count)
-    assert len(set(counts)) > 1, counts
+    assert_ranked_together(cache, np.stack(scores), ratio)
     assert kvlab.cache_bytes(m, cache_cfg, 1, MAX_LEN) == kvlab.tree_bytes(cache)
 
 

@@ -176,6 +176,30 @@ def test_it_is_refused_where_no_step_compresses_and_for_a_bad_sink_count():
         kvlab.init_cache(cfg.model, bad, 1, MAX_LEN)
 
 
+def assert_ranked_together(cache, ranked, ratio: float) -> None:
+    """Each layer of `cache` (one row, compressed to `ratio`) holds the best of its
+    tokens by `ranked` [L, K, T] over its heads together, as many as all layers'
+    tokens ranked together put in it (kvpress's layerwise=False prunes the
+    int(n x (1 - ratio)) lowest of all n) to its KV heads' slots (fewer by under
+    2 x K); the layers hold unequal counts."""
+    layers, heads, length = ranked.shape
+    every = np.sort(ranked.ravel())
+    cut = every[int(every.size * (1 - ratio))]  # the lowest pruned, the rest kept
+    counts = []
+    for layer, score in enumerate(ranked):
+        got = kept(cache.layers[layer])[0]
+        count = sum(len(head) for head in got)
+        order = np.argsort(-score.reshape(-1), kind="stable")
+        best = score.reshape(-1)[order]
+        assert best[count - 1] - best[count] > 1e-5  # no tie at the cut
+        head, position = np.divmod(order[:count], length)
+        assert got == [sorted(position[head == h].tolist()) for h in range(heads)], layer
+        ranked_together = int((score >= cut).sum())
+        assert 0 <= ranked_together - count < 2 * heads, (layer, ranked_together, count)
+        counts.append(count)
+    assert len(set(counts)) > 1, counts
+
+
 @pytest.mark.parametrize("ratio", [0.5, 0.25])
 def test_unequal_layer_shares_follow_the_calibrated_contexts_ranking(ratio, tmp_path):
     """layerwise=False, calibrated on the compressed context itself
@@ -194,21 +218,7 @@ def test_unequal_layer_shares_follow_the_calibrated_contexts_ranking(ratio, tmp_
     options = {"layerwise": False, "scores": str(tmp_path / "scores.npz")}
     cache, cache_cfg, _ = compressed(cfg, [context], ratio, recent=0, options=options)
     ranked = np.where(np.arange(CONTEXT) < 4, 2.0, scores[:, 0])  # [L, K, T], sinks first
-    every = np.sort(ranked.ravel())
-    cut = every[int(every.size * (1 - ratio))]  # kvpress's: the lowest pruned, the rest kept
-    counts = []
-    for layer, score in enumerate(ranked):
-        got = kept(cache.layers[layer])[0]
-        count = sum(len(head) for head in got)
-        order = np.argsort(-score.reshape(-1), kind="stable")
-        best = score.reshape(-1)[order]
-        assert best[count - 1] - best[count] > 1e-5  # no tie at the cut
-        head, position = np.divmod(order[:count], CONTEXT)
-        assert got == [sorted(position[head == h].tolist()) for h in range(heads)], layer
-        ranked_together = int((score >= cut).sum())
-        assert 0 <= ranked_together - count < 2 * heads, (layer, ranked_together, count)
-        counts.append(count)
-    assert len(set(counts)) > 1, counts
+    assert_ranked_together(cache, ranked, ratio)
     assert kvlab.cache_bytes(cfg.model, cache_cfg, 1, MAX_LEN) == kvlab.tree_bytes(cache)
     for scores_file, message in (
         ("", r"options.scores='' names no file"),
