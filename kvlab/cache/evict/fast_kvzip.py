@@ -42,9 +42,9 @@ of all layers' at the kept ratio (`global_shares`), the sinks and window first.
 
 Differences from kvpress's FastKVzipPress: with `layerwise=False` kvpress
 splits each context anew by its own scores; kvlab's layers hold static slots,
-so the split is the calibration contexts' (the same per-layer counts for a
-context that was calibrated on, nested sets otherwise: a layer's tokens are its
-best either way). kvpress downloads the authors' gates for a few models, kvlab
+so the split is the calibration contexts' (a layer keeps its best tokens either
+way, so its set and kvpress's nest; on a context that was calibrated on, their
+counts agree within 2 x K, kvlab's budgets being per KV head). kvpress downloads the authors' gates for a few models, kvlab
 fits them for any model on the standard library's text (a fit of the same
 architecture, not those weights). The reference's training adds b twice where
 its inference adds it once; kvlab trains and scores with one.
