@@ -182,7 +182,7 @@ def assert_ranked_together(cache, ranked, ratio: float) -> None:
     tokens ranked together put in it (kvpress's layerwise=False prunes the
     int(n x (1 - ratio)) lowest of all n) to its KV heads' slots (fewer by under
     2 x K); the layers hold unequal counts."""
-    layers, heads, length = ranked.shape
+    _, heads, length = ranked.shape
     every = np.sort(ranked.ravel())
     cut = every[int(every.size * (1 - ratio))]  # the lowest pruned, the rest kept
     counts = []
@@ -220,11 +220,11 @@ def test_unequal_layer_shares_follow_the_calibrated_contexts_ranking(ratio, tmp_
     ranked = np.where(np.arange(CONTEXT) < 4, 2.0, scores[:, 0])  # [L, K, T], sinks first
     assert_ranked_together(cache, ranked, ratio)
     assert kvlab.cache_bytes(cfg.model, cache_cfg, 1, MAX_LEN) == kvlab.tree_bytes(cache)
+    calibrate.save_kvzip_scores(tmp_path / "deeper.npz", np.zeros((3, 1, heads, 5)))
     for scores_file, message in (
         ("", r"options.scores='' names no file"),
         (str(tmp_path / "deeper.npz"), r"KVzip scores of 3 layer\(s\), for a model of 2"),
     ):
-        calibrate.save_kvzip_scores(tmp_path / "deeper.npz", np.zeros((3, 1, heads, 5)))
         bad = evicting(
             cfg,
             "kvzip",
