@@ -12,7 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import kvlab
-from kvlab.cache.evict.fast_kvzip import GATE_ARRAYS, gate_scores, global_shares
+from kvlab.cache.evict.fast_kvzip import GATE_ARRAYS, gate_scores
+from kvlab.cache.evict.scorers import global_shares
 from kvlab.eval import calibrate
 from tests.cache.test_after_prefill import kept
 from tests.cache.test_evict import evicting

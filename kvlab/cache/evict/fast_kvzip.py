@@ -38,16 +38,18 @@ shares kvpress's default (`layerwise=False`) gives when it ranks a whole model's
 tokens together, measured on the calibration text: the gates file holds the
 fitted gates' scores of its contexts (`calibration`, [L, R, K, T]), and a
 layer's share is the mean over those R contexts of its tokens among the best
-of all layers' at the kept ratio (`global_shares`), the sinks and window first.
+of all layers' at the kept ratio (`scorers.global_shares`), the sinks and
+window first.
 
 Differences from kvpress's FastKVzipPress: with `layerwise=False` kvpress
 splits each context anew by its own scores; kvlab's layers hold static slots,
 so the split is the calibration contexts' (a layer keeps its best tokens either
 way, so its set and kvpress's nest; on a context that was calibrated on, their
-counts agree within 2 x K, kvlab's budgets being per KV head). kvpress downloads the authors' gates for a few models, kvlab
-fits them for any model on the standard library's text (a fit of the same
-architecture, not those weights). The reference's training adds b twice where
-its inference adds it once; kvlab trains and scores with one.
+counts agree within 2 x K, kvlab's budgets being per KV head). kvpress
+downloads the authors' gates for a few models, kvlab fits them for any model on
+the standard library's text (a fit of the same architecture, not those weights).
+The reference's training adds b twice where its inference adds it once; kvlab
+trains and scores with one.
 """
 
 from __future__ import annotations
@@ -64,7 +66,7 @@ from kvlab.cache.evict.scorers import (
     CALIBRATION,
     Candidates,
     Scorer,
-    global_shares,
+    calibrated_shares,
     read_artefact,
 )
 from kvlab.registry import SCORERS
@@ -144,15 +146,9 @@ class FastKVzip(Scorer):
             return None
         path = options["gates"]
         scores = calibration_scores(path, read_gates(path))
-        if scores.shape[0] != layers:
-            raise ValueError(
-                f"cache.evict.options.gates={path!r} holds the calibration's scores of "
-                f"{scores.shape[0]} layer(s), for a model of {layers} cache layer(s): "
-                "calibrate them for this model"
-            )
-        keep = evict["budget"] / context if evict["budget"] else evict["ratio"]
         first = protected(scores.shape[-1], options["sinks"], options["window_ratio"])
-        return tuple(float(s) for s in global_shares(np.where(first, 2.0, scores), keep))
+        what = f"cache.evict.options.gates={path!r} holds the calibration's scores"
+        return calibrated_shares(scores, first, evict, context, layers, what)
 
     def score(self, c: Candidates) -> Array:
         if c.hidden is None or c.group != 1:

@@ -47,7 +47,7 @@ from kvlab.cache.evict.scorers import (
     CALIBRATION,
     Candidates,
     Scorer,
-    global_shares,
+    calibrated_shares,
     read_artefact,
 )
 from kvlab.registry import SCORERS
@@ -77,15 +77,9 @@ class KVzip(Scorer):
         if options["layerwise"]:
             return None
         scores = read_calibration(options["scores"])
-        if scores.shape[0] != layers:
-            raise ValueError(
-                f"cache.evict.options.scores={options['scores']!r} holds the KVzip scores of "
-                f"{scores.shape[0]} layer(s), for a model of {layers} cache layer(s): "
-                f"{FIX}"
-            )
-        keep = evict["budget"] / context if evict["budget"] else evict["ratio"]
         first = np.arange(scores.shape[-1]) < options["sinks"]
-        return tuple(float(s) for s in global_shares(np.where(first, 2.0, scores), keep))
+        what = f"cache.evict.options.scores={options['scores']!r} holds the KVzip scores"
+        return calibrated_shares(scores, first, evict, context, layers, what)
 
     def probe_tokens(self, encode: Callable[[str], list], context: list) -> list:
         return [*encode(REPEAT), *encode(SUFFIX), *context]

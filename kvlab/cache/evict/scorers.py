@@ -684,6 +684,23 @@ def global_shares(scores: np.ndarray, keep: float) -> np.ndarray:
     return kept / kept.mean() if kept.any() else np.ones(layers)
 
 
+def calibrated_shares(
+    scores: np.ndarray, first: np.ndarray, evict: Mapping, context: int, layers: int, what: str
+) -> tuple[float, ...]:
+    """Scorer.shares of a method whose layers keep what all layers' tokens ranked
+    together gave calibration contexts (`global_shares`): `scores` [L, R, K, T], the
+    positions `first` [T] ranked above every score, at the kept share of
+    cache.evict (its budget over `context`, or its ratio); ValueError naming
+    `what` (the option and what it holds) for another depth than `layers`."""
+    if scores.shape[0] != layers:
+        raise ValueError(
+            f"{what} of {scores.shape[0]} layer(s), for a model of {layers} cache "
+            "layer(s): calibrate them for this model"
+        )
+    keep = evict["budget"] / context if evict["budget"] else evict["ratio"]
+    return tuple(float(s) for s in global_shares(np.where(first, 2.0, scores), keep))
+
+
 def hash01(x: Array) -> Array:
     """A pseudo-random float in [0, 1) per uint32 (a murmur3 finaliser)."""
     x = x.astype(jnp.uint32)
