@@ -462,12 +462,17 @@ class Native(backends.Backend):
         )
 
     def readers(self, block, attention: Attention):
-        """float32 arrays as `OnCpu` readers, at any size: in a step that observes
-        attention XLA:CPU hands each of the step's small products and
-        reductions to YNNPACK, at a cost of 0.4-3 ms each in its first run (the
-        first compression of configs/gqa.py:small at 8k tokens took 54 ms
-        against 14 for one that reads no attention; docs/benchmarks.md)."""
-        if not available() or attention.rows > ffi.MAX_ROWS:
+        """float32 arrays as `OnCpu` readers, at any size, from 2 query rows per
+        KV head: in a step that observes attention XLA:CPU hands each of the
+        step's small products and reductions to YNNPACK, at a cost of 0.4-3 ms
+        each in its first run (the first compression of configs/gqa.py:small at
+        8k tokens took 54 ms against 14 for one that reads no attention). A
+        single row (a decode step of multi-head attention) stays XLA's
+        matrix-vector product, at memory speed as in a step that observes
+        nothing (`ffi.takes_attention`): through the kernels h2o and tova
+        decoded configs/mha.py:small at 8k no faster than the full cache
+        (docs/benchmarks.md)."""
+        if not available() or not 2 <= attention.rows <= ffi.MAX_ROWS:
             return None
         k, v, mask = block
         limit = _limit(mask)
