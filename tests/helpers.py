@@ -79,6 +79,25 @@ def _build(model_cfg, seed):
     return model, params, jax.jit(model.apply)
 
 
+def intermediates(cfg, params, tokens) -> dict:
+    """The plain forward's intermediates of `tokens` (flax's capture_intermediates:
+    ["block_0"]["attention"]["key"]["__call__"][0], ...), one compiled program per
+    model and shape: a forward run op by op compiles an op per new shape."""
+    return _capture(kvlab.config.frozen(cfg.model))(params, tokens)
+
+
+@functools.cache
+def _capture(model_cfg):
+    model = kvlab.Transformer(model_cfg)
+
+    def capture(params, tokens):
+        return model.apply(
+            {"params": params}, tokens, capture_intermediates=True, mutable=["intermediates"]
+        )[1]["intermediates"]
+
+    return jax.jit(capture)
+
+
 def last_logits(cfg, cache_cfg, tokens, prompt: int, count: int = 4, capacity: int = 32):
     """The logits at the last `count` positions of `tokens` [B, T] fed through a cache
     of cfg.model and `cache_cfg` (capacity tokens a row): a prefill of the first

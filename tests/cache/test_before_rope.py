@@ -12,7 +12,15 @@ import kvlab
 from kvlab.cache.quant import dequantize_tokens, quantize_tokens, storages
 from kvlab.eval import calibrate
 from kvlab.rope import apply_rope
-from tests.helpers import LAYOUTS, VARIANTS, build, last_logits, random_tokens, same_logits
+from tests.helpers import (
+    LAYOUTS,
+    VARIANTS,
+    build,
+    intermediates,
+    last_logits,
+    random_tokens,
+    same_logits,
+)
 from tests.test_export import assert_exports, assert_round_trips, inference
 
 KEYS = dict(k_bits=4, v_bits=4, k_axis="channel", v_axis="token", group_size=8, residual=8)
@@ -112,11 +120,9 @@ def test_calibrated_ranges_are_those_of_the_key_projection(tmp_path):
     cache_cfg = cfg.cache.copy_and_resolve_references()
     cache_cfg.update(KEYS, k_before_rope=True, k_axis="calibrated", k_bits=8, k_format="fp8")
     ranges = calibrate.scales(cfg.model, cache_cfg, params, tokens)
-    _, state = kvlab.Transformer(cfg.model).apply(
-        {"params": params}, tokens, capture_intermediates=True, mutable=["intermediates"]
-    )
+    captured = intermediates(cfg, params, tokens)
     for layer in range(cfg.model.num_layers):
-        keys = state["intermediates"][f"block_{layer}"]["attention"]["key"]["__call__"][0]
+        keys = captured[f"block_{layer}"]["attention"]["key"]["__call__"][0]
         want = np.abs(np.asarray(keys)).max(axis=(0, 1))  # [K, H]
         np.testing.assert_allclose(ranges["k"][layer], want, rtol=1e-5)
     path = str(tmp_path / "scales.npz")

@@ -24,7 +24,7 @@ from kvlab.config import evict_methods
 from kvlab.eval.calibrate import init_gates, save_filters, save_gates, save_patterns
 from kvlab.registry import SCORERS
 from kvlab.rope import apply_rope
-from tests.helpers import VARIANTS, build, random_tokens, run_in_chunks
+from tests.helpers import VARIANTS, build, intermediates, random_tokens, run_in_chunks
 
 METHODS = evict_methods()[1:]
 CHUNKS = [4, 1, 4]  # 9 tokens
@@ -364,11 +364,7 @@ def test_kivi_eviction_keeps_whole_groups_the_ring_and_the_recent_groups(method,
 
 def layer0_attention(cfg, params, tokens):
     """Layer 0's attention probabilities from the plain forward: float64 [B, N, T, T]."""
-    model = kvlab.Transformer(cfg.model)
-    _, state = model.apply(
-        {"params": params}, tokens, capture_intermediates=True, mutable=["intermediates"]
-    )
-    found = state["intermediates"]["block_0"]["attention"]
+    found = intermediates(cfg, params, tokens)["block_0"]["attention"]
     q, k = found["query"]["__call__"][0], found["key"]["__call__"][0]
     positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
     q = apply_rope(q, positions, cfg.model.rope_theta, cfg.model.rope_scaling)
@@ -384,9 +380,7 @@ def layer0_attention(cfg, params, tokens):
 
 def layer0_keys(cfg, params, tokens):
     """Layer 0's keys after RoPE, as its cache stores them: float64 [B, T, K, H]."""
-    captured = kvlab.Transformer(cfg.model).apply(
-        {"params": params}, tokens, capture_intermediates=True, mutable=["intermediates"]
-    )[1]["intermediates"]["block_0"]["attention"]
+    captured = intermediates(cfg, params, tokens)["block_0"]["attention"]
     positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
     key = kvlab.rope.apply_rope(
         captured["key"]["__call__"][0], positions, cfg.model.rope_theta, cfg.model.rope_scaling
@@ -396,9 +390,7 @@ def layer0_keys(cfg, params, tokens):
 
 def layer0_values(cfg, params, tokens):
     """Layer 0's values as its cache stores them: float64 [B, T, K, H]."""
-    captured = kvlab.Transformer(cfg.model).apply(
-        {"params": params}, tokens, capture_intermediates=True, mutable=["intermediates"]
-    )[1]["intermediates"]["block_0"]["attention"]
+    captured = intermediates(cfg, params, tokens)["block_0"]["attention"]
     return np.asarray(captured["value"]["__call__"][0], np.float64)
 
 

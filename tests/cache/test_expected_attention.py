@@ -13,14 +13,12 @@ from hypothesis import strategies as st
 import kvlab
 from kvlab.cache.evict import expected_attention as expected
 from tests.cache.test_evict import evicting, kivi, layer0_keys, layer0_values, run
-from tests.helpers import VARIANTS, build, random_tokens
+from tests.helpers import VARIANTS, build, intermediates, random_tokens
 
 
 def layer0_raw_queries(cfg, params, tokens):
     """Layer 0's queries before RoPE: float64 [B, T, N, H]."""
-    captured = kvlab.Transformer(cfg.model).apply(
-        {"params": params}, tokens, capture_intermediates=True, mutable=["intermediates"]
-    )[1]["intermediates"]["block_0"]["attention"]
+    captured = intermediates(cfg, params, tokens)["block_0"]["attention"]
     return np.asarray(captured["query"]["__call__"][0], np.float64)
 
 

@@ -18,7 +18,7 @@ from kvlab.eval import calibrate
 from tests.cache.test_after_prefill import kept
 from tests.cache.test_evict import evicting
 from tests.cache.test_kvzip import assert_ranked_together
-from tests.helpers import VARIANTS, build, random_tokens
+from tests.helpers import VARIANTS, build, intermediates, random_tokens
 
 CONTEXT, MAX_LEN, HEADROOM = 40, 64, 8
 
@@ -84,13 +84,7 @@ def test_the_gate_is_kvpress_fast_kvzip_gate(kv_heads, groups, d, sinks, tokens,
 
 def attention_inputs(cfg, params, tokens) -> list:
     """float64 [T, D] per layer: each layer's attention input over one row."""
-    _, state = kvlab.Transformer(cfg.model).apply(
-        {"params": params},
-        jnp.asarray(tokens)[None],
-        capture_intermediates=True,
-        mutable=["intermediates"],
-    )
-    blocks = state["intermediates"]
+    blocks = intermediates(cfg, params, jnp.asarray(tokens)[None])
     return [
         np.asarray(blocks[f"block_{i}"]["attention_norm"]["__call__"][0][0], np.float64)
         for i in range(cfg.model.num_layers)

@@ -81,7 +81,9 @@ def test_the_cache_in_any_chunks_equals_the_plain_forward(types, chunks, attenti
     _, params, apply = build(cfg)
     plain, _ = apply({"params": params}, tokens)
     out, cache = chunked(cfg, tokens, chunks)
-    np.testing.assert_allclose(out, plain, atol=5e-6, rtol=0)
+    # float32 sums in another order for each chunk shape: a latent model's logits
+    # near 1 have differed by 5.007e-6 (chunks [2, 9])
+    np.testing.assert_allclose(out, plain, atol=2e-5, rtol=0)
     for kind, layer in zip(types, cache.layers, strict=True):
         assert layer.capacity == MAX_LEN
         slots = jax.tree.leaves(layer)[0].shape[2]

@@ -10,7 +10,7 @@ import pytest
 import kvlab
 from kvlab.eval.calibrate import q_filters, save_filters
 from tests.cache.test_evict import assert_composes, evicting, layer0_keys, run
-from tests.helpers import VARIANTS, build, random_tokens
+from tests.helpers import VARIANTS, build, intermediates, random_tokens
 
 
 def calibrated(cfg, folder, seed=9):
@@ -29,9 +29,7 @@ def test_each_filter_is_the_signed_principal_direction_of_its_heads_queries():
     tokens = random_tokens(cfg, (2, 48), seed=9)
     filters = q_filters(model, params, tokens)
     assert filters.shape == (model.num_layers, model.num_kv_heads, model.head_dim)
-    captured = kvlab.Transformer(model).apply(
-        {"params": params}, tokens, capture_intermediates=True, mutable=["intermediates"]
-    )[1]["intermediates"]
+    captured = intermediates(cfg, params, tokens)
     positions = np.broadcast_to(np.arange(48), (2, 48))
     groups = model.num_heads // model.num_kv_heads
     for layer in range(model.num_layers):

@@ -8,7 +8,7 @@ import numpy as np
 
 import kvlab
 from tests.cache.test_evict import evicting, layer0_attention, run
-from tests.helpers import VARIANTS, build, random_tokens
+from tests.helpers import VARIANTS, build, intermediates, random_tokens
 
 
 def test_one_prefill_keeps_what_the_last_query_attends_to_most():
@@ -34,9 +34,7 @@ def test_decoding_evicts_what_each_step_attends_to_least():
     model = cfg.model
     tokens = random_tokens(cfg, (1, 14), seed=2)
     _, params, _ = build(cfg)
-    captured = kvlab.Transformer(model).apply(
-        {"params": params}, tokens, capture_intermediates=True, mutable=["intermediates"]
-    )[1]["intermediates"]["block_0"]["attention"]
+    captured = intermediates(cfg, params, tokens)["block_0"]["attention"]
     positions = jnp.arange(14)[None]
     rope = lambda x: kvlab.rope.apply_rope(  # noqa: E731
         x, positions, model.rope_theta, model.rope_scaling
