@@ -7,7 +7,10 @@
 Each registry holds objects of one kind under their `name`. A name is found
 among those registered, then among the modules shipped with kvlab (imported
 on first use: each registers what it defines), then in the entry-point group
-of installed packages (`name = "package.module:object"`). Config validation
+of installed packages (`name = "package.module:object"`; read again only when
+sys.path or one of its folders changes, as an install or removal changes it:
+listing every installed distribution's entry points costs about 16 ms, and
+config validation asks for a registry's names hundreds of times). Config validation
 names a registry's names; nothing else is listed by hand, so a new method is
 its file, its test and one line in `shipped` (or an entry point, or a
 `register` call in the researcher's own code).
@@ -20,6 +23,8 @@ from __future__ import annotations
 
 import importlib
 import importlib.metadata
+import os
+import sys
 from collections.abc import Mapping
 from typing import Any
 
@@ -33,6 +38,7 @@ class Registry:
         self.kind, self.field, self.group = kind, field, group
         self.shipped = dict(shipped)
         self._registered: dict[str, Any] = {}
+        self._installed: tuple[tuple, dict[str, Any]] = ((), {})  # (_installs(), entry points)
 
     def register(self, plugin: Any) -> Any:
         """Makes `plugin` the one `get(plugin.name)` returns; returns it."""
@@ -43,7 +49,12 @@ class Registry:
         return plugin
 
     def _entry_points(self) -> dict[str, Any]:
-        return {e.name: e for e in importlib.metadata.entry_points(group=self.group)}
+        """The group's entry points by name, read again when `_installs()` changed."""
+        state = _installs()
+        if self._installed[0] != state:
+            found = importlib.metadata.entry_points(group=self.group)
+            self._installed = (state, {e.name: e for e in found})
+        return self._installed[1]
 
     def names(self) -> tuple[str, ...]:
         """Every name `get` can give, registered ones first."""
@@ -65,6 +76,18 @@ class Registry:
                 f"(kvlab.registry, entry-point group {self.group!r})"
             )
         return self._registered[name]
+
+
+def _installs() -> tuple:
+    """sys.path and the modification time of each of its folders (None where there is
+    none): installing or removing a package changes its folder's."""
+    state = []
+    for entry in sys.path:
+        try:
+            state.append((entry, os.stat(entry or ".").st_mtime_ns))
+        except OSError:
+            state.append((entry, None))
+    return tuple(state)
 
 
 def _article(noun: str) -> str:

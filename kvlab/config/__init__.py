@@ -16,7 +16,8 @@ inconsistent or out-of-range field. What only the files a config names can tell
 kvlab.data, which reads them: `kvlab.validate_config` and `kvlab.load_config`
 (kvlab/data/__init__.py) run both, before anything is compiled.
 
-    schema.py     the constants, base_config (every field, its default and what it means),
+    schema.py     the constants, base_config (every field, its default and what it means)
+                  and frozen_schema (its fields built once: what validation checks against),
                   what each attention kind caches (cached_tensors), dtype_of
     fields.py     the generic checks of one field (check_count, check_int, ...), frozen,
                   import_config_file

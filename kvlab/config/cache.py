@@ -29,9 +29,9 @@ from kvlab.config.schema import (
     SLIDING_LAYERS,
     UNSCORED_METHODS,
     UNSET,
-    base_config,
     cached_prefixes,
     cached_tensors,
+    frozen_schema,
     is_hybrid,
     layer_windows,
 )
@@ -44,7 +44,7 @@ def validate_cache_config(cache: Mapping, model: Mapping | None = None) -> None:
     With the model section too, also checks what depends on it: which tensors
     the model caches and whether their widths fit the groups and the packing.
     """
-    check_known_fields("cache", cache, base_config().cache)
+    check_known_fields("cache", cache, frozen_schema().cache)
     check_choice("cache", cache, "kind", CACHE_KINDS)
     check_choice("cache", cache, "dtype", tuple(DTYPES))
     check_choice("cache", cache, "scale_dtype", tuple(DTYPES))
@@ -130,7 +130,7 @@ def validate_cache_config(cache: Mapping, model: Mapping | None = None) -> None:
 def _validate_evict(cache: Mapping) -> None:
     evict = cache["evict"]
     section = "cache.evict"
-    check_known_fields(section, evict, base_config().cache.evict)
+    check_known_fields(section, evict, frozen_schema().cache.evict)
     parts = _method_parts(evict)
     check_int(section, evict, "budget", minimum=0)
     check_number(section, evict, "ratio")

@@ -15,14 +15,14 @@ from kvlab.config.schema import (
     LAYER_TYPES,
     MOE_ROUTINGS,
     ROPE_SCALINGS,
-    base_config,
+    frozen_schema,
 )
 from kvlab.registry import TOPOLOGIES
 
 
 def validate_model_config(model: Mapping) -> None:
     """Raises ValueError naming the first bad field of a `model` section."""
-    check_known_fields("model", model, base_config().model)
+    check_known_fields("model", model, frozen_schema().model)
     for name in (
         "vocab_size",
         "num_layers",
@@ -53,11 +53,11 @@ def validate_model_config(model: Mapping) -> None:
     for name in ("tie_embeddings", "qkv_bias", "qk_norm"):
         if not isinstance(model[name], bool):
             fail(f"model.{name}", model[name], "is not a bool", "set True or False")
-    scaling_schema = base_config().model.rope_scaling
+    scaling_schema = frozen_schema().model.rope_scaling
     check_known_fields("model.rope_scaling", model["rope_scaling"], scaling_schema)
     _validate_rope_scaling(model["rope_scaling"])
-    check_known_fields("model.mla", model["mla"], base_config().model.mla)
-    check_known_fields("model.moe", model["moe"], base_config().model.moe)
+    check_known_fields("model.mla", model["mla"], frozen_schema().model.mla)
+    check_known_fields("model.moe", model["moe"], frozen_schema().model.moe)
     _validate_moe(model)
     if model["attention"] == "mla":
         _validate_mla(model)
@@ -200,7 +200,7 @@ def parse_rope_scaling(spec: str, original_max_len: int) -> ml_collections.Confi
     original_max_len take `original_max_len` (the context the model trained on,
     train.seq_len). "none" (or "") is plain RoPE. Validated as the model section is.
     """
-    scaling = ml_collections.ConfigDict(base_config().model.rope_scaling.to_dict())
+    scaling = ml_collections.ConfigDict(frozen_schema().model.rope_scaling.to_dict())
     given = {}
     for item in filter(None, (part.strip() for part in spec.split(","))):
         name, equals, text = (part.strip() for part in item.partition("="))

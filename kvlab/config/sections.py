@@ -23,6 +23,7 @@ from kvlab.config.schema import (
     SEED_LIMIT,
     WANDB_MODES,
     base_config,
+    frozen_schema,
 )
 
 
@@ -55,7 +56,7 @@ def validate_sections(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDi
     """Completes `cfg` (complete_config) and checks every section, alone and against
     the others; returns it when valid. What the files it names hold (data.tokenizer,
     eval.tasks' samples) kvlab.data.validate_config checks after this."""
-    schema = base_config()
+    schema = frozen_schema()
     if isinstance(cfg, ml_collections.ConfigDict):
         complete_config(cfg)
     check_known_fields("config", cfg, schema)
@@ -174,7 +175,7 @@ def validate_eval_config(cfg: ml_collections.ConfigDict) -> None:
     window, the tasks' names. Turns the tuple fields given as lists (config.json)
     into tuples. Whether the tasks' samples fit their lengths, the model and the
     data section is kvlab.data.tasks.check_tasks' to say."""
-    schema = base_config().eval
+    schema = frozen_schema().eval
     ev = cfg.eval
     check_known_fields("eval", ev, schema)
     check_known_fields("eval.task_params", ev.task_params, schema.task_params)
@@ -238,7 +239,7 @@ def validate_mesh_config(cfg: ml_collections.ConfigDict) -> None:
     (`check_mesh_shape`). kvlab.sharding.mesh_shape checks the rest (the
     product against the device count) when a run builds its mesh.
     """
-    schema = base_config().mesh
+    schema = frozen_schema().mesh
     mesh = cfg.mesh
     check_known_fields("mesh", mesh, schema)
     for axis in MESH_AXES:
