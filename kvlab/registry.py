@@ -10,7 +10,7 @@ on first use: each registers what it defines), then in the entry-point group
 of installed packages (`name = "package.module:object"`; read again only when
 sys.path or one of its folders changes, as an install or removal changes it:
 listing every installed distribution's entry points costs about 16 ms, and
-config validation asks for a registry's names hundreds of times). Config validation
+one config validation asks for registries' names a dozen times). Config validation
 names a registry's names; nothing else is listed by hand, so a new method is
 its file, its test and one line in `shipped` (or an entry point, or a
 `register` call in the researcher's own code).
@@ -38,7 +38,7 @@ class Registry:
         self.kind, self.field, self.group = kind, field, group
         self.shipped = dict(shipped)
         self._registered: dict[str, Any] = {}
-        self._installed: tuple[tuple, dict[str, Any]] = ((), {})  # (_installs(), entry points)
+        self._installed: tuple[tuple, dict[str, Any]] | None = None  # (_installs(), by name)
 
     def register(self, plugin: Any) -> Any:
         """Makes `plugin` the one `get(plugin.name)` returns; returns it."""
@@ -51,7 +51,7 @@ class Registry:
     def _entry_points(self) -> dict[str, Any]:
         """The group's entry points by name, read again when `_installs()` changed."""
         state = _installs()
-        if self._installed[0] != state:
+        if self._installed is None or self._installed[0] != state:
             found = importlib.metadata.entry_points(group=self.group)
             self._installed = (state, {e.name: e for e in found})
         return self._installed[1]
