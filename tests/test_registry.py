@@ -2,7 +2,7 @@
 scorer in the entry-point group `kvlab.scorers` (docs/adding-a-method.md)."""
 
 import importlib.metadata
-import textwrap
+import sys
 
 import numpy as np
 import pytest
@@ -32,7 +32,7 @@ FIRST_CHANNEL = FirstChannel()
 def install(site) -> None:
     """A package in folder `site`, as pip lays it out: its module and its dist-info
     naming the scorer in the group."""
-    (site / "kvlab_first_channel.py").write_text(textwrap.dedent(PLUGIN))
+    (site / "kvlab_first_channel.py").write_text(PLUGIN)
     info = site / "kvlab_first_channel-0.1.dist-info"
     info.mkdir()
     metadata = "Metadata-Version: 2.1\nName: kvlab-first-channel\nVersion: 0.1\n"
@@ -42,12 +42,17 @@ def install(site) -> None:
     )
 
 
-def test_an_installed_packages_scorer_is_found_evicts_and_is_read_once(tmp_path, monkeypatch):
+def test_an_installed_packages_scorer_is_found_evicts_and_is_read_once(
+    tmp_path, monkeypatch, request
+):
     """Before the install the name is refused naming the field; once the package
     is on sys.path validation takes it and the cache evicts by it, keeping what
     its definition keeps. The group's entry points are read once while nothing
     is installed, however often validation asks, and again after an install
-    (sys.path or a folder of it changed)."""
+    (sys.path or a folder of it changed). The registry and sys.modules are as
+    before once the test ends (other tests list every registered method)."""
+    monkeypatch.setattr(SCORERS, "_registered", dict(SCORERS._registered))
+    request.addfinalizer(lambda: sys.modules.pop("kvlab_first_channel", None))
     reads = []
     real = importlib.metadata.entry_points
 
