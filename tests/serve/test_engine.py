@@ -32,14 +32,27 @@ def requests(seed: int = 0, count: int = 7):
     return [system + rng.integers(0, 256, int(rng.integers(1, 14))).tolist() for _ in range(count)]
 
 
+SOLO_WIDTH, SOLO_MAX_LEN = 40, 48
+
+
 def solo(cfg, prompt):
+    """The prompt's tokens generated alone: one row, right-padded to SOLO_WIDTH with
+    its length given, so that every prompt of a config runs one compiled loop."""
     model, params, _ = build(cfg)
     cache = kvlab.validate_config(cfg.copy_and_resolve_references()).cache
     cache.kind = "dense"
+    padded = np.zeros((1, SOLO_WIDTH), np.int32)
+    padded[0, : len(prompt)] = prompt
     out = kvlab.generate(
-        model, params, np.array([prompt], np.int32), cache_cfg=cache, max_new_tokens=NEW
+        model,
+        params,
+        padded,
+        prompt_lengths=np.array([len(prompt)], np.int32),
+        cache_cfg=cache,
+        max_new_tokens=NEW,
+        max_len=SOLO_MAX_LEN,
     )
-    return np.asarray(out)[0, len(prompt) :].tolist()
+    return np.asarray(out)[0, len(prompt) : len(prompt) + NEW].tolist()
 
 
 @pytest.mark.parametrize("prefix_caching", [False, True])
