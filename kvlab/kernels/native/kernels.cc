@@ -696,7 +696,14 @@ void List(const int32_t* owner, int64_t s_len, int64_t heads, int32_t* listing) 
       const __mmask16 mine = k < heads ? _mm512_mask_cmpeq_epi32_mask(tail, o, want)
                                        : _mm512_mask_cmpge_epu32_mask(tail, o, count);
       const __m512i index = _mm512_add_epi32(lanes, _mm512_set1_epi32(static_cast<int32_t>(s)));
+#ifdef __AVX512F__
       _mm512_mask_compressstoreu_epi32(list + at, mine, index);
+#else  // the list's ints past `at` are written in order, so whole stores may run past it
+      if (at + 16 <= s_len)
+        kv512::CompressStoreRoom(list + at, mine, index);
+      else
+        _mm512_mask_compressstoreu_epi32(list + at, mine, index);
+#endif
       at += __builtin_popcount(mine);
     }
   }
