@@ -474,8 +474,9 @@ def test_owned_products_read_each_slot_with_its_own_heads_queries(
     exponents, peaks = np.asarray(exponents, np.float64), np.asarray(peaks, np.float64)
     for b, slots in enumerate(order):  # where each head's slots start, then the list
         starts = np.cumsum([0, *(np.sum(owner[b] == k) for k in range(heads))])
-        np.testing.assert_array_equal(listings[b, : heads + 1], starts)
-        np.testing.assert_array_equal(listings[b, heads + 2 : heads + 2 + len(slots)], slots)
+        np.testing.assert_array_equal(listings[b, : heads + 2], [*starts, length])
+        unowned = np.flatnonzero(owner[b] < 0)  # listed last
+        np.testing.assert_array_equal(listings[b, heads + 2 :], [*slots, *unowned])
     by_head = scale * np.einsum("bkmh,bsh->bkms", q.astype(np.float64), tokens)
     terms = scale * np.einsum("bkmh,bsh->bkms", np.abs(q.astype(np.float64)), np.abs(tokens))
     mine = np.stack([owner == k for k in range(heads)], 1)[:, :, None, :]  # [B, K, 1, S]

@@ -133,31 +133,28 @@ struct PackTable {
   }
 };
 inline constexpr PackTable PACK{};
-// The lanes of a half that `bits` sets, packed in order, stored at p (only those).
-inline int32_t* CompressHalf(int32_t* p, unsigned bits, __m256i a) {
-  const __m256i order = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128(PACK.lanes[bits]));
-  const int count = __builtin_popcount(bits);
-  _mm256_maskstore_epi32(p, Lanes(static_cast<Mask>((1u << count) - 1), 0),
-                         _mm256_permutevar8x32_epi32(a, order));
-  return p + count;
+// The lanes of a half that `bits` sets, packed in order into its first lanes.
+inline __m256i Packed(unsigned bits, __m256i half) {
+  return _mm256_permutevar8x32_epi32(half,
+                                     _mm256_cvtepu8_epi32(_mm_cvtsi64_si128(PACK.lanes[bits])));
 }
 // Set lanes, packed, in order: a permutation and a masked store per half, no branch on
 // the mask (a loop over the lanes mispredicted random masks: ~40 ns a call).
 inline void mask_compressstoreu_epi32(void* p, Mask k, I a) {
-  int32_t* out = CompressHalf(static_cast<int32_t*>(p), k & 0xFF, a.lo);
-  CompressHalf(out, k >> 8, a.hi);
+  const unsigned lo = k & 0xFF, hi = k >> 8;
+  const auto first = [](int n) { return Lanes(static_cast<Mask>((1u << n) - 1), 0); };
+  int32_t* out = static_cast<int32_t*>(p);
+  _mm256_maskstore_epi32(out, first(__builtin_popcount(lo)), Packed(lo, a.lo));
+  out += __builtin_popcount(lo);
+  _mm256_maskstore_epi32(out, first(__builtin_popcount(hi)), Packed(hi, a.hi));
 }
 // The same where the 16 ints from p may be written: each half stored whole, the ints past
 // its set lanes left for the next store to overwrite (a masked store is microcoded on
 // AMD's Zen: the call took as long as the lane loop). Not an AVX-512 intrinsic.
 inline void CompressStoreRoom(int32_t* p, Mask k, I a) {
   const unsigned lo = k & 0xFF, hi = k >> 8;
-  const auto packed = [](unsigned bits, __m256i half) {
-    return _mm256_permutevar8x32_epi32(
-        half, _mm256_cvtepu8_epi32(_mm_cvtsi64_si128(PACK.lanes[bits])));
-  };
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), packed(lo, a.lo));
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + __builtin_popcount(lo)), packed(hi, a.hi));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), Packed(lo, a.lo));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + __builtin_popcount(lo)), Packed(hi, a.hi));
 }
 #define KV512_INT_OP(name, op)                                \
   inline I name(I a, I b) { return {op(a.lo, b.lo), op(a.hi, b.hi)}; }
