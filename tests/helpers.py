@@ -271,9 +271,7 @@ def run_experiment(script: str, flags: list[str]) -> subprocess.CompletedProcess
         cwd=ROOT,
         capture_output=True,
         text=True,
-        timeout=300,
-        # Compiling, not running, is what takes the time at these sizes.
-        env={**os.environ, "XLA_FLAGS": "--xla_backend_optimization_level=0"},
+        timeout=300,  # with this process's XLA_FLAGS: tests/conftest.py's, for compiling fast
     )
     assert result.returncode == 0, result.stderr[-3000:]
     return result
